@@ -1,0 +1,25 @@
+"""statesnap: fast, safe, reshardable checkpoints for PyTorch training.
+
+Public API (see DESIGN.md)::
+
+    ss.save(state, path)            ss.load(state, path)
+    ss.Checkpointer(root, ...)      ss.open(path)
+    ss.convert(src, dst, ...)       ss.export(path, dst, to=...)
+"""
+from .engine.load import LoadInfo, load
+from .engine.save import SaveInfo, save
+from .errors import (
+    CheckpointError, CheckpointExistsError, ConsistencyError, CorruptCheckpointError, ManifestError,
+    MissingFileError, ReshardError, StateMismatchError, UnsafeCheckpointError,
+)
+from .reader import Reader, open  # noqa: A004
+from .state.wrappers import PerRank, Sharded, flat_partition
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "save", "load", "open", "Reader", "SaveInfo", "LoadInfo",
+    "Sharded", "PerRank", "flat_partition",
+    "CheckpointError", "CorruptCheckpointError", "MissingFileError", "ManifestError", "StateMismatchError",
+    "CheckpointExistsError", "UnsafeCheckpointError", "ConsistencyError", "ReshardError",
+]

@@ -1,0 +1,177 @@
+"""Blocking load: match the target state against the manifest, plan reads, fill tensors in place.
+
+Loading is resharding: every target item says which part of which logical tensor it wants, and
+the planner finds the stored bytes for exactly that part, whatever layout wrote them.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CheckpointError, CorruptCheckpointError, ManifestError, StateMismatchError
+from ..format.checksum import checksum_blocks
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..plan.load_plan import plan_target
+from ..state.flatten import flatten_for_load
+from ..state.items import Flattened
+from ..storage import backend_for, normalize
+from ..storage.base import StorageBackend
+from .buffers import host_contiguous
+from .dist import Comm
+from .objects import decode_value
+from .read import ReadExecutor
+
+MAX_LISTED = 20
+
+
+@dataclass
+class LoadInfo:
+    path: str
+    bytes: int
+    seconds: float
+
+
+def read_manifest(backend: StorageBackend, path: str) -> Manifest:
+    where = backend.join(path, MANIFEST_NAME)
+    try:
+        raw = backend.read_bytes(where)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        if not backend.exists(path):
+            raise CheckpointError(f"no checkpoint at {path}") from None
+        raise ManifestError(f"{path} has no {MANIFEST_NAME}: it is not a committed statesnap checkpoint "
+                            "(an interrupted save leaves none); load an earlier checkpoint") from None
+    return Manifest.from_bytes(raw, where=where)
+
+
+def blob_reader(backend: StorageBackend, path: str, manifest: Manifest):
+    """A function that reads and verifies a pickled object's bytes."""
+    def read(fqn: str, ref: list) -> bytes:
+        file, offset, nbytes, checksum = ref
+        reader = backend.open_read(backend.join(path, manifest.files[file]))
+        try:
+            buf = bytearray(nbytes)
+            if reader.readinto(offset, [memoryview(buf)]) != nbytes or \
+                    checksum_blocks([memoryview(buf)], manifest.block_bytes)[0] != checksum:
+                raise CorruptCheckpointError(f"object {fqn!r} in {manifest.files[file]} of {path} is damaged")
+            return bytes(buf)
+        finally:
+            reader.close()
+    return read
+
+
+def _prefix_lookup(manifest: Manifest):
+    keys = manifest.keys()
+
+    def has_prefix(prefix: str) -> bool:
+        i = bisect.bisect_left(keys, prefix)
+        return i < len(keys) and keys[i].startswith(prefix)
+    return has_prefix
+
+
+def _format_list(title: str, names: list[str]) -> str:
+    shown = ", ".join(names[:MAX_LISTED])
+    more = f" and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else ""
+    return f"{title} ({len(names)}): {shown}{more}"
+
+
+def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: str) -> set[str]:
+    """Check the target against the checkpoint; return the names to skip (non-strict)."""
+    missing, mismatched = [], []
+    for item in flat.tensors:
+        entry = manifest.tensors.get(item.fqn)
+        if entry is None:
+            missing.append(item.fqn)
+        elif entry.dtype != item.dtype or entry.shape != item.global_shape:
+            mismatched.append(f"{item.fqn} (checkpoint {str(entry.dtype)[6:]}{list(entry.shape)}, "
+                              f"target {str(item.dtype)[6:]}{list(item.global_shape)})")
+    missing += [o.fqn for o in flat.objects if o.fqn not in manifest.objects]
+    unexpected = []
+    if strict:
+        wanted = set().union(*comm.all_gather({i.fqn for i in flat.tensors} | {o.fqn for o in flat.objects}))
+        unexpected = [k for k in manifest.keys() if k not in wanted]
+        if missing or mismatched or unexpected:
+            parts = [_format_list(t, sorted(n)) for t, n in
+                     (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
+                      ("shape/dtype mismatch", mismatched)) if n]
+            raise StateMismatchError(f"state does not match checkpoint {path}: " + "; ".join(parts) +
+                                     ". Pass strict=False to load only what matches.",
+                                     missing, unexpected, mismatched)
+    return set(missing) | {m.split(" ", 1)[0] for m in mismatched}
+
+
+def fill_tensors(flat: Flattened, manifest: Manifest, backend: StorageBackend, path: str, skip: set[str],
+                 verify: bool, threads: int | None, strict: bool) -> int:
+    executor = ReadExecutor(backend, path, manifest, verify, threads)
+    copy_back = []
+    for item in flat.tensors:
+        if item.fqn in skip:
+            continue
+        entry = manifest.tensors[item.fqn]
+        plan = plan_target(entry, item.layout, item.start, item.size)
+        if plan.covered != item.local.numel() and strict:
+            raise CorruptCheckpointError(f"{item.fqn}: the checkpoint {path} stores only {plan.covered} of the "
+                                         f"{item.local.numel()} elements this rank needs; it is incomplete")
+        local = item.local
+        if local.device.type == "cpu" and local.is_contiguous():
+            buffer = local.detach()
+        else:  # GPU or strided targets are filled through a host copy, then copied back
+            buffer = host_contiguous(local)
+            copy_back.append((local, buffer))
+        executor.add(item.fqn, entry, buffer, plan)
+    executor.run()
+    with torch.no_grad():
+        for local, buffer in copy_back:
+            local.copy_(buffer)
+    return executor.bytes_read
+
+
+def fill_objects(flat: Flattened, manifest: Manifest, backend: StorageBackend, path: str, skip: set[str],
+                 allow_pickle: bool, comm: Comm) -> None:
+    read_blob = blob_reader(backend, path, manifest)
+    for item in flat.objects:
+        if item.fqn in skip:
+            continue
+        entry = manifest.objects[item.fqn]
+        if item.per_rank is not None:
+            saved = entry.per_rank if entry.kind == "per_rank" else [entry]
+            values = [decode_value(item.fqn, e, allow_pickle, read_blob) for e in saved]
+            found, value = item.per_rank.choose(values, comm.rank, comm.world_size, item.fqn)
+            if found:
+                item.per_rank.restore(value)
+            continue
+        if entry.kind == "per_rank":
+            raise CheckpointError(f"{item.fqn} was saved per rank; wrap it in ss.PerRank(...) to load it")
+        item.assign(decode_value(item.fqn, entry, allow_pickle, read_blob))
+
+
+def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_pickle: bool = False,
+         storage_options: dict | None = None, process_group=None, threads: int | None = None) -> LoadInfo:
+    """Load the checkpoint at ``path`` into ``state`` in place, resharding into its current layout."""
+    started = time.perf_counter()
+    path = normalize(path)
+    comm = Comm(process_group)
+    backend = backend_for(path, storage_options)
+    error, nbytes = None, 0
+    try:
+        manifest = read_manifest(backend, path)
+        flat = flatten_for_load(state, _prefix_lookup(manifest))
+    except Exception as exc:
+        error = exc
+    comm.agree(error, f"loading {path}")
+    try:
+        skip = _match(flat, manifest, comm, strict, path)
+    except Exception as exc:
+        error = exc
+    comm.agree(error, f"loading {path}")
+    try:
+        nbytes = fill_tensors(flat, manifest, backend, path, skip, verify, threads, strict)
+        fill_objects(flat, manifest, backend, path, skip, allow_pickle, comm)
+        for finalize in flat.finalizers:
+            finalize()
+    except Exception as exc:
+        error = exc
+    comm.agree(error, f"loading {path}")
+    return LoadInfo(path, nbytes, time.perf_counter() - started)

@@ -1,0 +1,184 @@
+"""Executing load plans: ranged reads straight into target tensors, verified by checksums.
+
+Reads that are contiguous in the file and land contiguously in the target go directly into the
+target's memory, coalesced with their neighbours in the same file into one vectored read. Reads
+that need a strided copy, or that must be widened to checksum-block boundaries to be verified,
+go through a scratch buffer. Every failure names the file, the tensor and the byte range.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CorruptCheckpointError, MissingFileError
+from ..format.checksum import checksum_blocks
+from ..format.manifest import Manifest, TensorEntry
+from ..plan.load_plan import PieceRead, TargetPlan
+from ..storage.base import FileReader, StorageBackend
+from .buffers import byte_view
+from .write import default_threads
+
+GROUP_BYTES = 64 << 20
+
+
+@dataclass
+class _Job:
+    fqn: str
+    entry: TensorEntry
+    target: torch.Tensor  # contiguous CPU tensor shaped like the target's local box
+    view: memoryview
+    read: PieceRead
+
+    @property
+    def file(self) -> int:
+        return int(self.entry.file[self.read.piece])
+
+    @property
+    def base(self) -> int:
+        return int(self.entry.offset[self.read.piece])
+
+
+class ReadExecutor:
+    def __init__(self, backend: StorageBackend, directory: str, manifest: Manifest, verify: bool = True,
+                 threads: int | None = None):
+        self.backend, self.directory, self.manifest = backend, directory, manifest
+        self.verify = verify
+        self.threads = threads or default_threads()
+        self.jobs: list[_Job] = []
+        self._files: dict[int, FileReader] = {}
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def add(self, fqn: str, entry: TensorEntry, target: torch.Tensor, plan: TargetPlan) -> None:
+        view = byte_view(target)
+        self.jobs.extend(_Job(fqn, entry, target, view, r) for r in plan.reads)
+
+    def run(self) -> None:
+        direct, staged = [], []
+        for job in self.jobs:
+            (direct if self._is_direct(job) else staged).append(job)
+        groups = self._coalesce(direct) + [[job] for job in staged]
+        try:
+            if self.threads == 1 or len(groups) <= 1:
+                for group in groups:
+                    self._run_group(group)
+            else:
+                with ThreadPoolExecutor(self.threads, thread_name_prefix="statesnap-read") as pool:
+                    for future in [pool.submit(self._run_group, g) for g in groups]:
+                        future.result()
+        finally:
+            for reader in self._files.values():
+                reader.close()
+            self._files.clear()
+
+    # -- planning the I/O -------------------------------------------------------------------
+    def _widened(self, job: _Job) -> tuple[int, int]:
+        lo, hi = job.read.lo, job.read.hi
+        if not self.verify:
+            return lo, hi
+        block = self.manifest.block_bytes
+        size = int(job.entry.nbytes[job.read.piece])
+        return lo // block * block, min(-(-hi // block) * block, size)
+
+    def _is_direct(self, job: _Job) -> bool:
+        read = job.read
+        if read.box is not None or (read.lo, read.hi) != self._widened(job):
+            return False
+        pos = read.lo
+        for seg in read.segments:
+            if seg.src != pos:
+                return False
+            pos += seg.nbytes
+        return pos == read.hi
+
+    def _coalesce(self, jobs: list[_Job]) -> list[list[_Job]]:
+        jobs = sorted(jobs, key=lambda j: (j.file, j.base + j.read.lo))
+        groups: list[list[_Job]] = []
+        for job in jobs:
+            if groups:
+                last = groups[-1][-1]
+                size = sum(j.read.hi - j.read.lo for j in groups[-1])
+                if (last.file == job.file and last.base + last.read.hi == job.base + job.read.lo
+                        and size < GROUP_BYTES):
+                    groups[-1].append(job)
+                    continue
+            groups.append([job])
+        return groups
+
+    # -- doing the I/O ----------------------------------------------------------------------
+    def _reader(self, job: _Job) -> FileReader:
+        with self._lock:
+            reader = self._files.get(job.file)
+            if reader is None:
+                name = self.manifest.files[job.file]
+                try:
+                    reader = self.backend.open_read(self.backend.join(self.directory, name))
+                except FileNotFoundError:
+                    raise MissingFileError(f"data file {name} of {self.directory} is missing "
+                                           f"(needed for tensor {job.fqn!r})") from None
+                self._files[job.file] = reader
+            return reader
+
+    def _read(self, job: _Job, offset: int, views: list[memoryview], fqn_list: str) -> None:
+        want = sum(len(v) for v in views)
+        got = self._reader(job).readinto(offset, views)
+        self.bytes_read += got
+        if got != want:
+            name = self.manifest.files[job.file]
+            raise CorruptCheckpointError(
+                f"data file {name} of {self.directory} is truncated: bytes [{offset}, {offset + want}) "
+                f"of tensor {fqn_list} are not all there (read {got})")
+
+    def _run_group(self, group: list[_Job]) -> None:
+        first = group[0]
+        if len(group) == 1 and not self._is_direct(first):
+            self._run_staged(first)
+            return
+        views = [job.view[s.dst:s.dst + s.nbytes] for job in group for s in job.read.segments]
+        self._read(first, first.base + first.read.lo, views, ", ".join(sorted({repr(j.fqn) for j in group})))
+        if self.verify:
+            for job in group:
+                self._check(job, job.read.lo, job.read.hi, [job.view[s.dst:s.dst + s.nbytes] for s in job.read.segments])
+
+    def _run_staged(self, job: _Job) -> None:
+        lo, hi = self._widened(job)
+        scratch = torch.empty(hi - lo, dtype=torch.uint8)
+        raw = byte_view(scratch)
+        self._read(job, job.base + lo, [raw], repr(job.fqn))
+        if self.verify:
+            self._check(job, lo, hi, [raw])
+        read = job.read
+        for seg in read.segments:
+            job.view[seg.dst:seg.dst + seg.nbytes] = raw[seg.src - lo:seg.src - lo + seg.nbytes]
+        if read.box is not None:
+            box = read.box
+            elems = scratch[read.lo - lo:].view(job.target.dtype)
+            strides = _row_major(box.piece_shape)
+            src = torch.as_strided(elems, box.sizes, strides, elems.storage_offset())
+            dst = job.target
+            for dim, (start, size) in enumerate(zip(box.dst_start, box.sizes)):
+                dst = dst.narrow(dim, start, size)
+            dst.copy_(src)
+
+    def _check(self, job: _Job, lo: int, hi: int, views: list[memoryview]) -> None:
+        block = self.manifest.block_bytes
+        expected = job.entry.checksums[job.read.piece][lo // block: -(-hi // block) if hi else 1]
+        actual = checksum_blocks(views, block)
+        if actual != expected:
+            bad = next(i for i, (a, e) in enumerate(zip(actual, expected)) if a != e) if len(actual) == len(expected) else 0
+            start = job.base + lo + bad * block
+            raise CorruptCheckpointError(
+                f"checksum mismatch in data file {self.manifest.files[job.file]} of {self.directory}: "
+                f"tensor {job.fqn!r}, piece {job.read.piece}, bytes [{start}, {min(start + block, job.base + hi)}) "
+                "are damaged; restore this checkpoint from another copy or load an earlier one")
+
+
+def _row_major(shape: tuple) -> tuple:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))

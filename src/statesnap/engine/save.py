@@ -1,0 +1,190 @@
+"""Blocking save: plan across ranks, write each rank's file, commit the manifest atomically.
+
+The sequence is what makes a checkpoint trustworthy after a crash: data files are written into a
+staging location and fsync'd, the manifest is written last, then one rename (or, on object
+stores, the manifest itself) makes the whole checkpoint visible at once.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError, CheckpointExistsError
+from ..format.checksum import DEFAULT_BLOCK_BYTES
+from ..format.dtypes import dtype_from_name, dtype_name
+from ..format.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry
+from ..plan.save_plan import ALIGN, SavePlan, plan_save
+from ..state.flatten import flatten_for_save
+from ..state.items import Flattened
+from ..storage import backend_for, normalize
+from ..storage.base import StorageBackend
+from .buffers import byte_view, host_contiguous
+from .dist import Comm
+from .objects import encode_value
+from .write import write_file
+
+
+@dataclass
+class SaveInfo:
+    path: str
+    bytes: int
+    seconds: float
+
+
+def data_file_name(token: str, rank: int) -> str:
+    return f"data-{token}-r{rank:05d}.bin"
+
+
+@dataclass
+class RankOutput:
+    """What one rank reports to the coordinator after writing its file."""
+
+    file: str | None
+    file_bytes: int
+    checksums: dict[int, list[int]]  # item index -> block checksums
+    objects: dict[str, ObjectEntry]  # this rank's object entries (shared ones only from rank 0)
+    per_rank: set[str]  # which of ``objects`` are per-rank values
+
+
+def encode_objects(flat: Flattened, rank: int, allow_pickle: bool) -> tuple[dict[str, ObjectEntry], list[tuple[str, bytes]]]:
+    """This rank's object entries and the pickled blobs it must write (shared values: rank 0 only)."""
+    entries, blobs = {}, []
+    for item in flat.objects:
+        if item.per_rank is None and rank != 0:
+            continue
+        entry, blob = encode_value(item.fqn, item.value, allow_pickle)
+        entries[item.fqn] = entry
+        if blob is not None:
+            blobs.append((item.fqn, blob))
+    return entries, blobs
+
+
+def per_rank_names(flat: Flattened) -> set[str]:
+    return {item.fqn for item in flat.objects if item.per_rank is not None}
+
+
+def write_rank(backend: StorageBackend, staging: str, token: str, rank: int, plan: SavePlan,
+               tensors: list, entries: dict[str, ObjectEntry], blobs: list[tuple[str, bytes]],
+               per_rank: set[str], durable: bool, threads: int | None, block_bytes: int) -> RankOutput:
+    """Write this rank's planned pieces (``tensors[i]`` are contiguous host tensors) and blobs."""
+    jobs = [(offset, byte_view(tensors[index])) for index, offset in plan.writes[rank]]
+    end = plan.file_bytes[rank]
+    for fqn, blob in blobs:
+        jobs.append((end, memoryview(blob)))
+        entries[fqn] = ObjectEntry("pickle", [None, end, len(blob), None])
+        end += -(-len(blob) // ALIGN) * ALIGN
+    if not jobs:
+        return RankOutput(None, 0, {}, entries, per_rank)
+    name = data_file_name(token, rank)
+    sums = write_file(backend, backend.join(staging, name), jobs, block_bytes, durable, threads)
+    checksums = {index: s for (index, _), s in zip(plan.writes[rank], sums)}
+    for (fqn, _), s in zip(blobs, sums[len(plan.writes[rank]):]):
+        entries[fqn].value[3] = s[0] if len(s) == 1 else None
+        if len(s) != 1:
+            raise CheckpointError(f"{fqn}: pickled value over {block_bytes} bytes is not supported")
+    return RankOutput(name, max(end, plan.file_bytes[rank]), checksums, entries, per_rank)
+
+
+def build_manifest(plan: SavePlan, outputs: list[RankOutput], world_size: int, block_bytes: int,
+                   meta: dict | None) -> Manifest:
+    files, sizes, index_of = [], [], {}
+    for rank, out in enumerate(outputs):
+        if out.file is not None:
+            index_of[rank] = len(files)
+            files.append(out.file)
+            sizes.append(out.file_bytes)
+    tensors = {}
+    for fqn, (dtype, shape, layout) in plan.tensors.items():
+        pieces = plan.pieces[fqn]
+        n, dims = len(pieces), (len(shape) if layout == "box" else 1)
+        tensors[fqn] = TensorEntry(
+            dtype=dtype_from_name(dtype), shape=tuple(shape), layout=layout,
+            file=np.fromiter((index_of[p.rank] for p in pieces), np.int64, n),
+            offset=np.fromiter((p.offset for p in pieces), np.int64, n),
+            nbytes=np.fromiter((p.meta.nbytes for p in pieces), np.int64, n),
+            start=np.asarray([p.meta.start for p in pieces], np.int64).reshape(n, dims),
+            size=np.asarray([p.meta.size for p in pieces], np.int64).reshape(n, dims),
+            checksums=[outputs[p.rank].checksums[p.item] for p in pieces],
+        )
+    objects = _merge_objects(outputs, index_of)
+    return Manifest(files=files, file_sizes=sizes, tensors=tensors, objects=objects,
+                    world_size=world_size, block_bytes=block_bytes, meta=dict(meta or {}))
+
+
+def _merge_objects(outputs: list[RankOutput], index_of: dict[int, int]) -> dict[str, ObjectEntry]:
+    for rank, out in enumerate(outputs):
+        for entry in out.objects.values():
+            if entry.kind == "pickle":
+                entry.value[0] = index_of[rank]
+    objects = {fqn: e for fqn, e in outputs[0].objects.items() if fqn not in outputs[0].per_rank}
+    for fqn in sorted(set().union(*(out.per_rank for out in outputs))):
+        objects[fqn] = ObjectEntry("per_rank", per_rank=[out.objects.get(fqn, ObjectEntry("json", None))
+                                                         for out in outputs])
+    return objects
+
+
+def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, allow_pickle: bool = False,
+         storage_options: dict | None = None, process_group=None, threads: int | None = None,
+         meta: dict | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES) -> SaveInfo:
+    """Save ``state`` to ``path`` and return once it is committed (durable unless ``durable=False``)."""
+    started = time.perf_counter()
+    path = normalize(path)
+    comm = Comm(process_group)
+    backend = backend_for(path, storage_options)
+    error = None
+    try:
+        flat = flatten_for_save(state)
+        metas = [item.meta(dtype_name(item.dtype)) for item in flat.tensors]
+        entries, blobs = encode_objects(flat, comm.rank, allow_pickle)
+    except Exception as exc:
+        error, metas = exc, []
+    comm.agree(error, "preparing the save")
+    plan = plan_save(comm.all_gather(metas))
+    staging, token = comm.broadcast(_begin(backend, path, overwrite) if comm.rank == 0 else None)
+    if staging is None:
+        raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it")
+    output, error = None, None
+    try:
+        tensors = {index: host_contiguous(flat.tensors[index].local) for index, _ in plan.writes[comm.rank]}
+        output = write_rank(backend, staging, token, comm.rank, plan, tensors, entries, blobs,
+                            per_rank_names(flat), durable, threads, block_bytes)
+    except Exception as exc:
+        error = exc
+    outputs = comm.gather((output, None if error is None else f"{type(error).__name__}: {error}"))
+    result = None
+    if comm.rank == 0:
+        result = _finish(backend, path, staging, plan, outputs, comm.world_size, overwrite, durable, block_bytes, meta)
+    result = comm.broadcast(result)
+    if error is not None:
+        raise error if isinstance(error, CheckpointError) else CheckpointError(f"save to {path} failed: {error}") from error
+    if isinstance(result, str):
+        raise CheckpointError(result)
+    return SaveInfo(path, result, time.perf_counter() - started)
+
+
+def _begin(backend: StorageBackend, path: str, overwrite: bool) -> tuple[str | None, str]:
+    token = uuid.uuid4().hex[:12]
+    if backend.exists(backend.join(path, MANIFEST_NAME)) and not overwrite:
+        return None, token
+    return backend.begin(path, token), token
+
+
+def _finish(backend, path, staging, plan, outputs, world_size, overwrite, durable, block_bytes, meta) -> Any:
+    """On rank 0: write the manifest and commit, or abort; return total bytes or an error text."""
+    failures = [f"rank {r}: {err}" for r, (_, err) in enumerate(outputs) if err is not None]
+    written = [out.file for out, _ in outputs if out is not None and out.file]
+    if failures:
+        backend.abort(staging, path, written)
+        return f"save to {path} failed and was not committed: " + "; ".join(failures)
+    try:
+        manifest = build_manifest(plan, [out for out, _ in outputs], world_size, block_bytes, meta)
+        backend.write_bytes(backend.join(staging, MANIFEST_NAME), manifest.to_bytes(), durable)
+        backend.commit(staging, path, overwrite, durable, keep=[*manifest.files, MANIFEST_NAME])
+    except Exception as exc:
+        backend.abort(staging, path, written)
+        return f"committing {path} failed: {type(exc).__name__}: {exc}"
+    return manifest.total_bytes

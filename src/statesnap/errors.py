@@ -1,0 +1,48 @@
+"""Every error statesnap raises derives from :class:`CheckpointError`.
+
+Messages say what is wrong, where (checkpoint, file, tensor) and what to do, because the person
+reading them is usually looking at a failed job at 3 a.m. and needs the next action, not a trace.
+"""
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of all statesnap errors."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Stored bytes do not match their checksum, or a data file is truncated."""
+
+
+class MissingFileError(CheckpointError):
+    """A file the manifest refers to is not there."""
+
+
+class ManifestError(CheckpointError):
+    """The manifest is unreadable, from a future format version, or unsafe (paths escape)."""
+
+
+class StateMismatchError(CheckpointError):
+    """Strict load found missing or unexpected keys, or shape/dtype mismatches."""
+
+    def __init__(self, message: str, missing=(), unexpected=(), mismatched=()):
+        super().__init__(message)
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.mismatched = list(mismatched)
+
+
+class CheckpointExistsError(CheckpointError):
+    """Saving onto an existing checkpoint without ``overwrite=True``."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """Loading would need pickle, and the caller did not allow it."""
+
+
+class ConsistencyError(CheckpointError):
+    """A tensor changed in place before its snapshot copy finished."""
+
+
+class ReshardError(CheckpointError):
+    """The saved state cannot be mapped onto the requested layout (e.g. per-rank state)."""

@@ -1,0 +1,37 @@
+"""Names of dtypes in the manifest: PyTorch's own spelling without the ``torch.`` prefix."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import ManifestError
+
+_CANDIDATES = [
+    "float64", "float32", "float16", "bfloat16",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "complex128", "complex64", "complex32",
+    "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
+]
+# Only dtypes this torch build has; the table is the allowlist for names read from manifests.
+NAME_TO_DTYPE: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in _CANDIDATES if isinstance(getattr(torch, name, None), torch.dtype)
+}
+DTYPE_TO_NAME = {dtype: name for name, dtype in NAME_TO_DTYPE.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_TO_NAME[dtype]
+    except KeyError:
+        raise ManifestError(f"dtype {dtype} is not supported by the statesnap format") from None
+
+
+def dtype_from_name(name: str, where: str = "") -> torch.dtype:
+    try:
+        return NAME_TO_DTYPE[name]
+    except (KeyError, TypeError):
+        raise ManifestError(f"unknown dtype {name!r}{' for ' + where if where else ''}; "
+                            "the checkpoint may come from a newer statesnap or torch") from None
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

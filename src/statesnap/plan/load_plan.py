@@ -1,0 +1,178 @@
+"""Load planning: which byte ranges of which stored pieces fill a target's local tensor.
+
+Pure computation. For a target part of a logical tensor it finds the stored pieces that overlap
+it (vectorised over all pieces of the tensor) and, per overlapping piece, either
+
+* direct *segments*: byte ranges that are contiguous both in the file and in the target, read
+  straight into the target's memory with no extra copy; or
+* a *box copy*: when the overlap is strided on one side, the minimal contiguous byte span of the
+  piece is read once and the overlap is copied out of it with one strided tensor copy.
+
+Flat ranges (ZeRO) and boxes meet in flattened coordinates: a box becomes the runs of the
+row-major flattened tensor it covers, and runs intersect as 1-D intervals.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from ..format.dtypes import itemsize
+from ..format.manifest import BOX, FLAT, TensorEntry
+
+
+@dataclass
+class Segment:
+    src: int  # byte offset relative to the piece start
+    dst: int  # byte offset in the target's contiguous local buffer
+    nbytes: int
+
+
+@dataclass
+class BoxCopy:
+    """Copy the box ``sizes`` starting at element ``piece_start`` of the piece (row-major
+    ``piece_shape``) to ``dst_start`` within the target's local box."""
+
+    piece_shape: tuple
+    piece_start: tuple
+    sizes: tuple
+    dst_start: tuple
+
+
+@dataclass
+class PieceRead:
+    piece: int
+    lo: int  # needed byte range of the piece, relative to its start
+    hi: int
+    segments: list[Segment] = field(default_factory=list)
+    box: BoxCopy | None = None
+
+
+@dataclass
+class TargetPlan:
+    reads: list[PieceRead]
+    covered: int  # elements of the target that stored pieces cover
+
+
+def _strides(shape: Sequence[int]) -> np.ndarray:
+    out = np.ones(len(shape), dtype=np.int64)
+    for d in range(len(shape) - 2, -1, -1):
+        out[d] = out[d + 1] * shape[d + 1]
+    return out
+
+
+def is_contiguous_part(sizes: Sequence[int], full: Sequence[int]) -> bool:
+    """Is the box ``sizes`` a contiguous byte range of a row-major array of shape ``full``?"""
+    d = 0
+    while d < len(sizes) and sizes[d] == 1:
+        d += 1
+    return all(sizes[e] == full[e] for e in range(d + 1, len(sizes)))
+
+
+def box_runs(start: Sequence[int], size: Sequence[int], shape: Sequence[int]) -> np.ndarray:
+    """Runs ``[global_flat_start, length, local_elem_offset]`` of a box in a row-major tensor."""
+    nd = len(shape)
+    if nd == 0:
+        return np.array([[0, 1, 0]], dtype=np.int64)
+    if any(s == 0 for s in size):
+        return np.zeros((0, 3), dtype=np.int64)
+    j = nd - 1
+    while j >= 0 and size[j] == shape[j]:
+        j -= 1
+    if j < 0:
+        return np.array([[0, int(np.prod(shape)), 0]], dtype=np.int64)
+    gstride, lstride = _strides(shape), _strides(size)
+    length = int(size[j] * gstride[j])
+    grids = np.indices(tuple(size[:j]), dtype=np.int64).reshape(j, -1) if j else np.zeros((0, 1), np.int64)
+    base = np.asarray(start[:j], dtype=np.int64)[:, None]
+    gstart = ((grids + base) * gstride[:j, None]).sum(axis=0) + start[j] * gstride[j]
+    lstart = (grids * lstride[:j, None]).sum(axis=0) + 0
+    return np.stack([gstart, np.full_like(gstart, length), lstart], axis=1)
+
+
+def plan_target(entry: TensorEntry, layout: str, start: Sequence[int], size: Sequence[int]) -> TargetPlan:
+    """Plan the reads that fill a target part (``layout``/``start``/``size``) of ``entry``."""
+    isz = itemsize(entry.dtype)
+    if entry.layout == BOX and layout == BOX:
+        return _plan_box_box(entry, tuple(start), tuple(size), isz)
+    return _plan_flat(entry, layout, tuple(start), tuple(size), isz)
+
+
+def _plan_box_box(entry: TensorEntry, t0: tuple, ts: tuple, isz: int) -> TargetPlan:
+    nd = len(entry.shape)
+    if nd == 0:
+        reads = [PieceRead(i, 0, int(entry.nbytes[i]), [Segment(0, 0, int(entry.nbytes[i]))])
+                 for i in range(min(1, entry.num_pieces))]
+        return TargetPlan(reads, len(reads))
+    t0a, tea = np.asarray(t0, np.int64), np.asarray(t0, np.int64) + np.asarray(ts, np.int64)
+    lo = np.maximum(entry.start, t0a)
+    hi = np.minimum(entry.start + entry.size, tea)
+    hit = np.nonzero((hi > lo).all(axis=1))[0]
+    reads, covered = [], 0
+    tstride = _strides(ts)
+    for i in hit:
+        pshape = tuple(int(x) for x in entry.size[i])
+        a = lo[i] - entry.start[i]
+        n = hi[i] - lo[i]
+        b = lo[i] - t0a
+        pstride = _strides(pshape)
+        first = int((a * pstride).sum())
+        last = int(((a + n - 1) * pstride).sum())
+        count = int(np.prod(n))
+        covered += count
+        nt = tuple(int(x) for x in n)
+        if is_contiguous_part(nt, pshape) and is_contiguous_part(nt, ts):
+            dst = int((b * tstride).sum()) * isz
+            reads.append(PieceRead(int(i), first * isz, (first + count) * isz, [Segment(first * isz, dst, count * isz)]))
+        else:
+            reads.append(PieceRead(int(i), first * isz, (last + 1) * isz,
+                                   box=BoxCopy(pshape, tuple(int(x) for x in a), nt, tuple(int(x) for x in b))))
+    return TargetPlan(reads, covered)
+
+
+def _runs_of(layout: str, start: tuple, size: tuple, shape: tuple) -> np.ndarray:
+    if layout == FLAT:
+        return np.array([[start[0], size[0], 0]], dtype=np.int64) if size[0] else np.zeros((0, 3), np.int64)
+    return box_runs(start, size, shape)
+
+
+def _plan_flat(entry: TensorEntry, layout: str, t0: tuple, ts: tuple, isz: int) -> TargetPlan:
+    target = _runs_of(layout, t0, ts, entry.shape)
+    if not len(target):
+        return TargetPlan([], 0)
+    tmin, tmax = int(target[:, 0].min()), int((target[:, 0] + target[:, 1]).max())
+    if entry.layout == FLAT:
+        pmin, pmax = entry.start[:, 0], entry.start[:, 0] + entry.size[:, 0]
+    else:
+        gstride = _strides(entry.shape)
+        pmin = (entry.start * gstride).sum(axis=1)
+        pmax = ((entry.start + entry.size - 1) * gstride).sum(axis=1) + 1
+        pmax = np.where((entry.size > 0).all(axis=1), pmax, pmin)
+    hit = np.nonzero((pmin < tmax) & (pmax > tmin))[0]
+    reads, covered = [], 0
+    for i in hit:
+        piece = _runs_of(entry.layout, tuple(entry.start[i]), tuple(entry.size[i]), entry.shape)
+        segments = _intersect_runs(target, piece, isz)
+        if segments:
+            covered += sum(s.nbytes for s in segments) // max(isz, 1)
+            reads.append(PieceRead(int(i), min(s.src for s in segments),
+                                   max(s.src + s.nbytes for s in segments), segments))
+    return TargetPlan(reads, covered)
+
+
+def _intersect_runs(target: np.ndarray, piece: np.ndarray, isz: int) -> list[Segment]:
+    """Overlaps of two sorted run lists, as byte segments (piece-relative src, target dst)."""
+    out: list[Segment] = []
+    i = j = 0
+    while i < len(target) and j < len(piece):
+        tg, tl, tloc = (int(x) for x in target[i])
+        pg, pl, ploc = (int(x) for x in piece[j])
+        lo, hi = max(tg, pg), min(tg + tl, pg + pl)
+        if hi > lo:
+            out.append(Segment((ploc + lo - pg) * isz, (tloc + lo - tg) * isz, (hi - lo) * isz))
+        if tg + tl <= pg + pl:
+            i += 1
+        else:
+            j += 1
+    return out

@@ -1,0 +1,180 @@
+"""``ss.open(path)``: inspect, read and verify a checkpoint without a training state."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .engine.load import blob_reader, read_manifest
+from .engine.objects import decode_value
+from .engine.read import ReadExecutor
+from .engine.write import default_threads
+from .errors import CheckpointError, CorruptCheckpointError, MissingFileError
+from .format.checksum import checksum_blocks
+from .format.manifest import BOX, Manifest
+from .plan.load_plan import plan_target
+from .storage import backend_for, normalize
+
+VERIFY_CHUNK_BLOCKS = 4
+
+
+@dataclass
+class TensorInfo:
+    fqn: str
+    dtype: torch.dtype
+    shape: tuple
+    nbytes: int
+    pieces: int
+    layout: str
+    files: list[str]
+
+
+@dataclass
+class ObjectInfo:
+    fqn: str
+    kind: str  # "json", "pickle" or "per_rank"
+
+
+class Reader:
+    """A committed checkpoint, opened for reading. Nothing is read until asked for."""
+
+    def __init__(self, path, *, storage_options: dict | None = None, allow_pickle: bool = False,
+                 verify: bool = True):
+        self.path = normalize(path)
+        self.backend = backend_for(self.path, storage_options)
+        self.manifest: Manifest = read_manifest(self.backend, self.path)
+        self.allow_pickle = allow_pickle
+        self.check = verify
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    @property
+    def meta(self) -> dict:
+        return self.manifest.meta
+
+    def keys(self) -> list[str]:
+        return self.manifest.keys()
+
+    def __contains__(self, fqn: str) -> bool:
+        return fqn in self.manifest.tensors or fqn in self.manifest.objects
+
+    def info(self, fqn: str) -> TensorInfo | ObjectInfo:
+        entry = self.manifest.tensors.get(fqn)
+        if entry is not None:
+            files = sorted({self.manifest.files[i] for i in set(entry.file.tolist())})
+            return TensorInfo(fqn, entry.dtype, entry.shape, entry.stored_bytes, entry.num_pieces, entry.layout, files)
+        if fqn in self.manifest.objects:
+            return ObjectInfo(fqn, self.manifest.objects[fqn].kind)
+        raise KeyError(self._unknown(fqn))
+
+    def read(self, fqn: str, index: Any = None) -> Any:
+        """The logical tensor ``fqn`` assembled from its pieces, or only ``tensor[index]`` (basic
+        slices with step 1 and integers), reading just the bytes that region needs."""
+        entry = self.manifest.tensors.get(fqn)
+        if entry is None:
+            if fqn in self.manifest.objects:
+                return decode_value(fqn, self.manifest.objects[fqn], self.allow_pickle,
+                                    blob_reader(self.backend, self.path, self.manifest))
+            raise KeyError(self._unknown(fqn))
+        start, size, squeeze = _region(entry.shape, index, fqn)
+        out = torch.empty(size, dtype=entry.dtype)
+        plan = plan_target(entry, BOX, start, size)
+        if plan.covered != out.numel():
+            raise CorruptCheckpointError(f"{fqn}: the checkpoint {self.path} does not store all of the "
+                                         f"requested region ({plan.covered} of {out.numel()} elements)")
+        executor = ReadExecutor(self.backend, self.path, self.manifest, self.check)
+        executor.add(fqn, entry, out, plan)
+        executor.run()
+        return out.squeeze(squeeze) if squeeze else out
+
+    def verify(self, threads: int | None = None) -> int:
+        """Read every stored byte and check it against its checksum; return the bytes checked.
+
+        Raises one :class:`CorruptCheckpointError` (or :class:`MissingFileError`) listing every
+        damaged piece by tensor and file, so one run shows the whole extent of the damage."""
+        problems, missing = [], []
+        for index, name in enumerate(self.manifest.files):
+            where = self.backend.join(self.path, name)
+            if not self.backend.exists(where):
+                missing.append(name)
+        tasks = [(fqn, entry, i) for fqn, entry in self.manifest.tensors.items() for i in range(entry.num_pieces)
+                 if self.manifest.files[int(entry.file[i])] not in missing]
+        with ThreadPoolExecutor(threads or default_threads()) as pool:
+            for result in pool.map(lambda t: self._verify_piece(*t), tasks):
+                if result:
+                    problems.append(result)
+        if missing:
+            raise MissingFileError(f"{self.path}: data files missing: {', '.join(missing)} (tensors " +
+                                   ", ".join(sorted({f for f, e, i in self._pieces_in(missing)})[:10]) + ")")
+        if problems:
+            raise CorruptCheckpointError(f"{self.path}: {len(problems)} damaged piece(s): " + "; ".join(problems[:20]))
+        return self.manifest.total_bytes
+
+    def _pieces_in(self, names: list[str]):
+        for fqn, entry in self.manifest.tensors.items():
+            for i in range(entry.num_pieces):
+                if self.manifest.files[int(entry.file[i])] in names:
+                    yield fqn, entry, i
+
+    def _verify_piece(self, fqn: str, entry, i: int) -> str | None:
+        name = self.manifest.files[int(entry.file[i])]
+        block = self.manifest.block_bytes
+        base, nbytes = int(entry.offset[i]), int(entry.nbytes[i])
+        reader = self.backend.open_read(self.backend.join(self.path, name))
+        try:
+            sums, pos, chunk = [], 0, block * VERIFY_CHUNK_BLOCKS
+            buf = bytearray(min(chunk, nbytes))
+            while pos < nbytes or not sums:
+                take = min(chunk, nbytes - pos)
+                view = memoryview(buf)[:take]
+                if reader.readinto(base + pos, [view]) != take:
+                    return f"{fqn} in {name}: file truncated before byte {base + nbytes}"
+                sums += checksum_blocks([view], block)
+                pos += take
+        finally:
+            reader.close()
+        if sums != entry.checksums[i]:
+            return f"{fqn} in {name}: checksum mismatch in bytes [{base}, {base + nbytes})"
+        return None
+
+    def _unknown(self, fqn: str) -> str:
+        return f"{fqn!r} is not in checkpoint {self.path} ({len(self.keys())} keys; see Reader.keys())"
+
+
+def _region(shape: tuple, index: Any, fqn: str) -> tuple[tuple, tuple, tuple]:
+    """(start, size, dims to squeeze) of a basic index into a tensor of ``shape``."""
+    if index is None:
+        return (0,) * len(shape), tuple(shape), ()
+    if not isinstance(index, tuple):
+        index = (index,)
+    if len(index) > len(shape):
+        raise CheckpointError(f"{fqn}: index {index} has more dimensions than shape {list(shape)}")
+    start, size, squeeze = [], [], []
+    for dim, length in enumerate(shape):
+        sel = index[dim] if dim < len(index) else slice(None)
+        if isinstance(sel, int):
+            pos = sel + length if sel < 0 else sel
+            if not 0 <= pos < length:
+                raise IndexError(f"{fqn}: index {sel} out of range for dimension {dim} of size {length}")
+            start.append(pos)
+            size.append(1)
+            squeeze.append(dim)
+        elif isinstance(sel, slice):
+            lo, hi, step = sel.indices(length)
+            if step != 1:
+                raise CheckpointError(f"{fqn}: only slices with step 1 can be read as a region")
+            start.append(lo)
+            size.append(max(0, hi - lo))
+        else:
+            raise CheckpointError(f"{fqn}: region index must be integers and slices, not {type(sel).__name__}")
+    return tuple(start), tuple(size), tuple(squeeze)
+
+
+def open(path, *, storage_options: dict | None = None, allow_pickle: bool = False, verify: bool = True) -> Reader:  # noqa: A001
+    return Reader(path, storage_options=storage_options, allow_pickle=allow_pickle, verify=verify)

@@ -1,0 +1,149 @@
+"""State providers: turn a user's ``state`` dict into tensor and object items, and back.
+
+Modules and optimizers go through PyTorch's public ``torch.distributed.checkpoint.state_dict``
+helpers, which strip DDP/FSDP wrappers from names and key optimizer state by parameter name, so
+optimizer state reshards exactly like the parameters it belongs to.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+)
+
+from ..errors import CheckpointError
+from ..format.manifest import BOX
+from .items import Flattened, ObjectItem, TensorItem
+from .placement import dtensor_box, is_dtensor
+from .wrappers import PerRank, Sharded
+
+SEP = "."
+
+
+def join(prefix: str, key: Any) -> str:
+    return f"{prefix}{SEP}{key}" if prefix else str(key)
+
+
+def _is_stateful(value) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+class _Walker:
+    def __init__(self, for_load: bool, stored_prefixes: Callable[[str], bool] | None):
+        self.for_load = for_load
+        # For loads: does the checkpoint hold any key under this prefix? (optimizer state init)
+        self.stored_prefixes = stored_prefixes or (lambda prefix: False)
+        self.out = Flattened([], [], [])
+        self.seen: set[str] = set()
+        self.modules: list[nn.Module] = []
+
+    def _claim(self, fqn: str) -> None:
+        if fqn in self.seen:
+            raise CheckpointError(f"two entries of the state flatten to the same name {fqn!r}; rename one")
+        self.seen.add(fqn)
+
+    def run(self, state: dict) -> Flattened:
+        if not isinstance(state, dict):
+            raise CheckpointError(f"state must be a dict, not {type(state).__name__}")
+        self.modules = [v for v in _values(state) if isinstance(v, nn.Module)]
+        self.walk_dict("", state)
+        return self.out
+
+    def walk_dict(self, prefix: str, mapping: dict) -> None:
+        for key, value in list(mapping.items()):
+            self.walk(join(prefix, key), value, mapping, key)
+
+    def walk(self, fqn: str, value: Any, container: Any, key: Any) -> None:
+        if isinstance(value, nn.Module):
+            self.module(fqn, value)
+        elif isinstance(value, torch.optim.Optimizer):
+            self.optimizer(fqn, value)
+        elif isinstance(value, PerRank):
+            self._claim(fqn)
+            self.out.objects.append(ObjectItem(fqn, value.snapshot(), per_rank=value))
+        elif isinstance(value, Sharded):
+            self._claim(fqn)
+            self.out.tensors.append(TensorItem(fqn, value.local, value.global_shape, value.layout,
+                                               value.start, value.size))
+        elif isinstance(value, torch.Tensor):
+            self.tensor(fqn, value)
+        elif isinstance(value, dict):
+            self.walk_dict(fqn, value)
+        elif _is_stateful(value):
+            sd = value.state_dict()
+            self.walk_dict(fqn, sd)
+            if self.for_load:
+                self.out.finalizers.append(lambda v=value, sd=sd: v.load_state_dict(sd))
+        else:
+            self._claim(fqn)
+            self.out.objects.append(ObjectItem(fqn, value, assign=lambda v, c=container, k=key: c.__setitem__(k, v)))
+
+    def tensor(self, fqn: str, value: torch.Tensor) -> None:
+        self._claim(fqn)
+        if is_dtensor(value):
+            box = dtensor_box(value, fqn)
+            if box is not None:
+                self.out.tensors.append(TensorItem(fqn, value.to_local(), tuple(value.shape), BOX, *box))
+        else:
+            # A plain tensor under several ranks is a replica (DDP): identical boxes dedup on save.
+            self.out.tensors.append(TensorItem(fqn, value, tuple(value.shape)))
+
+    def module(self, fqn: str, module: nn.Module) -> None:
+        sd = get_model_state_dict(module)
+        self.walk_dict(fqn, sd)
+        if self.for_load:
+            self.out.finalizers.append(lambda: set_model_state_dict(module, sd))
+
+    def optimizer(self, fqn: str, optim: torch.optim.Optimizer) -> None:
+        model = self._owner_of(optim)
+        if model is None:
+            # No module in the state owns these parameters: fall back to positional state.
+            sd = optim.state_dict()
+            self.walk_dict(fqn, sd)
+            if self.for_load:
+                self.out.finalizers.append(lambda: optim.load_state_dict(sd))
+            return
+        fresh = not optim.state
+        # The helper initialises a fresh optimizer's state with a zero-lr step, which would shift
+        # Adam's step count; undo that unless the loaded checkpoint brings state to fill in.
+        sd = get_optimizer_state_dict(model, optim)
+        if fresh and not (self.for_load and self.stored_prefixes(join(fqn, "state") + SEP)):
+            optim.state.clear()
+            sd["state"] = {}
+        self.walk_dict(fqn, sd)
+        if self.for_load:
+            self.out.finalizers.append(lambda: _load_optimizer(model, optim, sd))
+
+    def _owner_of(self, optim: torch.optim.Optimizer) -> nn.Module | None:
+        wanted = {id(p) for group in optim.param_groups for p in group["params"]}
+        for module in self.modules:
+            if wanted <= {id(p) for p in module.parameters()}:
+                return module
+        return None
+
+
+def _load_optimizer(model: nn.Module, optim: torch.optim.Optimizer, sd: dict) -> None:
+    if sd["state"]:
+        set_optimizer_state_dict(model, optim, sd)
+        return
+    # Nothing to restore but hyperparameters: leave the optimizer fresh (no state, no steps).
+    for group, loaded in zip(optim.param_groups, sd["param_groups"]):
+        group.update({k: v for k, v in loaded.items() if k != "params"})
+
+
+def _values(state: dict):
+    for value in state.values():
+        yield value
+        if isinstance(value, dict):
+            yield from _values(value)
+
+
+def flatten_for_save(state: dict) -> Flattened:
+    return _Walker(for_load=False, stored_prefixes=None).run(state)
+
+
+def flatten_for_load(state: dict, stored_prefixes: Callable[[str], bool]) -> Flattened:
+    return _Walker(for_load=True, stored_prefixes=stored_prefixes).run(state)

@@ -1,0 +1,82 @@
+"""What providers produce: items that say which part of which logical tensor a rank holds."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from ..format.manifest import BOX, FLAT
+
+
+class ItemMeta(NamedTuple):
+    """The rank-independent description of a tensor item, exchanged between ranks for planning."""
+
+    fqn: str
+    dtype: str
+    shape: tuple
+    layout: str
+    start: tuple
+    size: tuple
+    nbytes: int
+
+
+@dataclass
+class TensorItem:
+    """A rank's local tensor and its place in the logical tensor ``fqn``.
+
+    ``layout == "box"``: ``local`` is the block at offsets ``start`` with extents ``size``.
+    ``layout == "flat"``: ``local`` flattened is the range ``start[0] : start[0] + size[0]`` of
+    the row-major flattened logical tensor.
+    """
+
+    fqn: str
+    local: torch.Tensor
+    global_shape: tuple
+    layout: str = BOX
+    start: tuple = ()
+    size: tuple = ()
+
+    def __post_init__(self):
+        if not self.size and self.layout == BOX:
+            self.start, self.size = (0,) * len(self.global_shape), tuple(self.global_shape)
+        self.global_shape = tuple(int(s) for s in self.global_shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.local.numel() * self.local.element_size()
+
+    def meta(self, dtype_name: str) -> ItemMeta:
+        return ItemMeta(self.fqn, dtype_name, self.global_shape, self.layout,
+                        tuple(self.start), tuple(self.size), self.nbytes)
+
+
+@dataclass
+class ObjectItem:
+    """A non-tensor value; ``assign`` puts a loaded value back where the template had it."""
+
+    fqn: str
+    value: Any
+    assign: Callable[[Any], None] | None = None
+    per_rank: Any = None  # the PerRank wrapper, for per-rank values
+
+
+@dataclass
+class Flattened:
+    tensors: list[TensorItem]
+    objects: list[ObjectItem]
+    # Run after a load has filled tensors and objects: load_state_dict calls and the like.
+    finalizers: list[Callable[[], None]]
+
+    def tensor_map(self) -> dict[str, list[TensorItem]]:
+        out: dict[str, list[TensorItem]] = {}
+        for item in self.tensors:
+            out.setdefault(item.fqn, []).append(item)
+        return out
+
+
+__all__ = ["ItemMeta", "TensorItem", "ObjectItem", "Flattened", "BOX", "FLAT"]

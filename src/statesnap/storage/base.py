@@ -1,0 +1,80 @@
+"""The storage seam: a backend moves bytes and knows nothing of tensors, ranks or manifests.
+
+A save writes every file into a *staging* location returned by :meth:`begin`, then
+:meth:`commit` makes it visible at the final path in one atomic step (a directory rename on
+POSIX; the manifest written last on object stores). Readers only ever see committed checkpoints.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+
+class FileWriter(ABC):
+    """A file being written with positioned writes; safe to call from several threads."""
+
+    @abstractmethod
+    def pwrite(self, offset: int, views: Sequence[memoryview]) -> None: ...
+
+    @abstractmethod
+    def close(self, durable: bool) -> None:
+        """Close the file; with ``durable`` its bytes are on stable storage when this returns."""
+
+
+class FileReader(ABC):
+    """A file opened for ranged reads straight into caller-owned buffers; thread-safe."""
+
+    @abstractmethod
+    def readinto(self, offset: int, views: Sequence[memoryview]) -> int:
+        """Fill ``views`` in order from ``offset``; return the bytes read (short only at EOF)."""
+
+    @abstractmethod
+    def size(self) -> int: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class StorageBackend(ABC):
+    """Where checkpoints live: a local file system, shared memory, or an fsspec URL."""
+
+    @abstractmethod
+    def join(self, base: str, *names: str) -> str: ...
+
+    @abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    @abstractmethod
+    def listdir(self, path: str) -> list[str]:
+        """Names directly under ``path`` (empty if it does not exist)."""
+
+    @abstractmethod
+    def remove(self, path: str) -> None:
+        """Delete a file or a whole directory tree; a missing path is not an error."""
+
+    @abstractmethod
+    def open_write(self, path: str) -> FileWriter: ...
+
+    @abstractmethod
+    def open_read(self, path: str) -> FileReader: ...
+
+    @abstractmethod
+    def write_bytes(self, path: str, data: bytes, durable: bool) -> None: ...
+
+    @abstractmethod
+    def read_bytes(self, path: str) -> bytes: ...
+
+    @abstractmethod
+    def begin(self, final: str, token: str) -> str:
+        """Prepare and return the staging location for a save that will commit to ``final``."""
+
+    @abstractmethod
+    def commit(self, staging: str, final: str, overwrite: bool, durable: bool,
+               keep: Sequence[str] = ()) -> None:
+        """Make ``staging`` visible at ``final`` atomically. ``keep`` names the committed files
+        (backends that write in place delete older files not in it after the switch)."""
+
+    @abstractmethod
+    def abort(self, staging: str, final: str, written: Sequence[str] = ()) -> None:
+        """Remove what a failed save left behind (``written`` names its files), never touching a
+        committed checkpoint."""

@@ -1,0 +1,188 @@
+"""Local POSIX backend: positioned vectored I/O that releases the GIL, atomic directory rename.
+
+Commit renames the staging directory with ``renameat2``: ``RENAME_NOREPLACE`` so two savers
+cannot both win, ``RENAME_EXCHANGE`` for overwrite so the old checkpoint stays whole and loadable
+until the very instant the new one replaces it. Where ``renameat2`` is missing (old kernels, other
+file systems) a rename-aside fallback keeps the old checkpoint under a hidden name until the new
+one is in place.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+from typing import Sequence
+
+from ..errors import CheckpointExistsError, CheckpointError
+from .base import FileReader, FileWriter, StorageBackend
+
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+_AT_FDCWD = -100
+_IOV_MAX = 1024
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _renameat2 = _libc.renameat2
+    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+except (OSError, AttributeError):
+    _renameat2 = None
+
+
+def _rename2(src: str, dst: str, flags: int) -> bool:
+    """renameat2; False when the kernel or file system does not support it."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), dst)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _LocalWriter(FileWriter):
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def pwrite(self, offset: int, views: Sequence[memoryview]) -> None:
+        views = [v for v in views if len(v)]
+        while views:
+            batch = views[:_IOV_MAX]
+            written = os.pwritev(self.fd, batch, offset)
+            offset += written
+            # Short writes happen (signals, quotas): drop what went out and retry the rest.
+            while batch and written >= len(batch[0]):
+                written -= len(batch[0])
+                batch.pop(0)
+                views.pop(0)
+            if written:
+                views[0] = views[0][written:]
+
+    def close(self, durable: bool) -> None:
+        try:
+            if durable:
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+
+
+class _LocalReader(FileReader):
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def readinto(self, offset: int, views: Sequence[memoryview]) -> int:
+        views = [v for v in views if len(v)]
+        total = 0
+        while views:
+            got = os.preadv(self.fd, views[:_IOV_MAX], offset)
+            if got == 0:
+                break
+            total += got
+            offset += got
+            while views and got >= len(views[0]):
+                got -= len(views[0])
+                views.pop(0)
+            if got:
+                views[0] = views[0][got:]
+        return total
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class LocalBackend(StorageBackend):
+    """Plain directories on a POSIX file system (also /dev/shm for a shared-memory level)."""
+
+    def join(self, base: str, *names: str) -> str:
+        return os.path.join(base, *names)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(path))
+        except FileNotFoundError:
+            return []
+
+    def remove(self, path: str) -> None:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def open_write(self, path: str) -> FileWriter:
+        return _LocalWriter(path)
+
+    def open_read(self, path: str) -> FileReader:
+        return _LocalReader(path)
+
+    def write_bytes(self, path: str, data: bytes, durable: bool) -> None:
+        writer = _LocalWriter(path)
+        try:
+            writer.pwrite(0, [memoryview(data)])
+        finally:
+            writer.close(durable)
+
+    def read_bytes(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def begin(self, final: str, token: str) -> str:
+        final = os.path.abspath(final)
+        parent, name = os.path.split(final)
+        os.makedirs(parent, exist_ok=True)
+        staging = os.path.join(parent, f".{name}.tmp-{token}")
+        os.makedirs(staging)
+        return staging
+
+    def commit(self, staging: str, final: str, overwrite: bool, durable: bool,
+               keep: Sequence[str] = ()) -> None:
+        final = os.path.abspath(final)
+        parent = os.path.dirname(final)
+        if durable:
+            fsync_dir(staging)
+        if os.path.exists(final):
+            if not overwrite:
+                raise CheckpointExistsError(f"{final} already exists; pass overwrite=True to replace it")
+            self._replace(staging, final)
+        else:
+            try:
+                if not _rename2(staging, final, _RENAME_NOREPLACE):
+                    os.rename(staging, final)
+            except OSError as exc:
+                if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise CheckpointExistsError(f"{final} appeared while saving; not replacing it") from None
+                raise
+        if durable:
+            fsync_dir(parent)
+
+    def _replace(self, staging: str, final: str) -> None:
+        if _rename2(staging, final, _RENAME_EXCHANGE):
+            # ``staging`` now holds the old checkpoint: it is deleted only after the swap.
+            shutil.rmtree(staging, ignore_errors=True)
+            return
+        aside = staging + ".old"
+        os.rename(final, aside)
+        os.rename(staging, final)
+        shutil.rmtree(aside, ignore_errors=True)
+
+    def abort(self, staging: str, final: str, written: Sequence[str] = ()) -> None:
+        if os.path.abspath(staging) == os.path.abspath(final):
+            raise CheckpointError("refusing to remove a committed checkpoint while aborting a save")
+        shutil.rmtree(staging, ignore_errors=True)
