@@ -1,0 +1,41 @@
+"""The ``statesnap`` command: each subcommand lives with the code it drives and parses its own args."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, function taking argv and returning an exit code, one-line help)
+COMMANDS = {
+    "inspect": ("statesnap.tools", "inspect_main", "list tensors, dtypes, shapes, bytes, pieces and totals"),
+    "verify": ("statesnap.tools", "verify_main", "check every checksum; non-zero exit on damage"),
+    "diff": ("statesnap.tools", "diff_main", "compare two checkpoints tensor by tensor"),
+    "convert": ("statesnap.convert", "convert_main", "foreign checkpoint (torch.save, DCP, safetensors, ...) -> statesnap"),
+    "export": ("statesnap.convert", "export_main", "statesnap -> consolidated foreign format"),
+    "trace": ("statesnap.monitor.trace", "main", "write a Chrome/Perfetto trace and PNG timeline of checkpoint events"),
+    "bench": ("statesnap.bench", "main", "benchmark statesnap against torch.save and DCP"),
+    "demo": ("statesnap.demo", "main", "train a small GPT on the CPU with checkpoints, kill it, resume"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: statesnap COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += ["", "Run 'statesnap COMMAND --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"statesnap: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module, func, _ = COMMANDS[name]
+    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
