@@ -6,6 +6,8 @@ Public API (see DESIGN.md)::
     ss.Checkpointer(root, ...)      ss.open(path)
     ss.convert(src, dst, ...)       ss.export(path, dst, to=...)
 """
+from .convert import ExportInfo, convert, export
+from .checkpointer import Checkpointer
 from .engine.load import LoadInfo, load
 from .engine.save import SaveInfo, save
 from .errors import (
@@ -18,7 +20,7 @@ from .state.wrappers import PerRank, Sharded, flat_partition
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "load", "open", "Reader", "SaveInfo", "LoadInfo",
+    "save", "load", "open", "Reader", "SaveInfo", "LoadInfo", "convert", "export", "ExportInfo",
     "Sharded", "PerRank", "flat_partition",
     "CheckpointError", "CorruptCheckpointError", "MissingFileError", "ManifestError", "StateMismatchError",
     "CheckpointExistsError", "UnsafeCheckpointError", "ConsistencyError", "ReshardError",

@@ -109,12 +109,27 @@ class Reader:
             for result in pool.map(lambda t: self._verify_piece(*t), tasks):
                 if result:
                     problems.append(result)
+        problems += self._verify_pickled(missing)
         if missing:
             raise MissingFileError(f"{self.path}: data files missing: {', '.join(missing)} (tensors " +
                                    ", ".join(sorted({f for f, e, i in self._pieces_in(missing)})[:10]) + ")")
         if problems:
             raise CorruptCheckpointError(f"{self.path}: {len(problems)} damaged piece(s): " + "; ".join(problems[:20]))
         return self.manifest.total_bytes
+
+    def _verify_pickled(self, missing: list[str]) -> list[str]:
+        """Problems with pickled objects' bytes (checked by checksum, never unpickled)."""
+        read_blob = blob_reader(self.backend, self.path, self.manifest)
+        problems, pending = [], list(self.manifest.objects.items())
+        while pending:
+            fqn, entry = pending.pop()
+            pending += [(fqn, e) for e in entry.per_rank]
+            if entry.kind == "pickle" and self.manifest.files[entry.value[0]] not in missing:
+                try:
+                    read_blob(fqn, entry.value)
+                except CorruptCheckpointError as exc:
+                    problems.append(str(exc))
+        return problems
 
     def _pieces_in(self, names: list[str]):
         for fqn, entry in self.manifest.tensors.items():

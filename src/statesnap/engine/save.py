@@ -97,18 +97,15 @@ def build_manifest(plan: SavePlan, outputs: list[RankOutput], world_size: int, b
             index_of[rank] = len(files)
             files.append(out.file)
             sizes.append(out.file_bytes)
+    file_of = np.full(len(outputs), -1, np.int64)
+    file_of[list(index_of)] = list(index_of.values())
     tensors = {}
-    for fqn, (dtype, shape, layout) in plan.tensors.items():
-        pieces = plan.pieces[fqn]
-        n, dims = len(pieces), (len(shape) if layout == "box" else 1)
+    for fqn, pieces in plan.tensors.items():
         tensors[fqn] = TensorEntry(
-            dtype=dtype_from_name(dtype), shape=tuple(shape), layout=layout,
-            file=np.fromiter((index_of[p.rank] for p in pieces), np.int64, n),
-            offset=np.fromiter((p.offset for p in pieces), np.int64, n),
-            nbytes=np.fromiter((p.meta.nbytes for p in pieces), np.int64, n),
-            start=np.asarray([p.meta.start for p in pieces], np.int64).reshape(n, dims),
-            size=np.asarray([p.meta.size for p in pieces], np.int64).reshape(n, dims),
-            checksums=[outputs[p.rank].checksums[p.item] for p in pieces],
+            dtype=dtype_from_name(pieces.dtype), shape=tuple(pieces.shape), layout=pieces.layout,
+            file=file_of[pieces.rank], offset=pieces.offset, nbytes=pieces.nbytes,
+            start=pieces.start, size=pieces.size,
+            checksums=[outputs[r].checksums[i] for r, i in zip(pieces.rank.tolist(), pieces.item.tolist())],
         )
     objects = _merge_objects(outputs, index_of)
     return Manifest(files=files, file_sizes=sizes, tensors=tensors, objects=objects,

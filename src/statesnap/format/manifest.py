@@ -74,6 +74,8 @@ class TensorEntry:
             dtype = dtype_from_name(data["dtype"], fqn)
             shape = tuple(int(s) for s in data["shape"])
             layout = data["layout"]
+            if layout not in (BOX, FLAT):
+                raise ManifestError(f"tensor {fqn!r}: unknown layout {layout!r}")
             n = len(data["file"])
             dims = len(shape) if layout == BOX else 1
             entry = cls(
@@ -96,8 +98,6 @@ class TensorEntry:
         def bad(msg):
             raise ManifestError(f"tensor {fqn!r}: {msg}")
 
-        if self.layout not in (BOX, FLAT):
-            bad(f"unknown layout {self.layout!r}")
         if any(s < 0 for s in self.shape):
             bad(f"negative shape {self.shape}")
         if len(self.checksums) != self.num_pieces:

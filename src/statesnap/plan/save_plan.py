@@ -3,24 +3,39 @@
 Pure computation over the item descriptions of all ranks (no I/O, no process groups), so it can
 be simulated for a thousand ranks in one process. Every rank runs it on the same all-gathered
 input and gets the same answer, which saves a scatter.
+
+At 1024 ranks the input holds millions of items, so the work is columnar: one pass of Python
+dict lookups gives every item the id of the first identical item (identical descriptions are
+replicas), and everything after that (holder counts, balancing of the few replicated pieces,
+per-file offsets, per-tensor piece tables) is numpy over those ids.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from ..errors import CheckpointError
+from ..format.manifest import BOX
 from ..state.items import ItemMeta
 
 ALIGN = 64  # pieces start on cache-line boundaries so direct reads land aligned in memory
 
 
 @dataclass
-class PlannedPiece:
-    rank: int
-    item: int  # index into that rank's item list
-    offset: int
-    meta: ItemMeta
+class TensorPieces:
+    """One logical tensor and its distinct stored pieces, column-wise (the manifest's shape)."""
+
+    dtype: str
+    shape: tuple
+    layout: str
+    rank: np.ndarray  # the rank that writes each piece
+    item: np.ndarray  # index of the piece in that rank's item list
+    offset: np.ndarray  # byte offset in that rank's data file
+    nbytes: np.ndarray
+    start: np.ndarray  # (pieces, dims): box offsets, or one column with the flat start
+    size: np.ndarray
 
 
 @dataclass
@@ -29,77 +44,92 @@ class SavePlan:
     # per rank: (item index, byte offset in that rank's data file), in file order
     writes: list[list[tuple[int, int]]]
     file_bytes: list[int]
-    # per fqn: (dtype, shape, layout) and its pieces in a deterministic order
-    tensors: dict[str, tuple[str, tuple, str]] = field(default_factory=dict)
-    pieces: dict[str, list[PlannedPiece]] = field(default_factory=dict)
+    tensors: dict[str, TensorPieces]
 
     @property
     def total_bytes(self) -> int:
         return sum(self.file_bytes)
 
 
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 def plan_save(per_rank: Sequence[Sequence[ItemMeta]]) -> SavePlan:
-    """Assign each distinct piece to one holder, least-loaded first, largest pieces first."""
+    """Assign each distinct piece to one holder: pieces only one rank has stay there; replicated
+    ones go, largest first, to the least-loaded of their holders."""
     world = len(per_rank)
-    holders: dict[tuple, list[tuple[int, int]]] = {}
-    described: dict[str, tuple[str, tuple, str]] = {}
-    for rank, metas in enumerate(per_rank):
-        for index, meta in enumerate(metas):
-            kind = (meta.dtype, meta.shape, meta.layout)
-            known = described.setdefault(meta.fqn, kind)
-            if known != kind:
-                raise CheckpointError(f"{meta.fqn}: ranks disagree on dtype/shape/layout ({known} vs {kind})")
-            holders.setdefault((meta.fqn, meta.start, meta.size), []).append((rank, index))
+    counts = np.fromiter((len(metas) for metas in per_rank), np.int64, world)
+    metas = [meta for rank_metas in per_rank for meta in rank_metas]
+    first_seen: dict[ItemMeta, int] = {}
+    # position of the first identical description: replicas share it
+    first = np.fromiter((first_seen.setdefault(meta, pos) for pos, meta in enumerate(metas)), np.int64, len(metas))
+    rank = np.repeat(np.arange(world, dtype=np.int64), counts)
+    index = np.arange(len(metas), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    nbytes = np.fromiter((meta.nbytes for meta in metas), np.int64, len(metas))
 
-    load = [0] * world
-    chosen: dict[int, list[tuple[int, ItemMeta]]] = {r: [] for r in range(world)}
-    singles = [(key, hs[0]) for key, hs in holders.items() if len(hs) == 1]
-    for key, (rank, index) in singles:
-        meta = per_rank[rank][index]
-        chosen[rank].append((index, meta))
-        load[rank] += meta.nbytes
-    shared = [(per_rank[hs[0][0]][hs[0][1]].nbytes, key, hs) for key, hs in holders.items() if len(hs) > 1]
-    shared.sort(key=lambda t: (-t[0], t[1][0], t[1][1]))
-    for nbytes, _key, hs in shared:
-        rank, index = min(hs, key=lambda h: (load[h[0]], h[0]))
-        chosen[rank].append((index, per_rank[rank][index]))
-        load[rank] += nbytes
-
-    writes: list[list[tuple[int, int]]] = []
-    file_bytes: list[int] = []
-    pieces: dict[str, list[PlannedPiece]] = {fqn: [] for fqn in described}
-    for rank in range(world):
-        offset, rank_writes = 0, []
-        for index, meta in sorted(chosen[rank]):
-            rank_writes.append((index, offset))
-            pieces[meta.fqn].append(PlannedPiece(rank, index, offset, meta))
-            offset = _align(offset + meta.nbytes)
-        writes.append(rank_writes)
-        file_bytes.append(offset)
-    _check_no_overlap(pieces)
-    return SavePlan(world, writes, file_bytes, described, pieces)
+    chosen = _choose_holders(first, rank, nbytes, world)  # one position per distinct piece, ascending
+    chosen_rank, aligned = rank[chosen], -(-nbytes[chosen] // ALIGN) * ALIGN
+    ends = np.cumsum(aligned)
+    rank_start = np.searchsorted(chosen_rank, np.arange(world + 1))
+    base = np.concatenate([[0], ends])[rank_start]
+    offset = ends - aligned - np.repeat(base[:-1], np.diff(rank_start))
+    file_bytes = (base[1:] - base[:-1]).tolist()
+    items, offsets = index[chosen].tolist(), offset.tolist()
+    writes = [list(zip(items[a:b], offsets[a:b])) for a, b in zip(rank_start[:-1], rank_start[1:])]
+    tensors = _tensor_tables([metas[p] for p in chosen.tolist()], chosen_rank, index[chosen], offset, nbytes[chosen])
+    return SavePlan(world, writes, file_bytes, tensors)
 
 
-def _check_no_overlap(pieces: dict[str, list[PlannedPiece]]) -> None:
+def _choose_holders(first: np.ndarray, rank: np.ndarray, nbytes: np.ndarray, world: int) -> np.ndarray:
+    """Positions of the items that will be written, sorted (= by rank, then item index)."""
+    holders = np.bincount(first, minlength=len(first))
+    single = holders[first] == 1
+    load = np.bincount(rank[single], weights=nbytes[single], minlength=world).astype(np.int64).tolist()
+    shared_keys = np.nonzero(holders > 1)[0]
+    replicas = np.nonzero(~single)[0]
+    replicas = replicas[np.argsort(first[replicas], kind="stable")]
+    bounds = np.searchsorted(first[replicas], shared_keys)
+    picked = []
+    order = np.lexsort((shared_keys, -nbytes[shared_keys]))  # largest first, ties by position
+    rank_list, bounds_list = rank[replicas].tolist(), bounds.tolist() + [len(replicas)]
+    for k in order.tolist():
+        a, b = bounds_list[k], bounds_list[k + 1]
+        best = min(range(a, b), key=lambda i: load[rank_list[i]])  # lowest rank wins ties
+        load[rank_list[best]] += int(nbytes[shared_keys[k]])
+        picked.append(replicas[best])
+    return np.sort(np.concatenate([np.nonzero(single)[0], np.asarray(picked, dtype=np.int64)]))
+
+
+def _tensor_tables(metas: list[ItemMeta], rank: np.ndarray, item: np.ndarray, offset: np.ndarray,
+                   nbytes: np.ndarray) -> dict[str, TensorPieces]:
+    """Group the chosen pieces by tensor (in rank order) and check that the ranks agree."""
+    kinds = {(m.fqn, m.dtype, m.shape, m.layout) for m in metas}
+    fqn_ids: dict[str, int] = {}
+    fqn_of = np.fromiter((fqn_ids.setdefault(m.fqn, len(fqn_ids)) for m in metas), np.int64, len(metas))
+    if len(kinds) != len(fqn_ids):
+        seen: dict[str, tuple] = {}
+        for fqn, *kind in sorted(kinds, key=str):
+            if seen.setdefault(fqn, tuple(kind)) != tuple(kind):
+                raise CheckpointError(f"{fqn}: ranks disagree on dtype/shape/layout ({seen[fqn]} vs {tuple(kind)})")
+    order = np.argsort(fqn_of, kind="stable")
+    bounds = np.searchsorted(fqn_of[order], np.arange(len(fqn_ids) + 1))
+    tables = {}
+    for fid, fqn in enumerate(fqn_ids):
+        sel = order[bounds[fid]:bounds[fid + 1]]
+        head = metas[sel[0]]
+        dims = len(head.shape) if head.layout == BOX else 1
+        start = np.asarray([metas[p].start for p in sel.tolist()], np.int64).reshape(len(sel), dims)
+        size = np.asarray([metas[p].size for p in sel.tolist()], np.int64).reshape(len(sel), dims)
+        tables[fqn] = TensorPieces(head.dtype, tuple(head.shape), head.layout, rank[sel], item[sel],
+                                   offset[sel], nbytes[sel], start, size)
+        _check_no_overlap(fqn, tables[fqn])
+    return tables
+
+
+def _check_no_overlap(fqn: str, pieces: TensorPieces) -> None:
     """Distinct pieces of one tensor must not overlap: a partial overlap means ranks disagree
     about the layout, and loading would be ambiguous."""
-    for fqn, plist in pieces.items():
-        if len(plist) < 2:
-            continue
-        total = sum(_volume(p.meta.size) for p in plist)
-        meta = plist[0].meta
-        limit = _volume(meta.shape)
-        if total > limit:
-            raise CheckpointError(f"{fqn}: the ranks' pieces overlap ({total} elements stored for a tensor of "
-                                  f"{limit}); the ranks disagree about how it is sharded")
-
-
-def _volume(extent: Sequence[int]) -> int:
-    n = 1
-    for e in extent:
-        n *= e
-    return n
+    if len(pieces.rank) < 2:
+        return
+    total = int(pieces.size.prod(axis=1).sum())
+    limit = int(np.prod(pieces.shape, dtype=np.int64))
+    if total > limit:
+        raise CheckpointError(f"{fqn}: the ranks' pieces overlap ({total} elements stored for a tensor of "
+                              f"{limit}); the ranks disagree about how it is sharded")

@@ -1,0 +1,141 @@
+"""Shared pieces of the benchmark suites: timing, page-cache control, peak RSS, tables, JSON, children.
+
+Benchmarks are only worth their comparisons, so every suite measures the peers and the machine's
+limits in the same run, with the same helpers, and reports medians rather than single runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Iterable, Sequence
+
+DEFAULT_OUT = "/tmp/statesnap-bench"
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds ``fn()`` takes."""
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def median(values: Iterable[float]) -> float:
+    values = list(values)
+    return statistics.median(values) if values else float("nan")
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def files_under(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    return [os.path.join(root, name) for root, _, names in os.walk(path) for name in names]
+
+
+def tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(f) for f in files_under(path))
+
+
+def drop_page_cache(paths: Sequence[str]) -> bool:
+    """Evict ``paths`` from the page cache so the next read comes from the disk.
+
+    Dirty pages cannot be evicted, so everything is synced first. ``posix_fadvise(DONTNEED)`` on
+    each file works without privileges; ``/proc/sys/vm/drop_caches`` (when writable) also drops
+    what fadvise misses, such as directory entries. Returns whether the global drop was done.
+    """
+    os.sync()
+    for path in paths:
+        for name in files_under(path):
+            fd = os.open(name, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    try:
+        with open(DROP_CACHES, "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def fresh_dir(path: str) -> str:
+    """``path`` as an empty directory (what a previous run left there is removed)."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
+
+
+def machine_description(scratch: str) -> dict:
+    """What the figures depend on: CPU, cores, memory, the disk under ``scratch``, versions."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    usage = shutil.disk_usage(scratch)
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(pages * page_size / 1e9, 1),
+            "scratch": scratch, "scratch_free_gb": round(usage.free / 1e9, 1),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "kernel": platform.release()}
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain-text table (also valid Markdown) with right-aligned numbers."""
+    def cell(value) -> str:
+        if isinstance(value, float):
+            return "-" if value != value else f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+        return str(value)
+
+    text = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in text)) if text else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+                                           for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+    sep = "|" + "|".join("-" * (w + 1) + ("-" if i == 0 else ":") for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(headers), sep, *(line(r) for r in text)])
+
+
+def write_json(result: dict, path: str | None) -> None:
+    """Write ``result`` to ``path`` (``-`` is stdout); nothing when ``path`` is None."""
+    if path is None:
+        return
+    text = json.dumps(result, indent=2, sort_keys=True, default=str)
+    if path == "-":
+        print(text)
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text + "\n")
+
+
+def run_child(module: str, args: Sequence[str], timeout: float | None = None) -> dict:
+    """Run ``python -m module args`` in a fresh process; its last stdout line is a JSON result.
+
+    A fresh process per measurement keeps one mode's memory, threads and page cache state from
+    leaking into the next one's figures (peak RSS in particular is per process).
+    """
+    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"benchmark child {module} {' '.join(args)} failed (exit {proc.returncode}):\n"
+                           f"{proc.stderr[-4000:]}")
+    return json.loads(lines[-1])

@@ -1,0 +1,246 @@
+"""IO suite: save and load throughput of statesnap against the raw disk, torch.save and DCP.
+
+One run measures everything on the same state (the tensors of a GPT-like model plus its AdamW
+moments, ~1 GB by default), interleaving the systems within each repeat so that drift in the
+machine (other tenants, thermal limits) hits all of them alike:
+
+* raw: the same bytes written with plain sequential ``write`` calls into one file (+ fsync), and
+  read back with ``preadv`` straight into the target tensors: the disk's limit for this data;
+* ``torch.save`` (+ fsync) / ``torch.load``;
+* DCP ``save`` / ``load`` (``torch.distributed.checkpoint``, no process group);
+* statesnap ``save`` / ``load``.
+
+Saves are timed durable (fsync'd) and buffered (page cache only, synced untimed afterwards);
+loads cold (page cache dropped) and warm (files cached).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import warnings
+
+import torch
+
+from .. import load as ss_load
+from .. import save as ss_save
+from ..demo.gpt import GPT, config_for_state_gb
+from .common import (
+    DEFAULT_OUT, drop_page_cache, format_table, gbps, machine_description, median, timed, write_json,
+)
+
+SYSTEMS = ("raw", "torch", "dcp", "statesnap")
+OPS = ("save_durable", "save_buffered", "load_cold", "load_warm")
+RAW_CHUNK = 64 << 20
+# (statesnap op, peer, op of the peer, aim): the issue's targets, checked in every report
+AIMS = (("save_durable", "raw", "save_durable", 0.95), ("load_cold", "raw", "load_cold", 0.95),
+        ("load_cold", "dcp", "load_cold", 1.5), ("load_warm", "dcp", "load_warm", 2.0))
+
+
+def build_state(size_gb: float, seed: int = 0) -> dict:
+    """Random model + AdamW-moment tensors shaped like a GPT of about ``size_gb`` GB of state."""
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in GPT(config_for_state_gb(size_gb)).named_parameters()}
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda shape: torch.randn(shape, generator=gen)  # noqa: E731
+    return {"model": {name: rand(shape) for name, shape in shapes.items()},
+            "optim": {name: {"exp_avg": rand(shape), "exp_avg_sq": rand(shape).abs()}
+                      for name, shape in shapes.items()}}
+
+
+def tensors_of(state) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    return [t for key in sorted(state) for t in tensors_of(state[key])]
+
+
+def zeros_like_state(state):
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    return {key: zeros_like_state(value) for key, value in state.items()}
+
+
+def same_values(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(tensors_of(a), tensors_of(b), strict=True))
+
+
+# -- one save and one load function per system: save(state, path, durable); load(target, path) -> state
+def raw_save(state: dict, path: str, durable: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for tensor in tensors_of(state):
+            view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+            for pos in range(0, len(view), RAW_CHUNK):
+                chunk = view[pos:pos + RAW_CHUNK]
+                while chunk:
+                    chunk = chunk[os.write(fd, chunk):]
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_load(target: dict, path: str) -> dict:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        offset = 0
+        for tensor in tensors_of(target):
+            view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+            for pos in range(0, len(view), RAW_CHUNK):
+                chunk = view[pos:pos + RAW_CHUNK]
+                while chunk:
+                    got = os.preadv(fd, [chunk], offset)
+                    if got == 0:
+                        raise EOFError(f"{path} is shorter than the state")
+                    offset += got
+                    chunk = chunk[got:]
+    finally:
+        os.close(fd)
+    return target
+
+
+def torch_save(state: dict, path: str, durable: bool) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        if durable:
+            os.fsync(f.fileno())
+
+
+def torch_load(target: dict, path: str) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def dcp_save(state: dict, path: str, durable: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=durable), no_dist=True)
+
+
+def dcp_load(target: dict, path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(target, checkpoint_id=path, no_dist=True)
+    return target
+
+
+def statesnap_save(state: dict, path: str, durable: bool) -> None:
+    ss_save(state, path, durable=durable)
+
+
+def statesnap_load(target: dict, path: str) -> dict:
+    ss_load(target, path)
+    return target
+
+
+SAVE = {"raw": raw_save, "torch": torch_save, "dcp": dcp_save, "statesnap": statesnap_save}
+LOAD = {"raw": raw_load, "torch": torch_load, "dcp": dcp_load, "statesnap": statesnap_load}
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.unlink(path)
+    os.sync()
+
+
+def measure_system(system: str, state: dict, target: dict, path: str, check: bool) -> dict[str, float]:
+    """Seconds of each op for one system; with ``check``, the loaded values are compared bit for bit."""
+    save, load = SAVE[system], LOAD[system]
+    seconds = {}
+    remove(path)
+    seconds["save_buffered"] = timed(lambda: save(state, path, False))
+    remove(path)  # syncs, so the buffered save's dirty pages do not slow down the next op
+    seconds["save_durable"] = timed(lambda: save(state, path, True))
+    for op in ("load_cold", "load_warm"):
+        if op == "load_cold":
+            for t in tensors_of(target):
+                t.zero_()
+            drop_page_cache([path])
+        loaded = {}
+        seconds[op] = timed(lambda: loaded.setdefault("state", load(target, path)))
+        if check and not same_values(loaded["state"], state):
+            raise AssertionError(f"{system} loaded values that differ from the saved state ({path})")
+        del loaded
+    remove(path)
+    return seconds
+
+
+def run(size_gb: float = 1.0, repeat: int = 3, out: str = DEFAULT_OUT, systems=SYSTEMS) -> dict:
+    """Measure every system and op ``repeat`` times; return per-op seconds, medians and ratios."""
+    scratch = os.path.join(out, "io-scratch")
+    os.makedirs(scratch, exist_ok=True)
+    state = build_state(size_gb)
+    target = zeros_like_state(state)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors_of(state))
+    samples = {s: {op: [] for op in OPS} for s in systems}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that it runs without a process group: intended
+        for rep in range(repeat):
+            for system in systems:
+                path = os.path.join(scratch, f"{system}.ckpt")
+                for op, sec in measure_system(system, state, target, path, check=rep == 0).items():
+                    samples[system][op].append(sec)
+    shutil.rmtree(scratch, ignore_errors=True)
+    throughput = {s: {op: gbps(nbytes, median(samples[s][op])) for op in OPS} for s in systems}
+    return {"suite": "io", "bytes": nbytes, "tensors": len(tensors_of(state)), "repeat": repeat,
+            "machine": machine_description(out), "seconds": samples, "gb_per_s": throughput,
+            "ratios": ratios(throughput), "aims": aims(throughput)}
+
+
+def ratios(throughput: dict) -> dict:
+    """statesnap's throughput over each other system's, per op (1.0 = as fast)."""
+    mine = throughput.get("statesnap")
+    if mine is None:
+        return {}
+    return {peer: {op: mine[op] / throughput[peer][op] for op in OPS}
+            for peer in throughput if peer != "statesnap"}
+
+
+def aims(throughput: dict) -> list[dict]:
+    out = []
+    for op, peer, peer_op, aim in AIMS:
+        if "statesnap" in throughput and peer in throughput:
+            ratio = throughput["statesnap"][op] / throughput[peer][peer_op]
+            out.append({"what": f"statesnap {op} / {peer} {peer_op}", "ratio": ratio, "aim": aim, "met": ratio >= aim})
+    return out
+
+
+def report(result: dict) -> str:
+    tp = result["gb_per_s"]
+    systems = list(tp)
+    lines = [f"IO suite: {result['bytes'] / 1e9:.2f} GB in {result['tensors']} tensors, "
+             f"median of {result['repeat']} interleaved repeats (GB/s)", "",
+             format_table(["op", *systems], [[op, *(tp[s][op] for s in systems)] for op in OPS])]
+    if result["ratios"]:
+        peers = list(result["ratios"])
+        lines += ["", "statesnap / peer (x)", "",
+                  format_table(["op", *peers], [[op, *(result["ratios"][p][op] for p in peers)] for op in OPS])]
+    if result["aims"]:
+        lines += ["", format_table(["aim", "ratio", "target", "met"],
+                                   [[a["what"], a["ratio"], f">= {a['aim']}", "yes" if a["met"] else "NO"]
+                                    for a in result["aims"]])]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size-gb", type=float, default=1.0, help="state size in GB (default 1)")
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved repeats; medians are reported")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="statesnap bench --suite io", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"scratch and output directory (default {DEFAULT_OUT})")
+    parser.add_argument("--json", help="also write the results as JSON here ('-' = stdout)")
+    args = parser.parse_args(argv)
+    systems = tuple(s for s in args.systems.split(",") if s)
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    result = run(args.size_gb, args.repeat, args.out, systems)
+    print(report(result))
+    write_json(result, args.json)
+    return 0

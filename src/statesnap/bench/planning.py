@@ -1,0 +1,209 @@
+"""Planning at scale, simulated in one process: a Llama-70B-shaped model plus AdamW over 1024 ranks.
+
+Planning is pure computation (``plan/``), so a whole job's worth of it runs here without any
+process: every simulated rank describes its pieces exactly as the state providers would for
+torchtitan's layout (a 2-D mesh, FSDP outer x TP inner; attention and MLP input projections and
+the embeddings and output ``ColwiseParallel``/row-sharded on dim 0, the output projections
+``RowwiseParallel`` on dim 1, norms replicated over TP; FSDP then chunks dim 0 of the TP-local
+tensor, which is the ``_StridedShard`` layout). We measure
+
+* whole-job save planning: ``plan_save`` over every rank's items plus ``build_manifest``;
+* load planning for one rank: ``plan_target`` for each of its items, same layout and resharded
+  into another mesh (TP 4 x FSDP 256 by default);
+* the manifest's size against DCP's metadata for the same layout. DCP's is estimated by building
+  its public ``torch.distributed.checkpoint.metadata`` objects for a sample of layers, pickling
+  them (as DCP stores ``.metadata``) and scaling per layer; ours is measured in full.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+)
+
+from ..engine.save import RankOutput, build_manifest
+from ..format.checksum import DEFAULT_BLOCK_BYTES, piece_blocks
+from ..format.dtypes import dtype_from_name, itemsize
+from ..format.manifest import BOX, Manifest
+from ..plan.load_plan import plan_target
+from ..plan.save_plan import plan_save
+from ..state.items import ItemMeta
+from ..state.placement import chunk_bounds
+
+LLAMA_70B = dict(layers=80, dim=8192, ffn=28672, heads=64, kv_heads=8, vocab=128256)
+COL, ROW, REP = "colwise", "rowwise", "replicate"  # how TP splits a parameter
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+
+
+def llama_parameters(layers: int, dim: int, ffn: int, heads: int, kv_heads: int, vocab: int):
+    """(name, shape, TP style) of every parameter, in torchtitan's naming."""
+    kv = dim // heads * kv_heads
+    out = [("tok_embeddings.weight", (vocab, dim), COL)]  # RowwiseParallel on an embedding: rows
+    for i in range(layers):
+        p = f"layers.{i}."
+        out += [(p + "attention.wq.weight", (dim, dim), COL), (p + "attention.wk.weight", (kv, dim), COL),
+                (p + "attention.wv.weight", (kv, dim), COL), (p + "attention.wo.weight", (dim, dim), ROW),
+                (p + "feed_forward.w1.weight", (ffn, dim), COL), (p + "feed_forward.w2.weight", (dim, ffn), ROW),
+                (p + "feed_forward.w3.weight", (ffn, dim), COL),
+                (p + "attention_norm.weight", (dim,), REP), (p + "ffn_norm.weight", (dim,), REP)]
+    return out + [("norm.weight", (dim,), REP), ("output.weight", (vocab, dim), COL)]
+
+
+def rank_box(shape: tuple, style: str, tp: int, tp_size: int, dp: int, dp_size: int) -> tuple[tuple, tuple]:
+    """The box a (dp, tp) rank holds: TP splits first, FSDP chunks dim 0 of the TP-local tensor."""
+    start, size = [0] * len(shape), list(shape)
+    if style != REP:
+        dim = 0 if style == COL else 1
+        start[dim], size[dim] = chunk_bounds(shape[dim], tp_size, tp)
+    offset, size[0] = chunk_bounds(size[0], dp_size, dp)
+    start[0] += offset
+    return tuple(start), tuple(size)
+
+
+def rank_items(rank: int, params, tp_size: int, dp_size: int, dtype: str = "float32") -> list[ItemMeta]:
+    """What the state providers of ``rank`` describe: each parameter, its AdamW moments (same
+    box) and its step count (a replicated scalar). TP is the inner mesh dimension."""
+    tp, dp = rank % tp_size, rank // tp_size
+    isz = itemsize(dtype_from_name(dtype))
+    items = []
+    for name, shape, style in params:
+        start, size = rank_box(shape, style, tp, tp_size, dp, dp_size)
+        nbytes = isz
+        for s in size:
+            nbytes *= s
+        items.append(ItemMeta(f"model.{name}", dtype, shape, BOX, start, size, nbytes))
+        for state in ADAM_STATES:
+            items.append(ItemMeta(f"optim.state.{name}.{state}", dtype, shape, BOX, start, size, nbytes))
+        items.append(ItemMeta(f"optim.state.{name}.step", dtype, (), BOX, (), (), isz))
+    return items
+
+
+def simulated_outputs(plan, block_bytes: int) -> list[RankOutput]:
+    """What each rank would report after writing: its file and one checksum per block."""
+    outputs = [RankOutput(f"data-sim-r{rank:05d}.bin" if writes else None, plan.file_bytes[rank], {}, {}, set())
+               for rank, writes in enumerate(plan.writes)]
+    for pieces in plan.tensors.values():
+        for rank, item, nbytes in zip(pieces.rank.tolist(), pieces.item.tolist(), pieces.nbytes.tolist()):
+            outputs[rank].checksums[item] = [0xFFFFFFFFFFFFFFFF] * piece_blocks(nbytes, block_bytes)
+    return outputs
+
+
+@dataclass
+class StorageInfo:
+    """Stand-in for DCP's per-chunk storage record (file, offset, length) in ``storage_data``;
+    the class itself is private to ``torch.distributed.checkpoint.filesystem``."""
+
+    relative_path: str
+    offset: int
+    length: int
+
+
+def dcp_metadata_bytes(manifest: Manifest) -> int:
+    """Size of DCP's pickled ``Metadata`` describing the same pieces as ``manifest``."""
+    state_meta, storage = {}, {}
+    for fqn, entry in manifest.tensors.items():
+        chunks = []
+        for i in range(entry.num_pieces):
+            offsets, sizes = torch.Size(entry.start[i].tolist()), torch.Size(entry.size[i].tolist())
+            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=sizes))
+            storage[MetadataIndex(fqn, offsets, i)] = StorageInfo(
+                f"__{int(entry.file[i])}_0.distcp", int(entry.offset[i]), int(entry.nbytes[i]))
+        state_meta[fqn] = TensorStorageMetadata(TensorProperties(dtype=entry.dtype), torch.Size(entry.shape), chunks)
+    return len(pickle.dumps(Metadata(state_dict_metadata=state_meta, storage_data=storage)))
+
+
+def plan_save_job(params, tp_size: int, dp_size: int, block_bytes: int = DEFAULT_BLOCK_BYTES):
+    """(manifest, seconds of plan_save + build_manifest) for the whole job."""
+    world = tp_size * dp_size
+    per_rank = [rank_items(r, params, tp_size, dp_size) for r in range(world)]
+    started = time.perf_counter()
+    plan = plan_save(per_rank)
+    planned = time.perf_counter()
+    outputs = simulated_outputs(plan, block_bytes)
+    built = time.perf_counter()
+    manifest = build_manifest(plan, outputs, world, block_bytes, None)
+    done = time.perf_counter()
+    return manifest, (planned - started) + (done - built)
+
+
+def load_planning_seconds(manifest: Manifest, params, tp_size: int, dp_size: int, ranks) -> list[float]:
+    """Seconds to plan every read of each of ``ranks`` in a (tp_size x dp_size) target layout."""
+    out = []
+    for rank in ranks:
+        items = rank_items(rank, params, tp_size, dp_size)
+        started = time.perf_counter()
+        for item in items:
+            plan_target(manifest.tensors[item.fqn], item.layout, item.start, item.size)
+        out.append(time.perf_counter() - started)
+    return out
+
+
+def run(layers: int = 80, tp: int = 8, dp: int = 128, reshard_tp: int = 4, reshard_dp: int = 256,
+        sample_ranks: int = 4, dcp_layers: int = 2) -> dict:
+    """Simulate; return the figures (seconds and bytes) as a dict."""
+    cfg = dict(LLAMA_70B, layers=layers)
+    params = llama_parameters(**cfg)
+    manifest, save_s = plan_save_job(params, tp, dp)
+    started = time.perf_counter()
+    raw = manifest.to_bytes()
+    encode_s = time.perf_counter() - started
+    started = time.perf_counter()
+    manifest = Manifest.from_bytes(raw)
+    parse_s = time.perf_counter() - started
+    world, target_world = tp * dp, reshard_tp * reshard_dp
+    step = max(1, world // sample_ranks)
+    same = load_planning_seconds(manifest, params, tp, dp, range(0, world, step)[:sample_ranks])
+    tstep = max(1, target_world // sample_ranks)
+    resharded = load_planning_seconds(manifest, params, reshard_tp, reshard_dp,
+                                      range(0, target_world, tstep)[:sample_ranks])
+    dcp_bytes, ours_sample = _dcp_estimate(cfg, params, tp, dp, min(dcp_layers, layers), layers)
+    pieces = sum(e.num_pieces for e in manifest.tensors.values())
+    return {
+        "model": cfg, "layout": f"TP {tp} x FSDP {dp} ({world} ranks)", "tensors": len(manifest.tensors),
+        "pieces": pieces, "items_per_rank": len(params) * (2 + len(ADAM_STATES)),
+        "save_planning_s": save_s, "manifest_encode_s": encode_s, "manifest_parse_s": parse_s,
+        "load_planning_s_same_layout": max(same),
+        "load_planning_s_resharded": max(resharded), "reshard_target": f"TP {reshard_tp} x FSDP {reshard_dp}",
+        "manifest_bytes": len(raw), "dcp_metadata_bytes_estimated": dcp_bytes,
+        "manifest_vs_dcp": len(raw) / dcp_bytes, "sample_manifest_vs_dcp": ours_sample,
+    }
+
+
+def _dcp_estimate(cfg: dict, params, tp: int, dp: int, sample_layers: int, layers: int) -> tuple[int, float]:
+    """DCP metadata bytes for ``layers`` layers, scaled from samples of 0 and ``sample_layers``
+    layers (DCP pickles per chunk, so its size is linear in the layer count); also the ratio
+    ours/DCP measured on the sample itself."""
+    sizes = []
+    for n in (0, sample_layers):
+        sample_params = llama_parameters(**dict(cfg, layers=n))
+        manifest, _ = plan_save_job(sample_params, tp, dp)
+        sizes.append((len(manifest.to_bytes()), dcp_metadata_bytes(manifest)))
+    (ours0, dcp0), (ours_n, dcp_n) = sizes
+    per_layer = (dcp_n - dcp0) / max(sample_layers, 1)
+    return int(dcp0 + per_layer * layers), ours_n / dcp_n
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="statesnap bench --suite planning", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=80, help="transformer layers (Llama-70B: 80)")
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--dp", type=int, default=128, help="FSDP degree (world = tp * dp)")
+    parser.add_argument("--reshard-tp", type=int, default=4)
+    parser.add_argument("--reshard-dp", type=int, default=256)
+    parser.add_argument("--sample-ranks", type=int, default=4, help="ranks whose load planning is timed")
+    parser.add_argument("--dcp-layers", type=int, default=2, help="layers in DCP's metadata sample")
+    parser.add_argument("--json", help="also write the figures to this JSON file")
+    args = parser.parse_args(argv)
+    figures = run(args.layers, args.tp, args.dp, args.reshard_tp, args.reshard_dp, args.sample_ranks, args.dcp_layers)
+    for key, value in figures.items():
+        print(f"{key:32} {value:.3f}" if isinstance(value, float) else f"{key:32} {value}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(figures, fh, indent=2)
+    return 0

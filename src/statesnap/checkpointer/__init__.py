@@ -1,0 +1,5 @@
+"""The lazy asynchronous multi-level Checkpointer (see docs/checkpointer.md)."""
+from .config import CheckpointerConfig
+from .manager import Checkpointer, SaveHandle
+
+__all__ = ["Checkpointer", "CheckpointerConfig", "SaveHandle"]

@@ -1,0 +1,105 @@
+"""Every tunable of the Checkpointer in one dataclass, validated when it is built.
+
+A wrong setting should fail at construction, on the line the user wrote, rather than as a
+confusing error in a background thread an hour into training.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CheckpointError
+from ..format.checksum import DEFAULT_BLOCK_BYTES
+from ..storage.base import StorageBackend
+
+GB = 1e9
+MIN_ARENA_BYTES = 64 << 10
+# Share of the node's available RAM the staging arenas of all local ranks may take by default.
+DEFAULT_RAM_SHARE = 0.4
+
+
+def available_ram_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def local_ranks() -> int:
+    """Ranks sharing this node's RAM (torchrun sets LOCAL_WORLD_SIZE)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def default_host_memory_gb() -> float:
+    return DEFAULT_RAM_SHARE * available_ram_bytes() / local_ranks() / GB
+
+
+@dataclass
+class CheckpointerConfig:
+    """Settings of :class:`statesnap.Checkpointer`; see docs/checkpointer.md.
+
+    ``keep_last``: committed checkpoints kept on the persistent level. ``host_memory_gb``: the
+    staging arena's size limit per rank (default: 40% of available RAM divided by the local ranks).
+    ``persist_every``: steps that are multiples of it go to the persistent level; the others stay
+    in host memory only. ``further_root``/``further_every``/``further_keep_last``: an optional
+    slower level (shared storage) that receives a copy of every ``further_every``-th step.
+    ``max_in_flight``: checkpoints staged or flushing at once; ``save`` waits beyond it.
+    ``on_error``: what a background failure does at the next call, ``"raise"`` or ``"warn"``.
+    ``copy_threads``/``threads``: staging copy and write workers. ``backend``: a custom
+    :class:`StorageBackend` for the persistent level (tests inject slow or failing storage).
+    """
+
+    root: str
+    keep_last: int = 3
+    host_memory_gb: float | None = None
+    persist_every: int = 1
+    further_root: str | None = None
+    further_every: int = 10
+    further_keep_last: int = 2
+    max_in_flight: int = 2
+    on_error: str = "raise"
+    copy_threads: int = 2
+    threads: int | None = None
+    durable: bool = True
+    allow_pickle: bool = False
+    storage_options: dict | None = None
+    backend: StorageBackend | None = None
+    process_group: Any = None
+    events: bool = True
+    commit_timeout_s: float = 600.0
+    block_bytes: int = DEFAULT_BLOCK_BYTES
+
+    def __post_init__(self):
+        self.root = str(self.root)
+        if self.host_memory_gb is None:
+            self.host_memory_gb = default_host_memory_gb()
+        checks = [
+            (self.keep_last >= 1, f"keep_last must be at least 1 (got {self.keep_last}): the newest "
+                                  "committed checkpoint is never deleted"),
+            (self.host_memory_gb * GB >= MIN_ARENA_BYTES,
+             f"host_memory_gb={self.host_memory_gb} is below the minimum of {MIN_ARENA_BYTES} bytes"),
+            (self.persist_every >= 1, f"persist_every must be at least 1 (got {self.persist_every})"),
+            (self.further_every >= 1 and self.further_every % self.persist_every == 0,
+             f"further_every ({self.further_every}) must be a positive multiple of persist_every "
+             f"({self.persist_every}): the further level copies persisted checkpoints"),
+            (self.further_keep_last >= 1, f"further_keep_last must be at least 1 (got {self.further_keep_last})"),
+            (self.max_in_flight >= 1, f"max_in_flight must be at least 1 (got {self.max_in_flight})"),
+            (self.on_error in ("raise", "warn"), f"on_error must be 'raise' or 'warn', not {self.on_error!r}"),
+            (self.copy_threads >= 1, f"copy_threads must be at least 1 (got {self.copy_threads})"),
+            (self.threads is None or self.threads >= 1, f"threads must be at least 1 (got {self.threads})"),
+            (self.commit_timeout_s > 0, "commit_timeout_s must be positive"),
+            (self.block_bytes >= 4096, "block_bytes must be at least 4096"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise CheckpointError(f"invalid Checkpointer setting: {message}")
+
+    @property
+    def host_memory_bytes(self) -> int:
+        return int(self.host_memory_gb * GB)

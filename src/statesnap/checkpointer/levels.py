@@ -1,0 +1,151 @@
+"""Where checkpoints live: host memory, the persistent level, and an optional further level.
+
+Storage levels hold committed checkpoints as ``<root>/step-N`` directories in the normal
+statesnap format, so ``ss.open``/``ss.load`` read them. Retention deletes the oldest committed
+checkpoints beyond ``keep_last`` right after a newer one commits, so the newest committed
+checkpoint is never deleted before the next one is in place. A checkpoint is deleted manifest
+first: a deletion cut short leaves an uncommitted directory, never a damaged "committed" one.
+
+The memory level is the staging arena itself: a resident snapshot stays there after it is
+written, until the ring needs its space, and restores into a state of the same layout without
+touching storage.
+"""
+from __future__ import annotations
+
+import threading
+import uuid
+
+import torch
+
+from ..engine.load import read_manifest
+from ..engine.objects import decode_value
+from ..format.dtypes import dtype_name
+from ..format.manifest import MANIFEST_NAME
+from ..state.flatten import flatten_for_load
+from ..storage.base import StorageBackend
+from .staging import item_bytes_view
+
+STEP_PREFIX = "step-"
+COPY_CHUNK = 64 << 20
+
+
+def parse_step(name: str) -> int | None:
+    if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit():
+        return int(name[len(STEP_PREFIX):])
+    return None
+
+
+class StorageLevel:
+    def __init__(self, name: str, root: str, backend: StorageBackend, keep_last: int):
+        self.name, self.root, self.backend, self.keep_last = name, root, backend, keep_last
+
+    def path(self, step: int) -> str:
+        return self.backend.join(self.root, f"{STEP_PREFIX}{step}")
+
+    def is_committed(self, step: int) -> bool:
+        return self.backend.exists(self.backend.join(self.path(step), MANIFEST_NAME))
+
+    def committed_steps(self) -> list[int]:
+        steps = (parse_step(name) for name in self.backend.listdir(self.root))
+        return sorted(s for s in steps if s is not None and self.is_committed(s))
+
+    def retain(self, protected: set[int]) -> list[int]:
+        """Delete the oldest committed checkpoints beyond ``keep_last``; return their steps."""
+        steps = self.committed_steps()
+        doomed = [s for s in steps[:-self.keep_last] if s not in protected]
+        for step in doomed:
+            self.backend.remove(self.backend.join(self.path(step), MANIFEST_NAME))
+            self.backend.remove(self.path(step))
+        return doomed
+
+    def remove_leftovers(self) -> None:
+        """Remove what interrupted saves left: staging directories and uncommitted step dirs."""
+        for name in self.backend.listdir(self.root):
+            step = parse_step(name)
+            if (name.startswith(f".{STEP_PREFIX}") and ".tmp-" in name) or \
+                    (step is not None and not self.is_committed(step)):
+                self.backend.remove(self.backend.join(self.root, name))
+
+
+def copy_checkpoint(src: StorageLevel, dst: StorageLevel, step: int, durable: bool) -> int:
+    """Copy committed checkpoint ``step`` from ``src`` to ``dst`` with the same atomic commit."""
+    source, target = src.path(step), dst.path(step)
+    manifest = read_manifest(src.backend, source)
+    raw = src.backend.read_bytes(src.backend.join(source, MANIFEST_NAME))
+    staging = dst.backend.begin(target, uuid.uuid4().hex[:12])
+    buffer = torch.empty(COPY_CHUNK, dtype=torch.uint8).numpy()
+    try:
+        for name in manifest.files:
+            reader = src.backend.open_read(src.backend.join(source, name))
+            writer = dst.backend.open_write(dst.backend.join(staging, name))
+            try:
+                offset = 0
+                while True:
+                    got = reader.readinto(offset, [memoryview(buffer)])
+                    if not got:
+                        break
+                    writer.pwrite(offset, [memoryview(buffer)[:got]])
+                    offset += got
+            finally:
+                reader.close()
+                writer.close(durable)
+        dst.backend.write_bytes(dst.backend.join(staging, MANIFEST_NAME), raw, durable)
+        dst.backend.commit(staging, target, True, durable, keep=[*manifest.files, MANIFEST_NAME])
+    except BaseException:
+        dst.backend.abort(staging, target, manifest.files)
+        raise
+    return manifest.total_bytes
+
+
+class MemoryLevel:
+    """The newest resident snapshots still in the arena, by step."""
+
+    def __init__(self):
+        self._snapshots: dict[int, object] = {}
+        self._lock = threading.Lock()
+
+    def add(self, snap) -> None:
+        with self._lock:
+            self._snapshots[snap.step] = snap
+
+    def drop(self, snap) -> None:
+        with self._lock:
+            if self._snapshots.get(snap.step) is snap:
+                del self._snapshots[snap.step]
+
+    def newest(self):
+        with self._lock:
+            return self._snapshots[max(self._snapshots)] if self._snapshots else None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._snapshots.clear()
+
+
+def matching_target(snap, state: dict):
+    """The flattened ``state`` if its layout equals the snapshot's (same items, same boxes)."""
+    keys = sorted([*(m.fqn for m in snap.metas), *snap.objects])
+    flat = flatten_for_load(state, lambda prefix: any(k.startswith(prefix) for k in keys))
+    metas = [item.meta(dtype_name(item.dtype)) for item in flat.tensors]
+    same = metas == snap.metas and sorted(o.fqn for o in flat.objects) == sorted(snap.objects)
+    return flat if same else None
+
+
+def restore_from_memory(snap, flat, buffer: torch.Tensor, allow_pickle: bool) -> int:
+    """Copy a resident snapshot back into the flattened target; return the bytes restored."""
+    base = snap.region.start
+    nbytes = 0
+    with torch.no_grad():
+        for item, offset in zip(flat.tensors, snap.item_offsets):
+            item.local.copy_(item_bytes_view(buffer, base + offset, item.local))
+            nbytes += item.nbytes
+    read_blob = lambda fqn, _ref: snap.blobs[fqn]  # noqa: E731 (pickled values kept in memory)
+    for item in flat.objects:
+        value = decode_value(item.fqn, snap.objects[item.fqn], allow_pickle, read_blob)
+        if item.per_rank is not None:
+            item.per_rank.restore(value)
+        else:
+            item.assign(value)
+    for finalize in flat.finalizers:
+        finalize()
+    return nbytes

@@ -1,0 +1,374 @@
+"""``ss.Checkpointer``: lazy asynchronous multi-level checkpoints for a training loop.
+
+``save(step, state)`` records what to copy and returns; the copies run while the next forward and
+backward run, and the optimizer step waits only for the tensors it is about to change. Every
+snapshot stays in host memory (the memory level) while the arena has room; every
+``persist_every``-th goes to ``<root>/step-N``; an optional further level gets a copy of every
+``further_every``-th. Failures in the background surface at the next ``save``, ``wait_staged``,
+``load_latest`` or ``close``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..engine.dist import Comm
+from ..engine.load import load
+from ..engine.save import encode_objects, per_rank_names
+from ..engine.write import default_threads
+from ..errors import CheckpointError
+from ..format.dtypes import dtype_name
+from ..monitor.events import EventLog, now
+from ..plan.save_plan import ALIGN, plan_save
+from ..state.flatten import flatten_for_save
+from ..storage import backend_for, is_url, normalize
+from .config import CheckpointerConfig
+from .gpu import CudaCopier, mark_devices
+from .hooks import StepGuard, find_optimizers, owners_of, version_of
+from .levels import MemoryLevel, StorageLevel, copy_checkpoint, matching_target, restore_from_memory
+from .pipeline import Flusher, FlushTarget, Snapshot, Stager, as_checkpoint_error
+from .staging import MAX_SEGMENT_BYTES, REGION_ALIGN, Arena, align_up
+
+log = logging.getLogger("statesnap")
+
+
+class SaveHandle:
+    """What ``save`` returns: ``staged`` completes when the snapshot is in host memory (its
+    result is the step), ``durable`` when it is committed on the persistent level (its result
+    is the checkpoint's path, or None for a step kept in memory only)."""
+
+    def __init__(self, step: int, staged: Future, durable: Future, snap: Snapshot | None = None):
+        self.step, self.staged, self.durable, self._snap = step, staged, durable, snap
+
+    def wait(self, timeout: float | None = None):
+        """Wait until durable; raise the checkpoint's error (then it is not raised again later)."""
+        try:
+            return self.durable.result(timeout)
+        except CheckpointError:
+            if self._snap is not None:
+                self._snap.reported = True
+            raise
+
+
+class Checkpointer:
+    def __init__(self, root, **settings):
+        self.config = cfg = CheckpointerConfig(root=str(root), **settings)
+        root = normalize(cfg.root)
+        backend = cfg.backend or backend_for(root, cfg.storage_options)
+        self.persistent = StorageLevel("persistent", root, backend, cfg.keep_last)
+        self.further = None
+        if cfg.further_root is not None:
+            further_root = normalize(cfg.further_root)
+            self.further = StorageLevel("further", further_root, backend_for(further_root, cfg.storage_options),
+                                        cfg.further_keep_last)
+        self.memory = MemoryLevel()
+        self.loaded_from: str | None = None  # the level the last load_latest restored from
+        self._comm = Comm(cfg.process_group)  # the trainer's group: only on the training thread
+        self._group = None
+        if self._comm.active and self._comm.world_size > 1:
+            ranks = None if cfg.process_group is None else dist.get_process_group_ranks(cfg.process_group)
+            self._group = dist.new_group(ranks=ranks, backend="gloo",
+                                         timeout=timedelta(seconds=cfg.commit_timeout_s))
+        self.rank = self._comm.rank
+        events_path = None
+        if cfg.events and not is_url(root):
+            events_path = backend.join(root, "events", f"rank-{self.rank:05d}.jsonl")
+        self.events = EventLog(self.rank, events_path)
+        if self.rank == 0:
+            for level in filter(None, (self.persistent, self.further)):
+                level.remove_leftovers()
+        self._arena: Arena | None = None
+        self._segment_bytes = MAX_SEGMENT_BYTES
+        self._block_bytes = cfg.block_bytes
+        self._cuda: CudaCopier | None = None
+        self._plan_key, self._plan = None, None
+        self._inflight: deque[Snapshot] = deque()
+        self._failed: list[tuple[Snapshot | None, CheckpointError]] = []
+        self._copying_further: set[int] = set()
+        self._lock = threading.Lock()
+        self._warned_streaming = False
+        self._closed = False
+        self._guard = StepGuard(self._gates_for, lambda step, s, e: self.events.add("wait-in-hook", step, s, e))
+        self._stager = Stager(lambda: self._arena, cfg.copy_threads, lambda: self._segment_bytes, self.events,
+                              self._copies_done, lambda: self._cuda)
+        target = FlushTarget(backend, Comm(self._group) if self._group is not None else Comm(None),
+                             cfg.durable, cfg.threads or default_threads(), lambda: self._block_bytes)
+        self._flusher = Flusher(target, lambda: self._arena, self.events, self._flushed)
+        self._further_pool = ThreadPoolExecutor(1, thread_name_prefix="statesnap-further") \
+            if self.further is not None and self.rank == 0 else None
+
+    # ----------------------------------------------------------------- training-thread API
+
+    def save(self, step: int, state: dict) -> SaveHandle:
+        """Snapshot ``state`` as step ``step`` and return at once (no tensor byte is copied here)."""
+        self._check_open()
+        self._raise_pending()
+        started = now()
+        self._wait_for_slot(step)
+        with self.events.timed("plan", step):
+            snap = self._snapshot(int(step), state)
+        if snap is None:
+            done = Future()
+            done.set_result(None)
+            self.events.add("save", step, started, now())
+            return SaveHandle(step, done, done)
+        self._guard.watch(find_optimizers(state))
+        with self._lock:
+            self._inflight.append(snap)
+        self._stager.submit(snap)
+        if snap.persist:
+            self._flusher.submit(snap)
+        self.events.add("save", step, started, now(), sum(m.nbytes for m in snap.metas))
+        return SaveHandle(snap.step, snap.staged, snap.durable, snap)
+
+    def wait_staged(self) -> None:
+        """Block until every snapshot in flight is in host memory (for loops without an optimizer
+        step, or before changing tensors in place outside the optimizer)."""
+        self._check_open()
+        with self._lock:
+            inflight = list(self._inflight)
+        for snap in inflight:
+            if not snap.copied.done():
+                start = now()
+                snap.copied.wait()
+                self.events.add("wait-staged", snap.step, start, now())
+        self._raise_pending()
+
+    def load_latest(self, state: dict) -> int | None:
+        """Restore the newest committed step into ``state`` from the fastest level holding it;
+        return the step (None if there is none). ``loaded_from`` names the level used."""
+        self._check_open()
+        self._wait_all()
+        self._raise_pending()
+        started = now()
+        snap = self.memory.newest()
+        flat = matching_target(snap, state) if snap is not None else None
+        borrowed = flat is not None and self._arena.borrow(snap.region)
+        try:
+            memory_steps = self._comm.all_gather(snap.step if borrowed else None)
+            memory_step = memory_steps[0] if None not in memory_steps and len(set(memory_steps)) == 1 else None
+            levels = [level for level in (self.persistent, self.further) if level is not None]
+            stored = self._comm.broadcast([(level.committed_steps() or [None])[-1] for level in levels]
+                                          if self.rank == 0 else None)
+            choices = [(memory_step, 0, "memory")] + [(s, i + 1, lv.name) for i, (s, lv) in
+                                                      enumerate(zip(stored, levels))]
+            choices = [c for c in choices if c[0] is not None]
+            if not choices:
+                return None
+            step, _, name = max(choices, key=lambda c: (c[0], -c[1]))
+            if name == "memory":
+                error, nbytes = None, 0
+                try:
+                    nbytes = restore_from_memory(snap, flat, self._arena.buffer, self.config.allow_pickle)
+                except Exception as exc:  # noqa: BLE001 (all ranks raise together below)
+                    error = exc
+                self._comm.agree(error, f"restoring step {step} from host memory")
+            else:
+                level = self.persistent if name == "persistent" else self.further
+                nbytes = load(state, level.path(step), allow_pickle=self.config.allow_pickle,
+                              storage_options=self.config.storage_options,
+                              process_group=self.config.process_group).bytes
+        finally:
+            if borrowed:
+                self._arena.hold(snap.region, lambda: self.memory.drop(snap))
+        self.loaded_from = name
+        self.events.add("load", step, started, now(), nbytes, level=name)
+        self.events.flush()
+        log.info("statesnap: restored step %d from the %s level", step, name)
+        return step
+
+    def stats(self) -> dict:
+        """Sums of the events so far: stall, background time, throughput, back-pressure, ..."""
+        out = self.events.summary()
+        with self._lock:
+            out["in_flight"] = len(self._inflight)
+        newest = self.memory.newest()
+        out["memory_step"] = newest.step if newest is not None else None
+        out["loaded_from"] = self.loaded_from
+        return out
+
+    def close(self) -> None:
+        """Wait for the work in flight, stop the background threads, and raise what failed."""
+        if self._closed:
+            return
+        try:
+            self._wait_all()
+        finally:
+            self._closed = True
+            self._stager.close()
+            self._flusher.close()
+            if self._further_pool is not None:
+                self._further_pool.shutdown(wait=True)
+            self._guard.close()
+            self.events.flush()
+            if self._group is not None:
+                dist.destroy_process_group(self._group)
+        self._raise_pending()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ----------------------------------------------------------------- planning (training thread)
+
+    def _snapshot(self, step: int, state: dict) -> Snapshot | None:
+        flat = flatten_for_save(state)
+        metas = [item.meta(dtype_name(item.dtype)) for item in flat.tensors]
+        objects, blobs = encode_objects(flat, 0, self.config.allow_pickle)  # every object: memory restores all
+        plan = self._plan_for(metas)
+        snapshot_bytes = sum(align_up(m.nbytes, ALIGN) for m in metas)
+        self._ensure_arena(snapshot_bytes, any(i.local.device.type == "cuda" for i in flat.tensors))
+        resident = align_up(snapshot_bytes, REGION_ALIGN) <= self._arena.capacity
+        persist = step % self.config.persist_every == 0
+        if not resident and not persist:
+            if not self._warned_streaming:
+                warnings.warn(f"the state ({snapshot_bytes / 1e9:.2f} GB on this rank) does not fit "
+                              f"host_memory_gb={self.config.host_memory_gb:g}: steps that are not persisted "
+                              "cannot be kept in memory and are skipped", RuntimeWarning, stacklevel=3)
+                self._warned_streaming = True
+            return None
+        locals_ = [item.local for item in flat.tensors]
+        return Snapshot(
+            step=step, flat=flat, metas=metas, plan=plan, persist=persist, resident=resident,
+            versions=[version_of(t) for t in locals_], owners=owners_of(locals_, find_optimizers(state)),
+            objects=objects, blobs=dict(blobs), per_rank=per_rank_names(flat), cuda_ready=mark_devices(locals_),
+            rank=self.rank, path=self.persistent.path(step))
+
+    def _plan_for(self, metas: list) -> object:
+        """The save plan, reused while this rank's layout is unchanged (ranks change layout together:
+        a new layout is planned with one all-gather on the trainer's group, here on its thread)."""
+        key = tuple(metas)
+        if key != self._plan_key:
+            self._plan = plan_save(self._comm.all_gather(metas))
+            self._plan_key = key
+        return self._plan
+
+    def _ensure_arena(self, snapshot_bytes: int, pin: bool) -> None:
+        """Allocate the arena once: room for two snapshots (one written while the next is copied)
+        within the budget. Only a layout that outgrows it makes a new one, after the work in flight."""
+        budget = self.config.host_memory_bytes
+        want = min(budget, 2 * align_up(snapshot_bytes, REGION_ALIGN))
+        if self._arena is not None and (self._arena.capacity >= want or self._arena.capacity >= budget):
+            return
+        if self._arena is not None:
+            self._wait_all()
+            self._arena.evict_all()
+            self.memory.clear()
+        pin = pin and torch.cuda.is_available()
+        self._arena = Arena(max(want, REGION_ALIGN), pin)
+        if pin and self._cuda is None:
+            self._cuda = CudaCopier()
+        segment = min(MAX_SEGMENT_BYTES, 1 << max(12, (self._arena.capacity // 4).bit_length() - 1))
+        self._block_bytes = min(self.config.block_bytes, segment)
+        self._segment_bytes = segment // self._block_bytes * self._block_bytes
+
+    # ----------------------------------------------------------------- bookkeeping
+
+    def _wait_for_slot(self, step: int) -> None:
+        """Back-pressure: at most ``max_in_flight`` checkpoints staged or flushing at once."""
+        while True:
+            with self._lock:
+                if len(self._inflight) < self.config.max_in_flight:
+                    return
+                oldest = self._inflight[0]
+            start = now()
+            oldest.finished.wait()
+            self.events.add("backpressure", step, start, now())
+
+    def _wait_all(self) -> None:
+        with self._lock:
+            inflight = list(self._inflight)
+        for snap in inflight:
+            snap.finished.wait()
+
+    def _gates_for(self, optimizer_id: int) -> list:
+        with self._lock:
+            return [(s.step, s.gates[optimizer_id]) for s in self._inflight if optimizer_id in s.gates]
+
+    def _copies_done(self, snap: Snapshot) -> None:
+        if not snap.persist:
+            self._finish(snap)
+
+    def _flushed(self, snap: Snapshot, committed: int | None) -> None:
+        if committed is not None:
+            if self.rank == 0:
+                self._after_commit(snap.step)
+            snap.durable.set_result(snap.path)
+        self._finish(snap)
+
+    def _after_commit(self, step: int) -> None:
+        """Rank 0: start the further-level copy, then apply retention on the persistent level."""
+        if self._further_pool is not None and step % self.config.further_every == 0:
+            with self._lock:
+                self._copying_further.add(step)
+            self._further_pool.submit(self._copy_further, step)
+        with self._lock:
+            protected = set(self._copying_further)
+        try:
+            self.persistent.retain(protected)
+        except OSError as exc:
+            self._record_failure(None, CheckpointError(f"retention in {self.persistent.root} failed: {exc}"))
+
+    def _copy_further(self, step: int) -> None:
+        start = now()
+        try:
+            nbytes = copy_checkpoint(self.persistent, self.further, step, self.config.durable)
+            self.further.retain(set())
+            self.events.add("further", step, start, now(), nbytes)
+        except Exception as exc:  # noqa: BLE001 (surfaces at the next call)
+            self._record_failure(None, as_checkpoint_error(exc, step, self.further.path(step)))
+        finally:
+            with self._lock:
+                self._copying_further.discard(step)
+
+    def _finish(self, snap: Snapshot) -> None:
+        """The snapshot is done: keep it as the memory level (or free its space) and report."""
+        if snap.region is not None:
+            if snap.error is None and snap.resident:
+                self.memory.add(snap)
+                self._arena.hold(snap.region, lambda: self.memory.drop(snap))
+            else:
+                self._arena.release(snap.region)
+        if snap.error is None and not snap.durable.done():
+            snap.durable.set_result(None)  # a step kept in memory only
+        if snap.error is not None:
+            self._record_failure(snap, snap.error)
+        with self._lock:
+            self._inflight.remove(snap)
+        snap.finished.set()
+        self.events.flush()
+
+    def _record_failure(self, snap: Snapshot | None, error: BaseException) -> None:
+        with self._lock:
+            self._failed.append((snap, error))
+
+    def _raise_pending(self) -> None:
+        with self._lock:
+            failing = [(s, s.error) for s in self._inflight if s.error is not None]  # known before it ends
+            failed = [(s, e) for s, e in [*self._failed, *failing] if s is None or not s.reported]
+            self._failed.clear()
+            for snap, _ in failed:
+                if snap is not None:
+                    snap.reported = True
+        if not failed:
+            return
+        error = failed[0][1]
+        if len(failed) > 1:
+            error = CheckpointError(f"{len(failed)} checkpoints failed in the background; the first: {error}")
+            error.__cause__ = failed[0][1]
+        if self.config.on_error == "raise":
+            raise error
+        warnings.warn(str(error), RuntimeWarning, stacklevel=3)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed; create a new one")

@@ -1,0 +1,340 @@
+"""The background pipeline: stage (allocate, copy, check) then flush (checksum, write, fsync, commit).
+
+Two threads keep the order that correctness needs, two pools do the bytes. The *stager* thread
+takes snapshots in ``save()`` order, allocates arena space (blocking when the arena is full:
+back-pressure) and hands batches to copy workers. The *flusher* thread takes persisted snapshots
+in order, writes each batch as soon as its copy is done (write workers checksum and ``pwrite``),
+fsyncs, and commits through the same steps as a blocking save: ``engine.save``'s staging,
+``build_manifest`` and atomic commit. Its only collectives run on a dedicated group, one
+checkpoint after another, never on the trainer's process groups.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine.dist import Comm
+from ..engine.save import RankOutput, _begin, _finish, data_file_name
+from ..errors import CheckpointError
+from ..format.checksum import checksum_blocks
+from ..format.manifest import ObjectEntry
+from ..monitor.events import EventLog, now
+from ..plan.save_plan import ALIGN, SavePlan
+from ..state.items import Flattened, ItemMeta
+from ..storage.base import StorageBackend
+from .hooks import Countdown, check_unchanged
+from .staging import FREE, Arena, Batch, Region, build_batches, copy_into
+
+
+@dataclass(eq=False)
+class Snapshot:
+    """One checkpoint in flight: what ``save()`` recorded and how far the background got."""
+
+    step: int
+    flat: Flattened
+    metas: list[ItemMeta]
+    plan: SavePlan
+    persist: bool
+    resident: bool
+    versions: list
+    owners: list
+    objects: dict  # fqn -> ObjectEntry of every object (the memory level restores all of them)
+    blobs: dict  # fqn -> pickled bytes
+    per_rank: set
+    cuda_ready: dict
+    rank: int = 0
+    staged: Future = field(default_factory=Future)
+    durable: Future = field(default_factory=Future)
+    batches: queue.Queue = field(default_factory=queue.Queue)
+    gates: dict = field(default_factory=dict)  # optimizer id -> Countdown
+    copied: Countdown | None = None
+    region: Region | None = None
+    item_offsets: list = field(default_factory=list)
+    error: BaseException | None = None
+    reported: bool = False
+    path: str = ""
+    finished: threading.Event = field(default_factory=threading.Event)  # nothing of it runs any more
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def fail(self, exc: BaseException) -> None:
+        """Record the first failure and open every gate: nobody waits for a dropped checkpoint."""
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = exc
+        for gate in [*self.gates.values(), self.copied]:
+            if gate is not None:
+                gate.release()
+        for future in (self.staged, self.durable):
+            if not future.done():
+                future.set_exception(exc)
+
+
+def as_checkpoint_error(exc: BaseException, step: int, path: str) -> CheckpointError:
+    if isinstance(exc, CheckpointError):
+        return exc
+    where = f" ({path})" if path else ""
+    error = CheckpointError(f"checkpoint of step {step}{where} failed in the background and was not "
+                            f"committed: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+class Stager:
+    """Allocates arena space for each snapshot in order and runs its copies on worker threads."""
+
+    def __init__(self, arena_of, copy_threads: int, segment_bytes_of, events: EventLog,
+                 on_copies_done, cuda_copier_of):
+        self._arena_of = arena_of  # () -> Arena (it may be replaced between snapshots)
+        self._segment_bytes_of = segment_bytes_of
+        self._events = events
+        self._on_copies_done = on_copies_done  # (snap) once no copy of it runs any more
+        self._cuda_copier_of = cuda_copier_of
+        self._pool = ThreadPoolExecutor(copy_threads, thread_name_prefix="statesnap-copy")
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="statesnap-stager", daemon=True)
+        self._thread.start()
+
+    def submit(self, snap: Snapshot) -> None:
+        snap.copied = Countdown(on_zero=lambda: self._copies_done(snap))
+        snap.gates = {owner: Countdown() for owner in set(snap.owners) if owner is not None}
+        self._queue.put(snap)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._pool.shutdown(wait=True)
+
+    def _run(self) -> None:
+        for snap in iter(self._queue.get, None):
+            try:
+                self._stage(snap)
+            except BaseException as exc:  # noqa: BLE001 (reported through the snapshot)
+                snap.fail(as_checkpoint_error(exc, snap.step, snap.path))
+            finally:
+                snap.batches.put(None)
+                for gate in [*snap.gates.values(), snap.copied]:
+                    gate.finish()
+
+    def _stage(self, snap: Snapshot) -> None:
+        arena: Arena = self._arena_of()
+        items = snap.flat.tensors
+        sizes = [item.nbytes for item in items]
+        # Tensors no optimizer changes go first (something else may touch them), then by optimizer.
+        order = sorted(range(len(items)), key=lambda i: (snap.owners[i] is not None, str(snap.owners[i])))
+        writes = {index: offset for index, offset in snap.plan.writes[snap.rank]} if snap.persist else {}
+        splittable = [item.local.is_contiguous() for item in items]
+        batches, snap.item_offsets = build_batches(order, sizes, splittable, snap.owners, writes,
+                                                   snap.resident, self._segment_bytes_of())
+        if snap.resident:
+            end = batches[-1].arena_span[1] if batches else 0
+            snap.region = self._allocate(arena, end, snap)
+        for batch in batches:
+            if snap.error is not None:
+                break
+            if not snap.resident:
+                batch.region = self._allocate(arena, batch.arena_span[1], snap)
+            for owner in batch.owners:
+                snap.gates[owner].add()
+            snap.copied.add()
+            snap.batches.put((batch, self._pool.submit(self._copy, arena, snap, batch)))
+
+    def _allocate(self, arena: Arena, nbytes: int, snap: Snapshot) -> Region:
+        start = now()
+        region = arena.allocate(nbytes)
+        if now() - start > 1e-3:
+            self._events.add("arena-wait", snap.step, start, now())
+        return region
+
+    def _copy(self, arena: Arena, snap: Snapshot, batch: Batch) -> None:
+        base = (snap.region or batch.region).start
+        try:
+            if snap.error is not None:
+                return
+            start, nbytes = now(), 0
+            items = snap.flat.tensors
+            for seg in batch.segments:
+                src = items[seg.item].local
+                cuda_copy = None
+                if src.device.type == "cuda":
+                    ready = snap.cuda_ready[src.device.index]
+                    cuda_copy = lambda d, s, o, r=ready: self._cuda_copier_of().copy(d, s, o, r)  # noqa: E731
+                copy_into(arena.view(base + seg.arena, seg.nbytes), src, seg.offset, cuda_copy)
+                nbytes += seg.nbytes
+            for item in {seg.item for seg in batch.segments}:
+                check_unchanged(items[item].local, snap.versions[item], items[item].fqn, snap.step)
+            self._events.add("copy", snap.step, start, now(), nbytes)
+        except BaseException as exc:  # noqa: BLE001 (reported through the snapshot)
+            snap.fail(as_checkpoint_error(exc, snap.step, snap.path))
+        finally:
+            for owner in batch.owners:
+                snap.gates[owner].finish()
+            snap.copied.finish()
+
+    def _copies_done(self, snap: Snapshot) -> None:
+        if snap.error is None and not snap.staged.done():
+            snap.staged.set_result(snap.step)
+        self._on_copies_done(snap)
+
+
+@dataclass
+class FlushTarget:
+    """Where and how the flusher writes: the persistent level's backend and the commit settings."""
+
+    backend: StorageBackend
+    comm: Comm
+    durable: bool
+    threads: int
+    block_bytes_of: Any  # () -> int
+
+
+class Flusher:
+    """Writes persisted snapshots in order and commits them on all ranks together."""
+
+    def __init__(self, target: FlushTarget, arena_of, events: EventLog, on_done):
+        self.target = target
+        self._arena_of = arena_of
+        self._events = events
+        self._on_done = on_done  # (snap, committed bytes or None) after each snapshot
+        self._pool = ThreadPoolExecutor(target.threads, thread_name_prefix="statesnap-write")
+        self._queue: queue.Queue = queue.Queue()
+        self.broken: BaseException | None = None  # a failed collective: later commits cannot agree
+        self._thread = threading.Thread(target=self._run, name="statesnap-flusher", daemon=True)
+        self._thread.start()
+
+    def submit(self, snap: Snapshot) -> None:
+        self._queue.put(snap)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._pool.shutdown(wait=True)
+
+    def _run(self) -> None:
+        for snap in iter(self._queue.get, None):
+            committed = None
+            try:
+                committed = self._flush(snap)
+            except BaseException as exc:  # noqa: BLE001 (reported through the snapshot)
+                snap.fail(as_checkpoint_error(exc, snap.step, snap.path))
+            self._on_done(snap, committed)
+
+    def _flush(self, snap: Snapshot) -> int:
+        if self.broken is not None:
+            self._drain(snap)
+            raise CheckpointError(f"checkpoint of step {snap.step} skipped: an earlier commit could not reach "
+                                  f"the other ranks ({self.broken}); restart the job from the last checkpoint")
+        comm, backend = self.target.comm, self.target.backend
+        try:
+            staging, token = comm.broadcast(self._begin(snap) if comm.rank == 0 else None)
+        except BaseException as exc:
+            self.broken = exc
+            self._drain(snap)
+            raise
+        output, error = None, None
+        try:
+            if staging is None:
+                raise CheckpointError(f"could not start checkpoint {snap.path}: {token}")
+            output = self._write(snap, staging, token)
+        except BaseException as exc:  # noqa: BLE001 (every rank must reach the gather below)
+            error = snap.error or exc
+        finally:
+            self._drain(snap)
+        error = error or snap.error
+        try:
+            outputs = comm.gather((output, None if error is None else f"{type(error).__name__}: {error}"))
+            result = None
+            if comm.rank == 0 and staging is not None:
+                with self._events.timed("commit", snap.step):
+                    result = _finish(backend, snap.path, staging, snap.plan, outputs, comm.world_size, True,
+                                     self.target.durable, self.target.block_bytes_of(), {"step": snap.step})
+            result = comm.broadcast(result)
+        except BaseException as exc:
+            self.broken = exc
+            raise
+        if error is not None:
+            raise error
+        if not isinstance(result, int):
+            raise CheckpointError(result or f"checkpoint {snap.path} was not committed")
+        return result
+
+    def _begin(self, snap: Snapshot) -> tuple:
+        try:
+            return _begin(self.target.backend, snap.path, True)
+        except Exception as exc:  # noqa: BLE001 (sent to the other ranks instead of hanging them)
+            return None, f"{type(exc).__name__}: {exc}"
+
+    def _drain(self, snap: Snapshot) -> None:
+        """Wait for every copy of ``snap`` and free streaming regions not freed by a write."""
+        arena = self._arena_of()
+        for batch, future in iter(snap.batches.get, None):
+            future.result()
+            if batch.region is not None and batch.region.state != FREE:
+                arena.release(batch.region)
+        snap.batches.put(None)  # idempotent: a later drain finds the end at once
+
+    def _write(self, snap: Snapshot, staging: str, token: str) -> RankOutput:
+        backend, rank = self.target.backend, self.target.comm.rank
+        blobs = [(fqn, blob) for fqn, blob in snap.blobs.items() if rank == 0 or fqn in snap.per_rank]
+        entries = {fqn: e for fqn, e in snap.objects.items() if rank == 0 or fqn in snap.per_rank}
+        if not snap.plan.writes[rank] and not blobs:
+            return RankOutput(None, 0, {}, entries, snap.per_rank)
+        name = data_file_name(token, rank)
+        writer = backend.open_write(backend.join(staging, name))
+        sums: dict[tuple[int, int], list[int]] = {}
+        pending = []
+        try:
+            for batch, copied in iter(snap.batches.get, None):
+                copied.result()
+                if snap.error is None and any(seg.file is not None for seg in batch.segments):
+                    pending.append(self._pool.submit(self._write_batch, snap, batch, writer, sums))
+                elif batch.region is not None:
+                    self._arena_of().release(batch.region)
+            snap.batches.put(None)
+            if snap.error is not None:
+                raise snap.error
+            for future in pending:
+                future.result()
+            end = self._write_blobs(writer, blobs, entries, snap.plan.file_bytes[rank])
+        except BaseException:
+            wait(pending)  # the file is closed only once no write uses it any more
+            writer.close(durable=False)
+            raise
+        with self._events.timed("fsync", snap.step):
+            writer.close(self.target.durable)
+        checksums = {}
+        for (item, _offset), block_sums in sorted(sums.items()):
+            checksums.setdefault(item, []).extend(block_sums)
+        return RankOutput(name, max(end, snap.plan.file_bytes[rank]), checksums, entries, snap.per_rank)
+
+    def _write_blobs(self, writer, blobs: list, entries: dict, end: int) -> int:
+        """Pickled values (``allow_pickle``) go after the tensor data, as in a blocking save."""
+        block = self.target.block_bytes_of()
+        for fqn, blob in blobs:
+            if len(blob) > block:
+                raise CheckpointError(f"{fqn}: pickled value over {block} bytes is not supported")
+            writer.pwrite(end, [memoryview(blob)])
+            entries[fqn] = ObjectEntry("pickle", [None, end, len(blob), checksum_blocks([memoryview(blob)], block)[0]])
+            end += -(-len(blob) // ALIGN) * ALIGN
+        return end
+
+    def _write_batch(self, snap: Snapshot, batch: Batch, writer, sums: dict) -> None:
+        arena = self._arena_of()
+        base = (snap.region or batch.region).start
+        try:
+            segments = [seg for seg in batch.segments if seg.file is not None]
+            views = [arena.view(base + seg.arena, seg.nbytes).numpy().data for seg in segments]
+            nbytes = sum(seg.nbytes for seg in segments)
+            with self._events.timed("checksum", snap.step, nbytes):
+                block = self.target.block_bytes_of()
+                for seg, view in zip(segments, views):
+                    sums[(seg.item, seg.offset)] = checksum_blocks([view], block)
+            with self._events.timed("write", snap.step, nbytes):
+                for seg, view in zip(segments, views):
+                    writer.pwrite(seg.file, [view])
+        finally:
+            if batch.region is not None:
+                arena.release(batch.region)

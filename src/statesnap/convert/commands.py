@@ -1,0 +1,76 @@
+"""``statesnap convert`` and ``statesnap export``: the command-line faces of ss.convert / ss.export."""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Any, Callable
+
+from ..errors import CheckpointError
+from .api import SOURCES, TARGETS, convert, export
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as ``500MB``, ``5GB`` (powers of 1000) or ``2GiB`` (powers of 1024)."""
+    m = _SIZE.match(text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 500MB, 5GB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _parser(name: str, description: str, src_help: str, dst_help: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"statesnap {name}", description=description)
+    parser.add_argument("src", help=src_help)
+    parser.add_argument("dst", help=dst_help)
+    parser.add_argument("--spec", help='transform spec: a JSON file {"ops": [...]} (rename, drop, keep, fuse, '
+                                       "split; see docs/convert.md)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="convert: store non-plain values with pickle; export: include pickled values")
+    return parser
+
+
+def _run(name: str, call: Callable[[], Any]) -> Any:
+    """The call's result, or None after printing the CheckpointError it raised."""
+    try:
+        return call()
+    except CheckpointError as exc:
+        print(f"statesnap {name}: {exc}", file=sys.stderr)
+        return None
+
+
+def convert_main(argv: list[str]) -> int:
+    parser = _parser("convert", "Convert a foreign checkpoint into a statesnap checkpoint.",
+                     "torch.save file or directory of them, DCP directory, safetensors file/index/directory",
+                     "statesnap checkpoint to create (a path or fsspec URL)")
+    parser.add_argument("--from", dest="source", choices=sorted(SOURCES), help="source format (default: detect)")
+    args = parser.parse_args(argv)
+    info = _run("convert", lambda: convert(args.src, args.dst, source=args.source, spec=args.spec,
+                                           overwrite=args.overwrite, allow_pickle=args.allow_pickle))
+    if info is None:
+        return 1
+    print(f"converted {args.src} -> {info.path}: {info.bytes} bytes in {info.seconds:.2f} s")
+    return 0
+
+
+def export_main(argv: list[str]) -> int:
+    parser = _parser("export", "Export a statesnap checkpoint as one consolidated foreign checkpoint.",
+                     "statesnap checkpoint (a path or fsspec URL)",
+                     "file (.safetensors, torch) or directory (safetensors, dcp) to create")
+    parser.add_argument("--to", choices=TARGETS, default="safetensors", help="format (default: safetensors)")
+    parser.add_argument("--max-shard-size", type=parse_size, help="safetensors shard size, e.g. 5GB or 2GiB")
+    args = parser.parse_args(argv)
+    info = _run("export", lambda: export(args.src, args.dst, to=args.to, spec=args.spec,
+                                         max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
+                                         allow_pickle=args.allow_pickle))
+    if info is None:
+        return 1
+    print(f"exported {args.src} -> {info.path} ({info.to}): {info.tensors} tensors, {info.bytes} bytes "
+          f"in {len(info.files)} file(s), {info.seconds:.2f} s")
+    for line in info.skipped:
+        print(f"  skipped {line}")
+    return 0

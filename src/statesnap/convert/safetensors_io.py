@@ -1,0 +1,153 @@
+"""Hugging Face safetensors in and out: one file, or shards listed by ``model.safetensors.index.json``.
+
+Reading goes through the ``safetensors`` package's ``safe_open``, whose tensors are memory-mapped:
+a converter holds page-cache pages, not copies. Writing streams the format (an 8-byte header
+length, a JSON header, then raw little-endian bytes) one tensor at a time, because the package's
+``save_file`` wants every tensor of a file in memory at once, and a consolidated export of a
+large model would not fit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..engine.buffers import byte_view, host_contiguous
+from ..errors import CheckpointError
+from ..format.dtypes import itemsize
+from .transform import is_tensor, materialize
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+SUFFIX = ".safetensors"
+HEADER_ALIGN = 8
+# The dtype names of the safetensors specification.
+DTYPE_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ", torch.complex64: "C64",
+}
+
+
+def read(src: str) -> dict[str, Any]:
+    """``{name: memory-mapped tensor}`` of a safetensors file, an index json, or a directory."""
+    out: dict[str, Any] = {}
+    expected = None
+    files = [src]
+    if os.path.isdir(src) or src.endswith(".json"):
+        files, expected = _shard_files(src)
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    if name in out:
+                        raise CheckpointError(f"{path}: tensor {name!r} is also in another shard")
+                    if expected is not None and expected.get(name) != path:
+                        raise CheckpointError(f"{path}: tensor {name!r} is not listed for this file in the index")
+                    out[name] = f.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from None
+    missing = sorted(set(expected or ()) - set(out))
+    if missing:
+        raise CheckpointError(f"{src}: the index lists tensors that no shard holds: {', '.join(missing[:20])}")
+    return out
+
+
+def _shard_files(src: str) -> tuple[list[str], dict[str, str] | None]:
+    """The shard files to read and, from an index, which file each tensor must come from."""
+    index = src if src.endswith(".json") else os.path.join(src, INDEX_NAME)
+    if not os.path.isfile(index):
+        files = sorted(os.path.join(src, n) for n in os.listdir(src) if n.endswith(SUFFIX))
+        if not files:
+            raise CheckpointError(f"{src} holds neither {INDEX_NAME} nor any {SUFFIX} file")
+        return files, None
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index} is not a safetensors index (needs a weight_map): {exc}") from None
+    root = os.path.dirname(os.path.abspath(index))
+    expected = {}
+    for name, file in weight_map.items():
+        path = os.path.normpath(os.path.join(root, str(file)))
+        if os.path.dirname(path) != root:
+            raise CheckpointError(f"{index}: shard {file!r} of {name!r} is outside {root}; refusing to read it")
+        expected[name] = path
+    return sorted(set(expected.values())), expected
+
+
+def write(values: dict[str, Any], target: str, max_shard_bytes: int | None = None) -> list[str]:
+    """Write the tensors of ``values`` as safetensors; return the files written.
+
+    ``target`` ending in ``.safetensors`` is one file. Otherwise it is a directory in Hugging
+    Face's layout: ``model.safetensors``, or with ``max_shard_bytes`` as many
+    ``model-0000k-of-0000n.safetensors`` shards as needed plus ``model.safetensors.index.json``.
+    A tensor larger than ``max_shard_bytes`` gets a shard of its own. Non-tensor values are left
+    out: the caller reports them."""
+    tensors = [(name, value) for name, value in values.items() if is_tensor(value)]
+    shards = _plan_shards(tensors, max_shard_bytes)
+    if target.endswith(SUFFIX):
+        if len(shards) > 1:
+            raise CheckpointError(f"{target}: {len(shards)} shards do not fit one file; export to a directory")
+        _write_file(target, tensors)
+        return [target]
+    os.makedirs(target, exist_ok=True)
+    if len(shards) == 1:
+        _write_file(os.path.join(target, SINGLE_NAME), tensors)
+        return [SINGLE_NAME]
+    names = [f"model-{k + 1:05d}-of-{len(shards):05d}{SUFFIX}" for k in range(len(shards))]
+    for name, shard in zip(names, shards):
+        _write_file(os.path.join(target, name), shard)
+    index = {"metadata": {"total_size": sum(tensor_bytes(v) for _, v in tensors)},
+             "weight_map": {tensor: name for name, shard in zip(names, shards) for tensor, _ in shard}}
+    with open(os.path.join(target, INDEX_NAME), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+    return [*names, INDEX_NAME]
+
+
+def _plan_shards(tensors: list[tuple[str, Any]], max_shard_bytes: int | None) -> list[list[tuple[str, Any]]]:
+    shards: list[list] = [[]]
+    used = 0
+    for name, value in tensors:
+        size = tensor_bytes(value)
+        if max_shard_bytes is not None and shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append((name, value))
+        used += size
+    return shards
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of a tensor or Lazy, from dtype and shape alone."""
+    return torch.Size(value.shape).numel() * itemsize(value.dtype)
+
+
+def _write_file(path: str, tensors: list[tuple[str, Any]]) -> None:
+    """Header first (shapes and dtypes are known without reading), then each tensor's bytes in turn."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, value in tensors:
+        if value.dtype not in DTYPE_NAMES:
+            raise CheckpointError(f"{name}: dtype {value.dtype} has no safetensors name; export to torch or dcp")
+        size = tensor_bytes(value)
+        header[name] = {"dtype": DTYPE_NAMES[value.dtype], "shape": list(value.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % HEADER_ALIGN)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for name, value in tensors:
+            tensor = host_contiguous(materialize(value))
+            if tensor.dtype != value.dtype or tuple(tensor.shape) != tuple(value.shape):
+                raise CheckpointError(f"{name}: read {tensor.dtype}{list(tensor.shape)}, "
+                                      f"expected {value.dtype}{list(value.shape)}")
+            f.write(byte_view(tensor))

@@ -1,0 +1,66 @@
+"""``torch.save`` files in and out, unpickled only with ``torch.load(weights_only=True)``.
+
+A ``.pt`` file is a pickle, and unpickling runs whatever code it names. PyTorch's weights-only
+unpickler admits tensors, containers and a short allow-list of types; anything else (a class from
+the training code, ``os.system``) is refused, and we report that as an error naming the file
+rather than fall back to full unpickling. Types the caller trusts can be admitted with
+``torch.serialization.add_safe_globals``. Zip-format files are memory-mapped, so converting a
+large file does not first copy it into memory.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, UnsafeCheckpointError
+from .transform import materialize
+from .tree import flatten_tree
+
+SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def read(src: str) -> dict[str, Any]:
+    """``{name: tensor or plain value}`` of one file, or of every torch.save file under a directory.
+
+    From a directory (one file per rank, as Megatron writes ``mp_rank_00/model_optim_rng.pt``),
+    each name starts with the file's path relative to it, without suffix, so that a transform spec
+    can fuse the per-rank slices: ``mp_rank_00/model_optim_rng.<key>``."""
+    if not os.path.isdir(src):
+        return flatten_tree(load_file(src), src)
+    files = sorted(os.path.relpath(os.path.join(top, name), src)
+                   for top, _, names in os.walk(src) for name in names if name.endswith(SUFFIXES))
+    if not files:
+        raise CheckpointError(f"{src} holds no torch.save files ({', '.join(SUFFIXES)})")
+    out: dict[str, Any] = {}
+    for rel in files:
+        path = os.path.join(src, rel)
+        prefix = os.path.splitext(rel)[0].replace(os.sep, "/")
+        out.update(flatten_tree(load_file(path), path, prefix))
+    return out
+
+
+def load_file(path: str) -> Any:
+    """The object in a torch.save file, loaded with the weights-only unpickler."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"no torch.save file at {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+        reason = next((line for line in lines if "unsupported" in line.lower()), lines[0])
+        raise UnsafeCheckpointError(
+            f"{path}: refused to unpickle, because it needs more than tensors and plain data ({reason}). "
+            "statesnap never runs code from a checkpoint; if you trust the file and the type is harmless, "
+            "admit it with torch.serialization.add_safe_globals([...]) and convert again") from None
+    except Exception as exc:
+        raise CheckpointError(f"{path} is not a readable torch.save file: {type(exc).__name__}: {exc}") from None
+
+
+def write(values: dict[str, Any], target: str) -> list[str]:
+    """One torch.save file of the flat ``{name: value}`` map (it holds every tensor in memory at once)."""
+    torch.save({name: materialize(value) for name, value in values.items()}, target)
+    return [target]

@@ -1,0 +1,119 @@
+"""Checkpoint events: one record per phase, rank and checkpoint, with bytes and wall-clock times.
+
+Events answer "where did the time go?": the training loop only cares about the *stall* phases
+(time it was blocked), while the background phases show whether persistence keeps up. The log
+keeps every event in memory for :meth:`EventLog.summary` and appends them as JSON lines to a
+per-rank file that ``statesnap trace`` turns into a Chrome/Perfetto trace and a PNG timeline.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+# Phases on the training thread: the time training is blocked by checkpointing.
+STALL_PHASES = ("save", "backpressure", "wait-in-hook", "wait-staged")
+# Phases in background threads.
+BACKGROUND_PHASES = ("copy", "checksum", "write", "fsync", "commit", "further", "arena-wait")
+PHASES = ("plan", *STALL_PHASES, *BACKGROUND_PHASES, "load")
+
+
+def now() -> float:
+    """Wall-clock seconds: comparable across ranks and processes on one machine (for traces)."""
+    return time.time()
+
+
+@dataclass
+class Event:
+    phase: str
+    step: int
+    rank: int
+    start: float
+    end: float
+    nbytes: int = 0
+    thread: str = ""
+    info: dict = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+class EventLog:
+    """Thread-safe event sink; ``path`` (a local JSON-lines file) is appended on :meth:`flush`."""
+
+    def __init__(self, rank: int, path: str | None):
+        self.rank = rank
+        self.path = path
+        self.events: list[Event] = []
+        self._unwritten: list[Event] = []
+        self._lock = threading.Lock()
+        if path:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+
+    def add(self, phase: str, step: int, start: float, end: float, nbytes: int = 0, **info) -> Event:
+        event = Event(phase, step, self.rank, start, end, nbytes, threading.current_thread().name, info)
+        with self._lock:
+            self.events.append(event)
+            self._unwritten.append(event)
+        return event
+
+    @contextmanager
+    def timed(self, phase: str, step: int, nbytes: int = 0, **info):
+        start = now()
+        try:
+            yield
+        finally:
+            self.add(phase, step, start, now(), nbytes, **info)
+
+    def flush(self) -> None:
+        """Append the events not yet written to the events file (no-op without a file)."""
+        with self._lock:
+            batch, self._unwritten = self._unwritten, []
+        if not self.path or not batch:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(asdict(e), separators=(",", ":")) + "\n" for e in batch)
+
+    def summary(self) -> dict:
+        """Sums over all events so far; see docs/checkpointer.md for what each key means."""
+        with self._lock:
+            events = list(self.events)
+        phases: dict[str, dict] = {}
+        stall_by_step: dict[int, float] = {}
+        hook_by_step: dict[int, float] = {}
+        for e in events:
+            agg = phases.setdefault(e.phase, {"seconds": 0.0, "bytes": 0, "count": 0})
+            agg["seconds"] += e.seconds
+            agg["bytes"] += e.nbytes
+            agg["count"] += 1
+            if e.phase in STALL_PHASES:
+                stall_by_step[e.step] = stall_by_step.get(e.step, 0.0) + e.seconds
+            if e.phase == "wait-in-hook":
+                hook_by_step[e.step] = hook_by_step.get(e.step, 0.0) + e.seconds
+        saved = [e.step for e in events if e.phase == "save"]
+
+        def total(*names):
+            return sum(phases.get(n, {}).get("seconds", 0.0) for n in names)
+
+        written = phases.get("write", {}).get("bytes", 0)
+        flushing = total("checksum", "write", "fsync", "commit")
+        stalls = [stall_by_step.get(s, 0.0) for s in saved]
+        return {
+            "checkpoints": len(saved),
+            "stall_s": total(*STALL_PHASES),
+            "stall_s_per_checkpoint": stalls,
+            "stall_median_s": statistics.median(stalls) if stalls else 0.0,
+            "hook_wait_s": total("wait-in-hook"),
+            "hook_wait_s_per_checkpoint": [hook_by_step.get(s, 0.0) for s in saved],
+            "backpressure_s": total("backpressure", "arena-wait"),
+            "background_s": total(*BACKGROUND_PHASES) - total("arena-wait"),
+            "bytes_staged": phases.get("copy", {}).get("bytes", 0),
+            "bytes_written": written,
+            "write_throughput_gbps": written / flushing / 1e9 if flushing else 0.0,
+            "phases": phases,
+        }

@@ -1,0 +1,110 @@
+"""``statesnap trace``: turn a Checkpointer's events into a Chrome/Perfetto trace and a PNG timeline.
+
+The Checkpointer appends its events to ``<root>/events/rank-NNNNN.jsonl``. The trace puts each
+rank in its own process row and each thread (training thread, copy and write workers, flusher)
+in its own lane, so a stall shows up as a bar on the training thread and the copies that caused
+it as bars right above. Open the JSON in https://ui.perfetto.dev or chrome://tracing.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+from .events import BACKGROUND_PHASES, STALL_PHASES
+
+COLORS = {"save": "#d62728", "backpressure": "#8c564b", "wait-in-hook": "#ff7f0e", "wait-staged": "#e377c2",
+          "plan": "#bcbd22", "copy": "#1f77b4", "checksum": "#17becf", "write": "#2ca02c", "fsync": "#9467bd",
+          "commit": "#7f7f7f", "further": "#aec7e8", "arena-wait": "#c49c94", "load": "#98df8a"}
+
+
+def event_files(source: str) -> list[str]:
+    """The events files of a checkpoint root, an events directory, or one file."""
+    if os.path.isfile(source):
+        return [source]
+    for folder in (os.path.join(source, "events"), source):
+        files = sorted(glob.glob(os.path.join(folder, "rank-*.jsonl")))
+        if files:
+            return files
+    return []
+
+
+def read_events(files: list[str]) -> list[dict]:
+    events = []
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            events.extend(json.loads(line) for line in f if line.strip())
+    return sorted(events, key=lambda e: e["start"])
+
+
+def chrome_trace(events: list[dict]) -> dict:
+    """Complete ("X") events in microseconds from the first event; one process per rank."""
+    origin = min(e["start"] for e in events)
+    lanes: dict[tuple[int, str], int] = {}
+    trace = []
+    for e in events:
+        lane = lanes.setdefault((e["rank"], e["thread"]), len(lanes))
+        trace.append({"name": e["phase"], "cat": "stall" if e["phase"] in STALL_PHASES else "background",
+                      "ph": "X", "pid": e["rank"], "tid": lane, "ts": (e["start"] - origin) * 1e6,
+                      "dur": max(e["end"] - e["start"], 0) * 1e6,
+                      "args": {"step": e["step"], "bytes": e["nbytes"], **e.get("info", {})}})
+    for (rank, thread), lane in lanes.items():
+        trace.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": lane, "args": {"name": thread}})
+    for rank in sorted({rank for rank, _ in lanes}):
+        trace.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def plot_timeline(events: list[dict], path: str) -> None:
+    """One row per (rank, thread), one coloured bar per event."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    origin = min(e["start"] for e in events)
+    rows = sorted({(e["rank"], e["thread"]) for e in events}, key=lambda r: (r[0], r[1] != "MainThread", r[1]))
+    index = {row: i for i, row in enumerate(rows)}
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.35 * len(rows)))
+    for e in events:
+        ax.broken_barh([(e["start"] - origin, max(e["end"] - e["start"], 1e-5))],
+                       (index[(e["rank"], e["thread"])] - 0.4, 0.8), color=COLORS.get(e["phase"], "black"))
+    ax.set_yticks(range(len(rows)), [f"r{rank} {thread}" for rank, thread in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.set_title("statesnap checkpoint timeline")
+    shown = [p for p in (*STALL_PHASES, "plan", *BACKGROUND_PHASES) if any(e["phase"] == p for e in events)]
+    ax.legend(handles=[Patch(color=COLORS[p], label=p) for p in shown], fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="statesnap trace", description=__doc__.splitlines()[0])
+    parser.add_argument("source", help="a Checkpointer root, its events directory, or one events file")
+    parser.add_argument("-o", "--output", default=None, help="trace JSON path (default: <source>/trace.json)")
+    parser.add_argument("--png", default=None, help="timeline PNG path (default: next to the JSON)")
+    parser.add_argument("--no-png", action="store_true", help="write only the JSON trace")
+    args = parser.parse_args(argv)
+    files = event_files(args.source)
+    if not files:
+        print(f"statesnap trace: no events files (rank-*.jsonl) under {args.source}", file=sys.stderr)
+        return 1
+    events = read_events(files)
+    if not events:
+        print(f"statesnap trace: the events files under {args.source} are empty", file=sys.stderr)
+        return 1
+    folder = args.source if os.path.isdir(args.source) else os.path.dirname(args.source)
+    output = args.output or os.path.join(folder, "trace.json")
+    with open(output, "w", encoding="utf-8") as f:
+        json.dump(chrome_trace(events), f)
+    print(f"wrote {output} ({len(events)} events from {len(files)} rank file(s))")
+    if not args.no_png:
+        png = args.png or os.path.splitext(output)[0] + ".png"
+        plot_timeline(events, png)
+        print(f"wrote {png}")
+    return 0

@@ -1,0 +1,220 @@
+"""``statesnap inspect``, ``verify`` and ``diff``: look at checkpoints without a training script.
+
+All three go through :class:`statesnap.Reader`, so they apply exactly the validation and
+checksums a load applies, and work on any path or fsspec URL a load accepts. Exit codes are for
+scripts: 0 means good (or identical), 1 damaged (or different), 2 could not compare.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+
+from .errors import CheckpointError
+from .format.dtypes import dtype_name
+from .format.manifest import MANIFEST_NAME, ObjectEntry
+from .reader import Reader, TensorInfo
+
+# exit codes, as diff(1) has them: all good, damage or differences found, could not compare
+OK, FOUND, TROUBLE = 0, 1, 2
+# diff reads large tensors a slab of rows at a time, so comparing 70B checkpoints fits in memory
+DIFF_SLAB_BYTES = 64 << 20
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"statesnap {prog}", description=description)
+    parser.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
+                        help="fsspec storage options as a JSON object (for URLs such as s3://...)")
+    return parser
+
+
+def _open(path: str, args) -> Reader:
+    return Reader(path, storage_options=args.storage_options)
+
+
+# -- inspect ------------------------------------------------------------------------------------
+def describe(reader: Reader) -> dict:
+    """Everything ``inspect`` shows, as JSON-ready data."""
+    manifest = reader.manifest
+    tensors, objects = [], []
+    for fqn in reader.keys():
+        info = reader.info(fqn)
+        if isinstance(info, TensorInfo):
+            tensors.append({"name": fqn, "dtype": dtype_name(info.dtype), "shape": list(info.shape),
+                            "bytes": info.nbytes, "pieces": info.pieces, "layout": info.layout,
+                            "files": info.files})
+        else:
+            objects.append({"name": fqn, "kind": info.kind})
+    manifest_path = reader.backend.join(reader.path, MANIFEST_NAME)
+    manifest_file = reader.backend.open_read(manifest_path)
+    try:
+        manifest_bytes = manifest_file.size()
+    finally:
+        manifest_file.close()
+    return {
+        "path": reader.path, "format_version": manifest.version, "world_size": manifest.world_size,
+        "block_bytes": manifest.block_bytes, "meta": manifest.meta,
+        "files": [{"name": n, "bytes": s} for n, s in zip(manifest.files, manifest.file_sizes)],
+        "tensors": tensors, "objects": objects,
+        "totals": {"tensors": len(tensors), "objects": len(objects), "pieces": sum(t["pieces"] for t in tensors),
+                   "tensor_bytes": sum(t["bytes"] for t in tensors), "files": len(manifest.files),
+                   "file_bytes": manifest.total_bytes, "manifest_bytes": manifest_bytes},
+    }
+
+
+def _columns(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+            for row in rows]
+
+
+def print_description(doc: dict, show_files: bool) -> None:
+    totals = doc["totals"]
+    print(f"{doc['path']}: statesnap format v{doc['format_version']}, saved by {doc['world_size']} rank(s)")
+    if doc["tensors"]:
+        rows = [["tensor", "dtype", "shape", "bytes", "pieces"]]
+        rows += [[t["name"], t["dtype"], str(t["shape"]), human_bytes(t["bytes"]),
+                  str(t["pieces"]) + ("" if t["layout"] == "box" else " flat")] for t in doc["tensors"]]
+        print("\n".join(_columns(rows)))
+    if doc["objects"]:
+        print("\n".join(_columns([["object", "kind"]] + [[o["name"], o["kind"]] for o in doc["objects"]])))
+    if show_files:
+        print("\n".join(_columns([["file", "bytes"]] + [[f["name"], human_bytes(f["bytes"])] for f in doc["files"]])))
+    print(f"total: {totals['tensors']} tensors in {totals['pieces']} pieces, {human_bytes(totals['tensor_bytes'])}; "
+          f"{totals['objects']} objects; {totals['files']} data files, {human_bytes(totals['file_bytes'])}; "
+          f"manifest {human_bytes(totals['manifest_bytes'])}")
+
+
+def inspect_main(argv: list[str]) -> int:
+    parser = _parser("inspect", "list a checkpoint's tensors, dtypes, shapes, bytes, pieces and totals")
+    parser.add_argument("path", help="checkpoint directory or URL")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    parser.add_argument("--files", action="store_true", help="also list the data files")
+    args = parser.parse_args(argv)
+    try:
+        doc = describe(_open(args.path, args))
+    except CheckpointError as exc:
+        print(f"statesnap inspect: {exc}", file=sys.stderr)
+        return TROUBLE
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print_description(doc, args.files)
+    return OK
+
+
+# -- verify -------------------------------------------------------------------------------------
+def verify_main(argv: list[str]) -> int:
+    parser = _parser("verify", "read every stored byte of each checkpoint and check its checksums")
+    parser.add_argument("paths", nargs="+", metavar="path", help="checkpoint directories or URLs")
+    args = parser.parse_args(argv)
+    status = OK
+    for path in args.paths:
+        try:
+            reader = _open(path, args)
+            checked = reader.verify()
+        except CheckpointError as exc:
+            print(f"DAMAGED {path}: {exc}", file=sys.stderr)
+            status = FOUND
+            continue
+        print(f"ok {path}: {len(reader.manifest.tensors)} tensors, {human_bytes(checked)} verified")
+    return status
+
+
+# -- diff ---------------------------------------------------------------------------------------
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |a - b| over elements whose bits differ (NaN where either side is NaN)."""
+    if a.numel() == 0:
+        return 0.0
+    wide = torch.complex128 if a.is_complex() else torch.float64
+    as_bytes = lambda t: t.reshape(-1).view(torch.uint8).reshape(t.numel(), -1)  # noqa: E731
+    differs = (as_bytes(a) != as_bytes(b)).any(dim=1)
+    if not differs.any():
+        return 0.0
+    delta = (a.reshape(-1)[differs].to(wide) - b.reshape(-1)[differs].to(wide)).abs()
+    return math.nan if delta.isnan().any() else float(delta.max())
+
+
+def compare_tensor(left: Reader, right: Reader, fqn: str) -> float:
+    """Max abs difference of ``fqn`` in two checkpoints (0.0: bit-identical), a slab at a time."""
+    entry = left.manifest.tensors[fqn]
+    if not entry.shape or entry.numel == 0:
+        return max_abs_diff(left.read(fqn).contiguous(), right.read(fqn).contiguous())
+    row_bytes = max(1, entry.numel // entry.shape[0] * entry.dtype.itemsize)
+    rows = max(1, DIFF_SLAB_BYTES // row_bytes)
+    worst = 0.0
+    for start in range(0, entry.shape[0], rows):
+        region = slice(start, min(start + rows, entry.shape[0]))
+        found = max_abs_diff(left.read(fqn, region), right.read(fqn, region))
+        worst = found if math.isnan(found) else max(worst, found)
+        if math.isnan(worst):
+            break
+    return worst
+
+
+def diff(left: Reader, right: Reader, atol: float = 0.0) -> list[str]:
+    """One line per difference between two checkpoints, key by key (empty: they match)."""
+    lines = []
+    left_keys, right_keys = set(left.keys()), set(right.keys())
+    lines += [f"only in {left.path}: {k}" for k in sorted(left_keys - right_keys)]
+    lines += [f"only in {right.path}: {k}" for k in sorted(right_keys - left_keys)]
+    for fqn in sorted(left_keys & right_keys):
+        a, b = left.manifest.tensors.get(fqn), right.manifest.tensors.get(fqn)
+        if a is None or b is None:
+            if (a is None) != (b is None):
+                lines.append(f"{fqn}: a tensor in one checkpoint, an object in the other")
+            else:
+                a, b = _fingerprint(left.manifest.objects[fqn]), _fingerprint(right.manifest.objects[fqn])
+                if a != b:
+                    shown = f"{a} vs {b}" if len(f"{a}{b}") <= 80 else "values differ"
+                    lines.append(f"{fqn}: {shown}")
+            continue
+        if a.dtype != b.dtype or a.shape != b.shape:
+            lines.append(f"{fqn}: {dtype_name(a.dtype)}{list(a.shape)} vs {dtype_name(b.dtype)}{list(b.shape)}")
+            continue
+        worst = compare_tensor(left, right, fqn)
+        if math.isnan(worst) or worst > atol:
+            lines.append(f"{fqn}: max abs diff {worst:.6g}")
+    return lines
+
+
+def _fingerprint(entry: ObjectEntry):
+    """What identifies an object's value: its encoded JSON, or for pickled bytes their length and
+    checksum (diff never unpickles)."""
+    if entry.kind == "json":
+        return json.dumps(entry.value, sort_keys=True)
+    if entry.kind == "pickle":
+        return entry.value[2:]
+    return [_fingerprint(e) for e in entry.per_rank]
+
+
+def diff_main(argv: list[str]) -> int:
+    parser = _parser("diff", "compare two checkpoints key by key; exit 1 if they differ")
+    parser.add_argument("left")
+    parser.add_argument("right")
+    parser.add_argument("--atol", type=float, default=0.0,
+                        help="ignore tensors whose max abs difference is at most this (default 0: bit-exact)")
+    args = parser.parse_args(argv)
+    try:
+        lines = diff(_open(args.left, args), _open(args.right, args), args.atol)
+    except CheckpointError as exc:
+        print(f"statesnap diff: {exc}", file=sys.stderr)
+        return TROUBLE
+    for line in lines:
+        print(line)
+    if lines:
+        print(f"{len(lines)} difference(s)")
+        return FOUND
+    print("checkpoints match")
+    return OK

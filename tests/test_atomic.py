@@ -1,0 +1,121 @@
+"""Atomic commit: a saver killed with SIGKILL at random moments never leaves a partial checkpoint visible.
+
+A child process saves a ~96 MB state over and over; the test kills it after a random (seeded) delay,
+then checks that every visible checkpoint directory opens, verifies and holds one consistent state,
+and that whatever the kill left behind is hidden (``.<name>.tmp-*``).
+"""
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import torch
+
+import statesnap as ss
+
+TENSORS, ELEMENTS = 12, 2 << 20  # 12 x 8 MB of float32
+ROUNDS = 4
+
+CHILD = textwrap.dedent("""
+    import os, sys
+    import torch
+    import statesnap as ss
+
+    root, mode, first = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    tensors, elements = int(sys.argv[4]), int(sys.argv[5])
+    step = first
+    while True:
+        state = {"model": {f"t{i}": torch.full((elements,), float(step)) for i in range(tensors)},
+                 "extra": {"step": step}}
+        name = f"step-{step}" if mode == "dirs" else "latest"
+        print("begin", step, flush=True)
+        ss.save(state, os.path.join(root, name), overwrite=(mode == "overwrite"))
+        print("done", step, flush=True)
+        step += 1
+""")
+
+
+def run_and_kill(root, mode: str, first: int, delay: float) -> tuple[str, int]:
+    """Start the saving child at step ``first`` and kill it ``delay`` seconds after its first save
+    began. Return ("begin", N) if the kill landed inside save N, or ("done", N) if save N was the
+    last to finish."""
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(root), mode, str(first), str(TENSORS), str(ELEMENTS)],
+                            stdout=subprocess.PIPE, text=True)
+    lines, started = [], threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line.split())
+            started.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert started.wait(120), "the saving child did not start"
+    threading.Event().wait(delay)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    reader.join()
+    assert proc.returncode == -signal.SIGKILL, f"the child stopped by itself after {lines[-3:]}"
+    word, step = lines[-1]  # every line printed before the kill has been read by now
+    return word, int(step)
+
+
+def check_whole(path) -> int:
+    """Open, verify and read every tensor of the checkpoint at ``path``; return its step."""
+    reader = ss.open(path)
+    reader.verify()
+    step = reader.read("extra.step")
+    assert sorted(reader.keys()) == sorted([f"model.t{i}" for i in range(TENSORS)] + ["extra.step"])
+    for i in range(TENSORS):
+        assert torch.equal(reader.read(f"model.t{i}"), torch.full((ELEMENTS,), float(step)))
+    return step
+
+
+def visible(root) -> list[str]:
+    return sorted(name for name in os.listdir(root) if not name.startswith("."))
+
+
+def hidden_are_staging(root) -> None:
+    for name in os.listdir(root):
+        if name.startswith("."):
+            assert ".tmp-" in name, f"unexpected hidden entry {name}"
+
+
+def test_kill_during_saves_never_leaves_a_partial_checkpoint(tmp_path):
+    rng = random.Random(20261122)
+    first, kills_inside_a_save, committed = 0, 0, set()
+    for _ in range(ROUNDS):
+        word, step = run_and_kill(tmp_path, "dirs", first, rng.uniform(0.05, 1.5))
+        found = {check_whole(tmp_path / name) for name in visible(tmp_path)}
+        assert sorted(f"step-{s}" for s in found) == visible(tmp_path)
+        new = found - committed
+        if word == "begin":  # save ``step`` was in flight: it is either whole or absent
+            kills_inside_a_save += 1
+            assert new in (set(range(first, step)), set(range(first, step + 1)))
+        else:
+            assert new == set(range(first, step + 1))
+        hidden_are_staging(tmp_path)
+        committed, first = found, max(found, default=first - 1) + 1
+    assert kills_inside_a_save, "no kill landed inside a save; the test checked nothing"
+
+
+def test_kill_during_overwrite_leaves_old_or_new(tmp_path):
+    rng = random.Random(7)
+    state = {"model": {f"t{i}": torch.full((ELEMENTS,), -1.0) for i in range(TENSORS)}, "extra": {"step": -1}}
+    ss.save(state, tmp_path / "latest")
+    previous, kills_inside_a_save = -1, 0
+    for round_ in range(ROUNDS):
+        first = round_ * 1000
+        word, step = run_and_kill(tmp_path, "overwrite", first, rng.uniform(0.05, 1.5))
+        assert visible(tmp_path) == ["latest"]
+        found = check_whole(tmp_path / "latest")
+        if word == "begin":  # overwriting with ``step``: the old one or the new one, whole
+            kills_inside_a_save += 1
+            assert found in (step - 1 if step > first else previous, step)
+        else:
+            assert found == step
+        hidden_are_staging(tmp_path)
+        previous = found
+    assert kills_inside_a_save, "no kill landed inside a save; the test checked nothing"

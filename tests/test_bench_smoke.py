@@ -1,0 +1,98 @@
+"""The benchmark harness runs end to end at tiny sizes and reports every mode, op and ratio.
+
+No timing thresholds: these tests check that the harness measures what it says (loads are
+compared bit for bit inside the IO suite) and that every figure the docs quote is reported.
+"""
+import importlib
+import json
+import math
+
+import pytest
+
+from statesnap import cli
+from statesnap.bench import SUITES, io, training
+from statesnap.bench.common import format_table
+from statesnap.demo.gpt import config_for_state_gb
+
+TINY = {"vocab": 128, "d_model": 64, "n_layer": 1, "seq_len": 16, "batch": 2}
+
+
+def test_io_suite_reports_every_system_op_ratio_and_aim(tmp_path, capsys):
+    out_json = tmp_path / "io.json"
+    assert cli.main(["bench", "--suite", "io", "--size-gb", "0.02", "--repeat", "1",
+                     "--out", str(tmp_path / "out"), "--json", str(out_json)]) == 0
+    result = json.loads(out_json.read_text())
+    assert set(result["gb_per_s"]) == set(io.SYSTEMS)
+    for system in io.SYSTEMS:
+        for op in io.OPS:
+            assert result["gb_per_s"][system][op] > 0
+            assert len(result["seconds"][system][op]) == 1
+    assert set(result["ratios"]) == {"raw", "torch", "dcp"}
+    assert all(set(r) == set(io.OPS) for r in result["ratios"].values())
+    assert [a["aim"] for a in result["aims"]] == [0.95, 0.95, 1.5, 2.0]
+    assert result["machine"]["cores"] >= 1
+    printed = capsys.readouterr().out
+    for word in ("save_durable", "load_cold", "load_warm", "statesnap / peer", "aim"):
+        assert word in printed
+    assert not any((tmp_path / "out").glob("io-scratch")), "scratch checkpoints must be removed"
+
+
+def test_io_loads_are_checked_bit_for_bit(tmp_path, monkeypatch):
+    """A system whose load returns wrong values fails the suite instead of reporting a figure."""
+    def broken_load(target, path):
+        io.raw_load(target, path)
+        io.tensors_of(target)[0].view(-1)[0] += 1
+        return target
+    monkeypatch.setitem(io.LOAD, "raw", broken_load)
+    with pytest.raises(AssertionError, match="raw loaded values that differ"):
+        io.run(size_gb=0.01, repeat=1, out=str(tmp_path), systems=("raw",))
+
+
+def test_training_suite_reports_every_mode_and_the_sweep(tmp_path, capsys):
+    out_json = tmp_path / "training.json"
+    assert training.main(["--config", json.dumps(TINY), "--steps", "2", "--warmup", "1", "--runs", "2",
+                          "--sweep-gb", "0.02,0.05", "--sweep-steps", "2", "--out", str(tmp_path),
+                          "--json", str(out_json)]) == 0
+    result = json.loads(out_json.read_text())
+    summary = result["summary"]
+    assert list(summary) == list(training.DEFAULT_MODES)
+    assert summary["none"]["overhead"] == 0.0 and summary["none"]["median_stall_s"] == 0.0
+    for mode in training.DEFAULT_MODES:
+        assert len(summary[mode]["loop_s_runs"]) == 2
+        assert summary[mode]["peak_rss_gb"] > 0
+        assert math.isfinite(summary[mode]["overhead"])
+        if mode != "none":
+            assert summary[mode]["median_stall_s"] > 0
+    for mode in training.DEFAULT_MODES[1:]:
+        assert all(len(r["stalls"]) == 2 for r in result["raw"][mode])
+    assert {a["aim"] for a in result["aims"]} == {"<= 0.1", "<= 0.5", "<= 0.03"}
+    sweep = result["sweep"]
+    assert {(r["mode"], round(r["size_gb"], 3)) for r in sweep} == {
+        (m, round(config_for_state_gb(s, batch=1).state_bytes() / 1e9, 3))
+        for m in training.SWEEP_MODES for s in (0.02, 0.05)}
+    assert all(r["median_background_s"] > 0 for r in sweep)
+    assert (tmp_path / "training-sweep.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    for spec in training.MODES.values():
+        assert spec.label in printed
+    assert "Stall and background time against state size" in printed
+
+
+def test_bench_dispatches_every_suite(monkeypatch):
+    called = []
+    for name in SUITES:
+        module = importlib.import_module(f"statesnap.bench.{name}")
+        monkeypatch.setattr(module, "main", lambda argv, name=name: called.append((name, argv)) or 0)
+    assert cli.main(["bench", "--suite", "all"]) == 0
+    assert called == [(name, []) for name in SUITES]
+    called.clear()
+    assert cli.main(["bench", "--suite", "training", "--steps", "3"]) == 0
+    assert called == [("training", ["--steps", "3"])]
+
+
+def test_format_table_aligns_columns():
+    text = format_table(["op", "GB/s"], [["save", 1.234], ["load", float("nan")]])
+    lines = text.splitlines()
+    assert lines[0] == "| op   | GB/s |"
+    assert lines[2] == "| save | 1.23 |" and lines[3] == "| load |    - |"
+    assert len({len(line) for line in lines}) == 1

@@ -1,0 +1,372 @@
+"""The Checkpointer: consistent lazy snapshots, levels, retention, errors, monitoring."""
+import errno
+import json
+import os
+import random
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import statesnap as ss
+from statesnap.checkpointer import pipeline
+from statesnap.checkpointer.config import CheckpointerConfig
+from statesnap.monitor import trace
+from statesnap.state.flatten import flatten_for_save
+from statesnap.storage.local import LocalBackend, _LocalWriter
+
+
+# ----------------------------------------------------------------------------- helpers (also used by
+# test_checkpointer_kill.py and test_checkpointer_dist.py)
+
+def make_training(seed=0, width=32, depth=3):
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, optim
+
+
+def train_step(model, optim, seed):
+    g = torch.Generator().manual_seed(seed)
+    optim.zero_grad()
+    model(torch.randn(4, model[0].in_features, generator=g)).pow(2).sum().backward()
+    optim.step()
+
+
+def reference(state) -> dict:
+    """A deep copy of every tensor of ``state`` by name, taken the moment it is called."""
+    return {item.fqn: item.local.detach().clone() for item in flatten_for_save(state).tensors}
+
+
+def assert_checkpoint_equals(path, ref):
+    reader = ss.open(path)
+    assert set(reader.manifest.tensors) == set(ref)
+    for fqn, value in ref.items():
+        assert torch.equal(reader.read(fqn), value), f"{fqn} differs in {path}"
+
+
+def assert_state_equals(state, ref):
+    now = reference(state)
+    assert set(now) == set(ref)
+    for fqn, value in ref.items():
+        assert torch.equal(now[fqn], value), fqn
+
+
+class SlowBackend(LocalBackend):
+    """Local storage whose writes sleep a random while: persistence slower than training."""
+
+    def __init__(self, seed=0, max_sleep=0.01):
+        self.random = random.Random(seed)
+        self.max_sleep = max_sleep
+
+    def open_write(self, path):
+        writer = _LocalWriter(path)
+        backend = self
+
+        class Slow(_LocalWriter):
+            def __init__(self):
+                self.path, self.fd = writer.path, writer.fd
+
+            def pwrite(self, offset, views):
+                time.sleep(backend.random.uniform(0, backend.max_sleep))
+                super().pwrite(offset, views)
+        return Slow()
+
+
+class DiskFullBackend(LocalBackend):
+    """Local storage that fails with ENOSPC while writing the data of the chosen checkpoints."""
+
+    def __init__(self, failing_steps):
+        self.failing_steps = set(failing_steps)
+
+    def open_write(self, path):
+        writer = _LocalWriter(path)
+        step = int(os.path.basename(os.path.dirname(path)).split(".tmp-")[0].split("-")[1])
+        if step in self.failing_steps:
+            os.close(writer.fd)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return writer
+
+
+class Gate:
+    """Holds every staging copy until opened: makes "the copy has not finished yet" deterministic."""
+
+    def __init__(self, monkeypatch):
+        self.opened = threading.Event()
+        real = pipeline.copy_into
+
+        def gated(*args, **kwargs):
+            self.opened.wait()
+            real(*args, **kwargs)
+        monkeypatch.setattr(pipeline, "copy_into", gated)
+
+    def open(self):
+        self.opened.set()
+
+
+# ----------------------------------------------------------------------------- consistency
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_each_checkpoint_equals_a_deep_copy_taken_at_save(tmp_path, seed):
+    """Training continues at once after save(); storage is slow and timings random."""
+    rng = random.Random(seed)
+    model, optim = make_training(seed)
+    state = {"model": model, "optim": optim, "extra": {"epoch": 0}}
+    ckpt = ss.Checkpointer(tmp_path, keep_last=100, persist_every=rng.choice([1, 2]),
+                           max_in_flight=rng.choice([1, 2, 3]), copy_threads=rng.choice([1, 2]),
+                           backend=SlowBackend(seed, max_sleep=0.01), host_memory_gb=0.01)
+    refs, handles = {}, []
+    for step in range(1, 13):
+        train_step(model, optim, seed * 100 + step)
+        state["extra"]["epoch"] = step
+        refs[step] = reference(state)
+        handles.append(ckpt.save(step, state))
+        time.sleep(rng.uniform(0, 0.004))
+    ckpt.close()
+    for h in handles:
+        path = h.wait()
+        if h.step % ckpt.config.persist_every == 0:
+            assert path == os.path.join(str(tmp_path), f"step-{h.step}")
+            assert_checkpoint_equals(path, refs[h.step])
+            assert ss.open(path).read("extra.epoch") == h.step
+        else:
+            assert path is None
+
+
+def test_optimizer_step_waits_for_the_copy(tmp_path, monkeypatch):
+    model, optim = make_training()
+    train_step(model, optim, 1)
+    state = {"model": model, "optim": optim}
+    ref = reference(state)
+    gate = Gate(monkeypatch)
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01)
+    handle = ckpt.save(1, state)
+    assert not handle.staged.done()  # save returned before copying anything
+    model(torch.randn(4, 32)).sum().backward()  # forward/backward only read: no wait
+    stepper = threading.Thread(target=optim.step)
+    stepper.start()
+    stepper.join(0.3)
+    assert stepper.is_alive(), "optimizer.step() ran before the snapshot copy finished"
+    gate.open()
+    stepper.join()
+    assert handle.staged.result() == 1
+    ckpt.close()
+    assert_checkpoint_equals(handle.wait(), ref)
+    assert not torch.equal(model[0].weight, ref["model.0.weight"])  # the step did run afterwards
+    assert ckpt.stats()["hook_wait_s"] > 0
+
+
+def test_in_place_change_outside_the_optimizer_fails_the_checkpoint(tmp_path, monkeypatch):
+    model, optim = make_training()
+    train_step(model, optim, 1)
+    state = {"model": model, "optim": optim}
+    gate = Gate(monkeypatch)
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01)
+    handle = ckpt.save(1, state)
+    with torch.no_grad():
+        model[1].bias.add_(1.0)  # not the optimizer: no hook holds it back
+    gate.open()
+    with pytest.raises(ss.ConsistencyError, match=r"step 1.*'model\.1\.bias'"):
+        handle.staged.result()
+    with pytest.raises(ss.ConsistencyError):
+        ckpt.save(2, state)  # the failure surfaces at the next call
+    ckpt.close()
+    assert not os.path.exists(tmp_path / "step-1")
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
+
+
+def test_wait_staged_covers_custom_loops(tmp_path, monkeypatch):
+    model, optim = make_training()
+    state = {"model": model}
+    ref = reference(state)
+    gate = Gate(monkeypatch)
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01)
+    handle = ckpt.save(1, state)
+    threading.Timer(0.05, gate.open).start()
+    ckpt.wait_staged()
+    assert handle.staged.done()
+    with torch.no_grad():
+        model[0].weight.zero_()  # safe now: the snapshot is in host memory
+    ckpt.close()
+    assert_checkpoint_equals(handle.wait(), ref)
+
+
+# ----------------------------------------------------------------------------- memory budget
+
+def test_state_larger_than_the_budget_streams_through_the_arena(tmp_path):
+    model, optim = make_training(width=128, depth=4)  # ~800 KB of model + AdamW state
+    state = {"model": model, "optim": optim}
+    budget_gb = 128 * 1024 / 1e9
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=budget_gb, persist_every=1, keep_last=10)
+    refs = {}
+    for step in (1, 2, 3):
+        train_step(model, optim, step)
+        refs[step] = reference(state)
+        ckpt.save(step, state)
+    ckpt.close()
+    assert ckpt._arena.capacity <= 128 * 1024
+    stats = ckpt.stats()
+    assert stats["bytes_written"] >= 3 * sum(v.numel() * v.element_size() for v in refs[1].values())
+    assert stats["memory_step"] is None  # nothing fits: no memory level
+    for step, ref in refs.items():
+        assert_checkpoint_equals(tmp_path / f"step-{step}", ref)
+
+
+def test_steps_that_fit_nowhere_are_skipped_with_a_warning(tmp_path):
+    model, optim = make_training(width=128, depth=4)
+    state = {"model": model, "optim": optim}
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=128 * 1024 / 1e9, persist_every=2)
+    with pytest.warns(RuntimeWarning, match="does not fit host_memory_gb"):
+        skipped = ckpt.save(1, state)
+    assert skipped.wait() is None
+    ckpt.save(2, state)
+    ckpt.close()
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-2"]
+
+
+# ----------------------------------------------------------------------------- failures
+
+def test_disk_full_mid_flush_surfaces_at_the_next_call(tmp_path):
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    ckpt = ss.Checkpointer(tmp_path, backend=DiskFullBackend({3}), keep_last=5, host_memory_gb=0.01)
+    refs = {}
+    for step in (1, 2, 3):
+        train_step(model, optim, step)
+        refs[step] = reference(state)
+        handle = ckpt.save(step, state)
+    with pytest.raises(ss.CheckpointError, match="step 3"):
+        handle.durable.result()
+    with pytest.raises(ss.CheckpointError, match="No space left"):
+        ckpt.save(4, state)
+    ckpt.close()
+    names = os.listdir(tmp_path)
+    assert sorted(n for n in names if n.startswith("step-")) == ["step-1", "step-2"]
+    assert not [n for n in names if n.startswith(".")]  # the failed staging directory is gone
+    for step in (1, 2):
+        assert_checkpoint_equals(tmp_path / f"step-{step}", refs[step])
+
+
+def test_errors_can_warn_instead_of_raise(tmp_path):
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    ckpt = ss.Checkpointer(tmp_path, backend=DiskFullBackend({1}), on_error="warn", host_memory_gb=0.01)
+    ckpt.save(1, state).staged.result()
+    ckpt._wait_all()
+    with pytest.warns(RuntimeWarning, match="step 1"):
+        ckpt.save(2, state)
+    ckpt.close()
+    assert ss.open(tmp_path / "step-2").keys()
+
+
+def test_an_error_reported_by_wait_is_not_raised_again(tmp_path):
+    model, optim = make_training()
+    ckpt = ss.Checkpointer(tmp_path, backend=DiskFullBackend({1}), host_memory_gb=0.01)
+    with pytest.raises(ss.CheckpointError):
+        ckpt.save(1, {"model": model}).wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ckpt.save(2, {"model": model})
+        ckpt.close()
+
+
+@pytest.mark.parametrize("bad", [dict(keep_last=0), dict(persist_every=0), dict(on_error="ignore"),
+                                 dict(persist_every=3, further_root="x", further_every=4),
+                                 dict(host_memory_gb=1e-9), dict(max_in_flight=0)])
+def test_invalid_settings_fail_at_construction(tmp_path, bad):
+    with pytest.raises(ss.CheckpointError, match="invalid Checkpointer setting"):
+        CheckpointerConfig(root=str(tmp_path), **bad)
+
+
+# ----------------------------------------------------------------------------- levels and retention
+
+def test_retention_keeps_the_newest_committed(tmp_path):
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    ckpt = ss.Checkpointer(tmp_path, keep_last=2, host_memory_gb=0.01)
+    for step in range(1, 6):
+        train_step(model, optim, step)
+        ckpt.save(step, state).wait()
+        steps = sorted(int(n[5:]) for n in os.listdir(tmp_path) if n.startswith("step-"))
+        assert steps == list(range(max(1, step - 1), step + 1))
+    ckpt.close()
+
+
+def test_load_latest_uses_the_fastest_level_holding_the_newest_step(tmp_path):
+    root, further = tmp_path / "local", tmp_path / "shared"
+    model, optim = make_training()
+    state = {"model": model, "optim": optim, "extra": {"step": 0}}
+    settings = dict(persist_every=2, further_root=str(further), further_every=4, keep_last=1,
+                    further_keep_last=1, host_memory_gb=0.01)
+    ckpt = ss.Checkpointer(root, **settings)
+    refs = {}
+    for step in range(1, 8):
+        train_step(model, optim, step)
+        state["extra"]["step"] = step
+        refs[step] = reference(state)
+        ckpt.save(step, state)
+    ckpt.wait_staged()
+    train_step(model, optim, 99)  # diverge, then roll back within the process
+    assert ckpt.load_latest(state) == 7 and ckpt.loaded_from == "memory"
+    assert_state_equals(state, refs[7])
+    assert state["extra"]["step"] == 7
+    ckpt.close()
+
+    fresh_model, fresh_optim = make_training(seed=5)
+    fresh = {"model": fresh_model, "optim": fresh_optim, "extra": {"step": 0}}
+    restarted = ss.Checkpointer(root, **settings)  # a new process: host memory is empty
+    assert restarted.load_latest(fresh) == 6 and restarted.loaded_from == "persistent"
+    assert_state_equals(fresh, refs[6])
+    restarted.close()
+
+    os.rename(root / "step-6", tmp_path / "lost")  # the node-local disk is gone
+    fresh_model, fresh_optim = make_training(seed=6)
+    fresh = {"model": fresh_model, "optim": fresh_optim, "extra": {"step": 0}}
+    restarted = ss.Checkpointer(root, **settings)
+    assert restarted.load_latest(fresh) == 4 and restarted.loaded_from == "further"
+    assert_state_equals(fresh, refs[4])
+    assert sorted(os.listdir(further)) == ["step-4"]
+    restarted.close()
+
+
+def test_load_latest_without_checkpoints_returns_none(tmp_path):
+    model, _ = make_training()
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01)
+    assert ckpt.load_latest({"model": model}) is None
+    ckpt.close()
+
+
+def test_leftovers_of_an_interrupted_save_are_removed(tmp_path):
+    (tmp_path / ".step-5.tmp-abc").mkdir()
+    (tmp_path / "step-6").mkdir()  # no manifest: never committed
+    ss.Checkpointer(tmp_path, host_memory_gb=0.01).close()
+    assert [n for n in os.listdir(tmp_path) if "step" in n] == []
+
+
+# ----------------------------------------------------------------------------- monitoring
+
+def test_stats_and_trace(tmp_path):
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, persist_every=2)
+    for step in range(1, 5):
+        ckpt.save(step, state)
+        train_step(model, optim, step)
+    ckpt.close()
+    stats = ckpt.stats()
+    assert stats["checkpoints"] == 4 and len(stats["stall_s_per_checkpoint"]) == 4
+    assert len(stats["hook_wait_s_per_checkpoint"]) == 4
+    for phase in ("plan", "save", "copy", "checksum", "write", "fsync", "commit"):
+        assert stats["phases"][phase]["count"] >= 1, phase
+    nbytes = sum(v.numel() * v.element_size() for v in reference(state).values())
+    assert stats["bytes_staged"] == 4 * nbytes and stats["bytes_written"] == 2 * nbytes
+    assert stats["stall_s"] >= stats["hook_wait_s"]
+
+    out = tmp_path / "trace.json"
+    assert trace.main([str(tmp_path), "-o", str(out)]) == 0
+    events = json.loads(out.read_text())["traceEvents"]
+    assert {e["name"] for e in events if e["ph"] == "X"} >= {"save", "copy", "write", "commit"}
+    assert (tmp_path / "trace.png").stat().st_size > 0

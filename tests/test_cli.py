@@ -1,0 +1,142 @@
+"""The ``statesnap`` command: inspect, verify and diff, through cli.main and a real subprocess."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import statesnap as ss
+from statesnap.cli import main
+from statesnap.format.manifest import MANIFEST_NAME
+
+
+def save_training(path, bump: float = 0.0, step: int = 1):
+    torch.manual_seed(0)
+    model = nn.Linear(6, 4)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 6)).sum().backward()
+    optim.step()
+    with torch.no_grad():
+        model.weight[1, 2] += bump
+    ss.save({"model": model, "optim": optim, "extra": {"step": step, "bf16": torch.ones(2, 3, dtype=torch.bfloat16)}},
+            path)
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    save_training(tmp_path / "a")
+    return tmp_path / "a"
+
+
+def test_inspect_lists_tensors_and_totals(ckpt, capsys):
+    assert main(["inspect", str(ckpt), "--files"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert lines["model.weight"][1:] == ["float32", "[4,", "6]", "96", "B", "1"]
+    assert lines["extra.bf16"][1] == "bfloat16"
+    assert lines["optim.state.weight.exp_avg"][1] == "float32"
+    assert lines["extra.step"][1] == "json"
+    assert "total: 9 tensors in 9 pieces" in out
+    assert "data-" in out and "manifest" in out
+
+
+def test_inspect_json(ckpt, capsys):
+    assert main(["inspect", "--json", str(ckpt)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    tensors = {t["name"]: t for t in doc["tensors"]}
+    assert tensors["model.weight"] == {"name": "model.weight", "dtype": "float32", "shape": [4, 6], "bytes": 96,
+                                       "pieces": 1, "layout": "box", "files": [doc["files"][0]["name"]]}
+    assert tensors["extra.bf16"]["bytes"] == 12
+    assert {o["name"] for o in doc["objects"]} == {"extra.step", "optim.param_groups"}
+    totals = doc["totals"]
+    assert totals["tensors"] == len(tensors) == 9
+    assert totals["tensor_bytes"] == sum(t["bytes"] for t in tensors.values())
+    assert totals["file_bytes"] == sum(f["bytes"] for f in doc["files"]) >= totals["tensor_bytes"]
+    assert totals["manifest_bytes"] == (ckpt / MANIFEST_NAME).stat().st_size
+    assert doc["format_version"] == 1 and doc["world_size"] == 1
+
+
+def test_verify_good_and_damaged(ckpt, tmp_path, capsys):
+    save_training(tmp_path / "b")
+    assert main(["verify", str(ckpt), str(tmp_path / "b")]) == 0
+    assert capsys.readouterr().out.count("ok ") == 2
+
+    doc = json.loads((ckpt / MANIFEST_NAME).read_text())
+    entry = doc["tensors"]["optim.state.weight.exp_avg"]
+    data_file = ckpt / doc["files"][entry["file"][0]]
+    raw = bytearray(data_file.read_bytes())
+    raw[entry["offset"][0] + 5] ^= 1
+    data_file.write_bytes(bytes(raw))
+    assert main(["verify", str(ckpt), str(tmp_path / "b")]) == 1
+    captured = capsys.readouterr()
+    assert "DAMAGED" in captured.err and "optim.state.weight.exp_avg" in captured.err
+    assert data_file.name in captured.err
+    assert f"ok {tmp_path / 'b'}" in captured.out
+
+    data_file.unlink()
+    assert main(["verify", str(ckpt)]) == 1
+    assert data_file.name in capsys.readouterr().err
+
+
+def test_verify_bad_manifest_and_missing_checkpoint(ckpt, tmp_path, capsys):
+    (ckpt / MANIFEST_NAME).write_text("{}")
+    assert main(["verify", str(ckpt)]) == 1
+    assert "not a statesnap manifest" in capsys.readouterr().err
+    assert main(["verify", str(tmp_path / "nowhere")]) == 1
+    assert main(["inspect", str(tmp_path / "nowhere")]) == 2
+
+
+def test_diff(ckpt, tmp_path, capsys):
+    save_training(tmp_path / "same")
+    assert main(["diff", str(ckpt), str(tmp_path / "same")]) == 0
+    assert "match" in capsys.readouterr().out
+
+    save_training(tmp_path / "bumped", bump=0.25, step=2)
+    assert main(["diff", str(ckpt), str(tmp_path / "bumped")]) == 1
+    out = capsys.readouterr().out
+    assert "model.weight: max abs diff 0.25" in out
+    assert "extra.step: 1 vs 2" in out
+    assert "model.bias" not in out and "exp_avg" not in out
+    assert main(["diff", "--atol", "0.5", str(ckpt), str(tmp_path / "bumped")]) == 1  # step still differs
+    assert "model.weight" not in capsys.readouterr().out
+
+
+def test_diff_keys_shapes_and_dtypes(tmp_path, capsys):
+    ss.save({"a": torch.zeros(3), "b": torch.zeros(2), "c": torch.zeros(2), "only_left": 1}, tmp_path / "l")
+    ss.save({"a": torch.zeros(3), "b": torch.zeros(3), "c": torch.zeros(2, dtype=torch.int32),
+             "only_right": torch.ones(1)}, tmp_path / "r")
+    assert main(["diff", str(tmp_path / "l"), str(tmp_path / "r")]) == 1
+    out = capsys.readouterr().out
+    assert f"only in {tmp_path / 'l'}: only_left" in out
+    assert f"only in {tmp_path / 'r'}: only_right" in out
+    assert "b: float32[2] vs float32[3]" in out and "c: float32[2] vs int32[2]" in out
+    assert "a:" not in out
+
+
+def test_diff_reads_large_tensors_in_slabs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("statesnap.tools.DIFF_SLAB_BYTES", 64)
+    left = torch.randn(50, 8)
+    right = left.clone()
+    right[37, 5] -= 3.0
+    right[3, 1] = float("nan")
+    ss.save({"t": left, "u": left[:, 0].clone()}, tmp_path / "l")
+    ss.save({"t": right, "u": left[:, 0].clone()}, tmp_path / "r")
+    assert main(["diff", str(tmp_path / "l"), str(tmp_path / "r")]) == 1
+    assert "t: max abs diff nan" in capsys.readouterr().out
+    right[3, 1] = left[3, 1]
+    ss.save({"t": right, "u": left[:, 0].clone()}, tmp_path / "r", overwrite=True)
+    assert main(["diff", str(tmp_path / "l"), str(tmp_path / "r")]) == 1
+    assert "t: max abs diff 3" in capsys.readouterr().out
+
+
+def test_console_command_in_a_subprocess(ckpt):
+    run = lambda *args: subprocess.run([sys.executable, "-m", "statesnap.cli", *args],  # noqa: E731
+                                       capture_output=True, text=True, timeout=120)
+    listed = run("inspect", str(ckpt))
+    assert listed.returncode == 0 and "model.weight" in listed.stdout
+    assert run("verify", str(ckpt)).returncode == 0
+    assert run("diff", str(ckpt), str(ckpt)).returncode == 0
+    unknown = run("frobnicate")
+    assert unknown.returncode == 2 and "unknown command" in unknown.stderr

@@ -1,0 +1,333 @@
+"""ss.convert / ss.export: foreign checkpoints in and out bit for bit, transforms, and safety."""
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+import statesnap as ss
+from statesnap import cli
+from statesnap.convert import TransformError
+from statesnap.convert.transform import apply_spec, load_spec, materialize
+from dist_utils import run_ranks
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bytes (so NaN payloads and -0.0 count too)."""
+    return (a.dtype == b.dtype and a.shape == b.shape and
+            torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+def sample_tensors() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "f32": torch.randn(5, 7, generator=g),
+        "bf16": torch.randn(4, 3, generator=g).to(torch.bfloat16),
+        "f16_transposed": torch.randn(3, 6, generator=g).half().t(),
+        "f64_scalar": torch.tensor(3.5, dtype=torch.float64),
+        "f8": torch.randn(8, generator=g).to(torch.float8_e4m3fn),
+        "i64": torch.arange(-5, 7),
+        "u8": torch.randint(0, 255, (9,), dtype=torch.uint8, generator=g),
+        "flags": torch.tensor([True, False, True]),
+        "empty": torch.empty(0, 4),
+    }
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def test_torch_save_to_statesnap_to_safetensors_and_torch_bit_for_bit(tmp_path):
+    tensors = sample_tensors()
+    groups = [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0, 1]}]
+    torch.save({"model": tensors, "epoch": 3, "groups": groups}, tmp_path / "src.pt")
+
+    info = ss.convert(tmp_path / "src.pt", tmp_path / "ck")
+    assert info.bytes > 0
+    reader = ss.open(tmp_path / "ck")
+    assert sorted(reader.keys()) == sorted([f"model.{k}" for k in tensors] + ["epoch", "groups"])
+    for name, tensor in tensors.items():
+        assert same_bits(reader.read(f"model.{name}"), tensor), name
+    assert reader.read("epoch") == 3 and reader.read("groups") == groups
+    assert reader.meta["converted_from"]["source"] == "torch"
+    reader.verify()
+
+    out = ss.export(tmp_path / "ck", tmp_path / "st", to="safetensors")
+    assert out.files == ["model.safetensors"] and out.tensors == len(tensors)
+    assert sorted(s.split(" ")[0] for s in out.skipped) == ["epoch", "groups"]
+    exported = load_file(tmp_path / "st" / "model.safetensors")
+    assert exported.keys() == {f"model.{k}" for k in tensors}
+    for name, tensor in tensors.items():
+        assert same_bits(exported[f"model.{name}"], tensor), name
+
+    ss.export(tmp_path / "ck", tmp_path / "back.pt", to="torch")
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert back["epoch"] == 3 and back["groups"] == groups
+    for name, tensor in tensors.items():
+        assert same_bits(back[f"model.{name}"], tensor), name
+
+
+def test_converted_checkpoint_loads_into_a_model_with_ss_load(tmp_path):
+    model = make_model(0)
+    torch.save({"model": model.state_dict(), "step": 7}, tmp_path / "train.pt")
+    ss.convert(tmp_path / "train.pt", tmp_path / "ck", source="torch")
+
+    fresh = make_model(1)
+    state = {"model": fresh, "step": 0}
+    ss.load(state, tmp_path / "ck")
+    assert state["step"] == 7
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert same_bits(a, b), name
+
+
+def test_export_and_convert_refuse_to_overwrite_and_spec_applies_on_export(tmp_path):
+    torch.save({"model": {"w": torch.ones(2, 2)}, "optim": {"m": torch.zeros(2)}}, tmp_path / "a.pt")
+    ss.convert(tmp_path / "a.pt", tmp_path / "ck")
+    with pytest.raises(ss.CheckpointExistsError):
+        ss.convert(tmp_path / "a.pt", tmp_path / "ck")
+    spec = {"ops": [{"keep": r"^model\."}, {"rename": r"^model\.", "to": ""}]}
+    ss.export(tmp_path / "ck", tmp_path / "w.safetensors", spec=spec)
+    assert load_file(tmp_path / "w.safetensors").keys() == {"w"}
+    with pytest.raises(ss.CheckpointExistsError):
+        ss.export(tmp_path / "ck", tmp_path / "w.safetensors", spec=spec)
+    ss.export(tmp_path / "ck", tmp_path / "w.safetensors", overwrite=True)
+    assert load_file(tmp_path / "w.safetensors").keys() == {"model.w", "optim.m"}
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")], "staging left behind"
+
+
+def test_export_skips_per_rank_values(tmp_path):
+    ss.save({"w": torch.arange(3), "rng": ss.PerRank({"seed": 3})}, tmp_path / "ck")
+    info = ss.export(tmp_path / "ck", tmp_path / "out.pt", to="torch")
+    assert [s.split(" ")[0] for s in info.skipped] == ["rng"]
+    assert torch.load(tmp_path / "out.pt", weights_only=True).keys() == {"w"}
+
+
+def _write_hf_shards(root, tensors: dict, per_file: int) -> None:
+    """A sharded checkpoint laid out as transformers' save_pretrained writes it."""
+    names = list(tensors)
+    chunks = [names[i:i + per_file] for i in range(0, len(names), per_file)]
+    weight_map = {}
+    for k, chunk in enumerate(chunks):
+        file = f"model-{k + 1:05d}-of-{len(chunks):05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in chunk}, root / file, metadata={"format": "pt"})
+        weight_map.update({n: file for n in chunk})
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 0},
+                                                                   "weight_map": weight_map}))
+
+
+def test_sharded_safetensors_to_statesnap_and_sharded_export_round_trip(tmp_path):
+    tensors = sample_tensors()
+    (tmp_path / "hf").mkdir()
+    _write_hf_shards(tmp_path / "hf", tensors, per_file=3)
+
+    ss.convert(tmp_path / "hf", tmp_path / "ck")
+    reader = ss.open(tmp_path / "ck")
+    assert sorted(reader.keys()) == sorted(tensors)
+    for name, tensor in tensors.items():
+        assert same_bits(reader.read(name), tensor), name
+
+    out = ss.export(tmp_path / "ck", tmp_path / "sharded", max_shard_bytes=100)
+    shards = [f for f in out.files if f.endswith(".safetensors")]
+    assert len(shards) > 2 and "model.safetensors.index.json" in out.files
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(tensors) and set(index["weight_map"].values()) == set(shards)
+
+    ss.convert(tmp_path / "sharded" / "model.safetensors.index.json", tmp_path / "again")
+    again = ss.open(tmp_path / "again")
+    for name, tensor in tensors.items():
+        assert same_bits(again.read(name), tensor), name
+
+
+def test_safetensors_index_missing_tensor_is_an_error(tmp_path):
+    (tmp_path / "hf").mkdir()
+    _write_hf_shards(tmp_path / "hf", {"a": torch.ones(2), "b": torch.zeros(3)}, per_file=1)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    index["weight_map"]["c"] = "model-00001-of-00002.safetensors"
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ss.CheckpointError, match="index lists tensors that no shard holds: c"):
+        ss.convert(tmp_path / "hf", tmp_path / "ck")
+
+
+def _fsdp2_dcp_producer(rank, world, out):
+    """Train an FSDP2 model 2 steps, save it with DCP, and its full tensors (ground truth) with torch.save."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model(0)
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        loss = model(torch.randn(4, 8, generator=g)).square().mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd, "step": 2}, checkpoint_id=out)
+    full_m, full_o = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    if rank == 0:
+        torch.save((full_m, full_o["state"]), out + ".ref.pt")
+
+
+def _dcp_contents(path) -> dict:
+    """Every value of a DCP checkpoint, read by DCP itself in one process."""
+    metadata = FileSystemReader(path).read_metadata()
+    flat = {k: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+            for k, md in metadata.state_dict_metadata.items()}
+    dcp.load(flat, storage_reader=FileSystemReader(path), no_dist=True)
+    return flat
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_fsdp2_to_statesnap_loads_into_model_and_optimizer_and_exports_back_to_dcp(tmp_path):
+    src = str(tmp_path / "dcp")
+    run_ranks(2, _fsdp2_dcp_producer, src)
+    full_model, full_optim = torch.load(src + ".ref.pt", weights_only=True)
+
+    ss.convert(src, tmp_path / "ck")
+    reader = ss.open(tmp_path / "ck")
+    assert reader.read("step") == 2
+    assert isinstance(reader.read("optim.param_groups"), list)
+    for name, tensor in full_model.items():
+        assert same_bits(reader.read(f"model.{name}"), tensor), name
+
+    model = make_model(3)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = {"model": model, "optim": optim, "step": 0}
+    ss.load(state, tmp_path / "ck")
+    assert state["step"] == 2
+    for name, tensor in model.state_dict().items():
+        assert same_bits(tensor, full_model[name]), name
+    named = dict(model.named_parameters())
+    for name, moments in full_optim.items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert same_bits(optim.state[named[name]][key], moments[key]), (name, key)
+
+    out = ss.export(tmp_path / "ck", tmp_path / "dcp_back", to="dcp")
+    assert ".metadata" in out.files and not out.skipped
+    original, exported = _dcp_contents(src), _dcp_contents(tmp_path / "dcp_back")
+    assert original.keys() == exported.keys()
+    for key, value in original.items():
+        if isinstance(value, torch.Tensor):
+            assert same_bits(exported[key], value), key
+        else:
+            assert exported[key] == value, key
+
+
+def _megatron_tp_fixture(root):
+    """Two TP ranks' files, Megatron style: QKV fused and interleaved by query group (2 groups,
+    one per rank), the output projection split by columns, the layer norm replicated."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(8, 6, generator=g), torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    proj, norm = torch.randn(6, 8, generator=g), torch.randn(6, generator=g)
+    root.mkdir()
+    for rank in range(2):
+        qkv = torch.cat([q[4 * rank:4 * rank + 4], k[2 * rank:2 * rank + 2], v[2 * rank:2 * rank + 2]])
+        layer = {"qkv.weight": qkv, "proj.weight": proj[:, 4 * rank:4 * rank + 4].clone(), "norm.weight": norm.clone()}
+        torch.save({"layers": {"0": layer}, "iteration": 10}, root / f"tp_rank_{rank:02d}.pt")
+    return {"layers.0.q.weight": q, "layers.0.k.weight": k, "layers.0.v.weight": v,
+            "layers.0.proj.weight": proj, "layers.0.norm.weight": norm}
+
+
+TP_SPEC = {"ops": [
+    {"drop": r"^tp_rank_0[1-9]\.iteration$"},
+    {"rename": r"^tp_rank_00\.iteration$", "to": "iteration"},
+    {"fuse": r"tp_rank_(?P<index>\d+)\.(?P<name>.*qkv\.weight)", "to": r"\g<name>", "cat": 0},
+    {"fuse": r"tp_rank_(?P<index>\d+)\.(?P<name>.*proj\.weight)", "to": r"\g<name>", "cat": 1},
+    {"fuse": r"tp_rank_(?P<index>\d+)\.(?P<name>.*norm\.weight)", "to": r"\g<name>", "same": True},
+    {"split": r"(.*)\.qkv\.weight", "to": [r"\1.q.weight", r"\1.k.weight", r"\1.v.weight"],
+     "dim": 0, "sizes": [4, 2, 2], "groups": 2},
+]}
+
+
+def test_megatron_tp_shards_fuse_and_qkv_split_through_the_spec(tmp_path):
+    expected = _megatron_tp_fixture(tmp_path / "tp")
+    ss.convert(tmp_path / "tp", tmp_path / "ck", spec=TP_SPEC)
+    reader = ss.open(tmp_path / "ck")
+    assert sorted(reader.keys()) == sorted([*expected, "iteration"])
+    for name, tensor in expected.items():
+        assert same_bits(reader.read(name), tensor), name
+    assert reader.read("iteration") == 10
+
+
+def test_transform_errors_name_the_tensor(tmp_path):
+    _megatron_tp_fixture(tmp_path / "tp")
+    diverged = torch.load(tmp_path / "tp" / "tp_rank_01.pt", weights_only=True)
+    diverged["layers"]["0"]["norm.weight"][0] += 1
+    torch.save(diverged, tmp_path / "tp" / "tp_rank_01.pt")
+    with pytest.raises(TransformError, match=r"layers\.0\.norm\.weight: replica 'tp_rank_01\.layers\.0\.norm\.weight'"):
+        ss.convert(tmp_path / "tp", tmp_path / "ck", spec=TP_SPEC)
+
+    os.rename(tmp_path / "tp" / "tp_rank_01.pt", tmp_path / "tp" / "tp_rank_02.pt")
+    with pytest.raises(TransformError, match=r"layers\.0\.qkv\.weight: parts \[0, 2\] found"):
+        ss.convert(tmp_path / "tp", tmp_path / "ck", spec=TP_SPEC)
+
+    typo = {"ops": [{"rename": r"^modle\.", "to": ""}]}
+    with pytest.raises(TransformError, match="matched no name"):
+        ss.convert(tmp_path / "tp", tmp_path / "ck", spec=typo)
+    assert not (tmp_path / "ck").exists()
+    for bad in ({"ops": [{"rename": "x"}]}, {"ops": [{"fuse": "(.*)", "to": "y", "cat": 0}]},
+                {"ops": [{"split": "x", "to": ["a"], "dim": 0, "typo": 1}]}, {"steps": []}):
+        with pytest.raises(TransformError):
+            ss.convert(tmp_path / "tp", tmp_path / "ck", spec=bad)
+
+
+def test_transform_stack_and_equal_split():
+    experts = {f"moe.experts.{i}.w": torch.randn(3, 4) for i in range(3)}
+    ops = load_spec({"ops": [
+        {"fuse": r"moe\.experts\.(?P<index>\d+)\.w", "to": "moe.w", "stack": 0},
+        {"split": r"moe\.w", "to": ["moe.w_a", "moe.w_b"], "dim": 2},
+        {"drop": "never-there", "optional": True},
+    ]})
+    out = {k: materialize(v) for k, v in apply_spec(ops, {**experts, "step": 4}).items()}
+    stacked = torch.stack(list(experts.values()))
+    assert list(out) == ["moe.w_a", "moe.w_b", "step"]
+    assert same_bits(out["moe.w_a"], stacked[:, :, :2].contiguous())
+    assert same_bits(out["moe.w_b"], stacked[:, :, 2:].contiguous())
+
+
+class _Payload:
+    """An object whose unpickling would run ``os.mkdir(marker)``."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def test_malicious_torch_save_is_refused_naming_the_file(tmp_path, capsys):
+    marker = str(tmp_path / "code-ran")
+    torch.save({"w": torch.ones(2), "payload": _Payload(marker)}, tmp_path / "evil.pt")
+    with pytest.raises(ss.UnsafeCheckpointError, match=r"evil\.pt: refused to unpickle.*posix\.mkdir"):
+        ss.convert(tmp_path / "evil.pt", tmp_path / "ck")
+    assert cli.main(["convert", str(tmp_path / "evil.pt"), str(tmp_path / "ck")]) == 1
+    assert "evil.pt: refused to unpickle" in capsys.readouterr().err
+    assert not os.path.exists(marker) and not (tmp_path / "ck").exists()
+
+
+def test_cli_convert_and_export(tmp_path, capsys):
+    expected = _megatron_tp_fixture(tmp_path / "tp")
+    (tmp_path / "spec.json").write_text(json.dumps(TP_SPEC))
+    assert cli.main(["convert", str(tmp_path / "tp"), str(tmp_path / "ck"), "--spec", str(tmp_path / "spec.json")]) == 0
+    assert cli.main(["export", str(tmp_path / "ck"), str(tmp_path / "hf"), "--max-shard-size", "0.1KB"]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped iteration" in printed
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    shards = {}
+    for file in set(index["weight_map"].values()):
+        shards.update(load_file(tmp_path / "hf" / file))
+    assert shards.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert same_bits(shards[name], tensor), name
+    assert cli.main(["export", str(tmp_path / "ck"), str(tmp_path / "x"), "--to", "torch", "--max-shard-size", "1GB"]) == 1
+    assert "safetensors exports only" in capsys.readouterr().err

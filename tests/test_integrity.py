@@ -1,0 +1,184 @@
+"""Damage is reported, never loaded silently: each kind raises its own error naming file and tensor."""
+import json
+
+import pytest
+import torch
+
+import statesnap as ss
+from statesnap.format.manifest import MANIFEST_NAME
+
+BLOCK = 4096  # small checksum blocks, so tensors span several
+
+
+def make_state():
+    torch.manual_seed(0)
+    return {"model": {"big": torch.randn(64, 64), "small": torch.randn(7)}, "extra": {"step": 3}}
+
+
+def blank_like(state):
+    return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "extra": {"step": 0}}
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """A good checkpoint next to the one the test damages."""
+    state = make_state()
+    ss.save(state, tmp_path / "good", block_bytes=BLOCK)
+    ss.save(state, tmp_path / "ckpt", block_bytes=BLOCK)
+    return tmp_path / "ckpt", state
+
+
+def piece(path, fqn):
+    """(data file path, byte offset, nbytes) of the first piece of ``fqn``."""
+    doc = json.loads((path / MANIFEST_NAME).read_text())
+    entry = doc["tensors"][fqn]
+    return path / doc["files"][entry["file"][0]], entry["offset"][0], entry["nbytes"][0]
+
+
+def flip_byte(file, position):
+    data = bytearray(file.read_bytes())
+    data[position] ^= 0x40
+    file.write_bytes(bytes(data))
+
+
+def edit_manifest(path, change):
+    doc = json.loads((path / MANIFEST_NAME).read_text())
+    change(doc)
+    (path / MANIFEST_NAME).write_text(json.dumps(doc))
+
+
+def assert_good_neighbour_loads(path, state):
+    target = blank_like(state)
+    ss.load(target, path.parent / "good")
+    assert torch.equal(target["model"]["big"], state["model"]["big"])
+    ss.open(path.parent / "good").verify()
+
+
+def test_flipped_byte_is_detected_on_load_read_and_verify(ckpt):
+    path, state = ckpt
+    file, offset, nbytes = piece(path, "model.big")
+    flip_byte(file, offset + nbytes - 100)  # in the last checksum block of the tensor
+    with pytest.raises(ss.CorruptCheckpointError) as caught:
+        ss.load(blank_like(state), path)
+    assert file.name in str(caught.value) and "'model.big'" in str(caught.value)
+    with pytest.raises(ss.CorruptCheckpointError, match=file.name):
+        ss.open(path).read("model.big")
+    with pytest.raises(ss.CorruptCheckpointError) as caught:
+        ss.open(path).verify()
+    assert "model.big" in str(caught.value) and file.name in str(caught.value)
+    assert "model.small" not in str(caught.value)
+    # Reading a region whose checksum blocks are intact still works.
+    assert torch.equal(ss.open(path).read("model.big", slice(0, 8)), state["model"]["big"][:8])
+    assert_good_neighbour_loads(path, state)
+
+
+def test_verify_false_skips_checksums(ckpt):
+    path, state = ckpt
+    file, offset, _ = piece(path, "model.small")
+    flip_byte(file, offset)
+    target = blank_like(state)
+    ss.load(target, path, verify=False)
+    assert torch.equal(target["model"]["big"], state["model"]["big"])
+    assert not torch.equal(target["model"]["small"], state["model"]["small"])
+    assert not torch.equal(ss.open(path, verify=False).read("model.small"), state["model"]["small"])
+
+
+def test_truncated_data_file(ckpt):
+    path, state = ckpt
+    file, offset, nbytes = piece(path, "model.big")
+    data = file.read_bytes()
+    file.write_bytes(data[:offset + nbytes // 2])
+    with pytest.raises(ss.CorruptCheckpointError) as caught:
+        ss.load(blank_like(state), path)
+    assert "truncated" in str(caught.value) and file.name in str(caught.value)
+    assert "model.big" in str(caught.value)
+    with pytest.raises(ss.CorruptCheckpointError, match="model.big"):
+        ss.open(path).verify()
+    assert_good_neighbour_loads(path, state)
+
+
+def test_missing_data_file(ckpt):
+    path, state = ckpt
+    file, _, _ = piece(path, "model.big")
+    file.unlink()
+    with pytest.raises(ss.MissingFileError) as caught:
+        ss.load(blank_like(state), path)
+    assert file.name in str(caught.value) and "model." in str(caught.value)
+    with pytest.raises(ss.MissingFileError) as caught:
+        ss.open(path).verify()
+    assert file.name in str(caught.value) and "model.big" in str(caught.value)
+    assert_good_neighbour_loads(path, state)
+
+
+@pytest.mark.parametrize("content", [b"", b"\x80\x04garbage", b"{not json", b"[1, 2]", b'{"format": "other"}'])
+def test_garbage_manifest(ckpt, content):
+    path, state = ckpt
+    (path / MANIFEST_NAME).write_bytes(content)
+    with pytest.raises(ss.ManifestError, match=MANIFEST_NAME):
+        ss.load(blank_like(state), path)
+    with pytest.raises(ss.ManifestError):
+        ss.open(path)
+    assert_good_neighbour_loads(path, state)
+
+
+def test_missing_manifest_means_not_committed(ckpt):
+    path, state = ckpt
+    (path / MANIFEST_NAME).unlink()
+    with pytest.raises(ss.ManifestError, match="not a committed"):
+        ss.open(path)
+    with pytest.raises(ss.CheckpointError, match="no checkpoint"):
+        ss.open(path.parent / "nothing-here")
+
+
+def test_future_version_manifest(ckpt):
+    path, state = ckpt
+    edit_manifest(path, lambda doc: doc.update(version=999))
+    with pytest.raises(ss.ManifestError, match="version 999") as caught:
+        ss.load(blank_like(state), path)
+    assert "upgrade" in str(caught.value)
+
+
+@pytest.mark.parametrize("name", ["../evil", "/etc/passwd", "..", "sub/dir.bin", ""])
+def test_manifest_paths_cannot_escape(ckpt, name):
+    path, state = ckpt
+    edit_manifest(path, lambda doc: doc["files"].__setitem__(0, name))
+    with pytest.raises(ss.ManifestError, match="refusing") as caught:
+        ss.load(blank_like(state), path)
+    assert repr(name) in str(caught.value)
+
+
+def test_out_of_range_offset(ckpt):
+    path, state = ckpt
+
+    def push_past_end(doc):
+        doc["tensors"]["model.big"]["offset"][0] = doc["file_sizes"][doc["tensors"]["model.big"]["file"][0]]
+    edit_manifest(path, push_past_end)
+    with pytest.raises(ss.ManifestError) as caught:
+        ss.load(blank_like(state), path)
+    assert "'model.big'" in str(caught.value) and "beyond" in str(caught.value)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda t: t.update(dtype="float128"), "unknown dtype"),
+    (lambda t: t.update(shape=[8, 8]), "outside the global shape"),
+    (lambda t: t.update(nbytes=[12]), "byte length"),
+    (lambda t: t.update(file=[7]), "file index"),
+    (lambda t: t.update(checksum=[[1, 2, 3, 4, 5]]), "checksums"),
+    (lambda t: t.update(layout="spiral"), "layout"),
+    (lambda t: t.pop("offset"), "malformed"),
+])
+def test_inconsistent_tensor_entries(ckpt, change, words):
+    path, state = ckpt
+    edit_manifest(path, lambda doc: change(doc["tensors"]["model.big"]))
+    with pytest.raises(ss.ManifestError, match=words) as caught:
+        ss.open(path)
+    assert "model.big" in str(caught.value)
+
+
+def test_damaged_pickled_object(tmp_path):
+    ss.save({"obj": {1, 2, 3}}, tmp_path / "c", allow_pickle=True)
+    doc = json.loads((tmp_path / "c" / MANIFEST_NAME).read_text())
+    file, offset, _, _ = doc["objects"]["obj"]["pickle"]
+    flip_byte(tmp_path / "c" / doc["files"][file], offset + 3)
+    with pytest.raises(ss.CorruptCheckpointError, match="obj"):
+        ss.load({"obj": None}, tmp_path / "c", allow_pickle=True)

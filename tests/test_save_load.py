@@ -1,0 +1,272 @@
+"""Blocking ss.save / ss.load: what a training state holds, in place, strictly, resumably, atomically."""
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import statesnap as ss
+from statesnap.storage.local import LocalBackend
+from dist_utils import run_ranks
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def make_training(seed: int = 0):
+    model = make_model(seed)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
+    return model, optim, sched
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+
+
+def train(model, optim, sched, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = batch(step)
+        loss = ((model(x) - y) ** 2).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+class Counter:
+    """A user object with the Stateful protocol."""
+
+    def __init__(self, n=0):
+        self.n, self.history = n, [n]
+
+    def state_dict(self):
+        return {"n": self.n, "history": list(self.history), "weights": torch.full((3,), float(self.n))}
+
+    def load_state_dict(self, sd):
+        self.n, self.history = sd["n"], list(sd["history"])
+        assert torch.equal(sd["weights"], torch.full((3,), float(self.n)))
+
+
+def full_state(model, optim, sched, counter, step):
+    return {"model": model, "optim": optim, "sched": sched, "counter": counter,
+            "extra": {"step": step, "config": {"lr": 1e-2, "name": "tiny"}, "table": torch.arange(5)}}
+
+
+def assert_same_params(a: nn.Module, b: nn.Module):
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), name
+
+
+def assert_same_optim(a: torch.optim.Optimizer, b: torch.optim.Optimizer):
+    pa = [p for g in a.param_groups for p in g["params"]]
+    pb = [p for g in b.param_groups for p in g["params"]]
+    for p, q in zip(pa, pb):
+        assert a.state[p].keys() == b.state[q].keys()
+        for key in a.state[p]:
+            assert torch.equal(a.state[p][key], b.state[q][key]), key
+
+
+def test_full_training_state_round_trips(tmp_path):
+    model, optim, sched = make_training()
+    train(model, optim, sched, range(3))
+    counter = Counter(7)
+    ss.save(full_state(model, optim, sched, counter, 3), tmp_path / "c")
+
+    keys = ss.open(tmp_path / "c").keys()
+    for param in ("0.weight", "0.bias", "2.weight", "2.bias"):
+        assert f"model.{param}" in keys
+        assert f"optim.state.{param}.exp_avg" in keys
+        assert f"optim.state.{param}.exp_avg_sq" in keys
+    assert "extra.config.name" in keys and "counter.n" in keys
+
+    model2, optim2, sched2 = make_training(seed=1)
+    counter2 = Counter()
+    state2 = full_state(model2, optim2, sched2, counter2, 0)
+    ss.load(state2, tmp_path / "c")
+    assert_same_params(model, model2)
+    assert_same_optim(optim, optim2)
+    assert sched2.state_dict() == sched.state_dict()
+    assert optim2.param_groups[0]["lr"] == optim.param_groups[0]["lr"]
+    assert counter2.n == 7 and counter2.history == [7]
+    assert state2["extra"]["step"] == 3 and state2["extra"]["config"] == {"lr": 1e-2, "name": "tiny"}
+    assert torch.equal(state2["extra"]["table"], torch.arange(5))
+
+
+def test_load_fills_tensors_in_place(tmp_path):
+    model, optim, sched = make_training()
+    train(model, optim, sched, range(2))
+    plain = torch.randn(10)
+    ss.save({"model": model, "optim": optim, "plain": plain}, tmp_path / "c")
+
+    model2, optim2, _ = make_training(seed=1)
+    train(model2, optim2, torch.optim.lr_scheduler.StepLR(optim2, 1), range(1))
+    params = {n: p.data_ptr() for n, p in model2.named_parameters()}
+    moments = [optim2.state[p]["exp_avg"].data_ptr() for p in model2.parameters()]
+    target = torch.zeros(10)
+    pointer = target.data_ptr()
+    ss.load({"model": model2, "optim": optim2, "plain": target}, tmp_path / "c")
+    assert {n: p.data_ptr() for n, p in model2.named_parameters()} == params
+    assert [optim2.state[p]["exp_avg"].data_ptr() for p in model2.parameters()] == moments
+    assert target.data_ptr() == pointer and torch.equal(target, plain)
+    assert_same_params(model, model2)
+
+
+def test_fresh_optimizer_loads_state_and_next_step_matches(tmp_path):
+    model, optim, sched = make_training()
+    train(model, optim, sched, range(3))
+    ss.save({"model": model, "optim": optim, "sched": sched}, tmp_path / "c")
+
+    model2, optim2, sched2 = make_training(seed=5)
+    assert not optim2.state  # has taken no step
+    ss.load({"model": model2, "optim": optim2, "sched": sched2}, tmp_path / "c")
+    assert_same_optim(optim, optim2)
+    assert train(model2, optim2, sched2, range(3, 4)) == train(model, optim, sched, range(3, 4))
+    assert_same_params(model, model2)
+    assert_same_optim(optim, optim2)
+
+
+def test_saving_a_fresh_optimizer_leaves_it_fresh(tmp_path):
+    model, optim, sched = make_training()
+    ss.save({"model": model, "optim": optim}, tmp_path / "c")
+    assert not optim.state  # no zero-lr step was taken on our behalf
+
+    reference_model, reference_optim, reference_sched = make_training()
+    assert train(model, optim, sched, range(2)) == train(reference_model, reference_optim, reference_sched, range(2))
+    p = next(model.parameters())
+    assert optim.state[p]["step"].item() == 2
+
+    # Loading the fresh-optimizer checkpoint into a fresh optimizer keeps it fresh too.
+    model3, optim3, _ = make_training()
+    ss.load({"model": model3, "optim": optim3}, tmp_path / "c")
+    assert not optim3.state
+
+
+def test_resume_is_bit_for_bit(tmp_path):
+    model, optim, sched = make_training()
+    train(model, optim, sched, range(5))
+    ss.save({"model": model, "optim": optim, "sched": sched, "extra": {"step": 5}}, tmp_path / "c")
+    expected_losses = train(model, optim, sched, range(5, 10))
+
+    model2, optim2, sched2 = make_training(seed=99)
+    extra = {"step": 0}
+    ss.load({"model": model2, "optim": optim2, "sched": sched2, "extra": extra}, tmp_path / "c")
+    losses = train(model2, optim2, sched2, range(extra["step"], extra["step"] + 5))
+    assert losses == expected_losses
+    assert_same_params(model, model2)
+    assert_same_optim(optim, optim2)
+    assert sched.get_last_lr() == sched2.get_last_lr()
+
+
+def test_strict_load_lists_every_mismatch(tmp_path):
+    ss.save({"a": torch.zeros(3), "b": torch.zeros(2, 2), "c": torch.zeros(4), "gone": torch.zeros(1),
+             "n": 1}, tmp_path / "c")
+    target = {"a": torch.ones(3), "b": torch.ones(3, 2), "c": torch.ones(4, dtype=torch.float64),
+              "new": torch.ones(1), "n": 0, "new_obj": 5}
+    with pytest.raises(ss.StateMismatchError) as caught:
+        ss.load(target, tmp_path / "c")
+    err = caught.value
+    assert sorted(err.missing) == ["new", "new_obj"]
+    assert err.unexpected == ["gone"]
+    assert [m.split(" ")[0] for m in err.mismatched] == ["b", "c"]
+    message = str(err)
+    for name in ("new", "new_obj", "gone", "b (checkpoint float32[2, 2], target float32[3, 2])", "c (checkpoint"):
+        assert name in message
+    assert torch.equal(target["a"], torch.ones(3))  # nothing was loaded
+
+    ss.load(target, tmp_path / "c", strict=False)
+    assert torch.equal(target["a"], torch.zeros(3)) and target["n"] == 1
+    assert torch.equal(target["b"], torch.ones(3, 2)) and torch.equal(target["new"], torch.ones(1))
+    assert target["new_obj"] == 5
+
+
+def test_existing_checkpoint_needs_overwrite(tmp_path):
+    path = tmp_path / "c"
+    ss.save({"t": torch.zeros(4)}, path)
+    with pytest.raises(ss.CheckpointExistsError, match="overwrite=True"):
+        ss.save({"t": torch.ones(4)}, path)
+    assert torch.equal(ss.open(path).read("t"), torch.zeros(4))
+    ss.save({"t": torch.ones(4)}, path, overwrite=True)
+    assert torch.equal(ss.open(path).read("t"), torch.ones(4))
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]  # no staging or old copies left behind
+
+
+def test_overwrite_keeps_old_checkpoint_loadable_until_commit(tmp_path, monkeypatch):
+    path = tmp_path / "c"
+    ss.save({"t": torch.zeros(4)}, path)
+    seen_before_commit = []
+    real_commit = LocalBackend.commit
+
+    def commit(self, staging, final, *args, **kwargs):
+        seen_before_commit.append(ss.open(final).read("t").clone())
+        ss.open(final).verify()
+        return real_commit(self, staging, final, *args, **kwargs)
+
+    monkeypatch.setattr(LocalBackend, "commit", commit)
+    ss.save({"t": torch.ones(4)}, path, overwrite=True)
+    assert torch.equal(seen_before_commit[0], torch.zeros(4))
+    assert torch.equal(ss.open(path).read("t"), torch.ones(4))
+
+
+def test_failed_overwrite_leaves_old_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "c"
+    ss.save({"t": torch.zeros(4)}, path)
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sys.modules["statesnap.engine.save"], "write_file", fail)
+    with pytest.raises(ss.CheckpointError, match="No space left"):
+        ss.save({"t": torch.ones(4)}, path, overwrite=True)
+    assert torch.equal(ss.open(path).read("t"), torch.zeros(4))
+    ss.open(path).verify()
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]
+
+
+def test_fsspec_memory_url_round_trip():
+    pytest.importorskip("fsspec")
+    url = "memory://statesnap-tests/run/step-3"
+    model, optim, sched = make_training()
+    train(model, optim, sched, range(2))
+    ss.save({"model": model, "optim": optim, "extra": {"step": 3}}, url, overwrite=True)
+    model2, optim2, _ = make_training(seed=3)
+    extra = {"step": 0}
+    ss.load({"model": model2, "optim": optim2, "extra": extra}, url)
+    assert_same_params(model, model2)
+    assert_same_optim(optim, optim2)
+    assert extra["step"] == 3
+    reader = ss.open(url)
+    assert torch.equal(reader.read("model.0.weight"), model.state_dict()["0.weight"])
+    assert torch.equal(reader.read("model.0.weight", (slice(2, 5), 3)), model.state_dict()["0.weight"][2:5, 3])
+    assert reader.verify() > 0
+    with pytest.raises(ss.CheckpointExistsError):
+        ss.save({"extra": {"step": 4}}, url)
+
+
+def _dtensor_replicate(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    full = torch.randn(64, 32)
+    weight = distribute_tensor(full, mesh, [Replicate()])
+    ss.save({"w": weight, "bias": torch.arange(16.0)}, path)
+    target = distribute_tensor(torch.zeros(64, 32), mesh, [Replicate()])
+    bias = torch.zeros(16)
+    ss.load({"w": target, "bias": bias}, path)
+    return torch.equal(target.to_local(), full) and torch.equal(bias, torch.arange(16.0))
+
+
+def test_dtensor_replicate_written_once_over_two_ranks(tmp_path):
+    path = str(tmp_path / "c")
+    assert run_ranks(2, _dtensor_replicate, path) == [True, True]
+    reader = ss.open(path)
+    assert reader.info("w").pieces == 1 and reader.info("w").nbytes == 64 * 32 * 4
+    assert reader.manifest.total_bytes < (64 * 32 + 16) * 4 + 2 * 64
