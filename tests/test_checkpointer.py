@@ -353,8 +353,8 @@ def test_stats_and_trace(tmp_path):
     state = {"model": model, "optim": optim}
     ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, persist_every=2)
     for step in range(1, 5):
-        ckpt.save(step, state)
         train_step(model, optim, step)
+        ckpt.save(step, state)
     ckpt.close()
     stats = ckpt.stats()
     assert stats["checkpoints"] == 4 and len(stats["stall_s_per_checkpoint"]) == 4

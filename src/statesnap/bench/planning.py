@@ -66,21 +66,26 @@ def rank_box(shape: tuple, style: str, tp: int, tp_size: int, dp: int, dp_size: 
     return tuple(start), tuple(size)
 
 
-def rank_items(rank: int, params, tp_size: int, dp_size: int, dtype: str = "float32") -> list[ItemMeta]:
+def item_names(params) -> list[tuple[str, ...]]:
+    """Per parameter: its checkpoint names (parameter, AdamW moments, step), built once and
+    shared by every simulated rank, as unpickled gathers would not but memory here must."""
+    return [(f"model.{name}", *(f"optim.state.{name}.{s}" for s in ADAM_STATES), f"optim.state.{name}.step")
+            for name, _, _ in params]
+
+
+def rank_items(rank: int, params, names, tp_size: int, dp_size: int, dtype: str = "float32") -> list[ItemMeta]:
     """What the state providers of ``rank`` describe: each parameter, its AdamW moments (same
     box) and its step count (a replicated scalar). TP is the inner mesh dimension."""
     tp, dp = rank % tp_size, rank // tp_size
     isz = itemsize(dtype_from_name(dtype))
     items = []
-    for name, shape, style in params:
+    for (_, shape, style), (*boxed, step) in zip(params, names):
         start, size = rank_box(shape, style, tp, tp_size, dp, dp_size)
         nbytes = isz
         for s in size:
             nbytes *= s
-        items.append(ItemMeta(f"model.{name}", dtype, shape, BOX, start, size, nbytes))
-        for state in ADAM_STATES:
-            items.append(ItemMeta(f"optim.state.{name}.{state}", dtype, shape, BOX, start, size, nbytes))
-        items.append(ItemMeta(f"optim.state.{name}.step", dtype, (), BOX, (), (), isz))
+        items += [ItemMeta(fqn, dtype, shape, BOX, start, size, nbytes) for fqn in boxed]
+        items.append(ItemMeta(step, dtype, (), BOX, (), (), isz))
     return items
 
 
@@ -120,8 +125,8 @@ def dcp_metadata_bytes(manifest: Manifest) -> int:
 
 def plan_save_job(params, tp_size: int, dp_size: int, block_bytes: int = DEFAULT_BLOCK_BYTES):
     """(manifest, seconds of plan_save + build_manifest) for the whole job."""
-    world = tp_size * dp_size
-    per_rank = [rank_items(r, params, tp_size, dp_size) for r in range(world)]
+    world, names = tp_size * dp_size, item_names(params)
+    per_rank = [rank_items(r, params, names, tp_size, dp_size) for r in range(world)]
     started = time.perf_counter()
     plan = plan_save(per_rank)
     planned = time.perf_counter()
@@ -134,9 +139,9 @@ def plan_save_job(params, tp_size: int, dp_size: int, block_bytes: int = DEFAULT
 
 def load_planning_seconds(manifest: Manifest, params, tp_size: int, dp_size: int, ranks) -> list[float]:
     """Seconds to plan every read of each of ``ranks`` in a (tp_size x dp_size) target layout."""
-    out = []
+    out, names = [], item_names(params)
     for rank in ranks:
-        items = rank_items(rank, params, tp_size, dp_size)
+        items = rank_items(rank, params, names, tp_size, dp_size)
         started = time.perf_counter()
         for item in items:
             plan_target(manifest.tensors[item.fqn], item.layout, item.start, item.size)

@@ -85,7 +85,8 @@ class CheckpointerConfig:
             (self.host_memory_gb * GB >= MIN_ARENA_BYTES,
              f"host_memory_gb={self.host_memory_gb} is below the minimum of {MIN_ARENA_BYTES} bytes"),
             (self.persist_every >= 1, f"persist_every must be at least 1 (got {self.persist_every})"),
-            (self.further_every >= 1 and self.further_every % self.persist_every == 0,
+            (self.further_root is None or (self.further_every >= 1 and self.persist_every >= 1 and
+                                           self.further_every % self.persist_every == 0),
              f"further_every ({self.further_every}) must be a positive multiple of persist_every "
              f"({self.persist_every}): the further level copies persisted checkpoints"),
             (self.further_keep_last >= 1, f"further_keep_last must be at least 1 (got {self.further_keep_last})"),

@@ -139,7 +139,7 @@ def _rename(op: dict, values: dict) -> tuple[dict, bool]:
 
 def _add(out: dict, name: str, value: Any, origin: str) -> None:
     if name in out:
-        raise TransformError(f"transform maps {origin!r} onto {name!r}, which another tensor already has")
+        raise TransformError(f"transform maps {origin!r} onto {name!r}, which another value already has")
     out[name] = value
 
 
@@ -149,8 +149,11 @@ def _fuse(op: dict, values: dict) -> tuple[dict, bool]:
     for name in values:
         m = pattern.fullmatch(name)
         if m:
-            parts = groups.setdefault(m.expand(op["to"]), {})
-            parts[int(m.group("index"))] = name
+            target, index = m.expand(op["to"]), int(m.group("index"))
+            parts = groups.setdefault(target, {})
+            if index in parts:
+                raise TransformError(f"{target}: {parts[index]!r} and {name!r} are both part {index}")
+            parts[index] = name
     out: dict[str, Any] = {}
     consumed = {name for parts in groups.values() for name in parts.values()}
     first_part = {min(parts.items())[1]: target for target, parts in groups.items()}

@@ -136,8 +136,8 @@ def fill_objects(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
             continue
         entry = manifest.objects[item.fqn]
         if item.per_rank is not None:
-            saved = entry.per_rank if entry.kind == "per_rank" else [entry]
-            values = [decode_value(item.fqn, e, allow_pickle, read_blob) for e in saved]
+            values = decode_value(item.fqn, entry, allow_pickle, read_blob)
+            values = values if entry.kind == "per_rank" else [values]
             found, value = item.per_rank.choose(values, comm.rank, comm.world_size, item.fqn)
             if found:
                 item.per_rank.restore(value)

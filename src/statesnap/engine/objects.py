@@ -25,6 +25,9 @@ def encode_value(fqn: str, value: Any, allow_pickle: bool) -> tuple[ObjectEntry,
 
 
 def decode_value(fqn: str, entry: ObjectEntry, allow_pickle: bool, read_blob) -> Any:
+    """The stored value; for a per-rank entry, the list of every saved rank's value."""
+    if entry.kind == "per_rank":
+        return [decode_value(fqn, e, allow_pickle, read_blob) for e in entry.per_rank]
     if entry.kind == "json":
         return plaindata.decode(entry.value, fqn)
     if not allow_pickle:

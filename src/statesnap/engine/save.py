@@ -79,6 +79,9 @@ def write_rank(backend: StorageBackend, staging: str, token: str, rank: int, pla
         end += -(-len(blob) // ALIGN) * ALIGN
     if not jobs:
         return RankOutput(None, 0, {}, entries, per_rank)
+    written = max(offset + len(view) for offset, view in jobs)
+    if written < end:  # zero-fill the alignment tail: a file shorter than its recorded size is truncated
+        jobs.append((written, memoryview(bytes(end - written))))
     name = data_file_name(token, rank)
     sums = write_file(backend, backend.join(staging, name), jobs, block_bytes, durable, threads)
     checksums = {index: s for (index, _), s in zip(plan.writes[rank], sums)}
@@ -86,7 +89,7 @@ def write_rank(backend: StorageBackend, staging: str, token: str, rank: int, pla
         entries[fqn].value[3] = s[0] if len(s) == 1 else None
         if len(s) != 1:
             raise CheckpointError(f"{fqn}: pickled value over {block_bytes} bytes is not supported")
-    return RankOutput(name, max(end, plan.file_bytes[rank]), checksums, entries, per_rank)
+    return RankOutput(name, end, checksums, entries, per_rank)
 
 
 def build_manifest(plan: SavePlan, outputs: list[RankOutput], world_size: int, block_bytes: int,
