@@ -6,6 +6,7 @@ and that whatever the kill left behind is hidden (``.<name>.tmp-*``).
 """
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,19 +86,24 @@ def hidden_are_staging(root) -> None:
 
 def test_kill_during_saves_never_leaves_a_partial_checkpoint(tmp_path):
     rng = random.Random(20261122)
-    first, kills_inside_a_save, committed = 0, 0, set()
+    first, kept, kills_inside_a_save = 0, set(), 0
     for _ in range(ROUNDS):
         word, step = run_and_kill(tmp_path, "dirs", first, rng.uniform(0.05, 1.5))
         found = {check_whole(tmp_path / name) for name in visible(tmp_path)}
         assert sorted(f"step-{s}" for s in found) == visible(tmp_path)
-        new = found - committed
+        assert kept <= found  # the checkpoint kept from the last round is still there and whole
+        new = found - kept
         if word == "begin":  # save ``step`` was in flight: it is either whole or absent
             kills_inside_a_save += 1
             assert new in (set(range(first, step)), set(range(first, step + 1)))
         else:
             assert new == set(range(first, step + 1))
         hidden_are_staging(tmp_path)
-        committed, first = found, max(found, default=first - 1) + 1
+        first = max(found, default=first - 1) + 1
+        kept = {max(found)} if found else set()
+        for name in os.listdir(tmp_path):  # keep only the newest checkpoint, to bound the disk used
+            if name not in {f"step-{s}" for s in kept}:
+                shutil.rmtree(tmp_path / name)
     assert kills_inside_a_save, "no kill landed inside a save; the test checked nothing"
 
 
@@ -117,5 +123,8 @@ def test_kill_during_overwrite_leaves_old_or_new(tmp_path):
         else:
             assert found == step
         hidden_are_staging(tmp_path)
+        for name in os.listdir(tmp_path):  # what the kills left behind, to bound the disk used
+            if name.startswith("."):
+                shutil.rmtree(tmp_path / name)
         previous = found
     assert kills_inside_a_save, "no kill landed inside a save; the test checked nothing"

@@ -77,7 +77,8 @@ class SlowBackend(LocalBackend):
 
 
 class DiskFullBackend(LocalBackend):
-    """Local storage that fails with ENOSPC while writing the data of the chosen checkpoints."""
+    """Local storage that runs out of space in the middle of the data of the chosen checkpoints:
+    the first write of such a file lands, the next ones fail with ENOSPC."""
 
     def __init__(self, failing_steps):
         self.failing_steps = set(failing_steps)
@@ -86,8 +87,14 @@ class DiskFullBackend(LocalBackend):
         writer = _LocalWriter(path)
         step = int(os.path.basename(os.path.dirname(path)).split(".tmp-")[0].split("-")[1])
         if step in self.failing_steps:
-            os.close(writer.fd)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+            real, writes = writer.pwrite, []
+
+            def pwrite(offset, views):
+                writes.append(offset)
+                if len(writes) > 1:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+                real(offset, views)
+            writer.pwrite = pwrite
         return writer
 
 
@@ -192,6 +199,24 @@ def test_wait_staged_covers_custom_loops(tmp_path, monkeypatch):
         model[0].weight.zero_()  # safe now: the snapshot is in host memory
     ckpt.close()
     assert_checkpoint_equals(handle.wait(), ref)
+
+
+def test_checkpoints_in_flight_are_bounded(tmp_path, monkeypatch):
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    gate = Gate(monkeypatch)
+    ckpt = ss.Checkpointer(tmp_path, max_in_flight=1, host_memory_gb=0.01)
+    first = ckpt.save(1, state)
+    second = []
+    saver = threading.Thread(target=lambda: second.append(ckpt.save(2, state)))
+    saver.start()
+    saver.join(0.3)
+    assert saver.is_alive() and not first.staged.done()  # save(2) waits for checkpoint 1
+    gate.open()
+    saver.join()
+    ckpt.close()
+    assert first.wait() and second[0].wait()
+    assert ckpt.stats()["backpressure_s"] > 0
 
 
 # ----------------------------------------------------------------------------- memory budget

@@ -12,7 +12,7 @@ def test_kill_and_resume_continues_the_loss_curve_bit_for_bit(tmp_path):
     interrupted, resumed, reference = result.interrupted, result.resumed, result.reference
     assert interrupted.killed_after >= 7 and interrupted.digest is None  # really killed mid-run
     # The restart resumed from a persisted step no later than the kill, and trained to the end.
-    assert resumed.resumed is not None and resumed.resumed % 3 == 0
+    assert resumed.resumed is not None and resumed.resumed % 3 == 0 and resumed.level == "persistent"
     assert 3 <= resumed.resumed <= interrupted.killed_after
     assert sorted(resumed.losses) == list(range(resumed.resumed + 1, 13))
     assert reference.resumed is None and sorted(reference.losses) == list(range(1, 13))

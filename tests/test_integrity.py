@@ -1,11 +1,13 @@
 """Damage is reported, never loaded silently: each kind raises its own error naming file and tensor."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 import statesnap as ss
 from statesnap.format.manifest import MANIFEST_NAME
+from dist_utils import run_ranks
 
 BLOCK = 4096  # small checksum blocks, so tensors span several
 
@@ -182,3 +184,38 @@ def test_damaged_pickled_object(tmp_path):
     flip_byte(tmp_path / "c" / doc["files"][file], offset + 3)
     with pytest.raises(ss.CorruptCheckpointError, match="obj"):
         ss.load({"obj": None}, tmp_path / "c", allow_pickle=True)
+
+
+def test_missing_file_of_pickled_objects(tmp_path):
+    ss.save({"obj": {1, 2}, "per_rank": ss.PerRank({3})}, tmp_path / "c", allow_pickle=True)
+    (file,) = (tmp_path / "c").glob("*.bin")
+    file.unlink()
+    with pytest.raises(ss.MissingFileError, match=f"{file.name}.*'obj'"):
+        ss.load({"obj": None, "per_rank": ss.PerRank(None)}, tmp_path / "c", allow_pickle=True)
+    with pytest.raises(ss.MissingFileError, match=file.name):
+        ss.open(tmp_path / "c", allow_pickle=True).read("obj")
+    with pytest.raises(ss.MissingFileError, match=f"{file.name} .*obj, per_rank"):
+        ss.open(tmp_path / "c").verify()
+
+
+def _load_damaged(rank, world, path):
+    """Every rank must raise, naming the damage, even if its own reads were fine."""
+    state = {"w": ss.Sharded(torch.full((4, 8), float(rank)), (4 * world, 8), (4 * rank, 0))}
+    ss.save(state, path)
+    if rank == 0:
+        doc = json.loads((Path(path) / MANIFEST_NAME).read_text())
+        entry = doc["tensors"]["w"]
+        last = entry["start"].index([4 * (world - 1), 0])
+        flip_byte(Path(path) / doc["files"][entry["file"][last]], entry["offset"][last])
+    torch.distributed.barrier()
+    try:
+        ss.load({"w": ss.Sharded(torch.zeros(4, 8), (4 * world, 8), (4 * rank, 0))}, path)
+    except ss.CheckpointError as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def test_damage_seen_by_one_rank_fails_every_rank(tmp_path):
+    results = run_ranks(2, _load_damaged, str(tmp_path / "c"))
+    assert results[1][0] == "CorruptCheckpointError" and "'w'" in results[1][1]
+    assert results[0] is not None and "rank 1" in results[0][1] and "checksum mismatch" in results[0][1]

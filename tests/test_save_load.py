@@ -1,6 +1,7 @@
 """Blocking ss.save / ss.load: what a training state holds, in place, strictly, resumably, atomically."""
 import sys
 
+import fsspec
 import pytest
 import torch
 import torch.nn as nn
@@ -186,7 +187,10 @@ def test_strict_load_lists_every_mismatch(tmp_path):
     assert target["new_obj"] == 5
 
 
-def test_existing_checkpoint_needs_overwrite(tmp_path):
+@pytest.mark.parametrize("has_renameat2", [True, False])
+def test_existing_checkpoint_needs_overwrite(tmp_path, monkeypatch, has_renameat2):
+    if not has_renameat2:  # old kernels and some file systems: the rename-aside fallback
+        monkeypatch.setattr("statesnap.storage.local._rename2", lambda src, dst, flags: False)
     path = tmp_path / "c"
     ss.save({"t": torch.zeros(4)}, path)
     with pytest.raises(ss.CheckpointExistsError, match="overwrite=True"):
@@ -230,7 +234,6 @@ def test_failed_overwrite_leaves_old_checkpoint(tmp_path, monkeypatch):
 
 
 def test_fsspec_memory_url_round_trip():
-    pytest.importorskip("fsspec")
     url = "memory://statesnap-tests/run/step-3"
     model, optim, sched = make_training()
     train(model, optim, sched, range(2))
@@ -247,6 +250,15 @@ def test_fsspec_memory_url_round_trip():
     assert reader.verify() > 0
     with pytest.raises(ss.CheckpointExistsError):
         ss.save({"extra": {"step": 4}}, url)
+
+    # Overwrite: the new manifest is the commit; the old data files go only after it.
+    fs = fsspec.filesystem("memory")
+    old_files = set(reader.manifest.files)
+    ss.save({"extra": {"step": 4}, "t": torch.ones(2)}, url, overwrite=True)
+    new = ss.open(url)
+    assert new.read("extra.step") == 4 and torch.equal(new.read("t"), torch.ones(2))
+    remaining = {p.rsplit("/", 1)[-1] for p in fs.ls(url, detail=False)}
+    assert remaining == {*new.manifest.files, "manifest.json"} and not remaining & old_files
 
 
 def _dtensor_replicate(rank, world, path):

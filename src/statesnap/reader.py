@@ -111,8 +111,10 @@ class Reader:
                     problems.append(result)
         problems += self._verify_pickled(missing)
         if missing:
-            raise MissingFileError(f"{self.path}: data files missing: {', '.join(missing)} (tensors " +
-                                   ", ".join(sorted({f for f, e, i in self._pieces_in(missing)})[:10]) + ")")
+            needed = {fqn for fqn, _, _ in self._pieces_in(missing)}
+            needed |= {fqn for fqn, ref in self._pickle_refs() if self.manifest.files[ref[0]] in missing}
+            raise MissingFileError(f"{self.path}: data files missing: {', '.join(missing)} (needed for " +
+                                   ", ".join(sorted(needed)[:10]) + (" and more" if len(needed) > 10 else "") + ")")
         if problems:
             raise CorruptCheckpointError(f"{self.path}: {len(problems)} damaged piece(s): " + "; ".join(problems[:20]))
         return self.manifest.total_bytes
@@ -120,16 +122,23 @@ class Reader:
     def _verify_pickled(self, missing: list[str]) -> list[str]:
         """Problems with pickled objects' bytes (checked by checksum, never unpickled)."""
         read_blob = blob_reader(self.backend, self.path, self.manifest)
-        problems, pending = [], list(self.manifest.objects.items())
-        while pending:
-            fqn, entry = pending.pop()
-            pending += [(fqn, e) for e in entry.per_rank]
-            if entry.kind == "pickle" and self.manifest.files[entry.value[0]] not in missing:
+        problems = []
+        for fqn, ref in self._pickle_refs():
+            if self.manifest.files[ref[0]] not in missing:
                 try:
-                    read_blob(fqn, entry.value)
+                    read_blob(fqn, ref)
                 except CorruptCheckpointError as exc:
                     problems.append(str(exc))
         return problems
+
+    def _pickle_refs(self):
+        """(fqn, [file, offset, nbytes, checksum]) of every pickled value, per-rank ones included."""
+        pending = list(self.manifest.objects.items())
+        while pending:
+            fqn, entry = pending.pop()
+            pending += [(fqn, e) for e in entry.per_rank]
+            if entry.kind == "pickle":
+                yield fqn, entry.value
 
     def _pieces_in(self, names: list[str]):
         for fqn, entry in self.manifest.tensors.items():

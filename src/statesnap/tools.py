@@ -24,12 +24,14 @@ OK, FOUND, TROUBLE = 0, 1, 2
 DIFF_SLAB_BYTES = 64 << 20
 
 
-def human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+def human_bytes(n: float) -> str:
+    """``n`` bytes in binary units: ``512 B``, ``1.5 KiB``, ``3.2 GiB``."""
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         n /= 1024
-    raise AssertionError("unreachable")
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
 
 
 def _parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -157,9 +159,9 @@ def compare_tensor(left: Reader, right: Reader, fqn: str) -> float:
     for start in range(0, entry.shape[0], rows):
         region = slice(start, min(start + rows, entry.shape[0]))
         found = max_abs_diff(left.read(fqn, region), right.read(fqn, region))
-        worst = found if math.isnan(found) else max(worst, found)
-        if math.isnan(worst):
-            break
+        if math.isnan(found):
+            return found
+        worst = max(worst, found)
     return worst
 
 
@@ -175,9 +177,9 @@ def diff(left: Reader, right: Reader, atol: float = 0.0) -> list[str]:
             if (a is None) != (b is None):
                 lines.append(f"{fqn}: a tensor in one checkpoint, an object in the other")
             else:
-                a, b = _fingerprint(left.manifest.objects[fqn]), _fingerprint(right.manifest.objects[fqn])
-                if a != b:
-                    shown = f"{a} vs {b}" if len(f"{a}{b}") <= 80 else "values differ"
+                ours, theirs = _fingerprint(left.manifest.objects[fqn]), _fingerprint(right.manifest.objects[fqn])
+                if ours != theirs:
+                    shown = f"{ours} vs {theirs}" if len(f"{ours}{theirs}") <= 80 else "values differ"
                     lines.append(f"{fqn}: {shown}")
             continue
         if a.dtype != b.dtype or a.shape != b.shape:

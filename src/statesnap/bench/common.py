@@ -118,7 +118,7 @@ def write_json(result: dict, path: str | None) -> None:
     """Write ``result`` to ``path`` (``-`` is stdout); nothing when ``path`` is None."""
     if path is None:
         return
-    text = json.dumps(result, indent=2, sort_keys=True, default=str)
+    text = json.dumps(result, indent=2, default=str)
     if path == "-":
         print(text)
         return

@@ -64,7 +64,7 @@ class CheckpointerConfig:
     further_keep_last: int = 2
     max_in_flight: int = 2
     on_error: str = "raise"
-    copy_threads: int = 2
+    copy_threads: int = 1
     threads: int | None = None
     durable: bool = True
     allow_pickle: bool = False

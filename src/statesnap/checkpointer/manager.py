@@ -93,6 +93,7 @@ class Checkpointer:
         self._failed: list[tuple[Snapshot | None, CheckpointError]] = []
         self._copying_further: set[int] = set()
         self._lock = threading.Lock()
+        self._counts = {"committed": 0, "memory_only": 0, "skipped": 0, "failed": 0}
         self._warned_streaming = False
         self._closed = False
         self._guard = StepGuard(self._gates_for, lambda step, s, e: self.events.add("wait-in-hook", step, s, e))
@@ -115,6 +116,7 @@ class Checkpointer:
         with self.events.timed("plan", step):
             snap = self._snapshot(int(step), state)
         if snap is None:
+            self._count("skipped")
             done = Future()
             done.set_result(None)
             self.events.add("save", step, started, now())
@@ -189,6 +191,7 @@ class Checkpointer:
         out = self.events.summary()
         with self._lock:
             out["in_flight"] = len(self._inflight)
+            out.update(self._counts)
         newest = self.memory.newest()
         out["memory_step"] = newest.step if newest is not None else None
         out["loaded_from"] = self.loaded_from
@@ -237,10 +240,13 @@ class Checkpointer:
                 self._warned_streaming = True
             return None
         locals_ = [item.local for item in flat.tensors]
+        cuda_ready = mark_devices(locals_)
+        if cuda_ready and self._cuda is None:
+            self._cuda = CudaCopier()
         return Snapshot(
             step=step, flat=flat, metas=metas, plan=plan, persist=persist, resident=resident,
             versions=[version_of(t) for t in locals_], owners=owners_of(locals_, find_optimizers(state)),
-            objects=objects, blobs=dict(blobs), per_rank=per_rank_names(flat), cuda_ready=mark_devices(locals_),
+            objects=objects, blobs=dict(blobs), per_rank=per_rank_names(flat), cuda_ready=cuda_ready,
             rank=self.rank, path=self.persistent.path(step))
 
     def _plan_for(self, metas: list) -> object:
@@ -263,10 +269,7 @@ class Checkpointer:
             self._wait_all()
             self._arena.evict_all()
             self.memory.clear()
-        pin = pin and torch.cuda.is_available()
-        self._arena = Arena(max(want, REGION_ALIGN), pin)
-        if pin and self._cuda is None:
-            self._cuda = CudaCopier()
+        self._arena = Arena(max(want, REGION_ALIGN), pin and torch.cuda.is_available())
         segment = min(MAX_SEGMENT_BYTES, 1 << max(12, (self._arena.capacity // 4).bit_length() - 1))
         self._block_bytes = min(self.config.block_bytes, segment)
         self._segment_bytes = segment // self._block_bytes * self._block_bytes
@@ -300,9 +303,10 @@ class Checkpointer:
 
     def _flushed(self, snap: Snapshot, committed: int | None) -> None:
         if committed is not None:
+            self._count("committed")
             if self.rank == 0:
                 self._after_commit(snap.step)
-            snap.durable.set_result(snap.path)
+            snap.mark_durable(snap.path)
         self._finish(snap)
 
     def _after_commit(self, step: int) -> None:
@@ -311,8 +315,12 @@ class Checkpointer:
             with self._lock:
                 self._copying_further.add(step)
             self._further_pool.submit(self._copy_further, step)
+        self._retain_persistent(step)
+
+    def _retain_persistent(self, newest: int | None) -> None:
+        """Retention on the persistent level, sparing the newest commit and the further copies."""
         with self._lock:
-            protected = set(self._copying_further)
+            protected = {newest, *self._copying_further}
         try:
             self.persistent.retain(protected)
         except OSError as exc:
@@ -329,6 +337,7 @@ class Checkpointer:
         finally:
             with self._lock:
                 self._copying_further.discard(step)
+            self._retain_persistent(None)  # what the copy kept alive may go now
 
     def _finish(self, snap: Snapshot) -> None:
         """The snapshot is done: keep it as the memory level (or free its space) and report."""
@@ -338,14 +347,19 @@ class Checkpointer:
                 self._arena.hold(snap.region, lambda: self.memory.drop(snap))
             else:
                 self._arena.release(snap.region)
-        if snap.error is None and not snap.durable.done():
-            snap.durable.set_result(None)  # a step kept in memory only
+        if snap.mark_durable(None):  # a step kept in memory only
+            self._count("memory_only")
         if snap.error is not None:
+            self._count("failed")
             self._record_failure(snap, snap.error)
         with self._lock:
             self._inflight.remove(snap)
         snap.finished.set()
         self.events.flush()
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self._counts[what] += 1
 
     def _record_failure(self, snap: Snapshot | None, error: BaseException) -> None:
         with self._lock:

@@ -65,12 +65,25 @@ class Snapshot:
             if self.error is not None:
                 return
             self.error = exc
+            for future in (self.staged, self.durable):
+                if not future.done():
+                    future.set_exception(exc)
         for gate in [*self.gates.values(), self.copied]:
             if gate is not None:
                 gate.release()
-        for future in (self.staged, self.durable):
-            if not future.done():
-                future.set_exception(exc)
+
+    def mark_staged(self) -> None:
+        with self._lock:
+            if self.error is None and not self.staged.done():
+                self.staged.set_result(self.step)
+
+    def mark_durable(self, path: str | None) -> bool:
+        """Resolve ``durable`` (``path``: committed there; None: kept in memory only), unless failed."""
+        with self._lock:
+            if self.error is not None or self.durable.done():
+                return False
+            self.durable.set_result(path)
+            return True
 
 
 def as_checkpoint_error(exc: BaseException, step: int, path: str) -> CheckpointError:
@@ -175,8 +188,7 @@ class Stager:
             snap.copied.finish()
 
     def _copies_done(self, snap: Snapshot) -> None:
-        if snap.error is None and not snap.staged.done():
-            snap.staged.set_result(snap.step)
+        snap.mark_staged()
         self._on_copies_done(snap)
 
 

@@ -52,7 +52,7 @@ class Arena:
     def view(self, start: int, nbytes: int) -> torch.Tensor:
         return self.buffer[start:start + nbytes]
 
-    def allocate(self, nbytes: int, on_wait: Callable[[], None] | None = None) -> Region:
+    def allocate(self, nbytes: int) -> Region:
         """A region of ``nbytes``; waits for older regions to be freed, evicting held ones first."""
         nbytes = align_up(max(nbytes, 1), REGION_ALIGN)
         if nbytes > self.capacity:
@@ -68,9 +68,6 @@ class Arena:
                 if self._live[0].state == HELD:
                     self._evict(self._live[0])
                     continue
-                if on_wait is not None:
-                    on_wait()
-                    on_wait = None
                 self._cond.wait()
 
     def _fit(self, nbytes: int) -> int | None:

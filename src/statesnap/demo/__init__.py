@@ -28,6 +28,7 @@ class Run:
     """What one training process reported: the step it resumed from, per-step losses and stalls."""
 
     resumed: int | None = None
+    level: str | None = None  # the Checkpointer level it resumed from
     losses: dict[int, str] = field(default_factory=dict)  # step -> float.hex(loss), exact
     stalls: dict[int, float] = field(default_factory=dict)
     digest: str | None = None
@@ -69,7 +70,7 @@ def train_process(root: str, cfg: GPTConfig, steps: int, persist_every: int, kil
         for line in proc.stdout:
             event = json.loads(line)
             if event["event"] == "start":
-                run.resumed = event["resumed"]
+                run.resumed, run.level = event["resumed"], event["level"]
             elif event["event"] == "step":
                 run.losses[event["step"]] = event["loss"]
                 run.stalls[event["step"]] = event["stall_s"]
@@ -98,7 +99,7 @@ def run_demo(root: str, steps: int = 40, kill_after: int = 23, persist_every: in
     say(f"  *** SIGKILL after step {interrupted.killed_after}: host-memory snapshots die with the process ***\n")
     say("[2] restarting the same command")
     resumed = train_process(run_root, cfg, steps, persist_every, None, False)
-    say(f"  resumed from the newest committed checkpoint: step {resumed.resumed} "
+    say(f"  resumed from the newest committed checkpoint: step {resumed.resumed}, {resumed.level} level "
         f"({os.path.join(run_root, f'step-{resumed.resumed}')})")
     for step in sorted(resumed.losses):
         if echo:

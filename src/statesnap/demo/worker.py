@@ -9,12 +9,12 @@ import argparse
 import hashlib
 import json
 import sys
-import time
 
 import torch
 
 import statesnap as ss
 
+from ..engine.buffers import byte_view
 from . import gpt
 
 
@@ -30,7 +30,7 @@ def digest(state: dict) -> str:
     def walk(prefix, value):
         if isinstance(value, torch.Tensor):
             h.update(prefix.encode())
-            h.update(value.detach().contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(byte_view(value.detach().contiguous()))
         elif isinstance(value, dict):
             for key in sorted(value, key=str):
                 walk(f"{prefix}.{key}", value[key])
@@ -44,15 +44,16 @@ def train(root: str, cfg: gpt.GPTConfig, steps: int, persist_every: int, keep_la
     state = {"model": model, "optim": optimizer}
     ckpt = ss.Checkpointer(root, keep_last=keep_last, persist_every=persist_every)
     resumed = ckpt.load_latest(state)
-    emit(event="start", resumed=resumed)
+    emit(event="start", resumed=resumed, level=ckpt.loaded_from)
     for step in range((resumed or 0) + 1, steps + 1):
+        # Stall: what the Checkpointer blocked this step, in save() and in the optimizer's pre-step
+        # hook (which waits, if at all, for the previous snapshot's copies).
+        stalled_before = ckpt.stats()["stall_s"]
         loss = gpt.train_step(model, optimizer, gpt.batch(cfg, step))
-        started = time.perf_counter()
         ckpt.save(step, state)
-        stall = time.perf_counter() - started
-        emit(event="step", step=step, loss=loss.hex(), stall_s=stall)
+        emit(event="step", step=step, loss=loss.hex(), stall_s=ckpt.stats()["stall_s"] - stalled_before)
     ckpt.close()
-    emit(event="done", digest=digest(state), stats=ckpt.stats())
+    emit(event="done", digest=digest(state))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,18 +11,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CheckpointError, CorruptCheckpointError, ManifestError, StateMismatchError
+from ..errors import CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, StateMismatchError
 from ..format.checksum import checksum_blocks
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..plan.load_plan import plan_target
 from ..state.flatten import flatten_for_load
 from ..state.items import Flattened
-from ..storage import backend_for, normalize
+from ..storage import LocalBackend, backend_for, normalize
 from ..storage.base import StorageBackend
 from .buffers import host_contiguous
 from .dist import Comm
 from .objects import decode_value
 from .read import ReadExecutor
+from .shared import plan_shared_reads, should_share
 
 MAX_LISTED = 20
 
@@ -50,7 +51,11 @@ def blob_reader(backend: StorageBackend, path: str, manifest: Manifest):
     """A function that reads and verifies a pickled object's bytes."""
     def read(fqn: str, ref: list) -> bytes:
         file, offset, nbytes, checksum = ref
-        reader = backend.open_read(backend.join(path, manifest.files[file]))
+        try:
+            reader = backend.open_read(backend.join(path, manifest.files[file]))
+        except FileNotFoundError:
+            raise MissingFileError(f"data file {manifest.files[file]} of {path} is missing "
+                                   f"(needed for object {fqn!r})") from None
         try:
             buf = bytearray(nbytes)
             if reader.readinto(offset, [memoryview(buf)]) != nbytes or \
@@ -103,11 +108,12 @@ def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: 
 
 
 def fill_tensors(flat: Flattened, manifest: Manifest, backend: StorageBackend, path: str, skip: set[str],
-                 verify: bool, threads: int | None, strict: bool) -> int:
+                 verify: bool, threads: int | None, strict: bool, received: set[int] = frozenset()) -> int:
+    """Read every item not in ``skip`` (by name) or ``received`` (by index: another rank sends it)."""
     executor = ReadExecutor(backend, path, manifest, verify, threads)
     copy_back = []
-    for item in flat.tensors:
-        if item.fqn in skip:
+    for index, item in enumerate(flat.tensors):
+        if item.fqn in skip or index in received:
             continue
         entry = manifest.tensors[item.fqn]
         plan = plan_target(entry, item.layout, item.start, item.size)
@@ -148,8 +154,12 @@ def fill_objects(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
 
 
 def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_pickle: bool = False,
-         storage_options: dict | None = None, process_group=None, threads: int | None = None) -> LoadInfo:
-    """Load the checkpoint at ``path`` into ``state`` in place, resharding into its current layout."""
+         storage_options: dict | None = None, process_group=None, threads: int | None = None,
+         shared_reads: bool | None = None) -> LoadInfo:
+    """Load the checkpoint at ``path`` into ``state`` in place, resharding into its current layout.
+
+    ``shared_reads``: bytes several ranks need are read by one and sent to the others (True),
+    read by each (False), or shared only when storage is not local (None; see engine/shared.py)."""
     started = time.perf_counter()
     path = normalize(path)
     comm = Comm(process_group)
@@ -166,8 +176,14 @@ def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_p
     except Exception as exc:
         error = exc
     comm.agree(error, f"loading {path}")
+    exchange = plan_shared_reads(comm, flat, skip, should_share(shared_reads, comm, isinstance(backend, LocalBackend)))
     try:
-        nbytes = fill_tensors(flat, manifest, backend, path, skip, verify, threads, strict)
+        nbytes = fill_tensors(flat, manifest, backend, path, skip, verify, threads, strict, exchange.received)
+    except Exception as exc:
+        error = exc
+    comm.agree(error, f"loading {path}")
+    try:
+        exchange.run(flat)
         fill_objects(flat, manifest, backend, path, skip, allow_pickle, comm)
         for finalize in flat.finalizers:
             finalize()

@@ -52,6 +52,7 @@ class EventLog:
         self.events: list[Event] = []
         self._unwritten: list[Event] = []
         self._lock = threading.Lock()
+        self._file_lock = threading.Lock()  # whole lines from concurrent flushes
         if path:
             os.makedirs(os.path.dirname(path), exist_ok=True)
 
@@ -76,8 +77,9 @@ class EventLog:
             batch, self._unwritten = self._unwritten, []
         if not self.path or not batch:
             return
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(asdict(e), separators=(",", ":")) + "\n" for e in batch)
+        text = "".join(json.dumps(asdict(e), separators=(",", ":")) + "\n" for e in batch)
+        with self._file_lock, open(self.path, "a", encoding="utf-8") as f:
+            f.write(text)
 
     def summary(self) -> dict:
         """Sums over all events so far; see docs/checkpointer.md for what each key means."""

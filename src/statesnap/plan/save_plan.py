@@ -12,6 +12,8 @@ per-file offsets, per-tensor piece tables) is numpy over those ids.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain, count
+from operator import attrgetter
 from typing import Sequence
 
 import numpy as np
@@ -55,14 +57,15 @@ def plan_save(per_rank: Sequence[Sequence[ItemMeta]]) -> SavePlan:
     """Assign each distinct piece to one holder: pieces only one rank has stay there; replicated
     ones go, largest first, to the least-loaded of their holders."""
     world = len(per_rank)
-    counts = np.fromiter((len(metas) for metas in per_rank), np.int64, world)
-    metas = [meta for rank_metas in per_rank for meta in rank_metas]
+    per_rank_counts = np.fromiter(map(len, per_rank), np.int64, world)
+    metas = list(chain.from_iterable(per_rank))
+    total = len(metas)
     first_seen: dict[ItemMeta, int] = {}
     # position of the first identical description: replicas share it
-    first = np.fromiter((first_seen.setdefault(meta, pos) for pos, meta in enumerate(metas)), np.int64, len(metas))
-    rank = np.repeat(np.arange(world, dtype=np.int64), counts)
-    index = np.arange(len(metas), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    nbytes = np.fromiter((meta.nbytes for meta in metas), np.int64, len(metas))
+    first = np.fromiter(map(first_seen.setdefault, metas, count()), np.int64, total)
+    rank = np.repeat(np.arange(world, dtype=np.int64), per_rank_counts)
+    index = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(per_rank_counts) - per_rank_counts, per_rank_counts)
+    nbytes = np.fromiter(map(attrgetter("nbytes"), metas), np.int64, total)
 
     chosen = _choose_holders(first, rank, nbytes, world)  # one position per distinct piece, ascending
     chosen_rank, aligned = rank[chosen], -(-nbytes[chosen] // ALIGN) * ALIGN
@@ -73,7 +76,8 @@ def plan_save(per_rank: Sequence[Sequence[ItemMeta]]) -> SavePlan:
     file_bytes = (base[1:] - base[:-1]).tolist()
     items, offsets = index[chosen].tolist(), offset.tolist()
     writes = [list(zip(items[a:b], offsets[a:b])) for a, b in zip(rank_start[:-1], rank_start[1:])]
-    tensors = _tensor_tables([metas[p] for p in chosen.tolist()], chosen_rank, index[chosen], offset, nbytes[chosen])
+    tensors = _tensor_tables(list(map(metas.__getitem__, chosen.tolist())), chosen_rank, index[chosen], offset,
+                             nbytes[chosen])
     return SavePlan(world, writes, file_bytes, tensors)
 
 
@@ -88,37 +92,44 @@ def _choose_holders(first: np.ndarray, rank: np.ndarray, nbytes: np.ndarray, wor
     bounds = np.searchsorted(first[replicas], shared_keys)
     picked = []
     order = np.lexsort((shared_keys, -nbytes[shared_keys]))  # largest first, ties by position
-    rank_list, bounds_list = rank[replicas].tolist(), bounds.tolist() + [len(replicas)]
+    rank_list, key_bytes = rank[replicas].tolist(), nbytes[shared_keys].tolist()
+    bounds_list, replica_list = bounds.tolist() + [len(replicas)], replicas.tolist()
     for k in order.tolist():
-        a, b = bounds_list[k], bounds_list[k + 1]
-        best = min(range(a, b), key=lambda i: load[rank_list[i]])  # lowest rank wins ties
-        load[rank_list[best]] += int(nbytes[shared_keys[k]])
-        picked.append(replicas[best])
+        holders = range(bounds_list[k], bounds_list[k + 1])
+        best = min(holders, key=lambda i: load[rank_list[i]])  # lowest rank wins ties
+        load[rank_list[best]] += key_bytes[k]
+        picked.append(replica_list[best])
     return np.sort(np.concatenate([np.nonzero(single)[0], np.asarray(picked, dtype=np.int64)]))
 
 
 def _tensor_tables(metas: list[ItemMeta], rank: np.ndarray, item: np.ndarray, offset: np.ndarray,
                    nbytes: np.ndarray) -> dict[str, TensorPieces]:
     """Group the chosen pieces by tensor (in rank order) and check that the ranks agree."""
-    kinds = {(m.fqn, m.dtype, m.shape, m.layout) for m in metas}
-    fqn_ids: dict[str, int] = {}
-    fqn_of = np.fromiter((fqn_ids.setdefault(m.fqn, len(fqn_ids)) for m in metas), np.int64, len(metas))
+    kinds = set(map(attrgetter("fqn", "dtype", "shape", "layout"), metas))
+    fqns = list(map(attrgetter("fqn"), metas))
+    fqn_ids = {fqn: i for i, fqn in enumerate(dict.fromkeys(fqns))}
+    fqn_of = np.fromiter(map(fqn_ids.__getitem__, fqns), np.int64, len(metas))
     if len(kinds) != len(fqn_ids):
         seen: dict[str, tuple] = {}
         for fqn, *kind in sorted(kinds, key=str):
             if seen.setdefault(fqn, tuple(kind)) != tuple(kind):
                 raise CheckpointError(f"{fqn}: ranks disagree on dtype/shape/layout ({seen[fqn]} vs {tuple(kind)})")
     order = np.argsort(fqn_of, kind="stable")
-    bounds = np.searchsorted(fqn_of[order], np.arange(len(fqn_ids) + 1))
+    grouped = list(map(metas.__getitem__, order.tolist()))
+    bounds = np.searchsorted(fqn_of[order], np.arange(len(fqn_ids) + 1)).tolist()
+    heads = [grouped[b] for b in bounds[:-1]]
+    dims = [len(h.shape) if h.layout == BOX else 1 for h in heads]
+    row_dims = np.repeat(np.asarray(dims, np.int64), np.diff(bounds))
+    starts = np.fromiter(chain.from_iterable(map(attrgetter("start"), grouped)), np.int64, int(row_dims.sum()))
+    sizes = np.fromiter(chain.from_iterable(map(attrgetter("size"), grouped)), np.int64, len(starts))
+    ints = np.concatenate([[0], np.cumsum(np.diff(bounds) * np.asarray(dims, np.int64))]).tolist()
     tables = {}
-    for fid, fqn in enumerate(fqn_ids):
-        sel = order[bounds[fid]:bounds[fid + 1]]
-        head = metas[sel[0]]
-        dims = len(head.shape) if head.layout == BOX else 1
-        start = np.asarray([metas[p].start for p in sel.tolist()], np.int64).reshape(len(sel), dims)
-        size = np.asarray([metas[p].size for p in sel.tolist()], np.int64).reshape(len(sel), dims)
-        tables[fqn] = TensorPieces(head.dtype, tuple(head.shape), head.layout, rank[sel], item[sel],
-                                   offset[sel], nbytes[sel], start, size)
+    for fid, (fqn, head) in enumerate(zip(fqn_ids, heads)):
+        sel, count = order[bounds[fid]:bounds[fid + 1]], bounds[fid + 1] - bounds[fid]
+        a, b = ints[fid], ints[fid + 1]
+        tables[fqn] = TensorPieces(head.dtype, tuple(head.shape), head.layout, rank[sel], item[sel], offset[sel],
+                                   nbytes[sel], starts[a:b].reshape(count, dims[fid]),
+                                   sizes[a:b].reshape(count, dims[fid]))
         _check_no_overlap(fqn, tables[fqn])
     return tables
 

@@ -1,0 +1,180 @@
+"""Resharded load against same-layout load, against DCP, and shared reads on and off.
+
+One job of ``--ranks`` gloo processes (4 by default) on this machine. A stack of square linear
+layers plus AdamW state is saved from FSDP2 over all ranks, by statesnap and by DCP. Then each
+system loads it, timed from a barrier to a barrier (the slowest rank counts), into
+
+* ``same``: the layout that saved it;
+* ``2d``: an FSDP x TP mesh (ranks/2 x 2) with ColwiseParallel/RowwiseParallel layers, so every
+  rank needs parts of several stored pieces, some of them strided (FSDP over TP rows);
+
+and, for shared reads, a replicated (DDP-style) model whose every byte every rank needs, with
+``shared_reads`` off and on, from the page cache (warm) and after evicting it (cold).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from .common import DEFAULT_OUT, drop_page_cache, format_table, fresh_dir, median, write_json
+
+LAYOUTS = ("same", "2d")
+
+
+def model_of(dim: int, layers: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(dim, dim, bias=True) for _ in range(layers)])
+
+
+def laid_out(layout: str, dim: int, layers: int, world: int, seed: int):
+    """(model, AdamW) in ``layout``, after one step so the optimizer has state."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = model_of(dim, layers, seed)
+    if layout == "same":
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif layout == "2d":
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        plan = {str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(layers)}
+        parallelize_module(model, mesh["tp"], plan)
+        for layer in model:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(2, dim)).sum().backward()
+    optim.step()
+    optim.zero_grad()
+    return model, optim
+
+
+def _barrier_timed(fn) -> float:
+    dist.barrier()
+    started = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - started
+
+
+def _dcp_state(model, optim) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optim)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _dcp_load(model, optim, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _dcp_state(model, optim)
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _worker(rank: int, world: int, port: int, args: dict, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        queue.put((rank, measure(rank, world, **args)))
+    except BaseException as exc:
+        queue.put((rank, f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(rank: int, world: int, dim: int, layers: int, repeat: int, out: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    import statesnap as ss
+
+    paths = {name: os.path.join(out, name) for name in ("statesnap", "dcp", "replicated")}
+    model, optim = laid_out("same", dim, layers, world, seed=0)
+    ss.save({"model": model, "optim": optim}, paths["statesnap"], overwrite=True, durable=False)
+    dcp.save(_dcp_state(model, optim), checkpoint_id=paths["dcp"])
+    times: dict[str, list[float]] = {}
+    for layout in LAYOUTS:
+        target, target_optim = laid_out(layout, dim, layers, world, seed=1)
+        for _ in range(repeat):
+            times.setdefault(f"statesnap {layout}", []).append(_barrier_timed(
+                lambda: ss.load({"model": target, "optim": target_optim}, paths["statesnap"], shared_reads=False)))
+            times.setdefault(f"dcp {layout}", []).append(_barrier_timed(
+                lambda: _dcp_load(target, target_optim, paths["dcp"])))
+    replica, replica_optim = laid_out("plain", dim, layers, world, seed=0)
+    state = {"model": replica, "optim": replica_optim}
+    ss.save(state, paths["replicated"], overwrite=True, durable=False)
+    for cache in ("warm", "cold"):
+        for shared in (False, True):
+            for _ in range(repeat):
+                if cache == "cold" and rank == 0:
+                    drop_page_cache([paths["replicated"]])
+                times.setdefault(f"replicated {cache} shared={shared}", []).append(
+                    _barrier_timed(lambda: ss.load(state, paths["replicated"], shared_reads=shared)))
+    return times
+
+
+def run(dim: int = 1024, layers: int = 8, ranks: int = 4, repeat: int = 3, out: str = DEFAULT_OUT) -> dict:
+    """Spawn the job; return median seconds per case (slowest rank) and the ratios that matter."""
+    scratch = fresh_dir(os.path.join(out, "reshard"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    args = dict(dim=dim, layers=layers, repeat=repeat, out=scratch)
+    procs = [ctx.Process(target=_worker, args=(r, ranks, port, args, queue)) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join()
+    failed = [r for r in results if isinstance(r[1], str)]
+    if failed:
+        raise RuntimeError(f"rank {failed[0][0]} failed: {failed[0][1]}")
+    per_rank = [times for _, times in sorted(results)]
+    seconds = {case: median(max(t[case][i] for t in per_rank) for i in range(repeat)) for case in per_rank[0]}
+    state_bytes = layers * (dim * dim + dim) * 4 * 3
+    return {
+        "ranks": ranks, "dim": dim, "layers": layers, "state_bytes": state_bytes, "seconds": seconds,
+        "reshard_vs_same": seconds["statesnap 2d"] / seconds["statesnap same"],
+        "reshard_vs_dcp_reshard": seconds["statesnap 2d"] / seconds["dcp 2d"],
+        "same_vs_dcp_same": seconds["statesnap same"] / seconds["dcp same"],
+        "shared_vs_not_warm": seconds["replicated warm shared=True"] / seconds["replicated warm shared=False"],
+        "shared_vs_not_cold": seconds["replicated cold shared=True"] / seconds["replicated cold shared=False"],
+    }
+
+
+def report(result: dict) -> str:
+    rows = [(case, s) for case, s in result["seconds"].items()]
+    ratios = [(k, v) for k, v in result.items() if k.startswith(("reshard_", "same_", "shared_"))]
+    return (f"{result['ranks']} ranks, {result['layers']} layers of {result['dim']}^2 + AdamW "
+            f"({result['state_bytes'] / 1e6:.0f} MB)\n" + format_table(["load", "seconds (median)"], rows) +
+            "\n\n" + format_table(["ratio", "value"], ratios))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="statesnap bench --suite reshard", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dim", type=int, default=1024, help="width of each square layer")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--ranks", type=int, default=4, help="processes (even, for the 2-D mesh)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--out", default=DEFAULT_OUT, help="scratch directory (checkpoints go under it)")
+    parser.add_argument("--json", help="also write the figures here ('-' for stdout)")
+    args = parser.parse_args(argv)
+    result = run(args.dim, args.layers, args.ranks, args.repeat, args.out)
+    print(report(result))
+    write_json(result, args.json)
+    return 0

@@ -1,0 +1,72 @@
+"""SIGKILL during a background flush, then a restart that loads the last committed step."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import statesnap as ss
+from test_checkpointer import assert_state_equals, make_training
+
+CHILD = textwrap.dedent("""
+    import sys, time, torch
+    sys.path.insert(0, sys.argv[1])
+    import statesnap as ss
+    from statesnap.storage.local import LocalBackend
+    from test_checkpointer import make_training, reference, train_step
+
+    class HangingBackend(LocalBackend):
+        '''Writes of step 2 announce themselves, then never finish: the kill lands mid-flush.'''
+        def open_write(self, path):
+            writer = super().open_write(path)
+            if "step-2" in path:
+                real = writer.pwrite
+                def pwrite(offset, views):
+                    real(offset, views)
+                    print("flushing 2", flush=True)
+                    time.sleep(3600)
+                writer.pwrite = pwrite
+            return writer
+
+    root, ref_path = sys.argv[2], sys.argv[3]
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    ckpt = ss.Checkpointer(root, backend=HangingBackend(), host_memory_gb=0.01)
+    train_step(model, optim, 1)
+    torch.save(reference(state), ref_path)
+    ckpt.save(1, state).wait()
+    print("committed 1", flush=True)
+    train_step(model, optim, 2)
+    ckpt.save(2, state)
+    train_step(model, optim, 3)  # training goes on while step 2 flushes
+    time.sleep(3600)
+""")
+
+
+def test_restart_after_sigkill_mid_flush_loads_the_last_committed_step(tmp_path):
+    root, ref_path = str(tmp_path / "ckpt"), str(tmp_path / "ref.pt")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, tests, root, ref_path],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in child.stdout:
+            lines.append(line.strip())
+            if line.startswith("flushing 2"):
+                break
+        assert lines == ["committed 1", "flushing 2"]
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert any(n.startswith(".step-2.tmp-") for n in os.listdir(root))  # the interrupted flush
+
+    model, optim = make_training(seed=3)
+    state = {"model": model, "optim": optim}
+    ckpt = ss.Checkpointer(root, host_memory_gb=0.01)
+    assert ckpt.load_latest(state) == 1 and ckpt.loaded_from == "persistent"
+    ckpt.close()
+    assert_state_equals(state, torch.load(ref_path))
+    assert sorted(os.listdir(root)) == ["events", "step-1"]  # the leftover is cleaned up

@@ -1,0 +1,80 @@
+"""The staging arena's ring allocation and the cutting of items into batches."""
+import threading
+
+import pytest
+import torch
+
+from statesnap.checkpointer.staging import REGION_ALIGN, Arena, build_batches, copy_into
+from statesnap.errors import CheckpointError
+
+PAGE = REGION_ALIGN
+
+
+def test_regions_are_reclaimed_oldest_first_even_when_freed_out_of_order():
+    arena = Arena(4 * PAGE, pin=False)
+    a, b, c = (arena.allocate(PAGE) for _ in range(3))
+    assert [a.start, b.start, c.start] == [0, PAGE, 2 * PAGE]
+    arena.release(b)  # freed, but a still holds the ring's tail
+    d = arena.allocate(PAGE)
+    assert d.start == 3 * PAGE
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(arena.allocate(2 * PAGE)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # full: back-pressure, not failure
+    arena.release(a)  # now a and b are reclaimed together
+    waiter.join()
+    assert got[0].start == 0
+
+
+def test_held_regions_are_evicted_when_space_is_needed():
+    arena = Arena(2 * PAGE, pin=False)
+    evicted = []
+    first = arena.allocate(PAGE)
+    arena.hold(first, lambda: evicted.append("first"))
+    second = arena.allocate(PAGE)
+    assert not arena.borrow(second)  # only held regions can be borrowed
+    arena.release(second)
+    assert arena.borrow(first)  # protected while read...
+    arena.hold(first, lambda: evicted.append("first"))
+    third = arena.allocate(2 * PAGE)  # ...and evicted once held again and in the way
+    assert third.start == 0 and evicted == ["first"]
+
+
+def test_a_region_larger_than_the_arena_is_refused():
+    with pytest.raises(CheckpointError, match="does not fit"):
+        Arena(PAGE, pin=False).allocate(PAGE + 1)
+
+
+def test_batches_cover_every_byte_once():
+    sizes = [100, 5000, 0, 64, 3000]
+    splittable = [True, True, True, False, True]
+    owners = [None, 1, None, 1, 2]
+    writes = {1: 0, 3: 5056, 4: 5120}
+    for resident in (True, False):
+        batches, offsets = build_batches([0, 2, 1, 3, 4], sizes, splittable, owners, writes, resident, 1024)
+        covered = {}
+        for batch in batches:
+            assert batch.owners == {owners[s.item] for s in batch.segments} - {None}
+            for seg in batch.segments:
+                covered.setdefault(seg.item, []).append((seg.offset, seg.nbytes))
+                assert seg.nbytes <= 1024 or not splittable[seg.item]
+                if seg.file is not None:
+                    assert seg.file == writes[seg.item] + seg.offset
+                if resident:
+                    assert seg.arena == offsets[seg.item] + seg.offset and seg.arena % 64 == 0
+        items = range(len(sizes)) if resident else writes
+        for item in items:
+            ranges = sorted(covered[item])
+            assert sum(n for _, n in ranges) == sizes[item]
+            assert all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:]))
+
+
+def test_copy_into_handles_contiguous_slices_and_strided_tensors():
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    src = torch.arange(8, dtype=torch.int32)
+    copy_into(buffer[:8], src, 4)
+    assert torch.equal(buffer[:8], src.view(torch.uint8)[4:12])
+    strided = torch.arange(12, dtype=torch.int16).reshape(3, 4).t()
+    copy_into(buffer[:24], strided, 0)
+    assert torch.equal(buffer[:24].view(torch.int16).view(4, 3), strided)

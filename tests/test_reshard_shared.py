@@ -1,0 +1,58 @@
+"""Shared reads: bytes several ranks need are read once and sent; the result is bit for bit the same."""
+import torch
+
+import statesnap as ss
+from dist_utils import run_ranks
+from test_reshard import TRAIN_STEPS, build, full_values, train
+
+
+def _replicated_and_sharded(rank, world, root):
+    """A replicated model (every byte needed by every rank), FSDP2 (only the step counts are
+    replicated) and declared blocks two of three ranks share, each loaded with and without
+    shared reads; returns what was read from storage and whether the values match."""
+    out = {}
+    for layout in ("plain", "fsdp"):
+        model, optim = build(layout, world, rank)
+        train(model, optim, TRAIN_STEPS)
+        path = f"{root}/{layout}"
+        ss.save({"model": model, "optim": optim}, path)
+        expected = full_values(model, optim)
+        for shared in (False, True):
+            target, target_optim = build(layout, world, rank, seed=99)
+            info = ss.load({"model": target, "optim": target_optim}, path, shared_reads=shared)
+            values = full_values(target, target_optim)
+            out[(layout, shared)] = (info.bytes, all(torch.equal(values[k], v) for k, v in expected.items()))
+    block = torch.arange(12.0).reshape(3, 4) + (0 if rank < 2 else 100)
+    ss.save({"w": ss.Sharded(block, (6, 4), (0 if rank < 2 else 3, 0))}, f"{root}/declared")
+    target = ss.Sharded(torch.zeros(3, 4), (6, 4), (0 if rank < 2 else 3, 0))
+    info = ss.load({"w": target}, f"{root}/declared", shared_reads=True)
+    out["declared"] = (info.bytes, torch.equal(target.local, block))
+    return out
+
+
+def test_shared_reads_read_each_byte_once_and_load_the_same_values(tmp_path):
+    results = run_ranks(3, _replicated_and_sharded, str(tmp_path))
+    for key in results[0]:
+        assert all(r[key][1] for r in results), key
+    stored = ss.open(tmp_path / "plain").manifest.total_bytes
+    each_alone = [r[("plain", False)][0] for r in results]
+    together = sum(r[("plain", True)][0] for r in results)
+    assert min(each_alone) >= stored * 0.99  # every replica read everything
+    assert together < stored * 1.05  # with sharing, the three ranks read it once between them
+    assert sum(r[("fsdp", True)][0] for r in results) < sum(r[("fsdp", False)][0] for r in results)
+    # ranks 0 and 1 hold the same block: one of them reads it; rank 2 reads its own
+    assert sorted(r["declared"][0] > 0 for r in results) == [False, True, True]
+
+
+def test_auto_shares_only_for_remote_storage():
+    from statesnap.engine.dist import Comm
+    from statesnap.engine.shared import should_share
+
+    class TwoRanks(Comm):
+        def __init__(self):
+            self.active, self.group, self.rank, self.world_size = True, None, 0, 2
+
+    assert not should_share(None, TwoRanks(), backend_is_local=True)
+    assert should_share(None, TwoRanks(), backend_is_local=False)
+    assert should_share(True, TwoRanks(), backend_is_local=True)
+    assert not should_share(True, Comm(), backend_is_local=False)  # one process: nothing to share
