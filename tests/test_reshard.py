@@ -79,6 +79,8 @@ def build(layout: str, world: int, rank: int, seed: int = 0):
         for name in ("up", "down", "head"):
             fully_shard(getattr(model, name), mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+    elif layout == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
     elif layout == "hsdp":
         fully_shard(model, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
     elif layout != "plain":
@@ -245,6 +247,7 @@ def stage_world3(rank, world, d):
     ss.save(state, d["zero3"])
     out["save zero3"] = zero_full_values(state)
     out["per-rank"] = per_rank_policies(rank, d["per_rank4"])
+    out["save ddp3"] = save_layout("ddp", rank, world, d["ddp3"])
     model, optim = build("plain", 1, rank, seed=99)
     train(model, optim, TRAIN_STEPS)
     state = zero_state(model, optim, rank, world)
@@ -272,15 +275,16 @@ def per_rank_policies(rank, path) -> dict:
 
 
 def stage_world2_second(rank, world, d):
-    values, _, model, _ = load_layout("fsdp", rank, world, d["zero3"])
-    return {"zero3->fsdp2": values}
+    return {"zero3->fsdp2": load_layout("fsdp", rank, world, d["zero3"])[0],
+            "ddp3->fsdp2": load_layout("fsdp", rank, world, d["ddp3"])[0],
+            "fsdp4->ddp2": load_layout("ddp", rank, world, d["fsdp4"])[0]}
 
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     root = tmp_path_factory.mktemp("reshard")
     d = {name: str(root / name) for name in ("plain", "fresh1", "again4", "fsdp4", "fsdp4_fresh", "2d", "hsdp",
-                                             "per_rank4", "tp2", "pipe2", "zero3", "megatron2")}
+                                             "per_rank4", "tp2", "pipe2", "zero3", "megatron2", "ddp3")}
     model, optim = build("plain", 1, 0)
     train(model, optim, TRAIN_STEPS)
     ss.save({"model": model, "optim": optim}, d["plain"])
@@ -319,7 +323,8 @@ def assert_same_as_checkpoint(values: dict, path: str):
 
 # ---- saves hold exactly the source values ------------------------------------------------------
 @pytest.mark.parametrize("case,path", [("save plain", "plain"), ("save fsdp4", "fsdp4"), ("save 2d", "2d"),
-                                       ("save hsdp", "hsdp"), ("save tp2", "tp2"), ("save zero3", "zero3")])
+                                       ("save hsdp", "hsdp"), ("save tp2", "tp2"), ("save zero3", "zero3"),
+                                       ("save ddp3", "ddp3")])
 def test_saved_values_equal_the_training_state(matrix, case, path):
     for values in (matrix[case] if isinstance(matrix[case], list) else [matrix[case]]):
         assert_same_as_checkpoint(values, matrix["paths"][path])
@@ -339,7 +344,8 @@ def test_two_d_mesh_uses_strided_shard(matrix):
 # ---- loads into another layout -----------------------------------------------------------------
 @pytest.mark.parametrize("case,source", [
     ("1->4", "plain"), ("1->2d", "plain"), ("4->3", "fsdp4"), ("fsdp4->tp2", "fsdp4"), ("hsdp->tp2", "hsdp"),
-    ("tp2->fsdp3", "tp2"), ("2d->fsdp3", "2d"), ("zero3->fsdp2", "zero3"), ("1->zero3", "plain")])
+    ("tp2->fsdp3", "tp2"), ("2d->fsdp3", "2d"), ("zero3->fsdp2", "zero3"), ("1->zero3", "plain"),
+    ("ddp3->fsdp2", "ddp3"), ("fsdp4->ddp2", "fsdp4")])
 def test_resharded_load_is_bit_exact(matrix, case, source):
     for values in matrix[case]:
         assert_same_as_checkpoint(values, matrix["paths"][source])

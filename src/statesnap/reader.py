@@ -163,7 +163,7 @@ class Reader:
                 pos += take
         finally:
             reader.close()
-        if sums != entry.checksums[i]:
+        if sums != entry.piece_checksums(i):
             return f"{fqn} in {name}: checksum mismatch in bytes [{base}, {base + nbytes})"
         return None
 

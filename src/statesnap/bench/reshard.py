@@ -106,9 +106,9 @@ def measure(rank: int, world: int, dim: int, layers: int, repeat: int, out: str)
     ss.save({"model": model, "optim": optim}, paths["statesnap"], overwrite=True, durable=False)
     dcp.save(_dcp_state(model, optim), checkpoint_id=paths["dcp"])
     times: dict[str, list[float]] = {}
-    for layout in LAYOUTS:
-        target, target_optim = laid_out(layout, dim, layers, world, seed=1)
-        for _ in range(repeat):
+    targets = {layout: laid_out(layout, dim, layers, world, seed=1) for layout in LAYOUTS}
+    for _ in range(repeat):  # interleaved, so drifts in machine load hit every case alike
+        for layout, (target, target_optim) in targets.items():
             times.setdefault(f"statesnap {layout}", []).append(_barrier_timed(
                 lambda: ss.load({"model": target, "optim": target_optim}, paths["statesnap"], shared_reads=False)))
             times.setdefault(f"dcp {layout}", []).append(_barrier_timed(
@@ -116,9 +116,9 @@ def measure(rank: int, world: int, dim: int, layers: int, repeat: int, out: str)
     replica, replica_optim = laid_out("plain", dim, layers, world, seed=0)
     state = {"model": replica, "optim": replica_optim}
     ss.save(state, paths["replicated"], overwrite=True, durable=False)
-    for cache in ("warm", "cold"):
-        for shared in (False, True):
-            for _ in range(repeat):
+    for _ in range(repeat):
+        for cache in ("warm", "cold"):
+            for shared in (False, True):
                 if cache == "cold" and rank == 0:
                     drop_page_cache([paths["replicated"]])
                 times.setdefault(f"replicated {cache} shared={shared}", []).append(

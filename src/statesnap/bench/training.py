@@ -29,6 +29,7 @@ from .modes import MODES, make_mode
 
 DEFAULT_MODES = ("none", "torch_save", "dcp_save", "dcp_async", "statesnap_p10", "statesnap_p1")
 SWEEP_MODES = ("statesnap_p1", "dcp_async")
+DEFAULT_THREADS = os.cpu_count() or 1
 
 
 # -- the child: one mode, one run --------------------------------------------------------------
@@ -61,7 +62,7 @@ def child_main(argv: list[str]) -> int:
     parser.add_argument("--config", required=True, help="GPTConfig as JSON")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     parser.add_argument("--scratch", required=True)
     args = parser.parse_args(argv)
     shutil.rmtree(args.scratch, ignore_errors=True)
@@ -77,11 +78,11 @@ def child_main(argv: list[str]) -> int:
 
 
 # -- the parent: interleaved runs, summaries, the size sweep -------------------------------------
-def run_mode(mode: str, cfg: gpt.GPTConfig, steps: int, out: str, warmup: int) -> dict:
+def run_mode(mode: str, cfg: gpt.GPTConfig, steps: int, out: str, warmup: int, threads: int) -> dict:
     scratch = os.path.join(out, "training-scratch")
     return run_child("statesnap.bench.training", ["--child", "--mode", mode, "--config", json.dumps(cfg.to_dict()),
                                                   "--steps", str(steps), "--warmup", str(warmup),
-                                                  "--scratch", scratch])
+                                                  "--threads", str(threads), "--scratch", scratch])
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
@@ -116,12 +117,12 @@ def aims(summary: dict) -> list[dict]:
     return checks
 
 
-def sweep(sizes: list[float], steps: int, out: str, warmup: int) -> list[dict]:
+def sweep(sizes: list[float], steps: int, out: str, warmup: int, threads: int) -> list[dict]:
     rows = []
     for size in sizes:
         cfg = gpt.config_for_state_gb(size, batch=1)
         for mode in SWEEP_MODES:
-            result = run_mode(mode, cfg, steps, out, warmup)
+            result = run_mode(mode, cfg, steps, out, warmup, threads)
             rows.append({"mode": mode, "label": MODES[mode].label, "size_gb": cfg.state_bytes() / 1e9,
                          "median_stall_s": median(result["stalls"]),
                          "median_background_s": median(result["background"])})
@@ -149,17 +150,19 @@ def plot_sweep(rows: list[dict], path: str) -> str:
 
 
 def run(size_gb: float = 1.0, steps: int = 20, runs: int = 3, modes=DEFAULT_MODES, sweep_sizes=(0.25, 1.0, 4.0),
-        sweep_steps: int = 5, out: str = DEFAULT_OUT, warmup: int = 2, config: gpt.GPTConfig | None = None) -> dict:
+        sweep_steps: int = 5, out: str = DEFAULT_OUT, warmup: int = 2, config: gpt.GPTConfig | None = None,
+        threads: int = DEFAULT_THREADS) -> dict:
     os.makedirs(out, exist_ok=True)
     cfg = config or gpt.config_for_state_gb(size_gb)
     results: dict[str, list[dict]] = {mode: [] for mode in modes}
     for _ in range(runs):  # interleaved: A B C ... A B C ...
         for mode in modes:
-            results[mode].append(run_mode(mode, cfg, steps, out, warmup))
+            results[mode].append(run_mode(mode, cfg, steps, out, warmup, threads))
     summary = summarize(results)
-    rows = sweep(list(sweep_sizes), sweep_steps, out, warmup) if sweep_sizes else []
+    rows = sweep(list(sweep_sizes), sweep_steps, out, warmup, threads) if sweep_sizes else []
     result = {"suite": "training", "config": cfg.to_dict(), "state_bytes": cfg.state_bytes(), "steps": steps,
-              "runs": runs, "summary": summary, "aims": aims(summary), "sweep": rows, "raw": results}
+              "runs": runs, "threads": threads, "summary": summary, "aims": aims(summary), "sweep": rows,
+              "raw": results}
     if rows:
         result["plot"] = plot_sweep(rows, os.path.join(out, "training-sweep.png"))
     return result
@@ -168,7 +171,8 @@ def run(size_gb: float = 1.0, steps: int = 20, runs: int = 3, modes=DEFAULT_MODE
 def report(result: dict) -> str:
     s = result["summary"]
     lines = [f"Training suite: GPT {result['config']} ({result['state_bytes'] / 1e9:.2f} GB model + AdamW state), "
-             f"{result['steps']} steps, checkpoint every step, medians of {result['runs']} interleaved runs", "",
+             f"{result['threads']} torch threads, {result['steps']} steps, checkpoint every step, "
+             f"medians of {result['runs']} interleaved runs", "",
              format_table(["mode", "median stall (s)", "loop (s)", "overhead", "drain (s)", "peak RSS (GB)"],
                           [[v["label"], v["median_stall_s"], v["loop_s"], f"{100 * v['overhead']:+.1f}%",
                             v["drain_s"], v["peak_rss_gb"]] for v in s.values()])]
@@ -195,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them (default 2)")
     parser.add_argument("--runs", type=int, default=3, help="interleaved runs per mode (default 3)")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated subset of " + ",".join(MODES))
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                        help=f"torch threads of the training (default {DEFAULT_THREADS}, the cores)")
     parser.add_argument("--sweep-gb", default="0.25,1,4", help="state sizes for the stall sweep ('' = skip)")
     parser.add_argument("--sweep-steps", type=int, default=5)
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"scratch and output directory (default {DEFAULT_OUT})")
@@ -206,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
     config = gpt.GPTConfig(**json.loads(args.config)) if args.config else None
     sizes = [float(x) for x in args.sweep_gb.split(",") if x]
-    result = run(args.size_gb, args.steps, args.runs, modes, sizes, args.sweep_steps, args.out, args.warmup, config)
+    result = run(args.size_gb, args.steps, args.runs, modes, sizes, args.sweep_steps, args.out, args.warmup, config,
+                 args.threads)
     print(report(result))
     write_json(result, args.json)
     return 0

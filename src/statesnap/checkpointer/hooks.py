@@ -122,7 +122,8 @@ class StepGuard:
 
     def watch(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         for optim in optimizers:
-            if id(optim) not in self._handles:
+            known = self._handles.get(id(optim))
+            if known is None or known[0]() is not optim:  # ids of collected objects are reused
                 handle = optim.register_step_pre_hook(self._hook)
                 self._handles[id(optim)] = (weakref.ref(optim), handle)
 

@@ -113,15 +113,16 @@ class Checkpointer:
         self._raise_pending()
         started = now()
         self._wait_for_slot(step)
+        optimizers = find_optimizers(state)
         with self.events.timed("plan", step):
-            snap = self._snapshot(int(step), state)
+            snap = self._snapshot(int(step), state, optimizers)
         if snap is None:
             self._count("skipped")
             done = Future()
             done.set_result(None)
             self.events.add("save", step, started, now())
             return SaveHandle(step, done, done)
-        self._guard.watch(find_optimizers(state))
+        self._guard.watch(optimizers)
         with self._lock:
             self._inflight.append(snap)
         self._stager.submit(snap)
@@ -223,7 +224,7 @@ class Checkpointer:
 
     # ----------------------------------------------------------------- planning (training thread)
 
-    def _snapshot(self, step: int, state: dict) -> Snapshot | None:
+    def _snapshot(self, step: int, state: dict, optimizers: list) -> Snapshot | None:
         flat = flatten_for_save(state)
         metas = [item.meta(dtype_name(item.dtype)) for item in flat.tensors]
         objects, blobs = encode_objects(flat, 0, self.config.allow_pickle)  # every object: memory restores all
@@ -245,7 +246,7 @@ class Checkpointer:
             self._cuda = CudaCopier()
         return Snapshot(
             step=step, flat=flat, metas=metas, plan=plan, persist=persist, resident=resident,
-            versions=[version_of(t) for t in locals_], owners=owners_of(locals_, find_optimizers(state)),
+            versions=[version_of(t) for t in locals_], owners=owners_of(locals_, optimizers),
             objects=objects, blobs=dict(blobs), per_rank=per_rank_names(flat), cuda_ready=cuda_ready,
             rank=self.rank, path=self.persistent.path(step))
 

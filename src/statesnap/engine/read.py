@@ -165,7 +165,7 @@ class ReadExecutor:
 
     def _check(self, job: _Job, lo: int, hi: int, views: list[memoryview]) -> None:
         block = self.manifest.block_bytes
-        expected = job.entry.checksums[job.read.piece][lo // block: -(-hi // block) if hi else 1]
+        expected = job.entry.piece_checksums(job.read.piece)[lo // block: -(-hi // block) if hi else 1]
         actual = checksum_blocks(views, block)
         if actual != expected:
             bad = next(i for i, (a, e) in enumerate(zip(actual, expected)) if a != e) if len(actual) == len(expected) else 0

@@ -104,11 +104,12 @@ def build_manifest(plan: SavePlan, outputs: list[RankOutput], world_size: int, b
     file_of[list(index_of)] = list(index_of.values())
     tensors = {}
     for fqn, pieces in plan.tensors.items():
+        checksum, bounds = TensorEntry.pack_checksums(
+            [outputs[r].checksums[i] for r, i in zip(pieces.rank.tolist(), pieces.item.tolist())])
         tensors[fqn] = TensorEntry(
             dtype=dtype_from_name(pieces.dtype), shape=tuple(pieces.shape), layout=pieces.layout,
             file=file_of[pieces.rank], offset=pieces.offset, nbytes=pieces.nbytes,
-            start=pieces.start, size=pieces.size,
-            checksums=[outputs[r].checksums[i] for r, i in zip(pieces.rank.tolist(), pieces.item.tolist())],
+            start=pieces.start, size=pieces.size, checksum=checksum, checksum_bounds=bounds,
         )
     objects = _merge_objects(outputs, index_of)
     return Manifest(files=files, file_sizes=sizes, tensors=tensors, objects=objects,

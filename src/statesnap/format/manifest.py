@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from ..errors import ManifestError
-from .checksum import DEFAULT_BLOCK_BYTES, piece_blocks
+from .checksum import DEFAULT_BLOCK_BYTES
+from .columns import PACK_MIN_PIECES, pack, unpack
 from .dtypes import dtype_from_name, dtype_name, itemsize
 
 FORMAT_NAME = "statesnap"
@@ -45,7 +46,19 @@ class TensorEntry:
     nbytes: np.ndarray
     start: np.ndarray
     size: np.ndarray
-    checksums: list[list[int]]
+    # Block checksums of all pieces back to back; piece i owns checksum[bounds[i]:bounds[i + 1]].
+    checksum: np.ndarray
+    checksum_bounds: np.ndarray
+
+    @staticmethod
+    def pack_checksums(per_piece: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        counts = np.fromiter((len(c) for c in per_piece), np.int64, len(per_piece))
+        bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        flat = np.fromiter((x for c in per_piece for x in c), np.uint64, int(bounds[-1]))
+        return flat, bounds
+
+    def piece_checksums(self, i: int) -> list[int]:
+        return self.checksum[self.checksum_bounds[i]:self.checksum_bounds[i + 1]].tolist()
 
     @property
     def num_pieces(self) -> int:
@@ -60,12 +73,20 @@ class TensorEntry:
         return int(self.nbytes.sum())
 
     def to_json(self) -> dict:
-        return {
-            "dtype": dtype_name(self.dtype), "shape": list(self.shape), "layout": self.layout,
-            "file": self.file.tolist(), "offset": self.offset.tolist(), "nbytes": self.nbytes.tolist(),
-            "start": self.start.tolist(), "size": self.size.tolist(),
-            "checksum": [c[0] if len(c) == 1 else c for c in self.checksums],
-        }
+        out = {"dtype": dtype_name(self.dtype), "shape": list(self.shape), "layout": self.layout}
+        counts = np.diff(self.checksum_bounds)
+        if self.num_pieces < PACK_MIN_PIECES:
+            out.update(file=self.file.tolist(), offset=self.offset.tolist(), nbytes=self.nbytes.tolist(),
+                       start=self.start.tolist(), size=self.size.tolist(),
+                       checksum=[self.piece_checksums(i) if counts[i] != 1 else int(self.checksum[self.checksum_bounds[i]])
+                                 for i in range(self.num_pieces)])
+            return out
+        out.update(file=pack(self.file, delta=True), offset=pack(self.offset, delta=True),
+                   nbytes=pack(self.nbytes), start=pack(self.start), size=pack(self.size),
+                   checksum=pack(self.checksum, "u8", compress=False))
+        if (counts != 1).any():
+            out["checksum_blocks"] = pack(counts)
+        return out
 
     @classmethod
     def from_json(cls, fqn: str, data: dict, files: list[str], file_sizes: list[int],
@@ -76,16 +97,17 @@ class TensorEntry:
             layout = data["layout"]
             if layout not in (BOX, FLAT):
                 raise ManifestError(f"tensor {fqn!r}: unknown layout {layout!r}")
-            n = len(data["file"])
+            file = data["file"]
+            n = len(file) if isinstance(file, list) else int(file["shape"][0])
             dims = len(shape) if layout == BOX else 1
+            where = f"tensor {fqn!r}"
+            checksum, bounds = _checksum_columns(data, n, where)
             entry = cls(
                 dtype=dtype, shape=shape, layout=layout,
-                file=np.asarray(data["file"], dtype=np.int64).reshape(n),
-                offset=np.asarray(data["offset"], dtype=np.int64).reshape(n),
-                nbytes=np.asarray(data["nbytes"], dtype=np.int64).reshape(n),
-                start=np.asarray(data["start"], dtype=np.int64).reshape(n, dims),
-                size=np.asarray(data["size"], dtype=np.int64).reshape(n, dims),
-                checksums=[[int(x) for x in (c if isinstance(c, list) else [c])] for c in data["checksum"]],
+                file=unpack(file, "i8", (n,), where), offset=unpack(data["offset"], "i8", (n,), where),
+                nbytes=unpack(data["nbytes"], "i8", (n,), where),
+                start=unpack(data["start"], "i8", (n, dims), where), size=unpack(data["size"], "i8", (n, dims), where),
+                checksum=checksum, checksum_bounds=bounds,
             )
         except ManifestError:
             raise
@@ -100,8 +122,8 @@ class TensorEntry:
 
         if any(s < 0 for s in self.shape):
             bad(f"negative shape {self.shape}")
-        if len(self.checksums) != self.num_pieces:
-            bad("checksum list length does not match pieces")
+        if len(self.checksum_bounds) != self.num_pieces + 1 or self.checksum_bounds[-1] != len(self.checksum):
+            bad("checksum column does not match pieces")
         if self.num_pieces == 0:
             return
         if self.file.min() < 0 or self.file.max() >= len(files):
@@ -119,9 +141,29 @@ class TensorEntry:
         if (ends > sizes).any():
             i = int(np.argmax(ends > sizes))
             bad(f"piece {i} ends at byte {int(ends[i])} beyond the recorded size of {files[self.file[i]]}")
-        for i, c in enumerate(self.checksums):
-            if len(c) != piece_blocks(int(self.nbytes[i]), block_bytes):
-                bad(f"piece {i} has {len(c)} checksums, expected one per {block_bytes}-byte block")
+        expected = np.maximum(1, -(-self.nbytes // block_bytes))
+        wrong = np.nonzero(np.diff(self.checksum_bounds) != expected)[0]
+        if len(wrong):
+            bad(f"piece {int(wrong[0])} has the wrong number of checksums: one per {block_bytes}-byte block expected")
+
+
+def _checksum_columns(data: dict, n: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """(flat checksums, per-piece bounds) from the plain or packed ``checksum`` column."""
+    column = data["checksum"]
+    if isinstance(column, list):
+        if len(column) != n:
+            raise ManifestError(f"{where}: checksum list length does not match pieces")
+        per_piece = [c if isinstance(c, list) else [c] for c in column]
+        try:
+            return TensorEntry.pack_checksums([[int(x) for x in c] for c in per_piece])
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ManifestError(f"{where}: malformed checksum ({exc})") from None
+    counts = (unpack(data["checksum_blocks"], "i8", (n,), where) if "checksum_blocks" in data
+              else np.ones(n, np.int64))
+    if (counts < 1).any():
+        raise ManifestError(f"{where}: malformed checksum block counts")
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return unpack(column, "u8", (int(bounds[-1]),), where), bounds
 
 
 @dataclass

@@ -24,6 +24,11 @@ class NotPlainData(TypeError):
     pass
 
 
+def inlinable(t: torch.Tensor) -> bool:
+    """Small plain CPU tensors may live inside plain data (tagged JSON); others need data files."""
+    return type(t) is torch.Tensor and t.device.type == "cpu" and t.numel() * t.element_size() <= MAX_INLINE_TENSOR_BYTES
+
+
 def encode(value: Any) -> Any:
     """Encode ``value`` as JSON-compatible data; raise :class:`NotPlainData` if it is not plain."""
     if value is None or isinstance(value, (bool, str)):
@@ -44,12 +49,10 @@ def encode(value: Any) -> Any:
         return {TAG + "bytes": base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, torch.dtype):
         return {TAG + "dtype": dtype_name(value)}
-    if isinstance(value, torch.Tensor) and type(value) is torch.Tensor and value.device.type == "cpu":
-        nbytes = value.numel() * value.element_size()
-        if nbytes <= MAX_INLINE_TENSOR_BYTES:
-            raw = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            return {TAG + "tensor": {"dtype": dtype_name(value.dtype), "shape": list(value.shape),
-                                     "data": base64.b64encode(raw).decode("ascii")}}
+    if isinstance(value, torch.Tensor) and inlinable(value):
+        raw = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return {TAG + "tensor": {"dtype": dtype_name(value.dtype), "shape": list(value.shape),
+                                 "data": base64.b64encode(raw).decode("ascii")}}
     raise NotPlainData(f"{type(value).__name__} is not plain data")
 
 

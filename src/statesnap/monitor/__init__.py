@@ -1,4 +1,4 @@
 """Monitoring: per-rank, per-phase checkpoint events, their sums, and trace/timeline export."""
-from .events import PHASES, STALL_PHASES, Event, EventLog
+from .events import BACKGROUND_PHASES, STALL_PHASES, Event, EventLog
 
-__all__ = ["Event", "EventLog", "PHASES", "STALL_PHASES"]
+__all__ = ["Event", "EventLog", "STALL_PHASES", "BACKGROUND_PHASES"]

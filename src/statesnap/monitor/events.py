@@ -2,8 +2,10 @@
 
 Events answer "where did the time go?": the training loop only cares about the *stall* phases
 (time it was blocked), while the background phases show whether persistence keeps up. The log
-keeps every event in memory for :meth:`EventLog.summary` and appends them as JSON lines to a
-per-rank file that ``statesnap trace`` turns into a Chrome/Perfetto trace and a PNG timeline.
+sums events as they come (a run checkpointing every step for days must not grow in memory) for
+:meth:`EventLog.summary`, and appends them as JSON lines to a per-rank file that ``statesnap
+trace`` turns into a Chrome/Perfetto trace and a PNG timeline. The file is rotated at
+``MAX_FILE_BYTES`` (one previous file kept as ``.1``), so it shows the recent past, bounded.
 """
 from __future__ import annotations
 
@@ -17,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 
 # Phases on the training thread: the time training is blocked by checkpointing.
 STALL_PHASES = ("save", "backpressure", "wait-in-hook", "wait-staged")
-# Phases in background threads.
+# Phases in background threads. Besides these: "plan" (inside "save") and "load".
 BACKGROUND_PHASES = ("copy", "checksum", "write", "fsync", "commit", "further", "arena-wait")
-PHASES = ("plan", *STALL_PHASES, *BACKGROUND_PHASES, "load")
+MAX_FILE_BYTES = 64 << 20
 
 
 def now() -> float:
@@ -49,7 +51,10 @@ class EventLog:
     def __init__(self, rank: int, path: str | None):
         self.rank = rank
         self.path = path
-        self.events: list[Event] = []
+        self._phases: dict[str, dict] = {}
+        self._saved_steps: list[int] = []  # one entry per save() call, in order
+        self._stall_by_step: dict[int, float] = {}
+        self._hook_by_step: dict[int, float] = {}
         self._unwritten: list[Event] = []
         self._lock = threading.Lock()
         self._file_lock = threading.Lock()  # whole lines from concurrent flushes
@@ -59,8 +64,18 @@ class EventLog:
     def add(self, phase: str, step: int, start: float, end: float, nbytes: int = 0, **info) -> Event:
         event = Event(phase, step, self.rank, start, end, nbytes, threading.current_thread().name, info)
         with self._lock:
-            self.events.append(event)
-            self._unwritten.append(event)
+            agg = self._phases.setdefault(phase, {"seconds": 0.0, "bytes": 0, "count": 0})
+            agg["seconds"] += event.seconds
+            agg["bytes"] += nbytes
+            agg["count"] += 1
+            if phase in STALL_PHASES:
+                self._stall_by_step[step] = self._stall_by_step.get(step, 0.0) + event.seconds
+            if phase == "wait-in-hook":
+                self._hook_by_step[step] = self._hook_by_step.get(step, 0.0) + event.seconds
+            if phase == "save":
+                self._saved_steps.append(step)
+            if self.path:
+                self._unwritten.append(event)
         return event
 
     @contextmanager
@@ -78,26 +93,18 @@ class EventLog:
         if not self.path or not batch:
             return
         text = "".join(json.dumps(asdict(e), separators=(",", ":")) + "\n" for e in batch)
-        with self._file_lock, open(self.path, "a", encoding="utf-8") as f:
-            f.write(text)
+        with self._file_lock:
+            if os.path.exists(self.path) and os.path.getsize(self.path) > MAX_FILE_BYTES:
+                os.replace(self.path, self.path + ".1")
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(text)
 
     def summary(self) -> dict:
         """Sums over all events so far; see docs/checkpointer.md for what each key means."""
         with self._lock:
-            events = list(self.events)
-        phases: dict[str, dict] = {}
-        stall_by_step: dict[int, float] = {}
-        hook_by_step: dict[int, float] = {}
-        for e in events:
-            agg = phases.setdefault(e.phase, {"seconds": 0.0, "bytes": 0, "count": 0})
-            agg["seconds"] += e.seconds
-            agg["bytes"] += e.nbytes
-            agg["count"] += 1
-            if e.phase in STALL_PHASES:
-                stall_by_step[e.step] = stall_by_step.get(e.step, 0.0) + e.seconds
-            if e.phase == "wait-in-hook":
-                hook_by_step[e.step] = hook_by_step.get(e.step, 0.0) + e.seconds
-        saved = [e.step for e in events if e.phase == "save"]
+            phases = {name: dict(agg) for name, agg in self._phases.items()}
+            saved = list(self._saved_steps)
+            stall_by_step, hook_by_step = dict(self._stall_by_step), dict(self._hook_by_step)
 
         def total(*names):
             return sum(phases.get(n, {}).get("seconds", 0.0) for n in names)

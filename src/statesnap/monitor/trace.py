@@ -32,10 +32,15 @@ def event_files(source: str) -> list[str]:
 
 
 def read_events(files: list[str]) -> list[dict]:
+    """All events, by start time. A line cut short (the process was killed mid-write) is skipped."""
     events = []
     for path in files:
         with open(path, encoding="utf-8") as f:
-            events.extend(json.loads(line) for line in f if line.strip())
+            for line in f:
+                try:
+                    events.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
     return sorted(events, key=lambda e: e["start"])
 
 

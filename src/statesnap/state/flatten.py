@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..errors import CheckpointError
+from ..format.plaindata import inlinable
 from ..format.manifest import BOX
 from .items import Flattened, ObjectItem, TensorItem
 from .placement import dtensor_box, is_dtensor
@@ -72,6 +73,11 @@ class _Walker:
             self.tensor(fqn, value)
         elif isinstance(value, dict):
             self.walk_dict(fqn, value)
+        elif isinstance(value, list) and any(isinstance(v, torch.Tensor) and not inlinable(v) for v in value):
+            # Some state_dicts hold lists of large tensors: walk them by index, like dicts, so the
+            # tensors go to data files (small ones, like RNG states, stay inline plain data).
+            for index, element in enumerate(value):
+                self.walk(join(fqn, index), element, value, index)
         elif _is_stateful(value):
             sd = value.state_dict()
             self.walk_dict(fqn, sd)
