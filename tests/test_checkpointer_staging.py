@@ -4,8 +4,10 @@ import threading
 import pytest
 import torch
 
+import statesnap as ss
 from statesnap.checkpointer.staging import REGION_ALIGN, Arena, build_batches, copy_into
 from statesnap.errors import CheckpointError
+from test_checkpointer import make_training
 
 PAGE = REGION_ALIGN
 
@@ -78,3 +80,14 @@ def test_copy_into_handles_contiguous_slices_and_strided_tensors():
     strided = torch.arange(12, dtype=torch.int16).reshape(3, 4).t()
     copy_into(buffer[:24], strided, 0)
     assert torch.equal(buffer[:24].view(torch.int16).view(4, 3), strided)
+
+
+def test_the_arena_is_allocated_once_within_the_budget(tmp_path):
+    model, optim = make_training(width=128, depth=4)
+    budget = 200_000  # not a multiple of the region alignment
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=budget / 1e9, keep_last=1)
+    ckpt.save(1, {"model": model, "optim": optim})
+    arena = ckpt._arena
+    ckpt.save(2, {"model": model, "optim": optim})
+    ckpt.close()
+    assert ckpt._arena is arena and arena.capacity <= budget

@@ -30,12 +30,13 @@ MORE_STEPS = 3  # steps after the load
 
 
 class Tiny(nn.Module):
-    """Odd sizes on purpose: 13 rows do not divide by 2, 3 or 4, and 2 rows leave ranks empty."""
+    """Odd sizes on purpose: 13 rows do not divide by 2, 3 or 4; 26 rows split by TP into 13 are
+    split unevenly again by FSDP on the 2-D mesh (_StridedShard); 2 rows leave ranks empty."""
 
     def __init__(self):
         super().__init__()
-        self.up = nn.Linear(11, 24)
-        self.down = nn.Linear(24, 13)
+        self.up = nn.Linear(11, 26)
+        self.down = nn.Linear(26, 13)
         self.head = nn.Linear(13, 2)
 
     def forward(self, x):

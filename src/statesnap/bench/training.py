@@ -29,7 +29,10 @@ from .modes import MODES, make_mode
 
 DEFAULT_MODES = ("none", "torch_save", "dcp_save", "dcp_async", "statesnap_p10", "statesnap_p1")
 SWEEP_MODES = ("statesnap_p1", "dcp_async")
-DEFAULT_THREADS = os.cpu_count() or 1
+# Training leaves one core to background work, as a GPU job leaves the host's cores to it; every
+# mode runs with the same threads, so the comparison stays fair.
+DEFAULT_THREADS = max(1, (os.cpu_count() or 1) - 1)
+DEFAULT_BATCH = 8
 
 
 # -- the child: one mode, one run --------------------------------------------------------------
@@ -151,9 +154,9 @@ def plot_sweep(rows: list[dict], path: str) -> str:
 
 def run(size_gb: float = 1.0, steps: int = 20, runs: int = 3, modes=DEFAULT_MODES, sweep_sizes=(0.25, 1.0, 4.0),
         sweep_steps: int = 5, out: str = DEFAULT_OUT, warmup: int = 2, config: gpt.GPTConfig | None = None,
-        threads: int = DEFAULT_THREADS) -> dict:
+        threads: int = DEFAULT_THREADS, batch: int = DEFAULT_BATCH) -> dict:
     os.makedirs(out, exist_ok=True)
-    cfg = config or gpt.config_for_state_gb(size_gb)
+    cfg = config or gpt.config_for_state_gb(size_gb, batch=batch)
     results: dict[str, list[dict]] = {mode: [] for mode in modes}
     for _ in range(runs):  # interleaved: A B C ... A B C ...
         for mode in modes:
@@ -200,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="interleaved runs per mode (default 3)")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated subset of " + ",".join(MODES))
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
-                        help=f"torch threads of the training (default {DEFAULT_THREADS}, the cores)")
+                        help=f"torch threads of the training (default {DEFAULT_THREADS}: the cores less one)")
+    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH,
+                        help=f"sequences per step with --size-gb (default {DEFAULT_BATCH}); more compute per step "
+                             "hides more of the snapshot copy")
     parser.add_argument("--sweep-gb", default="0.25,1,4", help="state sizes for the stall sweep ('' = skip)")
     parser.add_argument("--sweep-steps", type=int, default=5)
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"scratch and output directory (default {DEFAULT_OUT})")
@@ -213,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     config = gpt.GPTConfig(**json.loads(args.config)) if args.config else None
     sizes = [float(x) for x in args.sweep_gb.split(",") if x]
     result = run(args.size_gb, args.steps, args.runs, modes, sizes, args.sweep_steps, args.out, args.warmup, config,
-                 args.threads)
+                 args.threads, args.batch)
     print(report(result))
     write_json(result, args.json)
     return 0

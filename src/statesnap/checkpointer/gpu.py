@@ -9,8 +9,26 @@ waits only for its own copy's completion event.
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
+
+from ..errors import CheckpointError
+
+
+def pin_in_place(buffer: torch.Tensor) -> None:
+    """Page-lock ``buffer``'s memory with cudaHostRegister for as long as the tensor lives.
+
+    ``torch.empty(..., pin_memory=True)`` goes through the caching host allocator, which rounds
+    the size up to a power of two: a 2.5 GB arena would lock 4 GB. Registering an ordinary
+    allocation locks exactly what the budget allows.
+    """
+    cudart = torch.cuda.cudart()
+    ptr, nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+    if int(cudart.cudaHostRegister(ptr, nbytes, 1)) != 0:  # 1: cudaHostRegisterPortable
+        raise CheckpointError(f"could not pin the {nbytes}-byte staging arena (cudaHostRegister failed); "
+                              "lower host_memory_gb or raise the locked-memory limit (ulimit -l)")
+    weakref.finalize(buffer, cudart.cudaHostUnregister, ptr)
 
 
 def mark_devices(tensors) -> dict[int, "torch.cuda.Event"]:

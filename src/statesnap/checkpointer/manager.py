@@ -26,7 +26,7 @@ from ..engine.write import default_threads
 from ..errors import CheckpointError
 from ..format.dtypes import dtype_name
 from ..monitor.events import EventLog, now
-from ..plan.save_plan import ALIGN, plan_save
+from ..plan.save_plan import ALIGN, SavePlan, plan_save
 from ..state.flatten import flatten_for_save
 from ..storage import backend_for, is_url, normalize
 from .config import CheckpointerConfig
@@ -58,6 +58,10 @@ class SaveHandle:
 
 
 class Checkpointer:
+    """``Checkpointer(root, keep_last=3, host_memory_gb=..., persist_every=1, ...)``; the settings
+    are the fields of :class:`CheckpointerConfig`. Use one per training run; ``close`` it (or use
+    it as a context manager) so the last checkpoints finish."""
+
     def __init__(self, root, **settings):
         self.config = cfg = CheckpointerConfig(root=str(root), **settings)
         root = normalize(cfg.root)
@@ -250,7 +254,7 @@ class Checkpointer:
             objects=objects, blobs=dict(blobs), per_rank=per_rank_names(flat), cuda_ready=cuda_ready,
             rank=self.rank, path=self.persistent.path(step))
 
-    def _plan_for(self, metas: list) -> object:
+    def _plan_for(self, metas: list) -> SavePlan:
         """The save plan, reused while this rank's layout is unchanged (ranks change layout together:
         a new layout is planned with one all-gather on the trainer's group, here on its thread)."""
         key = tuple(metas)
@@ -262,15 +266,15 @@ class Checkpointer:
     def _ensure_arena(self, snapshot_bytes: int, pin: bool) -> None:
         """Allocate the arena once: room for two snapshots (one written while the next is copied)
         within the budget. Only a layout that outgrows it makes a new one, after the work in flight."""
-        budget = self.config.host_memory_bytes
-        want = min(budget, 2 * align_up(snapshot_bytes, REGION_ALIGN))
-        if self._arena is not None and (self._arena.capacity >= want or self._arena.capacity >= budget):
+        limit = self.config.host_memory_bytes // REGION_ALIGN * REGION_ALIGN
+        want = max(min(limit, 2 * align_up(snapshot_bytes, REGION_ALIGN)), REGION_ALIGN)
+        if self._arena is not None and self._arena.capacity >= want:
             return
         if self._arena is not None:
             self._wait_all()
             self._arena.evict_all()
             self.memory.clear()
-        self._arena = Arena(max(want, REGION_ALIGN), pin and torch.cuda.is_available())
+        self._arena = Arena(want, pin and torch.cuda.is_available())
         segment = min(MAX_SEGMENT_BYTES, 1 << max(12, (self._arena.capacity // 4).bit_length() - 1))
         self._block_bytes = min(self.config.block_bytes, segment)
         self._segment_bytes = segment // self._block_bytes * self._block_bytes

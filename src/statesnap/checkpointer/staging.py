@@ -20,6 +20,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..plan.save_plan import ALIGN
+from .gpu import pin_in_place
 
 REGION_ALIGN = 4096  # regions start on page boundaries (direct I/O, huge pages)
 MAX_SEGMENT_BYTES = 64 << 20  # a large tensor is copied and written in chunks of this size
@@ -43,8 +44,10 @@ class Arena:
     """A fixed host buffer handing out regions in ring order; :meth:`allocate` blocks when full."""
 
     def __init__(self, capacity: int, pin: bool):
-        self.capacity = align_up(capacity, REGION_ALIGN)
-        self.buffer = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=pin)
+        self.capacity = max(capacity // REGION_ALIGN, 1) * REGION_ALIGN  # never above the budget
+        self.buffer = torch.empty(self.capacity, dtype=torch.uint8)
+        if pin:
+            pin_in_place(self.buffer)
         self._live: deque[Region] = deque()
         self._head = 0
         self._cond = threading.Condition()

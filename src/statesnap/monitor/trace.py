@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from .events import BACKGROUND_PHASES, STALL_PHASES
+from .events import STALL_PHASES
 
 COLORS = {"save": "#d62728", "backpressure": "#8c564b", "wait-in-hook": "#ff7f0e", "wait-staged": "#e377c2",
           "plan": "#bcbd22", "copy": "#1f77b4", "checksum": "#17becf", "write": "#2ca02c", "fsync": "#9467bd",
@@ -80,7 +80,8 @@ def plot_timeline(events: list[dict], path: str) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
     ax.set_title("statesnap checkpoint timeline")
-    shown = [p for p in (*STALL_PHASES, "plan", *BACKGROUND_PHASES) if any(e["phase"] == p for e in events)]
+    present = {e["phase"] for e in events}
+    shown = [p for p in COLORS if p in present]
     ax.legend(handles=[Patch(color=COLORS[p], label=p) for p in shown], fontsize=7, loc="upper left",
               bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()

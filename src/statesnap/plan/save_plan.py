@@ -115,21 +115,21 @@ def _tensor_tables(metas: list[ItemMeta], rank: np.ndarray, item: np.ndarray, of
             if seen.setdefault(fqn, tuple(kind)) != tuple(kind):
                 raise CheckpointError(f"{fqn}: ranks disagree on dtype/shape/layout ({seen[fqn]} vs {tuple(kind)})")
     order = np.argsort(fqn_of, kind="stable")
-    grouped = list(map(metas.__getitem__, order.tolist()))
     bounds = np.searchsorted(fqn_of[order], np.arange(len(fqn_ids) + 1)).tolist()
-    heads = [grouped[b] for b in bounds[:-1]]
-    dims = [len(h.shape) if h.layout == BOX else 1 for h in heads]
-    row_dims = np.repeat(np.asarray(dims, np.int64), np.diff(bounds))
-    starts = np.fromiter(chain.from_iterable(map(attrgetter("start"), grouped)), np.int64, int(row_dims.sum()))
-    sizes = np.fromiter(chain.from_iterable(map(attrgetter("size"), grouped)), np.int64, len(starts))
-    ints = np.concatenate([[0], np.cumsum(np.diff(bounds) * np.asarray(dims, np.int64))]).tolist()
+    heads = [metas[order[b]] for b in bounds[:-1]]
+    dims = np.asarray([len(h.shape) if h.layout == BOX else 1 for h in heads], np.int64)
+    # boxes read in the items' own order (memory order: far fewer cache misses than by tensor),
+    # then gathered per tensor with index arithmetic
+    item_dims = dims[fqn_of]
+    first_int = np.cumsum(item_dims) - item_dims
+    starts = np.fromiter(chain.from_iterable(map(attrgetter("start"), metas)), np.int64, int(item_dims.sum()))
+    sizes = np.fromiter(chain.from_iterable(map(attrgetter("size"), metas)), np.int64, len(starts))
     tables = {}
     for fid, (fqn, head) in enumerate(zip(fqn_ids, heads)):
-        sel, count = order[bounds[fid]:bounds[fid + 1]], bounds[fid + 1] - bounds[fid]
-        a, b = ints[fid], ints[fid + 1]
+        sel = order[bounds[fid]:bounds[fid + 1]]
+        where = first_int[sel][:, None] + np.arange(dims[fid])
         tables[fqn] = TensorPieces(head.dtype, tuple(head.shape), head.layout, rank[sel], item[sel], offset[sel],
-                                   nbytes[sel], starts[a:b].reshape(count, dims[fid]),
-                                   sizes[a:b].reshape(count, dims[fid]))
+                                   nbytes[sel], starts[where], sizes[where])
         _check_no_overlap(fqn, tables[fqn])
     return tables
 

@@ -15,7 +15,6 @@ this against ``DTensor.full_tensor()`` on a real 2-D mesh.
 """
 from __future__ import annotations
 
-import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..errors import CheckpointError
@@ -78,7 +77,3 @@ def dtensor_box(dt: DTensor, fqn: str) -> tuple[tuple, tuple] | None:
 
 def is_dtensor(value) -> bool:
     return isinstance(value, DTensor)
-
-
-def local_of(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if isinstance(value, DTensor) else value
