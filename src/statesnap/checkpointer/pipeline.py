@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.dist import Comm
-from ..engine.save import RankOutput, _begin, _finish, data_file_name
+from ..engine.save import RankOutput, commit_or_abort, data_file_name, open_staging
 from ..errors import CheckpointError
 from ..format.checksum import checksum_blocks
 from ..format.manifest import ObjectEntry
 from ..monitor.events import EventLog, now
-from ..plan.save_plan import ALIGN, SavePlan
+from ..plan.save_plan import SavePlan, align_up
 from ..state.items import Flattened, ItemMeta
 from ..storage.base import StorageBackend
 from .hooks import Countdown, check_unchanged
@@ -261,7 +261,7 @@ class Flusher:
             result = None
             if comm.rank == 0 and staging is not None:
                 with self._events.timed("commit", snap.step):
-                    result = _finish(backend, snap.path, staging, snap.plan, outputs, comm.world_size, True,
+                    result = commit_or_abort(backend, snap.path, staging, snap.plan, outputs, comm.world_size, True,
                                      self.target.durable, self.target.block_bytes_of(), {"step": snap.step})
             result = comm.broadcast(result)
         except BaseException as exc:
@@ -275,7 +275,7 @@ class Flusher:
 
     def _begin(self, snap: Snapshot) -> tuple:
         try:
-            return _begin(self.target.backend, snap.path, True)
+            return open_staging(self.target.backend, snap.path, True)
         except Exception as exc:  # noqa: BLE001 (sent to the other ranks instead of hanging them)
             return None, f"{type(exc).__name__}: {exc}"
 
@@ -320,7 +320,7 @@ class Flusher:
         checksums = {}
         for (item, _offset), block_sums in sorted(sums.items()):
             checksums.setdefault(item, []).extend(block_sums)
-        return RankOutput(name, max(end, snap.plan.file_bytes[rank]), checksums, entries, snap.per_rank)
+        return RankOutput(name, end, checksums, entries, snap.per_rank)
 
     def _write_blobs(self, writer, blobs: list, entries: dict, end: int) -> int:
         """Pickled values (``allow_pickle``) go after the tensor data, as in a blocking save."""
@@ -328,9 +328,10 @@ class Flusher:
         for fqn, blob in blobs:
             if len(blob) > block:
                 raise CheckpointError(f"{fqn}: pickled value over {block} bytes is not supported")
-            writer.pwrite(end, [memoryview(blob)])
-            entries[fqn] = ObjectEntry("pickle", [None, end, len(blob), checksum_blocks([memoryview(blob)], block)[0]])
-            end += -(-len(blob) // ALIGN) * ALIGN
+            start = align_up(end)
+            writer.pwrite(start, [memoryview(blob)])
+            entries[fqn] = ObjectEntry("pickle", [None, start, len(blob), checksum_blocks([memoryview(blob)], block)[0]])
+            end = start + len(blob)
         return end
 
     def _write_batch(self, snap: Snapshot, batch: Batch, writer, sums: dict) -> None:

@@ -17,7 +17,7 @@ from ..errors import CheckpointError, CheckpointExistsError
 from ..format.checksum import DEFAULT_BLOCK_BYTES
 from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry
-from ..plan.save_plan import ALIGN, SavePlan, plan_save
+from ..plan.save_plan import SavePlan, align_up, plan_save
 from ..state.flatten import flatten_for_save
 from ..state.items import Flattened
 from ..storage import backend_for, normalize
@@ -74,14 +74,12 @@ def write_rank(backend: StorageBackend, staging: str, token: str, rank: int, pla
     jobs = [(offset, byte_view(tensors[index])) for index, offset in plan.writes[rank]]
     end = plan.file_bytes[rank]
     for fqn, blob in blobs:
-        jobs.append((end, memoryview(blob)))
-        entries[fqn] = ObjectEntry("pickle", [None, end, len(blob), None])
-        end += -(-len(blob) // ALIGN) * ALIGN
+        start = align_up(end)
+        jobs.append((start, memoryview(blob)))
+        entries[fqn] = ObjectEntry("pickle", [None, start, len(blob), None])
+        end = start + len(blob)
     if not jobs:
         return RankOutput(None, 0, {}, entries, per_rank)
-    written = max(offset + len(view) for offset, view in jobs)
-    if written < end:  # zero-fill the alignment tail: a file shorter than its recorded size is truncated
-        jobs.append((written, memoryview(bytes(end - written))))
     name = data_file_name(token, rank)
     sums = write_file(backend, backend.join(staging, name), jobs, block_bytes, durable, threads)
     checksums = {index: s for (index, _), s in zip(plan.writes[rank], sums)}
@@ -145,7 +143,7 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
         error, metas = exc, []
     comm.agree(error, "preparing the save")
     plan = plan_save(comm.all_gather(metas))
-    staging, token = comm.broadcast(_begin(backend, path, overwrite) if comm.rank == 0 else None)
+    staging, token = comm.broadcast(open_staging(backend, path, overwrite) if comm.rank == 0 else None)
     if staging is None:
         raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it")
     output, error = None, None
@@ -158,7 +156,7 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
     outputs = comm.gather((output, None if error is None else f"{type(error).__name__}: {error}"))
     result = None
     if comm.rank == 0:
-        result = _finish(backend, path, staging, plan, outputs, comm.world_size, overwrite, durable, block_bytes, meta)
+        result = commit_or_abort(backend, path, staging, plan, outputs, comm.world_size, overwrite, durable, block_bytes, meta)
     result = comm.broadcast(result)
     if error is not None:
         raise error if isinstance(error, CheckpointError) else CheckpointError(f"save to {path} failed: {error}") from error
@@ -167,14 +165,14 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
     return SaveInfo(path, result, time.perf_counter() - started)
 
 
-def _begin(backend: StorageBackend, path: str, overwrite: bool) -> tuple[str | None, str]:
+def open_staging(backend: StorageBackend, path: str, overwrite: bool) -> tuple[str | None, str]:
     token = uuid.uuid4().hex[:12]
     if backend.exists(backend.join(path, MANIFEST_NAME)) and not overwrite:
         return None, token
     return backend.begin(path, token), token
 
 
-def _finish(backend, path, staging, plan, outputs, world_size, overwrite, durable, block_bytes, meta) -> Any:
+def commit_or_abort(backend, path, staging, plan, outputs, world_size, overwrite, durable, block_bytes, meta) -> Any:
     """On rank 0: write the manifest and commit, or abort; return total bytes or an error text."""
     failures = [f"rank {r}: {err}" for r, (_, err) in enumerate(outputs) if err is not None]
     written = [out.file for out, _ in outputs if out is not None and out.file]

@@ -25,6 +25,10 @@ from ..state.items import ItemMeta
 ALIGN = 64  # pieces start on cache-line boundaries so direct reads land aligned in memory
 
 
+def align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 @dataclass
 class TensorPieces:
     """One logical tensor and its distinct stored pieces, column-wise (the manifest's shape)."""
@@ -73,7 +77,10 @@ def plan_save(per_rank: Sequence[Sequence[ItemMeta]]) -> SavePlan:
     rank_start = np.searchsorted(chosen_rank, np.arange(world + 1))
     base = np.concatenate([[0], ends])[rank_start]
     offset = ends - aligned - np.repeat(base[:-1], np.diff(rank_start))
-    file_bytes = (base[1:] - base[:-1]).tolist()
+    # a file ends with its last piece: the alignment gaps are only *between* pieces
+    data_end = offset + nbytes[chosen]
+    last = np.concatenate([[0], data_end])[rank_start[1:]]  # end of each rank's last piece
+    file_bytes = np.where(rank_start[1:] > rank_start[:-1], last, 0).tolist()
     items, offsets = index[chosen].tolist(), offset.tolist()
     writes = [list(zip(items[a:b], offsets[a:b])) for a, b in zip(rank_start[:-1], rank_start[1:])]
     tensors = _tensor_tables(list(map(metas.__getitem__, chosen.tolist())), chosen_rank, index[chosen], offset,
