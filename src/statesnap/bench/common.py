@@ -114,6 +114,21 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     return "\n".join([line(headers), sep, *(line(r) for r in text)])
 
 
+def add_output_arguments(parser) -> None:
+    """``--out`` and ``--json``, which every suite takes."""
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"scratch and output directory (default {DEFAULT_OUT})")
+    parser.add_argument("--json", help="also write the results as JSON here ('-' = stdout)")
+
+
+def parse_choices(parser, text: str, choices, what: str) -> tuple[str, ...]:
+    """A comma-separated subset of ``choices``; an unknown name is a usage error."""
+    chosen = tuple(name for name in text.split(",") if name)
+    unknown = set(chosen) - set(choices)
+    if unknown:
+        parser.error(f"unknown {what} {sorted(unknown)}; choose from {', '.join(choices)}")
+    return chosen
+
+
 def write_json(result: dict, path: str | None) -> None:
     """Write ``result`` to ``path`` (``-`` is stdout); nothing when ``path`` is None."""
     if path is None:

@@ -26,7 +26,8 @@ from .. import load as ss_load
 from .. import save as ss_save
 from ..demo.gpt import GPT, config_for_state_gb
 from .common import (
-    DEFAULT_OUT, drop_page_cache, format_table, gbps, machine_description, median, timed, write_json,
+    DEFAULT_OUT, add_output_arguments, drop_page_cache, format_table, gbps, machine_description, median,
+    parse_choices, timed, write_json,
 )
 
 SYSTEMS = ("raw", "torch", "dcp", "statesnap")
@@ -158,11 +159,11 @@ def measure_system(system: str, state: dict, target: dict, path: str, check: boo
             for t in tensors_of(target):
                 t.zero_()
             drop_page_cache([path])
-        loaded = {}
-        seconds[op] = timed(lambda: loaded.setdefault("state", load(target, path)))
-        if check and not same_values(loaded["state"], state):
+        loaded: list = []
+        seconds[op] = timed(lambda: loaded.append(load(target, path)))
+        if check and not same_values(loaded[0], state):
             raise AssertionError(f"{system} loaded values that differ from the saved state ({path})")
-        del loaded
+        loaded.clear()  # torch.load returns a new state: free it before the next load
     remove(path)
     return seconds
 
@@ -224,22 +225,14 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="statesnap bench --suite io", description=__doc__.split("\n")[0])
     parser.add_argument("--size-gb", type=float, default=1.0, help="state size in GB (default 1)")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved repeats; medians are reported")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="statesnap bench --suite io", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    parser.add_argument("--out", default=DEFAULT_OUT, help=f"scratch and output directory (default {DEFAULT_OUT})")
-    parser.add_argument("--json", help="also write the results as JSON here ('-' = stdout)")
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
-    systems = tuple(s for s in args.systems.split(",") if s)
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        parser.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    systems = parse_choices(parser, args.systems, SYSTEMS, "systems")
     result = run(args.size_gb, args.repeat, args.out, systems)
     print(report(result))
     write_json(result, args.json)

@@ -24,7 +24,9 @@ import warnings
 import torch
 
 from ..demo import gpt
-from .common import DEFAULT_OUT, format_table, median, peak_rss_bytes, run_child, write_json
+from .common import (
+    DEFAULT_OUT, add_output_arguments, format_table, median, parse_choices, peak_rss_bytes, run_child, write_json,
+)
 from .modes import MODES, make_mode
 
 DEFAULT_MODES = ("none", "torch_save", "dcp_save", "dcp_async", "statesnap_p10", "statesnap_p1")
@@ -209,13 +211,9 @@ def main(argv: list[str] | None = None) -> int:
                              "hides more of the snapshot copy")
     parser.add_argument("--sweep-gb", default="0.25,1,4", help="state sizes for the stall sweep ('' = skip)")
     parser.add_argument("--sweep-steps", type=int, default=5)
-    parser.add_argument("--out", default=DEFAULT_OUT, help=f"scratch and output directory (default {DEFAULT_OUT})")
-    parser.add_argument("--json", help="also write the results as JSON here ('-' = stdout)")
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
-    modes = tuple(m for m in args.modes.split(",") if m)
-    unknown = set(modes) - set(MODES)
-    if unknown:
-        parser.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
+    modes = parse_choices(parser, args.modes, tuple(MODES), "modes")
     config = gpt.GPTConfig(**json.loads(args.config)) if args.config else None
     sizes = [float(x) for x in args.sweep_gb.split(",") if x]
     result = run(args.size_gb, args.steps, args.runs, modes, sizes, args.sweep_steps, args.out, args.warmup, config,
