@@ -16,12 +16,12 @@ import torch
 from ..errors import CorruptCheckpointError, MissingFileError
 from ..format.checksum import checksum_blocks
 from ..format.manifest import Manifest, TensorEntry
-from ..plan.load_plan import PieceRead, TargetPlan
+from ..plan.load_plan import PieceRead, Segment, TargetPlan
 from ..storage.base import FileReader, StorageBackend
 from .buffers import byte_view
 from .write import default_threads
 
-GROUP_BYTES = 64 << 20
+GROUP_BYTES = 16 << 20  # about what stays in the CPU caches between the read and its checksum
 
 
 @dataclass
@@ -59,7 +59,10 @@ class ReadExecutor:
     def run(self) -> None:
         direct, staged = [], []
         for job in self.jobs:
-            (direct if self._is_direct(job) else staged).append(job)
+            if self._is_direct(job):
+                direct.extend(self._split(job))
+            else:
+                staged.append(job)
         groups = self._coalesce(direct) + [[job] for job in staged]
         try:
             if self.threads == 1 or len(groups) <= 1:
@@ -93,6 +96,20 @@ class ReadExecutor:
                 return False
             pos += seg.nbytes
         return pos == read.hi
+
+    def _split(self, job: _Job) -> list[_Job]:
+        """Cut a large direct read at checksum-block boundaries: each part is hashed right after it
+        lands, while it is still in the CPU caches, and the parts of one piece load in parallel."""
+        read, step = job.read, self.manifest.block_bytes
+        if read.hi - read.lo <= step:
+            return [job]
+        parts = []
+        for lo in range(read.lo, read.hi, step):
+            hi = min(lo + step, read.hi)
+            segments = [Segment(max(s.src, lo), s.dst + max(s.src, lo) - s.src, min(s.src + s.nbytes, hi) - max(s.src, lo))
+                        for s in read.segments if s.src < hi and s.src + s.nbytes > lo]
+            parts.append(_Job(job.fqn, job.entry, job.target, job.view, PieceRead(read.piece, lo, hi, segments)))
+        return parts
 
     def _coalesce(self, jobs: list[_Job]) -> list[list[_Job]]:
         jobs = sorted(jobs, key=lambda j: (j.file, j.base + j.read.lo))
