@@ -77,7 +77,7 @@ def copy_checkpoint(src: StorageLevel, dst: StorageLevel, step: int, durable: bo
     try:
         for name in manifest.files:
             reader = src.backend.open_read(src.backend.join(source, name))
-            writer = dst.backend.open_write(dst.backend.join(staging, name))
+            writer = dst.backend.open_write(dst.backend.join(staging, name), durable)
             try:
                 offset = 0
                 while True:

@@ -295,7 +295,7 @@ class Flusher:
         if not snap.plan.writes[rank] and not blobs:
             return RankOutput(None, 0, {}, entries, snap.per_rank)
         name = data_file_name(token, rank)
-        writer = backend.open_write(backend.join(staging, name))
+        writer = backend.open_write(backend.join(staging, name), self.target.durable)
         sums: dict[tuple[int, int], list[int]] = {}
         pending = []
         try:

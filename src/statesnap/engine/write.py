@@ -23,7 +23,7 @@ def default_threads() -> int:
 def write_file(backend: StorageBackend, path: str, jobs: Sequence[tuple[int, memoryview]],
                block_bytes: int, durable: bool, threads: int | None = None) -> list[list[int]]:
     """Write ``(offset, bytes)`` jobs into ``path``; return each job's block checksums."""
-    writer = backend.open_write(path)
+    writer = backend.open_write(path, durable)
     chunk = block_bytes * CHUNK_BLOCKS
     tasks = []  # (job index, chunk position, offset, view)
     for index, (offset, view) in enumerate(jobs):

@@ -53,7 +53,9 @@ class StorageBackend(ABC):
         """Delete a file or a whole directory tree; a missing path is not an error."""
 
     @abstractmethod
-    def open_write(self, path: str) -> FileWriter: ...
+    def open_write(self, path: str, durable: bool = False) -> FileWriter:
+        """A new file; ``durable`` says it will be closed durably, so a backend may start
+        writing it back to stable storage while later parts are still being written."""
 
     @abstractmethod
     def open_read(self, path: str) -> FileReader: ...

@@ -88,7 +88,7 @@ class FsspecBackend(StorageBackend):
         except FileNotFoundError:
             pass
 
-    def open_write(self, path: str) -> FileWriter:
+    def open_write(self, path: str, durable: bool = False) -> FileWriter:
         return _FsspecWriter(self.fs, self._strip(path))
 
     def open_read(self, path: str) -> FileReader:
