@@ -62,13 +62,13 @@ class SlowBackend(LocalBackend):
         self.random = random.Random(seed)
         self.max_sleep = max_sleep
 
-    def open_write(self, path):
-        writer = _LocalWriter(path)
+    def open_write(self, path, durable=False):
+        writer = _LocalWriter(path, durable)
         backend = self
 
         class Slow(_LocalWriter):
             def __init__(self):
-                self.path, self.fd = writer.path, writer.fd
+                self.__dict__.update(writer.__dict__)
 
             def pwrite(self, offset, views):
                 time.sleep(backend.random.uniform(0, backend.max_sleep))
@@ -83,8 +83,8 @@ class DiskFullBackend(LocalBackend):
     def __init__(self, failing_steps):
         self.failing_steps = set(failing_steps)
 
-    def open_write(self, path):
-        writer = _LocalWriter(path)
+    def open_write(self, path, durable=False):
+        writer = _LocalWriter(path, durable)
         step = int(os.path.basename(os.path.dirname(path)).split(".tmp-")[0].split("-")[1])
         if step in self.failing_steps:
             real, writes = writer.pwrite, []

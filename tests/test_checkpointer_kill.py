@@ -19,8 +19,8 @@ CHILD = textwrap.dedent("""
 
     class HangingBackend(LocalBackend):
         '''Writes of step 2 announce themselves, then never finish: the kill lands mid-flush.'''
-        def open_write(self, path):
-            writer = super().open_write(path)
+        def open_write(self, path, durable=False):
+            writer = super().open_write(path, durable)
             if "step-2" in path:
                 real = writer.pwrite
                 def pwrite(offset, views):

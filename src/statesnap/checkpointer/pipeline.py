@@ -96,24 +96,17 @@ def as_checkpoint_error(exc: BaseException, step: int, path: str) -> CheckpointE
     return error
 
 
-class Stager:
-    """Allocates arena space for each snapshot in order and runs its copies on worker threads."""
+class _Stage:
+    """A pipeline stage: one thread takes snapshots in order from a queue; a pool runs their
+    parallel parts. Subclasses set their attributes, then call ``__init__``, which starts it."""
 
-    def __init__(self, arena_of, copy_threads: int, segment_bytes_of, events: EventLog,
-                 on_copies_done, cuda_copier_of):
-        self._arena_of = arena_of  # () -> Arena (it may be replaced between snapshots)
-        self._segment_bytes_of = segment_bytes_of
-        self._events = events
-        self._on_copies_done = on_copies_done  # (snap) once no copy of it runs any more
-        self._cuda_copier_of = cuda_copier_of
-        self._pool = ThreadPoolExecutor(copy_threads, thread_name_prefix="statesnap-copy")
+    def __init__(self, name: str, threads: int):
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"statesnap-{name}")
         self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="statesnap-stager", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"statesnap-{name}-stage", daemon=True)
         self._thread.start()
 
     def submit(self, snap: Snapshot) -> None:
-        snap.copied = Countdown(on_zero=lambda: self._copies_done(snap))
-        snap.gates = {owner: Countdown() for owner in set(snap.owners) if owner is not None}
         self._queue.put(snap)
 
     def close(self) -> None:
@@ -123,14 +116,38 @@ class Stager:
 
     def _run(self) -> None:
         for snap in iter(self._queue.get, None):
-            try:
-                self._stage(snap)
-            except BaseException as exc:  # noqa: BLE001 (reported through the snapshot)
-                snap.fail(as_checkpoint_error(exc, snap.step, snap.path))
-            finally:
-                snap.batches.put(None)
-                for gate in [*snap.gates.values(), snap.copied]:
-                    gate.finish()
+            self._handle(snap)
+
+    def _handle(self, snap: Snapshot) -> None:
+        raise NotImplementedError
+
+
+class Stager(_Stage):
+    """Allocates arena space for each snapshot in order and runs its copies on worker threads."""
+
+    def __init__(self, arena_of, copy_threads: int, segment_bytes_of, events: EventLog,
+                 on_copies_done, cuda_copier_of):
+        self._arena_of = arena_of  # () -> Arena (it may be replaced between snapshots)
+        self._segment_bytes_of = segment_bytes_of
+        self._events = events
+        self._on_copies_done = on_copies_done  # (snap) once no copy of it runs any more
+        self._cuda_copier_of = cuda_copier_of
+        super().__init__("copy", copy_threads)
+
+    def submit(self, snap: Snapshot) -> None:
+        snap.copied = Countdown(on_zero=lambda: self._copies_done(snap))
+        snap.gates = {owner: Countdown() for owner in set(snap.owners) if owner is not None}
+        super().submit(snap)
+
+    def _handle(self, snap: Snapshot) -> None:
+        try:
+            self._stage(snap)
+        except BaseException as exc:  # noqa: BLE001 (reported through the snapshot)
+            snap.fail(as_checkpoint_error(exc, snap.step, snap.path))
+        finally:
+            snap.batches.put(None)
+            for gate in [*snap.gates.values(), snap.copied]:
+                gate.finish()
 
     def _stage(self, snap: Snapshot) -> None:
         arena: Arena = self._arena_of()
@@ -203,7 +220,7 @@ class FlushTarget:
     block_bytes_of: Any  # () -> int
 
 
-class Flusher:
+class Flusher(_Stage):
     """Writes persisted snapshots in order and commits them on all ranks together."""
 
     def __init__(self, target: FlushTarget, arena_of, events: EventLog, on_done):
@@ -211,28 +228,16 @@ class Flusher:
         self._arena_of = arena_of
         self._events = events
         self._on_done = on_done  # (snap, committed bytes or None) after each snapshot
-        self._pool = ThreadPoolExecutor(target.threads, thread_name_prefix="statesnap-write")
-        self._queue: queue.Queue = queue.Queue()
         self.broken: BaseException | None = None  # a failed collective: later commits cannot agree
-        self._thread = threading.Thread(target=self._run, name="statesnap-flusher", daemon=True)
-        self._thread.start()
+        super().__init__("write", target.threads)
 
-    def submit(self, snap: Snapshot) -> None:
-        self._queue.put(snap)
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-        self._pool.shutdown(wait=True)
-
-    def _run(self) -> None:
-        for snap in iter(self._queue.get, None):
-            committed = None
-            try:
-                committed = self._flush(snap)
-            except BaseException as exc:  # noqa: BLE001 (reported through the snapshot)
-                snap.fail(as_checkpoint_error(exc, snap.step, snap.path))
-            self._on_done(snap, committed)
+    def _handle(self, snap: Snapshot) -> None:
+        committed = None
+        try:
+            committed = self._flush(snap)
+        except BaseException as exc:  # noqa: BLE001 (reported through the snapshot)
+            snap.fail(as_checkpoint_error(exc, snap.step, snap.path))
+        self._on_done(snap, committed)
 
     def _flush(self, snap: Snapshot) -> int:
         if self.broken is not None:
