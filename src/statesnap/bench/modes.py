@@ -155,8 +155,8 @@ class StatesnapCheckpointer(Mode):
             self.done_at.append((started, time.perf_counter()))
 
     def hook_waits(self, count: int) -> list[float]:
-        waits = list(self.ckpt.stats()["hook_wait_s_per_checkpoint"])
-        return (waits + [0.0] * count)[:count]
+        waits = list(self.ckpt.stats()["hook_wait_s_per_checkpoint"])[-count:]  # the last ``count``
+        return waits + [0.0] * (count - len(waits))
 
     def finish(self) -> None:
         self.ckpt.close()
