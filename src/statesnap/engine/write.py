@@ -51,4 +51,4 @@ def write_file(backend: StorageBackend, path: str, jobs: Sequence[tuple[int, mem
     return out
 
 
-__all__ = ["write_file", "byte_view", "default_threads"]
+__all__ = ["write_file", "default_threads"]

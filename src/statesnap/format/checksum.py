@@ -6,7 +6,7 @@ xxhash releases the GIL, so checksums computed in worker threads run in parallel
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import xxhash
 
@@ -38,7 +38,3 @@ def checksum_blocks(views: Iterable[memoryview], block_bytes: int) -> list[int]:
 def piece_blocks(nbytes: int, block_bytes: int) -> int:
     """Number of checksum blocks a piece of ``nbytes`` has (at least one, for empty pieces)."""
     return max(1, -(-nbytes // block_bytes))
-
-
-def as_list(checksum: int | Sequence[int]) -> list[int]:
-    return [checksum] if isinstance(checksum, int) else list(checksum)

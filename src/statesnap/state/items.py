@@ -72,11 +72,5 @@ class Flattened:
     # Run after a load has filled tensors and objects: load_state_dict calls and the like.
     finalizers: list[Callable[[], None]]
 
-    def tensor_map(self) -> dict[str, list[TensorItem]]:
-        out: dict[str, list[TensorItem]] = {}
-        for item in self.tensors:
-            out.setdefault(item.fqn, []).append(item)
-        return out
-
 
 __all__ = ["ItemMeta", "TensorItem", "ObjectItem", "Flattened", "BOX", "FLAT"]
