@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import statesnap as ss
+from statesnap.storage.local import DIRECT_ALIGN
 from statesnap.checkpointer.staging import REGION_ALIGN, Arena, build_batches, copy_into
 from statesnap.errors import CheckpointError
 from test_checkpointer import make_training
@@ -63,6 +64,7 @@ def test_batches_cover_every_byte_once():
                 assert seg.nbytes <= 1024 or not splittable[seg.item]
                 if seg.file is not None:
                     assert seg.file == writes[seg.item] + seg.offset
+                    assert (seg.arena - seg.file) % DIRECT_ALIGN == 0  # direct I/O from the arena
                 if resident:
                     assert seg.arena == offsets[seg.item] + seg.offset and seg.arena % 64 == 0
         items = range(len(sizes)) if resident else writes

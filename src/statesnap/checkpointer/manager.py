@@ -29,6 +29,7 @@ from ..monitor.events import EventLog, now
 from ..plan.save_plan import ALIGN, SavePlan, plan_save
 from ..state.flatten import flatten_for_save
 from ..storage import backend_for, is_url, normalize
+from ..storage.local import DIRECT_ALIGN
 from .config import CheckpointerConfig
 from .gpu import CudaCopier, mark_devices
 from .hooks import StepGuard, find_optimizers, owners_of, version_of
@@ -233,7 +234,9 @@ class Checkpointer:
         metas = [item.meta(dtype_name(item.dtype)) for item in flat.tensors]
         objects, blobs = encode_objects(flat, 0, self.config.allow_pickle)  # every object: memory restores all
         plan = self._plan_for(metas)
-        snapshot_bytes = sum(align_up(m.nbytes, ALIGN) for m in metas)
+        # Each item may sit up to a block further on in the arena, at its file offset's distance
+        # from a block boundary (direct I/O).
+        snapshot_bytes = sum(align_up(m.nbytes, ALIGN) + DIRECT_ALIGN for m in metas)
         self._ensure_arena(snapshot_bytes, any(i.local.device.type == "cuda" for i in flat.tensors))
         resident = align_up(snapshot_bytes, REGION_ALIGN) <= self._arena.capacity
         persist = step % self.config.persist_every == 0

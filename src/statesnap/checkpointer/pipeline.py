@@ -352,7 +352,7 @@ class Flusher(_Stage):
                     sums[(seg.item, seg.offset)] = checksum_blocks([view], block)
             with self._events.timed("write", snap.step, nbytes):
                 for seg, view in zip(segments, views):
-                    writer.pwrite(seg.file, [view])
+                    writer.pwrite_bulk(seg.file, view)
         finally:
             if batch.region is not None:
                 arena.release(batch.region)

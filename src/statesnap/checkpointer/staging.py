@@ -11,6 +11,7 @@ for writes (back-pressure) instead of failing or growing past the budget.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,9 +21,10 @@ import torch
 
 from ..errors import CheckpointError
 from ..plan.save_plan import ALIGN
+from ..storage.local import DIRECT_ALIGN
 from .gpu import pin_in_place
 
-REGION_ALIGN = 4096  # regions start on page boundaries (direct I/O, huge pages)
+REGION_ALIGN = DIRECT_ALIGN  # regions start on page boundaries (direct I/O, huge pages)
 MAX_SEGMENT_BYTES = 64 << 20  # a large tensor is copied and written in chunks of this size
 
 BUSY, HELD, FREE = "busy", "held", "free"
@@ -45,7 +47,12 @@ class Arena:
 
     def __init__(self, capacity: int, pin: bool):
         self.capacity = max(capacity // REGION_ALIGN, 1) * REGION_ALIGN  # never above the budget
-        self.buffer = torch.empty(self.capacity, dtype=torch.uint8)
+        # An anonymous mapping: page-aligned for direct I/O, and asking for transparent huge pages
+        # makes its first touch and every later copy cheaper (512× fewer page faults and TLB misses).
+        self._mapping = mmap.mmap(-1, self.capacity)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self._mapping.madvise(mmap.MADV_HUGEPAGE)
+        self.buffer = torch.frombuffer(self._mapping, dtype=torch.uint8)
         if pin:
             pin_in_place(self.buffer)
         self._live: deque[Region] = deque()
@@ -174,10 +181,12 @@ def build_batches(order: Sequence[int], sizes: Sequence[int], splittable: Sequen
                 batches.append(Batch(current))
                 current, batch_bytes = [], 0
                 pos = pos if resident else 0
+            file = file_offsets[item] + offset if item in file_offsets else None
             pos = align_up(pos, ALIGN)
+            if file is not None:  # same distance from a block boundary as in the file: direct I/O
+                pos += (file - pos) % DIRECT_ALIGN
             if offset == 0:
                 item_offsets[item] = pos
-            file = file_offsets[item] + offset if item in file_offsets else None
             current.append(Segment(item, offset, nbytes, pos, file))
             pos += nbytes
             batch_bytes += nbytes

@@ -16,6 +16,12 @@ class FileWriter(ABC):
     @abstractmethod
     def pwrite(self, offset: int, views: Sequence[memoryview]) -> None: ...
 
+    def pwrite_bulk(self, offset: int, view: memoryview) -> None:
+        """Write one large range that nobody will read back soon (a checkpoint flushed from the
+        staging arena). Backends that can bypass the page cache do so: it saves a copy of every
+        byte and leaves the host's memory to training. The default is a plain :meth:`pwrite`."""
+        self.pwrite(offset, [view])
+
     @abstractmethod
     def close(self, durable: bool) -> None:
         """Close the file; with ``durable`` its bytes are on stable storage when this returns."""

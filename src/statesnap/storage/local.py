@@ -12,7 +12,10 @@ import ctypes
 import errno
 import os
 import shutil
+import threading
 from typing import Sequence
+
+import numpy as np
 
 from ..errors import CheckpointExistsError, CheckpointError
 from .base import FileReader, FileWriter, StorageBackend
@@ -35,6 +38,9 @@ except (NameError, AttributeError):
     _sync_file_range = None
 _SYNC_FILE_RANGE_WRITE = 2
 _WRITEBACK_MIN = 1 << 20
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+DIRECT_ALIGN = 4096  # direct I/O wants offsets, lengths and memory on device blocks (<= 4 KiB)
+_DIRECT_MIN = 1 << 20
 
 
 def _rename2(src: str, dst: str, flags: int) -> bool:
@@ -57,6 +63,21 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
+    views = [v for v in views if len(v)]
+    while views:
+        batch = views[:_IOV_MAX]
+        written = os.pwritev(fd, batch, offset)
+        offset += written
+        # Short writes happen (signals, quotas): drop what went out and retry the rest.
+        while batch and written >= len(batch[0]):
+            written -= len(batch[0])
+            batch.pop(0)
+            views.pop(0)
+        if written:
+            views[0] = views[0][written:]
+
+
 class _LocalWriter(FileWriter):
     def __init__(self, path: str, durable: bool = False):
         self.path = path
@@ -64,31 +85,57 @@ class _LocalWriter(FileWriter):
         # Start writing back each range as soon as it is written, so the disk works while later
         # ranges are still being copied and the final fsync has little left to wait for.
         self.writeback = durable and _sync_file_range is not None
+        self._direct_fd: int | None = None  # opened on the first bulk write; -1: not available
+        self._direct_refused = False
+        self._lock = threading.Lock()
 
     def pwrite(self, offset: int, views: Sequence[memoryview]) -> None:
         views = [v for v in views if len(v)]
-        if self.writeback:
-            start, length = offset, sum(len(v) for v in views)
-        while views:
-            batch = views[:_IOV_MAX]
-            written = os.pwritev(self.fd, batch, offset)
-            offset += written
-            # Short writes happen (signals, quotas): drop what went out and retry the rest.
-            while batch and written >= len(batch[0]):
-                written -= len(batch[0])
-                batch.pop(0)
-                views.pop(0)
-            if written:
-                views[0] = views[0][written:]
+        length = sum(len(v) for v in views)
+        _pwritev_all(self.fd, views, offset)
         if self.writeback and length >= _WRITEBACK_MIN:
-            _sync_file_range(self.fd, start, length, _SYNC_FILE_RANGE_WRITE)
+            _sync_file_range(self.fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+    def pwrite_bulk(self, offset: int, view: memoryview) -> None:
+        """Whole blocks go through an ``O_DIRECT`` descriptor: the device reads them straight from
+        the caller's memory, with no copy into the page cache and no reclaim of it later. That
+        needs the memory and the file offset at the same distance from a block boundary (the
+        staging arena lays snapshots out so); the partial blocks at either end go buffered."""
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        head = -offset % DIRECT_ALIGN
+        body = max(len(view) - head, 0) // DIRECT_ALIGN * DIRECT_ALIGN
+        address = np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
+        if body < _DIRECT_MIN or (address - offset) % DIRECT_ALIGN or not self._direct():
+            self.pwrite(offset, [view])
+            return
+        try:
+            _pwritev_all(self._direct_fd, [view[head:head + body]], offset + head)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self._direct_refused = True  # the file system accepted O_DIRECT but not these writes
+            self.pwrite(offset, [view])
+            return
+        self.pwrite(offset, [view[:head]])
+        self.pwrite(offset + head + body, [view[head + body:]])
+
+    def _direct(self) -> bool:
+        with self._lock:
+            if self._direct_fd is None:
+                try:
+                    self._direct_fd = os.open(self.path, os.O_WRONLY | _O_DIRECT) if _O_DIRECT else -1
+                except OSError:  # tmpfs and many FUSE file systems refuse O_DIRECT
+                    self._direct_fd = -1
+            return self._direct_fd >= 0 and not self._direct_refused
 
     def close(self, durable: bool) -> None:
         try:
             if durable:
-                os.fsync(self.fd)
+                os.fsync(self.fd)  # the inode's: it covers the O_DIRECT descriptor's writes too
         finally:
             os.close(self.fd)
+            if self._direct_fd is not None and self._direct_fd >= 0:
+                os.close(self._direct_fd)
 
 
 class _LocalReader(FileReader):
