@@ -27,12 +27,13 @@ def test_io_suite_reports_every_system_op_ratio_and_aim(tmp_path, capsys):
         for op in io.OPS:
             assert result["gb_per_s"][system][op] > 0
             assert len(result["seconds"][system][op]) == 1
-    assert set(result["ratios"]) == {"raw", "torch", "dcp"}
+    assert set(result["ratios"]) == {"raw", "raw_parallel", "torch", "dcp"}
     assert all(set(r) == set(io.OPS) for r in result["ratios"].values())
     assert [a["aim"] for a in result["aims"]] == [0.95, 0.95, 1.5, 2.0]
+    assert result["ceiling"] == pytest.approx(result["ratios"]["raw_parallel"]["load_cold"])
     assert result["machine"]["cores"] >= 1
     printed = capsys.readouterr().out
-    for word in ("save_durable", "load_cold", "load_warm", "statesnap / peer", "aim"):
+    for word in ("save_durable", "load_cold", "load_warm", "statesnap / peer", "aim", "busy disk"):
         assert word in printed
     assert not any((tmp_path / "out").glob("io-scratch")), "scratch checkpoints must be removed"
 

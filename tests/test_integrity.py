@@ -219,3 +219,19 @@ def test_damage_seen_by_one_rank_fails_every_rank(tmp_path):
     results = run_ranks(2, _load_damaged, str(tmp_path / "c"))
     assert results[1][0] == "CorruptCheckpointError" and "'w'" in results[1][1]
     assert results[0] is not None and "rank 1" in results[0][1] and "checksum mismatch" in results[0][1]
+
+
+def test_strided_reads_out_of_the_mapped_file_are_verified(ckpt):
+    """A column slice is picked out of the file's mapping (no copy of the span): it is exact when
+    the file is whole, and a flipped byte or a cut file inside the span it needs is still caught."""
+    path, state = ckpt
+    columns = (slice(None), slice(8, 16))
+    assert torch.equal(ss.open(path).read("model.big", columns), state["model"]["big"][:, 8:16])
+    file, offset, nbytes = piece(path, "model.big")
+    flip_byte(file, offset + nbytes - 4)  # the last column: outside the slice, inside its blocks
+    with pytest.raises(ss.CorruptCheckpointError, match=file.name):
+        ss.open(path).read("model.big", columns)
+    file.write_bytes(file.read_bytes()[:offset + nbytes // 2])
+    with pytest.raises(ss.CorruptCheckpointError, match="truncated"):
+        ss.open(path).read("model.big", columns)
+    assert_good_neighbour_loads(path, state)

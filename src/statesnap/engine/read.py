@@ -3,7 +3,8 @@
 Reads that are contiguous in the file and land contiguously in the target go directly into the
 target's memory, coalesced with their neighbours in the same file into one vectored read. Reads
 that need a strided copy, or that must be widened to checksum-block boundaries to be verified,
-go through a scratch buffer. Every failure names the file, the tensor and the byte range.
+take their parts out of the file's mapping where the backend maps files (the page cache: no copy
+of the span) and out of a scratch buffer read whole elsewhere. Every failure names the file, the tensor and the byte range.
 """
 from __future__ import annotations
 
@@ -168,9 +169,14 @@ class ReadExecutor:
 
     def _run_staged(self, job: _Job) -> None:
         lo, hi = self._widened(job)
-        scratch = torch.empty(hi - lo, dtype=torch.uint8)
-        raw = byte_view(scratch)
-        self._read(job, job.base + lo, [raw], repr(job.fqn))
+        raw = self._reader(job).map(job.base + lo, hi - lo)
+        if raw is not None:  # pick the parts straight out of the page cache: no copy of the span
+            scratch = torch.frombuffer(raw, dtype=torch.uint8)
+            self.bytes_read += hi - lo
+        else:
+            scratch = torch.empty(hi - lo, dtype=torch.uint8)
+            raw = byte_view(scratch)
+            self._read(job, job.base + lo, [raw], repr(job.fqn))
         if self.verify:
             self._check(job, lo, hi, [raw])
         read = job.read

@@ -34,6 +34,12 @@ class FileReader(ABC):
     def readinto(self, offset: int, views: Sequence[memoryview]) -> int:
         """Fill ``views`` in order from ``offset``; return the bytes read (short only at EOF)."""
 
+    def map(self, offset: int, nbytes: int) -> memoryview | None:
+        """The bytes ``[offset, offset + nbytes)`` in place, without a copy (a local file's page
+        cache), for reads that only pick parts out of a range; None where the backend cannot map
+        them or the file is shorter (callers then read into a buffer)."""
+        return None
+
     @abstractmethod
     def size(self) -> int: ...
 

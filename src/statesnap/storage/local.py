@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import shutil
 import threading
@@ -41,6 +42,33 @@ _WRITEBACK_MIN = 1 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 DIRECT_ALIGN = 4096  # direct I/O wants offsets, lengths and memory on device blocks (<= 4 KiB)
 _DIRECT_MIN = 1 << 20
+_BOUNCE_BYTES = 16 << 20
+
+
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
+
+
+class _BouncePool:
+    """Aligned buffers for direct writes from unaligned memory, kept across saves: first-touching
+    fresh memory costs more than the copy itself. One per concurrent writer thread."""
+
+    def __init__(self):
+        self._free: list[memoryview] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> memoryview:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return memoryview(mmap.mmap(-1, _BOUNCE_BYTES + DIRECT_ALIGN))
+
+    def give(self, bounce: memoryview) -> None:
+        with self._lock:
+            self._free.append(bounce)
+
+
+_BOUNCE = _BouncePool()
 
 
 def _rename2(src: str, dst: str, flags: int) -> bool:
@@ -97,27 +125,46 @@ class _LocalWriter(FileWriter):
             _sync_file_range(self.fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
     def pwrite_bulk(self, offset: int, view: memoryview) -> None:
-        """Whole blocks go through an ``O_DIRECT`` descriptor: the device reads them straight from
-        the caller's memory, with no copy into the page cache and no reclaim of it later. That
-        needs the memory and the file offset at the same distance from a block boundary (the
-        staging arena lays snapshots out so); the partial blocks at either end go buffered."""
+        """Whole blocks go through an ``O_DIRECT`` descriptor: the device reads them from memory
+        with no copy into the page cache and no reclaim of it later. Direct I/O needs the memory
+        and the file offset at the same distance from a block boundary: the staging arena lays
+        snapshots out so; other memory is copied through an aligned bounce buffer first. The
+        partial blocks at either end of a range go buffered."""
         view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        head = -offset % DIRECT_ALIGN
-        body = max(len(view) - head, 0) // DIRECT_ALIGN * DIRECT_ALIGN
-        address = np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
-        if body < _DIRECT_MIN or (address - offset) % DIRECT_ALIGN or not self._direct():
+        if len(view) < _DIRECT_MIN or not self._direct():
             self.pwrite(offset, [view])
-            return
-        try:
-            _pwritev_all(self._direct_fd, [view[head:head + body]], offset + head)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            self._direct_refused = True  # the file system accepted O_DIRECT but not these writes
+        elif (_address(view) - offset) % DIRECT_ALIGN:
+            self._pwrite_bounced(offset, view)
+        else:
+            self._pwrite_direct(offset, view)
+
+    def _pwrite_direct(self, offset: int, view: memoryview) -> None:
+        head = min(-offset % DIRECT_ALIGN, len(view))
+        body = (len(view) - head) // DIRECT_ALIGN * DIRECT_ALIGN
+        if body and not self._direct_refused:
+            try:
+                _pwritev_all(self._direct_fd, [view[head:head + body]], offset + head)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct_refused = True  # the file system took O_DIRECT but not these writes
+                body = 0
+        if not body:
             self.pwrite(offset, [view])
             return
         self.pwrite(offset, [view[:head]])
         self.pwrite(offset + head + body, [view[head + body:]])
+
+    def _pwrite_bounced(self, offset: int, view: memoryview) -> None:
+        bounce = _BOUNCE.take()
+        try:
+            for pos in range(0, len(view), _BOUNCE_BYTES):
+                part = view[pos:pos + _BOUNCE_BYTES]
+                skew = (offset + pos) % DIRECT_ALIGN
+                ctypes.memmove(_address(bounce) + skew, _address(part), len(part))  # releases the GIL
+                self._pwrite_direct(offset + pos, bounce[skew:skew + len(part)])
+        finally:
+            _BOUNCE.give(bounce)
 
     def _direct(self) -> bool:
         with self._lock:
@@ -141,6 +188,21 @@ class _LocalWriter(FileWriter):
 class _LocalReader(FileReader):
     def __init__(self, path: str):
         self.fd = os.open(path, os.O_RDONLY)
+        self._mapping: mmap.mmap | None = None
+        self._lock = threading.Lock()
+
+    def map(self, offset: int, nbytes: int) -> memoryview | None:
+        if nbytes <= 0 or offset + nbytes > self.size():
+            return None
+        with self._lock:
+            if self._mapping is None:
+                # A private mapping is writable as far as Python knows (tensors can view it without
+                # warnings) while it shares the page cache's pages as long as nobody writes.
+                self._mapping = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)
+        if hasattr(mmap, "MADV_WILLNEED"):  # start reading the whole range ahead if it is cold
+            start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+            self._mapping.madvise(mmap.MADV_WILLNEED, start, offset + nbytes - start)
+        return memoryview(self._mapping)[offset:offset + nbytes]
 
     def readinto(self, offset: int, views: Sequence[memoryview]) -> int:
         views = [v for v in views if len(v)]
@@ -163,6 +225,11 @@ class _LocalReader(FileReader):
 
     def close(self) -> None:
         os.close(self.fd)
+        if self._mapping is not None:
+            try:
+                self._mapping.close()
+            except BufferError:  # a view is still alive (an error's traceback): unmapped with it
+                pass
 
 
 class LocalBackend(StorageBackend):
