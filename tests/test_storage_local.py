@@ -59,33 +59,3 @@ def test_bulk_writes_fall_back_where_direct_io_is_refused(tmp_path, monkeypatch)
     writer.close(durable=False)
     assert open(path, "rb").read() == memory.tobytes()
 
-
-def test_blocking_durable_save_round_trips_through_direct_writes(tmp_path):
-    """A durable ss.save sends unaligned tensor memory through the bounce buffers: every byte of
-    every tensor (odd sizes, odd offsets in memory) comes back exact and verified."""
-    import torch
-
-    import statesnap as ss
-
-    backing = torch.randn(5 * MiB)
-    state = {"odd": backing[3:3 + 3 * MiB + 5], "aligned": torch.randn(2 * MiB),
-             "small": torch.arange(1000, dtype=torch.int16), "bf16": torch.randn(MiB + 7).to(torch.bfloat16)}
-    ss.save(state, str(tmp_path / "ck"), durable=True)
-    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
-    ss.load(loaded, str(tmp_path / "ck"), verify=True)
-    for key, value in state.items():
-        assert torch.equal(loaded[key], value), key
-    stored = sum(v.numel() * v.element_size() for v in state.values())
-    assert ss.open(str(tmp_path / "ck")).verify() >= stored  # every stored byte checked, no damage
-
-
-def test_bounced_writes_longer_than_one_bounce_buffer_are_exact(tmp_path):
-    memory = aligned_bytes(18 * MiB, seed=7)
-    view = memory[100:100 + 17 * MiB + 3]  # 100 bytes past a block in memory, 4000 in the file
-    path = str(tmp_path / "data")
-    writer = LocalBackend().open_write(path, durable=True)
-    writer.pwrite_bulk(4000, view)
-    writer.close(durable=True)
-    with open(path, "rb") as f:
-        f.seek(4000)
-        assert f.read() == view.tobytes()

@@ -32,10 +32,7 @@ def write_file(backend: StorageBackend, path: str, jobs: Sequence[tuple[int, mem
 
     def run(task):
         _, _, offset, view = task
-        if durable:  # the disk must get the bytes anyway: bypass the page cache where possible
-            writer.pwrite_bulk(offset, view)
-        else:  # done once the bytes are in the page cache
-            writer.pwrite(offset, [view])
+        writer.pwrite(offset, [view])
         return checksum_blocks([view], block_bytes)
 
     try:
