@@ -69,3 +69,4 @@ def test_reshard_benchmark_runs_at_a_tiny_size(tmp_path, capsys):
     assert reshard.main(["--dim", "32", "--layers", "2", "--repeat", "1", "--out", str(tmp_path)]) == 0
     shown = capsys.readouterr().out
     assert "reshard_vs_same" in shown and "replicated cold shared=True" in shown
+    assert "replicated remote shared=True" in shown and "shared_vs_not_remote" in shown

@@ -9,23 +9,61 @@ system loads it, timed from a barrier to a barrier (the slowest rank counts), in
   rank needs parts of several stored pieces, some of them strided (FSDP over TP rows);
 
 and, for shared reads, a replicated (DDP-style) model whose every byte every rank needs, with
-``shared_reads`` off and on, from the page cache (warm) and after evicting it (cold).
+``shared_reads`` off and on: from the page cache (warm), after evicting it (cold), and through
+``throttled://``, the same files served like an object store (each request pays a latency, each
+process has a bandwidth limit), which is where ``shared_reads=None`` shares.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import socket
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from fsspec.implementations.local import LocalFileSystem
 from torch import nn
 
 from .common import DEFAULT_OUT, drop_page_cache, format_table, fresh_dir, median, write_json
 
 LAYOUTS = ("same", "2d")
+REMOTE = "throttled"
+
+
+class ThrottledFileSystem(LocalFileSystem):
+    """Local files served the way an object store serves them: every request waits ``latency_s``
+    and a process's requests share ``bandwidth`` bytes/s, one after another."""
+
+    protocol = REMOTE
+    latency_s, bandwidth = 0.01, 100e6
+    _lock = threading.Lock()
+    _busy_until = 0.0
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        path = str(path)
+        return super()._strip_protocol(path[len(REMOTE) + 3:] if path.startswith(REMOTE + "://") else path)
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        data = super().cat_file(path, start=start, end=end, **kwargs)
+        with ThrottledFileSystem._lock:
+            begin = max(time.monotonic(), ThrottledFileSystem._busy_until)
+            ThrottledFileSystem._busy_until = begin + len(data) / self.bandwidth
+            done = ThrottledFileSystem._busy_until
+        time.sleep(max(0.0, done - time.monotonic()) + self.latency_s)
+        return data
+
+
+def remote_url(path: str, mb_per_s: float, latency_ms: float) -> str:
+    """``path`` behind :class:`ThrottledFileSystem` (registered in this process) with these limits."""
+    import fsspec
+
+    ThrottledFileSystem.bandwidth, ThrottledFileSystem.latency_s = mb_per_s * 1e6, latency_ms / 1e3
+    fsspec.register_implementation(REMOTE, ThrottledFileSystem, clobber=True)
+    return f"{REMOTE}://{os.path.abspath(path)}"
 
 
 def model_of(dim: int, layers: int, seed: int) -> nn.Module:
@@ -96,7 +134,8 @@ def _worker(rank: int, world: int, port: int, args: dict, queue) -> None:
         dist.destroy_process_group()
 
 
-def measure(rank: int, world: int, dim: int, layers: int, repeat: int, out: str) -> dict:
+def measure(rank: int, world: int, dim: int, layers: int, repeat: int, out: str, remote_mb_per_s: float,
+            remote_latency_ms: float) -> dict:
     import torch.distributed.checkpoint as dcp
 
     import statesnap as ss
@@ -116,17 +155,20 @@ def measure(rank: int, world: int, dim: int, layers: int, repeat: int, out: str)
     replica, replica_optim = laid_out("plain", dim, layers, world, seed=0)
     state = {"model": replica, "optim": replica_optim}
     ss.save(state, paths["replicated"], overwrite=True, durable=False)
+    sources = {"warm": paths["replicated"], "cold": paths["replicated"],
+               "remote": remote_url(paths["replicated"], remote_mb_per_s, remote_latency_ms)}
     for _ in range(repeat):
-        for cache in ("warm", "cold"):
+        for where, source in sources.items():
             for shared in (False, True):
-                if cache == "cold" and rank == 0:
+                if where == "cold" and rank == 0:
                     drop_page_cache([paths["replicated"]])
-                times.setdefault(f"replicated {cache} shared={shared}", []).append(
-                    _barrier_timed(lambda: ss.load(state, paths["replicated"], shared_reads=shared)))
+                times.setdefault(f"replicated {where} shared={shared}", []).append(
+                    _barrier_timed(lambda: ss.load(state, source, shared_reads=shared)))
     return times
 
 
-def run(dim: int = 1024, layers: int = 8, ranks: int = 4, repeat: int = 3, out: str = DEFAULT_OUT) -> dict:
+def run(dim: int = 1024, layers: int = 8, ranks: int = 4, repeat: int = 3, out: str = DEFAULT_OUT,
+        remote_mb_per_s: float = 100.0, remote_latency_ms: float = 10.0) -> dict:
     """Spawn the job; return median seconds per case (slowest rank) and the ratios that matter."""
     scratch = fresh_dir(os.path.join(out, "reshard"))
     with socket.socket() as s:
@@ -134,7 +176,8 @@ def run(dim: int = 1024, layers: int = 8, ranks: int = 4, repeat: int = 3, out: 
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    args = dict(dim=dim, layers=layers, repeat=repeat, out=scratch)
+    args = dict(dim=dim, layers=layers, repeat=repeat, out=scratch, remote_mb_per_s=remote_mb_per_s,
+                remote_latency_ms=remote_latency_ms)
     procs = [ctx.Process(target=_worker, args=(r, ranks, port, args, queue)) for r in range(ranks)]
     for p in procs:
         p.start()
@@ -149,11 +192,13 @@ def run(dim: int = 1024, layers: int = 8, ranks: int = 4, repeat: int = 3, out: 
     state_bytes = layers * (dim * dim + dim) * 4 * 3
     return {
         "ranks": ranks, "dim": dim, "layers": layers, "state_bytes": state_bytes, "seconds": seconds,
+        "remote": {"mb_per_s": remote_mb_per_s, "latency_ms": remote_latency_ms},
         "reshard_vs_same": seconds["statesnap 2d"] / seconds["statesnap same"],
         "reshard_vs_dcp_reshard": seconds["statesnap 2d"] / seconds["dcp 2d"],
         "same_vs_dcp_same": seconds["statesnap same"] / seconds["dcp same"],
         "shared_vs_not_warm": seconds["replicated warm shared=True"] / seconds["replicated warm shared=False"],
         "shared_vs_not_cold": seconds["replicated cold shared=True"] / seconds["replicated cold shared=False"],
+        "shared_vs_not_remote": seconds["replicated remote shared=True"] / seconds["replicated remote shared=False"],
     }
 
 
@@ -161,7 +206,8 @@ def report(result: dict) -> str:
     rows = [(case, s) for case, s in result["seconds"].items()]
     ratios = [(k, v) for k, v in result.items() if k.startswith(("reshard_", "same_", "shared_"))]
     return (f"{result['ranks']} ranks, {result['layers']} layers of {result['dim']}^2 + AdamW "
-            f"({result['state_bytes'] / 1e6:.0f} MB)\n" + format_table(["load", "seconds (median)"], rows) +
+            f"({result['state_bytes'] / 1e6:.0f} MB); remote: {result['remote']['mb_per_s']:g} MB/s per process, "
+            f"{result['remote']['latency_ms']:g} ms per request\n" + format_table(["load", "seconds (median)"], rows) +
             "\n\n" + format_table(["ratio", "value"], ratios))
 
 
@@ -171,10 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--ranks", type=int, default=4, help="processes (even, for the 2-D mesh)")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--remote-mbps", type=float, default=100.0,
+                        help="bandwidth of each process to the simulated object store, MB/s")
+    parser.add_argument("--remote-latency-ms", type=float, default=10.0, help="latency of each request to it")
     parser.add_argument("--out", default=DEFAULT_OUT, help="scratch directory (checkpoints go under it)")
     parser.add_argument("--json", help="also write the figures here ('-' for stdout)")
     args = parser.parse_args(argv)
-    result = run(args.dim, args.layers, args.ranks, args.repeat, args.out)
+    result = run(args.dim, args.layers, args.ranks, args.repeat, args.out, args.remote_mbps, args.remote_latency_ms)
     print(report(result))
     write_json(result, args.json)
     return 0
