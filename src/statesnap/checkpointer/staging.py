@@ -24,7 +24,7 @@ from ..plan.save_plan import ALIGN
 from ..storage.local import DIRECT_ALIGN
 from .gpu import pin_in_place
 
-REGION_ALIGN = DIRECT_ALIGN  # regions start on page boundaries (direct I/O, huge pages)
+REGION_ALIGN = DIRECT_ALIGN  # regions start on page boundaries, as direct I/O needs
 MAX_SEGMENT_BYTES = 64 << 20  # a large tensor is copied and written in chunks of this size
 
 BUSY, HELD, FREE = "busy", "held", "free"
@@ -47,11 +47,7 @@ class Arena:
 
     def __init__(self, capacity: int, pin: bool):
         self.capacity = max(capacity // REGION_ALIGN, 1) * REGION_ALIGN  # never above the budget
-        # An anonymous mapping: page-aligned for direct I/O, and asking for transparent huge pages
-        # makes its first touch and every later copy cheaper (512× fewer page faults and TLB misses).
-        self._mapping = mmap.mmap(-1, self.capacity)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            self._mapping.madvise(mmap.MADV_HUGEPAGE)
+        self._mapping = mmap.mmap(-1, self.capacity)  # page-aligned, as direct I/O needs
         self.buffer = torch.frombuffer(self._mapping, dtype=torch.uint8)
         if pin:
             pin_in_place(self.buffer)
