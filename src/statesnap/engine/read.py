@@ -4,7 +4,8 @@ Reads that are contiguous in the file and land contiguously in the target go dir
 target's memory, coalesced with their neighbours in the same file into one vectored read. Reads
 that need a strided copy, or that must be widened to checksum-block boundaries to be verified,
 take their parts out of the file's mapping where the backend maps files (the page cache: no copy
-of the span) and out of a scratch buffer read whole elsewhere. Every failure names the file, the tensor and the byte range.
+of the span) and out of a scratch buffer read whole elsewhere. Every failure names the file, the
+tensor and the byte range.
 """
 from __future__ import annotations
 
