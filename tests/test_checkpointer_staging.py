@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import statesnap as ss
-from statesnap.storage.local import DIRECT_ALIGN
+from statesnap.storage.base import DIRECT_ALIGN
 from statesnap.checkpointer.staging import REGION_ALIGN, Arena, build_batches, copy_into
 from statesnap.errors import CheckpointError
 from test_checkpointer import make_training

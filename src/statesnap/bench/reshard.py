@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 
+import fsspec
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -59,8 +60,6 @@ class ThrottledFileSystem(LocalFileSystem):
 
 def remote_url(path: str, mb_per_s: float, latency_ms: float) -> str:
     """``path`` behind :class:`ThrottledFileSystem` (registered in this process) with these limits."""
-    import fsspec
-
     ThrottledFileSystem.bandwidth, ThrottledFileSystem.latency_s = mb_per_s * 1e6, latency_ms / 1e3
     fsspec.register_implementation(REMOTE, ThrottledFileSystem, clobber=True)
     return f"{REMOTE}://{os.path.abspath(path)}"

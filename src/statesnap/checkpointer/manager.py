@@ -29,7 +29,7 @@ from ..monitor.events import EventLog, now
 from ..plan.save_plan import ALIGN, SavePlan, plan_save
 from ..state.flatten import flatten_for_save
 from ..storage import backend_for, is_url, normalize
-from ..storage.local import DIRECT_ALIGN
+from ..storage.base import DIRECT_ALIGN
 from .config import CheckpointerConfig
 from .gpu import CudaCopier, mark_devices
 from .hooks import StepGuard, find_optimizers, owners_of, version_of

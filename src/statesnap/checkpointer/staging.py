@@ -21,7 +21,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..plan.save_plan import ALIGN
-from ..storage.local import DIRECT_ALIGN
+from ..storage.base import DIRECT_ALIGN
 from .gpu import pin_in_place
 
 REGION_ALIGN = DIRECT_ALIGN  # regions start on page boundaries, as direct I/O needs

@@ -9,6 +9,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Sequence
 
+# Direct I/O wants file offsets, lengths and memory on device blocks (at most 4 KiB on the disks
+# checkpoints go to): memory handed to pwrite_bulk at the same distance from such a boundary as
+# its file offset can skip the page cache.
+DIRECT_ALIGN = 4096
+
 
 class FileWriter(ABC):
     """A file being written with positioned writes; safe to call from several threads."""
@@ -18,7 +23,8 @@ class FileWriter(ABC):
 
     def pwrite_bulk(self, offset: int, view: memoryview) -> None:
         """Write one large range that nobody will read back soon (a checkpoint flushed from the
-        staging arena). Backends that can bypass the page cache do so: it saves a copy of every
+        staging arena). Backends that can bypass the page cache do so where ``view`` lies at the
+        same distance from a :data:`DIRECT_ALIGN` boundary as ``offset``: it saves a copy of every
         byte and leaves the host's memory to training. The default is a plain :meth:`pwrite`."""
         self.pwrite(offset, [view])
 

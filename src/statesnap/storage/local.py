@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import CheckpointExistsError, CheckpointError
-from .base import FileReader, FileWriter, StorageBackend
+from .base import DIRECT_ALIGN, FileReader, FileWriter, StorageBackend
 
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
 _AT_FDCWD = -100
@@ -40,7 +40,6 @@ except (NameError, AttributeError):
 _SYNC_FILE_RANGE_WRITE = 2
 _WRITEBACK_MIN = 1 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-DIRECT_ALIGN = 4096  # direct I/O wants offsets, lengths and memory on device blocks (<= 4 KiB)
 _DIRECT_MIN = 1 << 20
 
 
