@@ -19,7 +19,7 @@ TINY = {"vocab": 128, "d_model": 64, "n_layer": 1, "seq_len": 16, "batch": 2}
 
 def test_io_suite_reports_every_system_op_ratio_and_aim(tmp_path, capsys):
     out_json = tmp_path / "io.json"
-    assert cli.main(["bench", "--suite", "io", "--size-gb", "0.02", "--repeat", "1",
+    assert cli.main(["bench", "--suite", "io", "--size-gb", "0.02", "--repeat", "1", "--settle-s", "0",
                      "--out", str(tmp_path / "out"), "--json", str(out_json)]) == 0
     result = json.loads(out_json.read_text())
     assert set(result["gb_per_s"]) == set(io.SYSTEMS)
@@ -45,7 +45,7 @@ def test_io_loads_are_checked_bit_for_bit(tmp_path, monkeypatch):
         return target
     monkeypatch.setitem(io.LOAD, "raw", broken_load)
     with pytest.raises(AssertionError, match="raw loaded values that differ"):
-        io.run(size_gb=0.01, repeat=1, out=str(tmp_path), systems=("raw",))
+        io.run(size_gb=0.01, repeat=1, out=str(tmp_path), systems=("raw",), settle_s=0)
 
 
 def test_training_suite_reports_every_mode_and_the_sweep(tmp_path, capsys):

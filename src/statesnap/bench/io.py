@@ -12,8 +12,9 @@ machine (other tenants, thermal limits) hits all of them alike:
 * DCP ``save`` / ``load`` (``torch.distributed.checkpoint``, no process group);
 * statesnap ``save`` / ``load``.
 
-Saves are timed durable (fsync'd) and buffered (page cache only, synced untimed afterwards);
-loads cold (page cache dropped) and warm (files cached).
+Saves are timed durable (fsync'd) and buffered (page cache only, synced untimed afterwards),
+each into a new file once the disk has gone quiet after the previous one was deleted; loads cold
+(page cache dropped) and warm (files cached).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from .. import save as ss_save
 from ..demo.gpt import GPT, config_for_state_gb
 from .common import (
     DEFAULT_OUT, add_output_arguments, drop_page_cache, format_table, gbps, machine_description, median,
-    parse_choices, timed, write_json,
+    parse_choices, timed, wait_for_quiet_disk, write_json,
 )
 
 SYSTEMS = ("raw", "raw_parallel", "torch", "dcp", "statesnap")
@@ -179,21 +180,25 @@ LOAD = {"raw": raw_load, "raw_parallel": raw_parallel_load, "torch": torch_load,
         "statesnap": statesnap_load}
 
 
-def remove(path: str) -> None:
+def remove(path: str, settle_s: float) -> None:
+    """Delete ``path`` and wait (up to ``settle_s``) for the disk to finish what that started."""
     if os.path.isdir(path):
         shutil.rmtree(path)
     elif os.path.exists(path):
         os.unlink(path)
     os.sync()
+    if settle_s > 0:
+        wait_for_quiet_disk(os.path.dirname(path), timeout_s=settle_s)
 
 
-def measure_system(system: str, state: dict, target: dict, path: str, check: bool) -> dict[str, float]:
+def measure_system(system: str, state: dict, target: dict, path: str, check: bool,
+                   settle_s: float) -> dict[str, float]:
     """Seconds of each op for one system; with ``check``, the loaded values are compared bit for bit."""
     save, load = SAVE[system], LOAD[system]
     seconds = {}
-    remove(path)
+    remove(path, settle_s)
     seconds["save_buffered"] = timed(lambda: save(state, path, False))
-    remove(path)  # syncs, so the buffered save's dirty pages do not slow down the next op
+    remove(path, settle_s)  # syncs, so the buffered save's dirty pages do not slow down the next op
     seconds["save_durable"] = timed(lambda: save(state, path, True))
     for op in ("load_cold", "load_warm"):
         if op == "load_cold":
@@ -205,11 +210,12 @@ def measure_system(system: str, state: dict, target: dict, path: str, check: boo
         if check and not same_values(loaded[0], state):
             raise AssertionError(f"{system} loaded values that differ from the saved state ({path})")
         loaded.clear()  # torch.load returns a new state: free it before the next load
-    remove(path)
+    remove(path, 0)
     return seconds
 
 
-def run(size_gb: float = 1.0, repeat: int = 3, out: str = DEFAULT_OUT, systems=SYSTEMS) -> dict:
+def run(size_gb: float = 1.0, repeat: int = 3, out: str = DEFAULT_OUT, systems=SYSTEMS,
+        settle_s: float = 15.0) -> dict:
     """Measure every system and op ``repeat`` times; return per-op seconds, medians and ratios."""
     scratch = os.path.join(out, "io-scratch")
     os.makedirs(scratch, exist_ok=True)
@@ -222,7 +228,7 @@ def run(size_gb: float = 1.0, repeat: int = 3, out: str = DEFAULT_OUT, systems=S
         for rep in range(repeat):
             for system in systems:
                 path = os.path.join(scratch, f"{system}.ckpt")
-                for op, sec in measure_system(system, state, target, path, check=rep == 0).items():
+                for op, sec in measure_system(system, state, target, path, rep == 0, settle_s).items():
                     samples[system][op].append(sec)
     shutil.rmtree(scratch, ignore_errors=True)
     throughput = {s: {op: gbps(nbytes, median(samples[s][op])) for op in OPS} for s in systems}
@@ -274,10 +280,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-gb", type=float, default=1.0, help="state size in GB (default 1)")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved repeats; medians are reported")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
+    parser.add_argument("--settle-s", type=float, default=15.0,
+                        help="before each save, wait up to this long for the disk to go quiet after "
+                             "the previous file was deleted (0: do not wait)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     systems = parse_choices(parser, args.systems, SYSTEMS, "systems")
-    result = run(args.size_gb, args.repeat, args.out, systems)
+    result = run(args.size_gb, args.repeat, args.out, systems, args.settle_s)
     print(report(result))
     write_json(result, args.json)
     return 0

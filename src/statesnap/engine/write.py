@@ -1,7 +1,8 @@
 """Writing one rank's data file: positioned writes from several threads, checksums on the way.
 
 Large tensors are cut into block-aligned chunks so several threads write (and checksum) one
-tensor at once; every write goes from the tensor's own memory (no intermediate Python copy).
+tensor at once. Buffered writes go from the tensor's own memory; durable ones go past the page
+cache where the backend can (see ``FileWriter.pwrite_bulk``).
 """
 from __future__ import annotations
 
@@ -32,7 +33,10 @@ def write_file(backend: StorageBackend, path: str, jobs: Sequence[tuple[int, mem
 
     def run(task):
         _, _, offset, view = task
-        writer.pwrite(offset, [view])
+        if durable:  # the disk must get the bytes anyway: in large requests, past the page cache
+            writer.pwrite_bulk(offset, view)
+        else:  # done once the bytes are in the page cache
+            writer.pwrite(offset, [view])
         return checksum_blocks([view], block_bytes)
 
     try:

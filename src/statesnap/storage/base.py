@@ -22,10 +22,11 @@ class FileWriter(ABC):
     def pwrite(self, offset: int, views: Sequence[memoryview]) -> None: ...
 
     def pwrite_bulk(self, offset: int, view: memoryview) -> None:
-        """Write one large range that nobody will read back soon (a checkpoint flushed from the
-        staging arena). Backends that can bypass the page cache do so where ``view`` lies at the
-        same distance from a :data:`DIRECT_ALIGN` boundary as ``offset``: it saves a copy of every
-        byte and leaves the host's memory to training. The default is a plain :meth:`pwrite`."""
+        """Write one large range that must reach stable storage and that nobody will read back
+        soon (a durable save; a checkpoint flushed from the staging arena). Backends that can
+        bypass the page cache do so: it keeps the host's memory for training, and where ``view``
+        lies at the same distance from a :data:`DIRECT_ALIGN` boundary as ``offset`` it saves a
+        copy of every byte. The default is a plain :meth:`pwrite`."""
         self.pwrite(offset, [view])
 
     @abstractmethod
