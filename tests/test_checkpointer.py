@@ -185,6 +185,61 @@ def test_in_place_change_outside_the_optimizer_fails_the_checkpoint(tmp_path, mo
     assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
 
 
+def test_tensors_no_optimizer_writes_are_copied_inside_save(tmp_path, monkeypatch):
+    """A BatchNorm's running statistics change in the very next forward, before any optimizer
+    step: save() copies such tensors itself, so the checkpoint holds their values at save()."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(16, 8)).sum().backward()
+    optim.step()
+    state = {"model": model, "optim": optim, "extra": {"ema": torch.randn(100)}}
+    ref = reference(state)
+    gate = Gate(monkeypatch)  # the background copies have not run when the forward changes the buffers
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01)
+    handle = ckpt.save(1, state)
+    model(torch.randn(16, 8)).sum().backward()
+    state["extra"]["ema"].mul_(0.5)
+    assert not torch.equal(model[1].running_mean, ref["model.1.running_mean"])
+    gate.open()
+    optim.step()
+    ckpt.close()
+    assert_checkpoint_equals(handle.wait(), ref)
+
+
+def test_unguarded_tensors_over_the_eager_limit_are_checked(tmp_path, monkeypatch):
+    """Past ``eager_copy_mb`` they are copied in the background, and a change before the copy is
+    caught by the version check (the checkpoint fails instead of mixing two steps)."""
+    state = {"frozen": torch.randn(1000)}
+    gate = Gate(monkeypatch)
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, eager_copy_mb=0)
+    handle = ckpt.save(1, state)
+    state["frozen"].add_(1.0)
+    gate.open()
+    with pytest.raises(ss.ConsistencyError, match="'frozen'"):
+        handle.wait()
+    ckpt.close()
+    assert not os.path.exists(tmp_path / "step-1")
+
+
+def test_pickled_values_larger_than_a_checksum_block(tmp_path):
+    """A pickled value is checked by one hash of all its bytes, whatever its size."""
+    big = set(range(20_000))  # about 100 KB pickled, far over the small arena's blocks
+    with ss.Checkpointer(tmp_path, host_memory_gb=0.001, allow_pickle=True) as ckpt:
+        ckpt.save(1, {"t": torch.ones(10), "obj": big}).wait()
+    target = {"t": torch.zeros(10), "obj": None}
+    ss.load(target, tmp_path / "step-1", allow_pickle=True)
+    assert target["obj"] == big
+    ss.open(tmp_path / "step-1").verify()
+
+
+def test_a_root_that_is_a_file_is_a_checkpoint_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    for events in (True, False):
+        with pytest.raises(ss.CheckpointError, match="file"):
+            ss.Checkpointer(tmp_path / "file", events=events)
+
+
 def test_wait_staged_covers_custom_loops(tmp_path, monkeypatch):
     model, optim = make_training()
     state = {"model": model}

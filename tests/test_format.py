@@ -151,6 +151,15 @@ def test_plain_data_inside_a_list_keeps_non_str_keys(tmp_path):
     assert ss.open(tmp_path / "c").read("v") == value
 
 
+def test_empty_dicts_round_trip(tmp_path):
+    state = {"extra": {"cfg": {}, "n": 1, "deep": {"x": {}}}, "t": torch.ones(2)}
+    ss.save(state, tmp_path / "c")
+    target = {"extra": {"cfg": None, "n": 0, "deep": {"x": None}}, "t": torch.zeros(2)}
+    ss.load(target, tmp_path / "c")
+    assert target["extra"] == {"cfg": {}, "n": 1, "deep": {"x": {}}}
+    assert ss.open(tmp_path / "c").read("extra.cfg") == {}
+
+
 def test_small_tensors_inside_plain_data_round_trip(tmp_path):
     rng = torch.get_rng_state()
     ss.save({"extra": {"rng": [rng, 5]}}, tmp_path / "c")
@@ -182,6 +191,15 @@ def test_pickled_object_needs_allow_pickle_at_load(tmp_path):
     ss.load(target, tmp_path / "c", allow_pickle=True)
     assert target["obj"] == Custom(7) and torch.equal(target["t"], torch.ones(3))
     assert ss.open(tmp_path / "c", allow_pickle=True).read("obj") == Custom(7)
+
+
+def test_pickled_values_of_any_size(tmp_path):
+    value = Custom(bytes(range(256)) * 400)  # 100 KB: spans many 4 KiB checksum blocks
+    ss.save({"obj": value}, tmp_path / "c", allow_pickle=True, block_bytes=4096)
+    target = {"obj": None}
+    ss.load(target, tmp_path / "c", allow_pickle=True)
+    assert target["obj"] == value
+    ss.open(tmp_path / "c").verify()
 
 
 def test_manifest_is_json_never_pickle(tmp_path):

@@ -177,6 +177,24 @@ def test_inconsistent_tensor_entries(ckpt, change, words):
     assert "model.big" in str(caught.value)
 
 
+@pytest.mark.parametrize("change, words", [
+    (lambda doc: doc["files"].__setitem__(0, doc["files"][0] + "\n"), "not a plain file name"),
+    (lambda doc: doc.update(version=True), "format version"),
+    (lambda doc: doc["tensors"]["model.big"].update(shape=[64.0, 64]), "malformed"),
+    (lambda doc: doc.update(tensors=[]), "malformed"),
+    (lambda doc: doc.update(world_size="1"), "malformed"),
+    (lambda doc: doc["objects"].update({"model.big": {"json": 1}}), "both as a tensor and as an object"),
+    (lambda doc: doc["objects"].update({"r": {"per_rank": [{"json": 1}, {"json": 2}]}}), "per-rank values"),
+])
+def test_manifest_values_of_the_wrong_kind(ckpt, change, words):
+    """Values JSON can hold but the format does not allow are refused, not coerced."""
+    path, state = ckpt
+    edit_manifest(path, change)
+    with pytest.raises(ss.ManifestError, match=words):
+        ss.open(path)
+    assert_good_neighbour_loads(path, state)
+
+
 def test_damaged_pickled_object(tmp_path):
     ss.save({"obj": {1, 2, 3}}, tmp_path / "c", allow_pickle=True)
     doc = json.loads((tmp_path / "c" / MANIFEST_NAME).read_text())

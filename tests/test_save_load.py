@@ -187,6 +187,12 @@ def test_strict_load_lists_every_mismatch(tmp_path):
     assert target["new_obj"] == 5
 
 
+def test_unwritable_destination_is_a_checkpoint_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ss.CheckpointError, match="cannot save to"):
+        ss.save({"t": torch.ones(2)}, tmp_path / "file" / "ckpt")
+
+
 @pytest.mark.parametrize("has_renameat2", [True, False])
 def test_existing_checkpoint_needs_overwrite(tmp_path, monkeypatch, has_renameat2):
     if not has_renameat2:  # old kernels and some file systems: the rename-aside fallback

@@ -51,7 +51,11 @@ class CheckpointerConfig:
     slower level (shared storage) that receives a copy of every ``further_every``-th step.
     ``max_in_flight``: checkpoints staged or flushing at once; ``save`` waits beyond it.
     ``on_error``: what a background failure does at the next call, ``"raise"`` or ``"warn"``.
-    ``copy_threads``/``threads``: staging copy and write workers. ``backend``: a custom
+    ``eager_copy_mb``: tensors that no optimizer in the state writes (buffers such as BatchNorm
+    statistics, EMA weights, extra tensors) are copied inside ``save`` when they total at most
+    this much, because nothing would hold back a change to them; larger sets (frozen weights)
+    are copied in the background and checked. ``copy_threads``/``threads``: staging copy and
+    write workers. ``backend``: a custom
     :class:`StorageBackend` for the persistent level (tests inject slow or failing storage).
     """
 
@@ -64,6 +68,7 @@ class CheckpointerConfig:
     further_keep_last: int = 2
     max_in_flight: int = 2
     on_error: str = "raise"
+    eager_copy_mb: float = 64.0
     copy_threads: int = 1
     threads: int | None = None
     durable: bool = True
@@ -92,6 +97,7 @@ class CheckpointerConfig:
             (self.further_keep_last >= 1, f"further_keep_last must be at least 1 (got {self.further_keep_last})"),
             (self.max_in_flight >= 1, f"max_in_flight must be at least 1 (got {self.max_in_flight})"),
             (self.on_error in ("raise", "warn"), f"on_error must be 'raise' or 'warn', not {self.on_error!r}"),
+            (self.eager_copy_mb >= 0, f"eager_copy_mb must not be negative (got {self.eager_copy_mb})"),
             (self.copy_threads >= 1, f"copy_threads must be at least 1 (got {self.copy_threads})"),
             (self.threads is None or self.threads >= 1, f"threads must be at least 1 (got {self.threads})"),
             (self.commit_timeout_s > 0, "commit_timeout_s must be positive"),
@@ -104,3 +110,9 @@ class CheckpointerConfig:
     @property
     def host_memory_bytes(self) -> int:
         return int(self.host_memory_gb * GB)
+
+    @property
+    def eager_copy_bytes(self) -> int:
+        """Eager copies per snapshot; they come out of the host budget, at most a quarter of it
+        over all snapshots in flight."""
+        return min(int(self.eager_copy_mb * (1 << 20)), self.host_memory_bytes // (4 * self.max_in_flight))

@@ -85,10 +85,13 @@ class Checkpointer:
         events_path = None
         if cfg.events and not is_url(root):
             events_path = backend.join(root, "events", f"rank-{self.rank:05d}.jsonl")
-        self.events = EventLog(self.rank, events_path)
-        if self.rank == 0:
-            for level in filter(None, (self.persistent, self.further)):
-                level.remove_leftovers()
+        try:
+            self.events = EventLog(self.rank, events_path)
+            if self.rank == 0:
+                for level in filter(None, (self.persistent, self.further)):
+                    level.remove_leftovers()
+        except OSError as exc:  # a root that is a file, or a directory we may not write
+            raise CheckpointError(f"cannot keep checkpoints under {root}: {exc}") from exc
         self._arena: Arena | None = None
         self._segment_bytes = MAX_SEGMENT_BYTES
         self._block_bytes = cfg.block_bytes
@@ -247,15 +250,29 @@ class Checkpointer:
                               "cannot be kept in memory and are skipped", RuntimeWarning, stacklevel=3)
                 self._warned_streaming = True
             return None
+        owners = owners_of([item.local for item in flat.tensors], optimizers)
+        self._copy_unguarded_now(flat, owners)
         locals_ = [item.local for item in flat.tensors]
         cuda_ready = mark_devices(locals_)
         if cuda_ready and self._cuda is None:
             self._cuda = CudaCopier()
         return Snapshot(
             step=step, flat=flat, metas=metas, plan=plan, persist=persist, resident=resident,
-            versions=[version_of(t) for t in locals_], owners=owners_of(locals_, optimizers),
+            versions=[version_of(t) for t in locals_], owners=owners,
             objects=objects, blobs=dict(blobs), per_rank=per_rank_names(flat), cuda_ready=cuda_ready,
             rank=self.rank, path=self.persistent.path(step))
+
+    def _copy_unguarded_now(self, flat, owners: list) -> None:
+        """No optimizer hook holds back a change to a tensor no optimizer writes, and some change
+        right away (a BatchNorm's running statistics, in the very next forward). Copy those here,
+        on the training thread and, on a GPU, its stream, so the background stages the copies;
+        the version check alone could miss a change still under way when it looks. Larger sets
+        (frozen weights, which do not change) stay lazy."""
+        unguarded = [item for item, owner in zip(flat.tensors, owners) if owner is None]
+        if not unguarded or sum(item.nbytes for item in unguarded) > self.config.eager_copy_bytes:
+            return
+        for item in unguarded:
+            item.local = item.local.detach().clone()
 
     def _plan_for(self, metas: list) -> SavePlan:
         """The save plan, reused while this rank's layout is unchanged (ranks change layout together:
@@ -269,7 +286,8 @@ class Checkpointer:
     def _ensure_arena(self, snapshot_bytes: int, pin: bool) -> None:
         """Allocate the arena once: room for two snapshots (one written while the next is copied)
         within the budget. Only a layout that outgrows it makes a new one, after the work in flight."""
-        limit = self.config.host_memory_bytes // REGION_ALIGN * REGION_ALIGN
+        reserved = self.config.max_in_flight * self.config.eager_copy_bytes  # see _copy_unguarded_now
+        limit = (self.config.host_memory_bytes - reserved) // REGION_ALIGN * REGION_ALIGN
         want = max(min(limit, 2 * align_up(snapshot_bytes, REGION_ALIGN)), REGION_ALIGN)
         if self._arena is not None and self._arena.capacity >= want:
             return

@@ -19,7 +19,7 @@ from typing import Any
 from ..engine.dist import Comm
 from ..engine.save import RankOutput, commit_or_abort, data_file_name, open_staging
 from ..errors import CheckpointError
-from ..format.checksum import checksum_blocks
+from ..format.checksum import checksum_blocks, checksum_whole
 from ..format.manifest import ObjectEntry
 from ..monitor.events import EventLog, now
 from ..plan.save_plan import SavePlan, align_up
@@ -246,15 +246,16 @@ class Flusher(_Stage):
                                   f"the other ranks ({self.broken}); restart the job from the last checkpoint")
         comm, backend = self.target.comm, self.target.backend
         try:
-            staging, token = comm.broadcast(self._begin(snap) if comm.rank == 0 else None)
+            staging, token, problem = comm.broadcast(
+                open_staging(self.target.backend, snap.path, True) if comm.rank == 0 else None)
         except BaseException as exc:
             self.broken = exc
             self._drain(snap)
             raise
         output, error = None, None
         try:
-            if staging is None:
-                raise CheckpointError(f"could not start checkpoint {snap.path}: {token}")
+            if problem is not None:
+                raise CheckpointError(f"could not start checkpoint {snap.path}: {problem}")
             output = self._write(snap, staging, token)
         except BaseException as exc:  # noqa: BLE001 (every rank must reach the gather below)
             error = snap.error or exc
@@ -277,12 +278,6 @@ class Flusher(_Stage):
         if not isinstance(result, int):
             raise CheckpointError(result or f"checkpoint {snap.path} was not committed")
         return result
-
-    def _begin(self, snap: Snapshot) -> tuple:
-        try:
-            return open_staging(self.target.backend, snap.path, True)
-        except Exception as exc:  # noqa: BLE001 (sent to the other ranks instead of hanging them)
-            return None, f"{type(exc).__name__}: {exc}"
 
     def _drain(self, snap: Snapshot) -> None:
         """Wait for every copy of ``snap`` and free streaming regions not freed by a write."""
@@ -329,13 +324,10 @@ class Flusher(_Stage):
 
     def _write_blobs(self, writer, blobs: list, entries: dict, end: int) -> int:
         """Pickled values (``allow_pickle``) go after the tensor data, as in a blocking save."""
-        block = self.target.block_bytes_of()
         for fqn, blob in blobs:
-            if len(blob) > block:
-                raise CheckpointError(f"{fqn}: pickled value over {block} bytes is not supported")
             start = align_up(end)
             writer.pwrite(start, [memoryview(blob)])
-            entries[fqn] = ObjectEntry("pickle", [None, start, len(blob), checksum_blocks([memoryview(blob)], block)[0]])
+            entries[fqn] = ObjectEntry("pickle", [None, start, len(blob), checksum_whole(memoryview(blob))])
             end = start + len(blob)
         return end
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, StateMismatchError
-from ..format.checksum import checksum_blocks
+from ..format.checksum import checksum_whole
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..plan.load_plan import plan_target
 from ..state.flatten import flatten_for_load
@@ -58,8 +58,7 @@ def blob_reader(backend: StorageBackend, path: str, manifest: Manifest):
                                    f"(needed for object {fqn!r})") from None
         try:
             buf = bytearray(nbytes)
-            if reader.readinto(offset, [memoryview(buf)]) != nbytes or \
-                    checksum_blocks([memoryview(buf)], manifest.block_bytes)[0] != checksum:
+            if reader.readinto(offset, [memoryview(buf)]) != nbytes or checksum_whole(memoryview(buf)) != checksum:
                 raise CorruptCheckpointError(f"object {fqn!r} in {manifest.files[file]} of {path} is damaged")
             return bytes(buf)
         finally:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError, CheckpointExistsError
-from ..format.checksum import DEFAULT_BLOCK_BYTES
+from ..format.checksum import DEFAULT_BLOCK_BYTES, checksum_whole
 from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry
 from ..plan.save_plan import SavePlan, align_up, plan_save
@@ -76,17 +76,13 @@ def write_rank(backend: StorageBackend, staging: str, token: str, rank: int, pla
     for fqn, blob in blobs:
         start = align_up(end)
         jobs.append((start, memoryview(blob)))
-        entries[fqn] = ObjectEntry("pickle", [None, start, len(blob), None])
+        entries[fqn] = ObjectEntry("pickle", [None, start, len(blob), checksum_whole(memoryview(blob))])
         end = start + len(blob)
     if not jobs:
         return RankOutput(None, 0, {}, entries, per_rank)
     name = data_file_name(token, rank)
     sums = write_file(backend, backend.join(staging, name), jobs, block_bytes, durable, threads)
     checksums = {index: s for (index, _), s in zip(plan.writes[rank], sums)}
-    for (fqn, _), s in zip(blobs, sums[len(plan.writes[rank]):]):
-        entries[fqn].value[3] = s[0] if len(s) == 1 else None
-        if len(s) != 1:
-            raise CheckpointError(f"{fqn}: pickled value over {block_bytes} bytes is not supported")
     return RankOutput(name, end, checksums, entries, per_rank)
 
 
@@ -143,7 +139,9 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
         error, metas = exc, []
     comm.agree(error, "preparing the save")
     plan = plan_save(comm.all_gather(metas))
-    staging, token = comm.broadcast(open_staging(backend, path, overwrite) if comm.rank == 0 else None)
+    staging, token, problem = comm.broadcast(open_staging(backend, path, overwrite) if comm.rank == 0 else None)
+    if problem is not None:
+        raise CheckpointError(f"cannot save to {path}: {problem}")
     if staging is None:
         raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it")
     output, error = None, None
@@ -165,11 +163,17 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
     return SaveInfo(path, result, time.perf_counter() - started)
 
 
-def open_staging(backend: StorageBackend, path: str, overwrite: bool) -> tuple[str | None, str]:
+def open_staging(backend: StorageBackend, path: str, overwrite: bool) -> tuple[str | None, str, str | None]:
+    """(staging location, token, problem): no location if ``path`` holds a checkpoint and
+    ``overwrite`` is off; a problem if the location could not be created. Never raises: rank 0
+    broadcasts the outcome, so a failure there cannot leave the other ranks waiting."""
     token = uuid.uuid4().hex[:12]
-    if backend.exists(backend.join(path, MANIFEST_NAME)) and not overwrite:
-        return None, token
-    return backend.begin(path, token), token
+    try:
+        if backend.exists(backend.join(path, MANIFEST_NAME)) and not overwrite:
+            return None, token, None
+        return backend.begin(path, token), token, None
+    except Exception as exc:  # noqa: BLE001 (reported on every rank by the caller)
+        return None, token, f"{type(exc).__name__}: {exc}"
 
 
 def commit_or_abort(backend, path, staging, plan, outputs, world_size, overwrite, durable, block_bytes, meta) -> Any:

@@ -12,7 +12,6 @@ from typing import Sequence
 
 from ..format.checksum import checksum_blocks
 from ..storage.base import StorageBackend
-from .buffers import byte_view
 
 CHUNK_BLOCKS = 4
 

@@ -35,6 +35,12 @@ def checksum_blocks(views: Iterable[memoryview], block_bytes: int) -> list[int]:
     return sums
 
 
+def checksum_whole(view: memoryview) -> int:
+    """One xxh3-64 over all of ``view``: how pickled values are checked, whatever their size (for
+    a value within one block it equals that block's checksum)."""
+    return xxhash.xxh3_64_intdigest(view)
+
+
 def piece_blocks(nbytes: int, block_bytes: int) -> int:
     """Number of checksum blocks a piece of ``nbytes`` has (at least one, for empty pieces)."""
     return max(1, -(-nbytes // block_bytes))

@@ -36,12 +36,22 @@ def pack(values: np.ndarray, kind: str = "i8", *, delta: bool = False, compress:
     return out
 
 
+def integer(value: Any) -> int:
+    """A manifest integer: JSON numbers like 2.7 or true are malformed, not 2 or 1."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{value!r} is not an integer")
+    return value
+
+
 def unpack(column: Any, kind: str, shape: tuple, where: str) -> np.ndarray:
     """A column as a numpy array of ``shape`` (JSON list or packed form)."""
     np_dtype = np.uint64 if kind == "u8" else np.int64
     if isinstance(column, list):
         try:
-            return np.asarray(column, dtype=np_dtype).reshape(shape)
+            values = np.asarray(column)
+            if values.size and values.dtype.kind not in "iu":  # no floats, booleans or strings
+                raise ValueError(f"{values.dtype} values where integers belong")
+            return values.astype(np_dtype).reshape(shape)
         except (TypeError, ValueError, OverflowError) as exc:
             raise ManifestError(f"{where}: malformed column ({exc})") from None
     if not isinstance(column, dict) or column.get("packed") != kind:

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ManifestError
 from .checksum import DEFAULT_BLOCK_BYTES
-from .columns import PACK_MIN_PIECES, pack, unpack
+from .columns import PACK_MIN_PIECES, integer, pack, unpack
 from .dtypes import dtype_from_name, dtype_name, itemsize
 
 FORMAT_NAME = "statesnap"
@@ -93,12 +93,12 @@ class TensorEntry:
                   block_bytes: int) -> "TensorEntry":
         try:
             dtype = dtype_from_name(data["dtype"], fqn)
-            shape = tuple(int(s) for s in data["shape"])
+            shape = tuple(integer(s) for s in data["shape"])
             layout = data["layout"]
             if layout not in (BOX, FLAT):
                 raise ManifestError(f"tensor {fqn!r}: unknown layout {layout!r}")
             file = data["file"]
-            n = len(file) if isinstance(file, list) else int(file["shape"][0])
+            n = len(file) if isinstance(file, list) else integer(file["shape"][0])
             dims = len(shape) if layout == BOX else 1
             where = f"tensor {fqn!r}"
             checksum, bounds = _checksum_columns(data, n, where)
@@ -155,7 +155,7 @@ def _checksum_columns(data: dict, n: int, where: str) -> tuple[np.ndarray, np.nd
             raise ManifestError(f"{where}: checksum list length does not match pieces")
         per_piece = [c if isinstance(c, list) else [c] for c in column]
         try:
-            return TensorEntry.pack_checksums([[int(x) for x in c] for c in per_piece])
+            return TensorEntry.pack_checksums([[integer(x) for x in c] for c in per_piece])
         except (TypeError, ValueError, OverflowError) as exc:
             raise ManifestError(f"{where}: malformed checksum ({exc})") from None
     counts = (unpack(data["checksum_blocks"], "i8", (n,), where) if "checksum_blocks" in data
@@ -188,7 +188,7 @@ class ObjectEntry:
             return cls("json", value)
         if kind == "pickle":
             try:
-                file, offset, nbytes, checksum = (int(v) for v in value)
+                file, offset, nbytes, checksum = (integer(v) for v in value)
             except (TypeError, ValueError):
                 raise ManifestError(f"object {fqn!r}: malformed pickle reference") from None
             if not 0 <= file < len(files) or offset < 0 or nbytes < 0 or offset + nbytes > file_sizes[file]:
@@ -238,27 +238,37 @@ class Manifest:
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise ManifestError(f"{where} is not a statesnap manifest")
         version = doc.get("version")
-        if not isinstance(version, int) or version < 1:
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise ManifestError(f"{where} has an invalid format version {version!r}")
         if version > FORMAT_VERSION:
             raise ManifestError(f"{where} has format version {version}, newer than this statesnap "
                                 f"reads ({FORMAT_VERSION}); upgrade statesnap to load it")
         try:
-            files = [str(f) for f in doc["files"]]
-            file_sizes = [int(s) for s in doc["file_sizes"]]
-            block_bytes = int(doc["block_bytes"])
-            world_size = int(doc["world_size"])
-            tensors_doc, objects_doc = dict(doc["tensors"]), dict(doc["objects"])
+            files = doc["files"]
+            if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+                raise TypeError("'files' must be a list of names")
+            file_sizes = [integer(s) for s in doc["file_sizes"]]
+            block_bytes, world_size = integer(doc["block_bytes"]), integer(doc["world_size"])
+            tensors_doc, objects_doc = doc["tensors"], doc["objects"]
+            if not isinstance(tensors_doc, dict) or not isinstance(objects_doc, dict):
+                raise TypeError("'tensors' and 'objects' must be JSON objects")
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"{where} is missing or has malformed field {exc}") from None
         for name in files:
-            if not _SAFE_FILE.match(name) or name in (".", ".."):
+            if not _SAFE_FILE.fullmatch(name) or name in (".", ".."):
                 raise ManifestError(f"{where} names data file {name!r}, which is not a plain file name "
                                     "inside the checkpoint directory; refusing to read it")
-        if len(file_sizes) != len(files) or block_bytes <= 0:
+        if len(file_sizes) != len(files) or block_bytes <= 0 or world_size < 1:
             raise ManifestError(f"{where} has an inconsistent file table")
+        both = sorted(set(tensors_doc) & set(objects_doc))
+        if both:
+            raise ManifestError(f"{where} names {both[0]!r} both as a tensor and as an object")
         tensors = {k: TensorEntry.from_json(k, v, files, file_sizes, block_bytes) for k, v in tensors_doc.items()}
         objects = {k: ObjectEntry.from_json(k, v, files, file_sizes) for k, v in objects_doc.items()}
+        for fqn, entry in objects.items():
+            if entry.kind == "per_rank" and len(entry.per_rank) != world_size:
+                raise ManifestError(f"{where}: object {fqn!r} has {len(entry.per_rank)} per-rank values "
+                                    f"for a world of {world_size}")
         return cls(files=files, file_sizes=file_sizes, tensors=tensors, objects=objects,
                    world_size=world_size, block_bytes=block_bytes, meta=dict(doc.get("meta") or {}),
                    version=version)

@@ -71,7 +71,7 @@ class _Walker:
                                                value.start, value.size))
         elif isinstance(value, torch.Tensor):
             self.tensor(fqn, value)
-        elif isinstance(value, dict):
+        elif isinstance(value, dict) and value:
             self.walk_dict(fqn, value)
         elif isinstance(value, list) and any(isinstance(v, torch.Tensor) and not inlinable(v) for v in value):
             # Some state_dicts hold lists of large tensors: walk them by index, like dicts, so the
