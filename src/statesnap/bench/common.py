@@ -74,17 +74,17 @@ def drop_page_cache(paths: Sequence[str]) -> bool:
         return False
 
 
-def wait_for_quiet_disk(path: str, quiet_s: float = 1.0, timeout_s: float = 15.0) -> bool:
-    """Wait until the block device under ``path`` has had no request in flight and completed no
-    read, write or discard for ``quiet_s``; False after ``timeout_s`` or where Linux's block
-    statistics are missing.
+def settle_disk(path: str, at_least_s: float, quiet_s: float = 1.0, timeout_s: float = 30.0) -> bool:
+    """Wait at least ``at_least_s``, and until the block device under ``path`` has had no request
+    in flight and completed no read, write or discard for ``quiet_s``; False after ``timeout_s``
+    or where Linux's block statistics are missing.
 
-    Deleting a checkpoint on a file system mounted with ``discard`` makes the disk discard its
-    blocks for a while afterwards, and on a thin-provisioned virtual disk writes to discarded
-    blocks run at a fraction of the speed of writes to blocks still allocated. Whether a save
-    landed before or after those discards decided whether it ran at 0.3 or 1.5 GB/s here.
-    Waiting gives every save the same start: the one a job that deletes old checkpoints
-    between saves has.
+    Deleting a file on a file system mounted with ``discard`` (this VM's root) has the disk
+    discard its blocks, and a thin-provisioned virtual disk then takes its time to make them
+    writable again. Buffered writes into a new file ran at 1.0-1.6 GB/s within a second of
+    deleting the previous one and at 0.3-0.5 GB/s three or six seconds later (direct writes:
+    about 2 GB/s either way). Waiting gives every save the same start, the one a training job
+    that deletes old checkpoints long before its next save has.
     """
     device = os.stat(path).st_dev
     sysfs = f"/sys/dev/block/{os.major(device)}:{os.minor(device)}"
@@ -99,13 +99,13 @@ def wait_for_quiet_disk(path: str, quiet_s: float = 1.0, timeout_s: float = 15.0
         last, _ = activity()
     except OSError:
         return False
-    deadline, quiet_since = time.monotonic() + timeout_s, time.monotonic()
-    while time.monotonic() < deadline:
+    started = quiet_since = time.monotonic()
+    while time.monotonic() < started + timeout_s:
         time.sleep(0.1)
         counters, in_flight = activity()
         if counters != last or in_flight != "0":
             last, quiet_since = counters, time.monotonic()
-        elif time.monotonic() - quiet_since >= quiet_s:
+        elif time.monotonic() - quiet_since >= quiet_s and time.monotonic() - started >= at_least_s:
             return True
     return False
 
