@@ -240,6 +240,18 @@ def test_a_root_that_is_a_file_is_a_checkpoint_error(tmp_path):
             ss.Checkpointer(tmp_path / "file", events=events)
 
 
+def test_checkpointer_start_puts_back_a_checkpoint_an_overwrite_left_aside(tmp_path):
+    with ss.Checkpointer(tmp_path, events=False) as ckpt:
+        ckpt.save(1, {"t": torch.ones(3)}).wait()
+    os.rename(tmp_path / "step-1", tmp_path / ".step-1.tmp-0123456789ab.old")  # killed mid-overwrite
+    os.mkdir(tmp_path / ".step-1.tmp-0123456789ab")  # the new one, never committed
+    with ss.Checkpointer(tmp_path, events=False) as ckpt:
+        target = {"t": torch.zeros(3)}
+        assert ckpt.load_latest(target) == 1
+    assert torch.equal(target["t"], torch.ones(3))
+    assert sorted(os.listdir(tmp_path)) == ["step-1"]
+
+
 def test_wait_staged_covers_custom_loops(tmp_path, monkeypatch):
     model, optim = make_training()
     state = {"model": model}

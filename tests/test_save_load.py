@@ -1,4 +1,5 @@
 """Blocking ss.save / ss.load: what a training state holds, in place, strictly, resumably, atomically."""
+import os
 import sys
 
 import fsspec
@@ -237,6 +238,32 @@ def test_failed_overwrite_leaves_old_checkpoint(tmp_path, monkeypatch):
     assert torch.equal(ss.open(path).read("t"), torch.zeros(4))
     ss.open(path).verify()
     assert [p.name for p in tmp_path.iterdir()] == ["c"]
+
+
+def test_overwrite_killed_between_fallback_renames_is_recovered(tmp_path, monkeypatch):
+    """Without renameat2 an overwrite renames the old checkpoint aside, then the new one in. A
+    kill between the two leaves only the aside: the next load puts the old checkpoint back."""
+    import statesnap.storage.local as local
+
+    path = tmp_path / "c"
+    ss.save({"t": torch.zeros(4)}, path)
+    monkeypatch.setattr(local, "_rename2", lambda *args: False)
+    real_rename = os.rename
+
+    def killed_after_first_rename(src, dst):
+        real_rename(src, dst)
+        if str(dst).endswith(".old"):
+            raise KeyboardInterrupt  # stands in for SIGKILL: nothing after this line runs
+
+    monkeypatch.setattr(local.os, "rename", killed_after_first_rename)
+    with pytest.raises(KeyboardInterrupt):
+        ss.save({"t": torch.ones(4)}, path, overwrite=True)
+    monkeypatch.setattr(local.os, "rename", real_rename)
+    assert not path.exists()
+    target = {"t": torch.ones(4)}
+    ss.load(target, path)
+    assert torch.equal(target["t"], torch.zeros(4)) and path.is_dir()
+    ss.open(path).verify()
 
 
 def test_fsspec_memory_url_round_trip():

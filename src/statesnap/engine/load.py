@@ -40,6 +40,8 @@ def read_manifest(backend: StorageBackend, path: str) -> Manifest:
     try:
         raw = backend.read_bytes(where)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        if backend.recover(path):  # an overwrite killed halfway had left the checkpoint aside
+            return read_manifest(backend, path)
         if not backend.exists(path):
             raise CheckpointError(f"no checkpoint at {path}") from None
         raise ManifestError(f"{path} has no {MANIFEST_NAME}: it is not a committed statesnap checkpoint "

@@ -95,6 +95,11 @@ class StorageBackend(ABC):
         """Make ``staging`` visible at ``final`` atomically. ``keep`` names the committed files
         (backends that write in place delete older files not in it after the switch)."""
 
+    def recover(self, final: str) -> bool:
+        """Put back a checkpoint that an interrupted :meth:`commit` left under another name, if
+        any; True if one was restored. Backends whose commit is one atomic step have none."""
+        return False
+
     @abstractmethod
     def abort(self, staging: str, final: str, written: Sequence[str] = ()) -> None:
         """Remove what a failed save left behind (``written`` names its files), never touching a

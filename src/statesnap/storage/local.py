@@ -4,7 +4,8 @@ Commit renames the staging directory with ``renameat2``: ``RENAME_NOREPLACE`` so
 cannot both win, ``RENAME_EXCHANGE`` for overwrite so the old checkpoint stays whole and loadable
 until the very instant the new one replaces it. Where ``renameat2`` is missing (old kernels, other
 file systems) a rename-aside fallback keeps the old checkpoint under a hidden name until the new
-one is in place.
+one is in place; a kill between its two renames leaves the old checkpoint under that name, and
+:meth:`LocalBackend.recover` (called by loads and by the Checkpointer at start) puts it back.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ except (NameError, AttributeError):
     _sync_file_range = None
 _SYNC_FILE_RANGE_WRITE = 2
 _WRITEBACK_MIN = 1 << 20
+_ASIDE_SUFFIX = ".old"  # the old checkpoint during an overwrite without renameat2
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _DIRECT_MIN = 1 << 20
 _BOUNCE_BYTES = 16 << 20
@@ -312,10 +314,22 @@ class LocalBackend(StorageBackend):
             # ``staging`` now holds the old checkpoint: it is deleted only after the swap.
             shutil.rmtree(staging, ignore_errors=True)
             return
-        aside = staging + ".old"
+        aside = staging + _ASIDE_SUFFIX
         os.rename(final, aside)
         os.rename(staging, final)
         shutil.rmtree(aside, ignore_errors=True)
+
+    def recover(self, final: str) -> bool:
+        final = os.path.abspath(final)
+        parent, name = os.path.split(final)
+        if os.path.exists(final):
+            return False
+        asides = [n for n in self.listdir(parent) if n.startswith(f".{name}.tmp-") and n.endswith(_ASIDE_SUFFIX)]
+        if not asides:
+            return False
+        os.rename(os.path.join(parent, asides[0]), final)  # it was committed at ``final`` before
+        fsync_dir(parent)
+        return True
 
     def abort(self, staging: str, final: str, written: Sequence[str] = ()) -> None:
         if os.path.abspath(staging) == os.path.abspath(final):
