@@ -132,6 +132,24 @@ def test_missing_manifest_means_not_committed(ckpt):
         ss.open(path.parent / "nothing-here")
 
 
+def test_foreign_checkpoints_are_named_and_pointed_to_convert(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    torch.save({"a": torch.ones(2)}, tmp_path / "t.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that no process group exists
+        dcp.save({"a": torch.ones(2)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    (tmp_path / "hf").mkdir()
+    save_file({"a": torch.ones(2)}, str(tmp_path / "hf" / "model.safetensors"))
+    for name, words in [("t.pt", "is a file"), ("dcp", "DCP checkpoint"), ("hf", "safetensors files")]:
+        for attempt in (lambda: ss.open(tmp_path / name), lambda: ss.load({"a": torch.zeros(2)}, tmp_path / name)):
+            with pytest.raises(ss.ManifestError, match=f"{words}.*ss.convert"):
+                attempt()
+
+
 def test_future_version_manifest(ckpt):
     path, state = ckpt
     edit_manifest(path, lambda doc: doc.update(version=999))

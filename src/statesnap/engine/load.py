@@ -45,8 +45,24 @@ def read_manifest(backend: StorageBackend, path: str) -> Manifest:
         if not backend.exists(path):
             raise CheckpointError(f"no checkpoint at {path}") from None
         raise ManifestError(f"{path} has no {MANIFEST_NAME}: it is not a committed statesnap checkpoint "
-                            "(an interrupted save leaves none); load an earlier checkpoint") from None
+                            f"({_what_else(backend, path)})") from None
     return Manifest.from_bytes(raw, where=where)
+
+
+def _what_else(backend: StorageBackend, path: str) -> str:
+    """What a path without a manifest probably is, and what to do about it."""
+    try:
+        names = backend.listdir(path)
+    except OSError:  # a file: statesnap checkpoints are directories
+        names = None
+    convert = f"convert it with ss.convert({path!r}, DST) or `statesnap convert`"
+    if names is None:
+        return f"it is a file, perhaps a torch.save or safetensors one: {convert}"
+    if ".metadata" in names:
+        return f"it looks like a PyTorch DCP checkpoint: {convert}"
+    if any(name.endswith(".safetensors") for name in names):
+        return f"it holds safetensors files: {convert}"
+    return "an interrupted save leaves none; load an earlier checkpoint"
 
 
 def blob_reader(backend: StorageBackend, path: str, manifest: Manifest):
