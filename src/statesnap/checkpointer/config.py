@@ -55,8 +55,8 @@ class CheckpointerConfig:
     statistics, EMA weights, extra tensors) are copied inside ``save`` when they total at most
     this much, because nothing would hold back a change to them; larger sets (frozen weights)
     are copied in the background and checked. ``copy_threads``/``threads``: staging copy and
-    write workers. ``backend``: a custom
-    :class:`StorageBackend` for the persistent level (tests inject slow or failing storage).
+    write workers. ``backend``: a custom :class:`StorageBackend` for the persistent level (tests
+    inject slow or failing storage).
     """
 
     root: str
