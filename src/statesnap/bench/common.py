@@ -80,10 +80,10 @@ def settle_disk(path: str, at_least_s: float, quiet_s: float = 1.0, timeout_s: f
     or where Linux's block statistics are missing.
 
     Deleting a file on a file system mounted with ``discard`` (this VM's root) has the disk
-    discard its blocks, and a thin-provisioned virtual disk then takes its time to make them
-    writable again. Buffered writes into a new file ran at 1.0-1.6 GB/s within a second of
-    deleting the previous one and at 0.3-0.5 GB/s three or six seconds later (direct writes:
-    about 2 GB/s either way). Waiting gives every save the same start, the one a training job
+    discard its blocks, and this virtual disk, which behaves as if thin-provisioned, then writes
+    new files at another speed. Buffered writes into a new file ran anywhere from 0.3 to 1.6 GB/s
+    within a second of deleting the previous one, and at 0.3-0.5 GB/s three or six seconds later
+    (direct writes: about 2 GB/s either way). Waiting gives every save the same start, the one a training job
     that deletes old checkpoints long before its next save has.
     """
     device = os.stat(path).st_dev

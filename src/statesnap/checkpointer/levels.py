@@ -61,10 +61,10 @@ class StorageLevel:
     def remove_leftovers(self) -> None:
         """Remove what interrupted saves left: staging directories and uncommitted step dirs,
         after putting back any committed checkpoint an interrupted overwrite had set aside."""
-        for name in self.backend.listdir(self.root):
-            step = parse_step(name.lstrip(".").split(".tmp-")[0])
-            if name.startswith(".") and step is not None:
-                self.backend.recover(self.path(step))
+        hidden = {parse_step(name[1:].split(".tmp-")[0]) for name in self.backend.listdir(self.root)
+                  if name.startswith(".")}
+        for step in hidden - {None}:
+            self.backend.recover(self.path(step))
         for name in self.backend.listdir(self.root):
             step = parse_step(name)
             if (name.startswith(f".{STEP_PREFIX}") and ".tmp-" in name) or \
