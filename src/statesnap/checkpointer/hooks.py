@@ -1,20 +1,39 @@
-"""Blocking only on overwrite: optimizer pre-step hooks and version-counter checks.
+"""Blocking only on overwrite: step hooks, method guards and version-counter checks.
 
 Forward and backward only read parameters and optimizer state, so the snapshot copies run while
-they do. The first thing that writes is the optimizer step: a pre-step hook on each optimizer in
-the state waits until the tensors *that* optimizer changes (its parameters and its state) are
-copied, and no longer. Anything else that changes a tensor in place before its copy finished is
-caught by the tensor's version counter, and that checkpoint fails instead of mixing two steps.
+they do. The first thing that writes is the optimizer step, and three kinds of writer are held
+back until the copies they could overwrite are done:
+
+- each ``torch.optim.Optimizer`` in the state, or inside a wrapper there (its ``.optimizer``),
+  gets a pre-step hook that waits until the tensors *that* optimizer changes (its parameters and
+  its state) are copied, and no longer;
+- an optimizer-like wrapper that is no torch optimizer (DeepSpeed's, Megatron's, apex's: a
+  callable ``step`` and ``param_groups`` or an inner ``.optimizer``) has its ``step`` wrapped
+  (on its class, for that instance). Such wrappers write tensors that are not in their
+  ``param_groups`` (DeepSpeed and Megatron copy fp32 master weights into the model's 16-bit
+  parameters through ``.data``), so what they write cannot be known: the wrapped step waits
+  until every snapshot in flight is staged;
+- ``Checkpointer.guard(obj, method)`` wraps any other method the same way (an EMA's update).
+
+Whatever else writes is detected, not held back: an in-place operation bumps the tensor's
+version counter, which is checked after the copy, and that checkpoint fails instead of mixing
+two steps. Writes through ``.data``, and to the memory under a tensor (a numpy view, ctypes),
+bump no counter: made outside a guarded method they go unseen, and the checkpoint holds whatever
+the copy read, unless the tensor was copied inside ``save()`` (the eager copy of the tensors no
+torch optimizer writes, up to ``eager_copy_mb``).
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
+import warnings
 import weakref
 from typing import Callable, Iterable
 
 import torch
 
-from ..errors import ConsistencyError
+from ..errors import CheckpointError, ConsistencyError
 from ..monitor.events import now
 from ..state.placement import is_dtensor
 
@@ -70,16 +89,37 @@ def optimizer_storages(optim: torch.optim.Optimizer) -> set[int]:
     return ptrs
 
 
-def find_optimizers(state) -> list[torch.optim.Optimizer]:
-    found = []
+def is_optimizer_like(obj) -> bool:
+    """Steps like an optimizer but is no torch one: a callable ``step`` and ``param_groups`` or an
+    inner ``.optimizer`` that steps. LR schedulers also have a ``step`` and an ``.optimizer``, but
+    change only hyperparameters."""
+    if isinstance(obj, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
+        return False
+    if not callable(getattr(obj, "step", None)):
+        return False
+    return hasattr(obj, "param_groups") or callable(getattr(getattr(obj, "optimizer", None), "step", None))
+
+
+def find_writers(state) -> tuple[list[torch.optim.Optimizer], list]:
+    """The torch optimizers and the optimizer-like wrappers among the values of ``state`` (nested
+    dicts) and, for each, the chain of ``.optimizer``s it wraps. Inner ones come first, so that a
+    tensor two optimizers claim is owned by the one whose step writes it, whichever step the
+    training loop calls."""
+    optimizers, wrappers, seen = [], [], set()
     stack = [state]
     while stack:
         value = stack.pop()
-        if isinstance(value, torch.optim.Optimizer):
-            found.append(value)
-        elif isinstance(value, dict):
+        if isinstance(value, dict):
             stack.extend(value.values())
-    return found
+            continue
+        chain = []
+        while (isinstance(value, torch.optim.Optimizer) or is_optimizer_like(value)) and id(value) not in seen:
+            seen.add(id(value))
+            chain.append(value)
+            value = getattr(value, "optimizer", None)
+        for obj in reversed(chain):
+            (optimizers if isinstance(obj, torch.optim.Optimizer) else wrappers).append(obj)
+    return optimizers, wrappers
 
 
 def owners_of(tensors: Iterable[torch.Tensor], optimizers: list[torch.optim.Optimizer]) -> list[int | None]:
@@ -104,37 +144,148 @@ def check_unchanged(t: torch.Tensor, expected: int | None, fqn: str, step: int) 
         raise ConsistencyError(
             f"checkpoint of step {step}: tensor {fqn!r} was changed in place after save() and before its "
             "snapshot copy finished, so this checkpoint would mix two steps and was dropped. Change "
-            "tensors in place only inside optimizer.step() (which waits for the copy), or call "
-            "ckpt.wait_staged() before the change")
+            "tensors in place only inside optimizer.step() or a method given to ckpt.guard() (they wait "
+            "for the copy), or call ckpt.wait_staged() before the change")
+
+
+_ABSENT = object()
+
+
+def _class_attr(cls: type, name: str):
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return vars(klass)[name]
+    return _ABSENT
+
+
+class _ClassPatch:
+    """A method replaced on a class by one that waits first when called on a guarded instance.
+
+    The class, not the instance: a method put on an instance would travel with copies of it
+    (``copy.copy``, ``deepcopy``, ``DataParallel`` replicas, which copy ``__dict__``) and call
+    the original object's method from the copy, and could not be pickled. On the class, the
+    replacement dispatches on ``self``: other instances (copies included) only pass through it.
+    """
+
+    def __init__(self, cls: type, name: str):
+        self.cls, self.name = cls, name
+        self.own = vars(cls).get(name, _ABSENT)  # put back when the last guard goes
+        found = _class_attr(cls, name)
+        self.guards: dict[int, tuple] = {}  # id(instance) -> ((instance ref, StepGuard ref), ...)
+        patch = self
+
+        def guarded(obj, *args, **kwargs):
+            for ref, guard_ref in patch.guards.get(id(obj), ()):
+                guard = guard_ref()
+                if ref() is obj and guard is not None:
+                    guard.wait_all()
+            if found is _ABSENT:  # a wrapper that forwards attributes to the object it wraps
+                return cls.__getattr__(obj, name)(*args, **kwargs)
+            get = getattr(type(found), "__get__", None)
+            return (get(found, obj, type(obj)) if get is not None else found)(*args, **kwargs)
+        if inspect.isfunction(found):
+            functools.update_wrapper(guarded, found)  # name, doc, and flags such as torch's "hooked"
+        self.function = guarded
+
+    def installed(self) -> bool:
+        return vars(self.cls).get(self.name) is self.function
+
+    def restore(self) -> None:
+        if not self.installed():
+            return  # patched again on top of this since: this one stays, passing calls through
+        if self.own is _ABSENT:
+            delattr(self.cls, self.name)
+        else:
+            setattr(self.cls, self.name, self.own)
+
+
+_patches: dict[tuple[type, str], _ClassPatch] = {}  # methods replaced now, over all Checkpointers
+_patches_lock = threading.Lock()
 
 
 class StepGuard:
-    """Installs one pre-step hook per optimizer; the hook waits on the in-flight snapshots' gates.
+    """Holds writers back until the in-flight snapshots' copies are done: one pre-step hook per
+    torch optimizer, and guarded methods (optimizer-like wrappers' ``step``, ``Checkpointer.guard``).
 
-    ``gates_for(optimizer_id)`` returns the (step, Countdown) pairs to wait for; ``on_wait``
-    records how long a step was held back.
+    ``gates_for(optimizer_id)`` returns the (step, Countdown) pairs that optimizer's step waits
+    for; ``gates_for(None)`` those of every snapshot's whole copy. ``on_wait`` records how long a
+    writer was held back.
     """
 
-    def __init__(self, gates_for: Callable[[int], list], on_wait: Callable[[int, float, float], None]):
+    def __init__(self, gates_for: Callable[[int | None], list], on_wait: Callable[[int, float, float], None]):
         self._gates_for = gates_for
         self._on_wait = on_wait
         self._handles: dict[int, tuple[weakref.ref, object]] = {}
+        self._guarded: dict[tuple[int, str], tuple[weakref.ref, _ClassPatch]] = {}
 
-    def watch(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    def watch(self, optimizers: Iterable[torch.optim.Optimizer], wrappers: Iterable = ()) -> None:
         for optim in optimizers:
             known = self._handles.get(id(optim))
             if known is None or known[0]() is not optim:  # ids of collected objects are reused
                 handle = optim.register_step_pre_hook(self._hook)
                 self._handles[id(optim)] = (weakref.ref(optim), handle)
+        for wrapper in wrappers:
+            try:
+                self.guard(wrapper, "step")
+            except CheckpointError as exc:
+                warnings.warn(f"{exc}; its step is not held back until the snapshot copies are done: call "
+                              "ckpt.wait_staged() before it", RuntimeWarning, stacklevel=3)
+
+    def guard(self, obj, name: str) -> None:
+        """Make ``obj.<name>(...)`` wait first until every snapshot in flight is staged. Guarding
+        what is already guarded does nothing; :meth:`close` undoes it. Objects are held weakly."""
+        known = self._guarded.get((id(obj), name))
+        if known is not None and known[0]() is obj:
+            return
+        what, cls = f"{type(obj).__name__}.{name}", type(obj)
+        if not callable(getattr(obj, name, None)):
+            raise CheckpointError(f"cannot guard {what}: it is not a method of the object")
+        if name in getattr(obj, "__dict__", {}):
+            raise CheckpointError(f"cannot guard {what}: the object has its own attribute {name!r}, which "
+                                  "hides the method of its class")
+        if hasattr(type(_class_attr(cls, name)), "__set__"):
+            raise CheckpointError(f"cannot guard {what}: it is a property of the class")
+        try:
+            ref = weakref.ref(obj)
+        except TypeError:
+            raise CheckpointError(f"cannot guard {what}: the object takes no weak references") from None
+        with _patches_lock:
+            patch = _patches.get((cls, name))
+            if patch is None or not patch.installed():
+                patch = _ClassPatch(cls, name)
+                try:
+                    setattr(cls, name, patch.function)
+                except (TypeError, AttributeError) as exc:  # a built-in or extension type
+                    raise CheckpointError(f"cannot guard {what}: its class cannot be changed ({exc})") from None
+                _patches[(cls, name)] = patch
+            patch.guards[id(obj)] = (*patch.guards.get(id(obj), ()), (ref, weakref.ref(self)))
+        self._guarded[(id(obj), name)] = (ref, patch)
+
+    def wait_all(self) -> None:
+        self._wait(None)
 
     def _hook(self, optim, args, kwargs) -> None:
-        for step, gate in self._gates_for(id(optim)):
+        self._wait(id(optim))
+
+    def _wait(self, optimizer_id: int | None) -> None:
+        for step, gate in self._gates_for(optimizer_id):
             if not gate.done():
                 start = now()
                 gate.wait()
                 self._on_wait(step, start, now())
 
     def close(self) -> None:
+        """Remove every hook and guard; a class gets its method back when no guard needs it."""
         for _, handle in self._handles.values():
             handle.remove()
         self._handles.clear()
+        with _patches_lock:
+            for (key, _), (_, patch) in self._guarded.items():
+                left = tuple(entry for entry in patch.guards.pop(key, ()) if entry[1]() not in (None, self))
+                if left:
+                    patch.guards[key] = left
+                if not patch.guards:
+                    patch.restore()
+                    if _patches.get((patch.cls, patch.name)) is patch:
+                        del _patches[(patch.cls, patch.name)]
+        self._guarded.clear()

@@ -1,11 +1,11 @@
 """``ss.Checkpointer``: lazy asynchronous multi-level checkpoints for a training loop.
 
 ``save(step, state)`` records what to copy and returns; the copies run while the next forward and
-backward run, and the optimizer step waits only for the tensors it is about to change. Every
-snapshot stays in host memory (the memory level) while the arena has room; every
-``persist_every``-th goes to ``<root>/step-N``; an optional further level gets a copy of every
-``further_every``-th. Failures in the background surface at the next ``save``, ``wait_staged``,
-``load_latest`` or ``close``.
+backward run, and a torch optimizer's step waits only for the tensors it is about to change
+(``hooks`` says what else is held back, and what cannot be). Every snapshot stays in host memory
+(the memory level) while the arena has room; every ``persist_every``-th goes to ``<root>/step-N``;
+an optional further level gets a copy of every ``further_every``-th. Failures in the background
+surface at the next ``save``, ``wait_staged``, ``load_latest`` or ``close``.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from ..storage import backend_for, is_url, normalize
 from ..storage.base import DIRECT_ALIGN
 from .config import CheckpointerConfig
 from .gpu import CudaCopier, mark_devices
-from .hooks import StepGuard, find_optimizers, owners_of, version_of
+from .hooks import StepGuard, find_writers, owners_of, version_of
 from .levels import MemoryLevel, StorageLevel, copy_checkpoint, matching_target, restore_from_memory
 from .pipeline import Flusher, FlushTarget, Snapshot, Stager, as_checkpoint_error
 from .staging import MAX_SEGMENT_BYTES, REGION_ALIGN, Arena, align_up
@@ -121,7 +121,7 @@ class Checkpointer:
         self._raise_pending()
         started = now()
         self._wait_for_slot(step)
-        optimizers = find_optimizers(state)
+        optimizers, wrappers = find_writers(state)
         with self.events.timed("plan", step):
             snap = self._snapshot(int(step), state, optimizers)
         if snap is None:
@@ -130,7 +130,7 @@ class Checkpointer:
             done.set_result(None)
             self.events.add("save", step, started, now())
             return SaveHandle(step, done, done)
-        self._guard.watch(optimizers)
+        self._guard.watch(optimizers, wrappers)
         with self._lock:
             self._inflight.append(snap)
         self._stager.submit(snap)
@@ -151,6 +151,20 @@ class Checkpointer:
                 snap.copied.wait()
                 self.events.add("wait-staged", snap.step, start, now())
         self._raise_pending()
+
+    def guard(self, obj, method: str = "step") -> None:
+        """From now on ``obj.<method>(...)`` first waits until every snapshot in flight is staged.
+
+        For code that changes saved tensors in place outside a torch optimizer's step, which
+        nothing else holds back: an EMA's ``update``, a custom optimizer's ``step``, a module
+        whose ``forward`` writes buffers through ``.data`` (a write the version check cannot
+        see). Optimizer-like wrappers in the state (a ``step`` and ``param_groups``) are guarded
+        by ``save`` already. The method is replaced on the object's class, where calls on other
+        objects pass through; raises :class:`CheckpointError` if it cannot be (the object has its
+        own attribute of that name). Guarding twice is guarding once; ``close`` undoes it. For a
+        plain function, call :meth:`wait_staged` at its start instead."""
+        self._check_open()
+        self._guard.guard(obj, method)
 
     def load_latest(self, state: dict) -> int | None:
         """Restore the newest committed step into ``state`` from the fastest level holding it;
@@ -319,8 +333,11 @@ class Checkpointer:
         for snap in inflight:
             snap.finished.wait()
 
-    def _gates_for(self, optimizer_id: int) -> list:
+    def _gates_for(self, optimizer_id: int | None) -> list:
+        """What a writer waits for: an optimizer's copies, or (None) every snapshot's whole copy."""
         with self._lock:
+            if optimizer_id is None:
+                return [(s.step, s.copied) for s in self._inflight if s.copied is not None]
             return [(s.step, s.gates[optimizer_id]) for s in self._inflight if optimizer_id in s.gates]
 
     def _copies_done(self, snap: Snapshot) -> None:

@@ -1,0 +1,312 @@
+"""Writers that no torch optimizer hook sees: optimizer-like wrappers and ``ckpt.guard``.
+
+DeepSpeed's and Megatron's optimizers, EMA updates and hand-written steps change tensors through
+``.data``, which bumps no version counter: unless something holds them back until the snapshot
+copy is done, the checkpoint silently holds the values after the change.
+"""
+import copy
+import pickle
+import threading
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import statesnap as ss
+from statesnap.checkpointer import hooks, pipeline
+from test_checkpointer import assert_checkpoint_equals, make_training, reference
+
+
+class CopiesWaitForAWaiter:
+    """Holds every staging copy until something waits for a snapshot (a guard, a step hook,
+    ``wait_staged``). So a writer that does not wait runs before the copy, every time, and one
+    that waits is what lets the copy run: no timing decides the outcome."""
+
+    def __init__(self, monkeypatch):
+        self.opened = threading.Event()
+        real_copy, real_wait = pipeline.copy_into, hooks.Countdown.wait
+
+        def gated_copy(*args, **kwargs):
+            self.opened.wait()
+            real_copy(*args, **kwargs)
+
+        def opening_wait(countdown, timeout=None):
+            self.opened.set()
+            return real_wait(countdown, timeout)
+        monkeypatch.setattr(pipeline, "copy_into", gated_copy)
+        monkeypatch.setattr(hooks.Countdown, "wait", opening_wait)
+
+    def open(self):
+        self.opened.set()
+
+
+class DataSGD:
+    """An optimizer wrapper as DeepSpeed and apex write them: not a ``torch.optim.Optimizer``
+    (so no pre-step hook), with ``param_groups``, stepping through ``.data``."""
+
+    def __init__(self, params, lr=0.1):
+        self.param_groups = [{"params": list(params), "lr": lr}]
+
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data.add_(p.grad, alpha=-group["lr"])
+
+    def state_dict(self):
+        return {"lr": self.param_groups[0]["lr"]}
+
+    def load_state_dict(self, sd):
+        self.param_groups[0]["lr"] = sd["lr"]
+
+
+class MixedPrecisionWrapper:
+    """Like DeepSpeed's ZeRO and Megatron's mixed-precision optimizers: an inner torch optimizer
+    steps fp32 master copies, then ``step`` writes them into the bf16 model through ``.data``."""
+
+    def __init__(self, model):
+        self.params = list(model.parameters())
+        self.master = [p.detach().float().clone() for p in self.params]
+        self.optimizer = torch.optim.SGD(self.master, lr=0.1, momentum=0.9)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self):
+        for p, m in zip(self.params, self.master):
+            m.grad = p.grad.float()
+        self.optimizer.step()
+        for p, m in zip(self.params, self.master):
+            p.data.copy_(m.data)
+
+    def state_dict(self):
+        return {"master": dict(enumerate(self.master))}
+
+    def load_state_dict(self, sd):
+        for m, value in zip(self.master, sd["master"].values()):
+            m.copy_(value)
+
+
+class EMA:
+    """Exponential moving average of a model's weights, updated through ``.data``."""
+
+    def __init__(self, model, decay=0.9):
+        self.decay = decay
+        self.shadow = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    def update(self, model):
+        for name, p in model.named_parameters():
+            self.shadow[name].data.mul_(self.decay).add_(p.data, alpha=1 - self.decay)
+
+    def state_dict(self):
+        return dict(self.shadow)
+
+    def load_state_dict(self, sd):
+        for name, value in sd.items():
+            self.shadow[name].copy_(value)
+
+
+STEP, UPDATE = vars(DataSGD)["step"], vars(EMA)["update"]
+
+
+def backward(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, model[0].in_features, generator=g).to(model[0].weight.dtype)
+    model(x).float().pow(2).sum().backward()
+
+
+def hook_waits(ckpt) -> int:
+    return ckpt.stats()["phases"].get("wait-in-hook", {}).get("count", 0)
+
+
+# eager_copy_mb=0 in the tests below: tensors no torch optimizer writes are then copied in the
+# background, not inside save(), so nothing but the guard keeps the write away from the copy.
+
+def test_an_optimizer_like_wrapper_in_the_state_waits_for_the_copy(tmp_path, monkeypatch):
+    model, _ = make_training()
+    optim = DataSGD(model.parameters())
+    backward(model, 1)
+    optim.step()
+    state = {"model": model, "optim": optim}
+    ref = reference(state)
+    gate = CopiesWaitForAWaiter(monkeypatch)
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, eager_copy_mb=0)
+    handle = ckpt.save(1, state)
+    backward(model, 2)
+    assert not handle.staged.done()
+    optim.step()  # without the guard it writes now, before any copy: the checkpoint gets its values
+    gate.open()
+    ckpt.close()
+    assert_checkpoint_equals(handle.wait(), ref)
+    assert not torch.equal(model[0].weight, ref["model.0.weight"])  # the step did run afterwards
+    assert hook_waits(ckpt) == 1
+
+
+def test_guard_holds_back_an_ema_update(tmp_path, monkeypatch):
+    model, _ = make_training()
+    ema = EMA(model)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    ema.update(model)
+    state = {"model": model, "ema": ema}
+    ref = reference(state)
+    gate = CopiesWaitForAWaiter(monkeypatch)
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, eager_copy_mb=0)
+    ckpt.guard(ema, "update")
+    handle = ckpt.save(1, state)
+    ema.update(model)  # changes the shadow weights: the EMA has not caught up with the +1 yet
+    gate.open()
+    ckpt.close()
+    assert_checkpoint_equals(handle.wait(), ref)
+    assert not torch.equal(ema.shadow["0.weight"], ref["ema.0.weight"])
+    assert hook_waits(ckpt) == 1
+
+
+def test_a_wrapper_around_a_torch_optimizer_also_in_the_state(tmp_path, monkeypatch):
+    """The wrapper's step waits for the whole snapshot; the inner optimizer's hook then finds
+    its copies done: one wait, no deadlock."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)).to(torch.bfloat16)
+    optim = MixedPrecisionWrapper(model)
+    backward(model, 1)
+    optim.step()
+    state = {"model": model, "optim": optim, "inner": optim.optimizer}
+    ref = reference(state)
+    gate = CopiesWaitForAWaiter(monkeypatch)
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, eager_copy_mb=0)
+    handle = ckpt.save(1, state)
+    backward(model, 2)
+    stepper = threading.Thread(target=optim.step, daemon=True)
+    stepper.start()
+    stepper.join(60)
+    gate.open()
+    assert not stepper.is_alive(), "the wrapper's step deadlocked"
+    ckpt.close()
+    assert_checkpoint_equals(handle.wait(), ref)
+    assert not torch.equal(model[0].weight, ref["model.0.weight"])
+    assert hook_waits(ckpt) == 1
+
+
+def test_close_puts_the_methods_back(tmp_path):
+    model, _ = make_training()
+    optim, ema = DataSGD(model.parameters()), EMA(model)
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01)
+    ckpt.guard(ema, "update")
+    ckpt.save(1, {"model": model, "optim": optim, "ema": ema}).wait()
+    assert DataSGD.step.__wrapped__ is STEP and EMA.update.__wrapped__ is UPDATE
+    ckpt.close()
+    assert vars(DataSGD)["step"] is STEP and vars(EMA)["update"] is UPDATE
+    assert "step" not in vars(optim) and "update" not in vars(ema)
+    backward(model, 1)
+    optim.step()  # works without the Checkpointer
+    ema.update(model)
+
+
+def test_copies_of_a_guarded_object_act_on_themselves(tmp_path, monkeypatch):
+    """The method is replaced on the class, and waits only for the guarded instance: a copy
+    (deepcopy, pickle, a replica sharing its ``__dict__``) neither waits nor calls the original."""
+    model, _ = make_training()
+    ema = EMA(model)
+    state = {"ema": ema}
+    ref = reference(state)
+    gate = CopiesWaitForAWaiter(monkeypatch)
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, eager_copy_mb=0)
+    ckpt.guard(ema, "update")
+    handle = ckpt.save(1, state)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    for twin in (copy.deepcopy(ema), pickle.loads(pickle.dumps(ema)), copy.copy(ema)):
+        twin.shadow = {name: t.clone() for name, t in twin.shadow.items()}
+        twin.update(model)  # the copy is changed, the original is not, and nothing waited
+        assert not torch.equal(twin.shadow["0.weight"], ema.shadow["0.weight"])
+    assert not gate.opened.is_set()
+    gate.open()
+    ckpt.close()
+    assert_checkpoint_equals(handle.wait(), ref)
+    assert hook_waits(ckpt) == 0
+
+
+def test_two_checkpointers_guarding_one_object(tmp_path):
+    model, _ = make_training()
+    ema = EMA(model)
+    first = ss.Checkpointer(tmp_path / "a", host_memory_gb=0.01)
+    second = ss.Checkpointer(tmp_path / "b", host_memory_gb=0.01)
+    first.guard(ema, "update")
+    second.guard(ema, "update")
+    first.close()  # the second still needs the class's method replaced
+    assert EMA.update.__wrapped__ is UPDATE
+    ema.update(model)
+    second.close()
+    assert vars(EMA)["update"] is UPDATE
+
+
+def test_saving_again_does_not_wrap_twice(tmp_path):
+    model, _ = make_training()
+    optim, ema = DataSGD(model.parameters()), EMA(model)
+    state = {"model": model, "optim": optim}
+    with ss.Checkpointer(tmp_path, host_memory_gb=0.01) as ckpt:
+        for step in (1, 2, 3):
+            backward(model, step)
+            optim.step()
+            ckpt.guard(ema, "update")
+            ckpt.save(step, state).wait()
+        assert DataSGD.step.__wrapped__ is STEP and EMA.update.__wrapped__ is UPDATE
+        for obj, name in ((optim, "step"), (ema, "update")):
+            assert len(hooks._patches[(type(obj), name)].guards[id(obj)]) == 1
+
+
+def test_guarded_objects_are_not_kept_alive(tmp_path):
+    model, _ = make_training()
+    optim, ema = DataSGD(model.parameters()), EMA(model)
+    with ss.Checkpointer(tmp_path, host_memory_gb=0.01) as ckpt:
+        ckpt.guard(ema, "update")
+        ckpt.save(1, {"model": model, "optim": optim}).wait()
+        refs = weakref.ref(optim), weakref.ref(ema)
+        del optim, ema  # no reference cycle either: freed at once, without the garbage collector
+        assert [r() for r in refs] == [None, None]
+
+
+def test_what_cannot_be_guarded_is_a_checkpoint_error(tmp_path):
+    class Slotted:  # an optimizer-like object that takes no weak references
+        __slots__ = ("param_groups",)
+
+        def __init__(self):
+            self.param_groups = []
+
+        def step(self):
+            pass
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, sd):
+            pass
+    with ss.Checkpointer(tmp_path, host_memory_gb=0.01) as ckpt:
+        with pytest.raises(ss.CheckpointError, match="no method"):
+            ckpt.guard(EMA(make_training()[0]), "no method")
+        with pytest.raises(ss.CheckpointError, match=r"Slotted\.step.*weak references"):
+            ckpt.guard(Slotted(), "step")
+        patched = DataSGD([])
+        patched.step = lambda: None  # as an LR scheduler wraps a torch optimizer's step
+        with pytest.raises(ss.CheckpointError, match="its own attribute 'step'"):
+            ckpt.guard(patched, "step")
+        with pytest.warns(RuntimeWarning, match=r"Slotted\.step.*wait_staged"):
+            ckpt.save(1, {"t": torch.ones(3), "optim": Slotted()})
+
+
+@pytest.mark.parametrize("eager_copy_mb", [64, 0])
+def test_a_data_write_outside_any_guard(tmp_path, monkeypatch, eager_copy_mb):
+    """The documented limit. A tensor no optimizer writes, changed through ``.data`` by code
+    that no guard holds back: the eager copy inside ``save`` keeps the checkpoint right; without
+    it the version counter misses the write, and the checkpoint holds the new values with no
+    error. (If this starts failing, docs/checkpointer.md promises too little.)"""
+    state = {"ema": torch.zeros(1000)}
+    gate = CopiesWaitForAWaiter(monkeypatch)
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, eager_copy_mb=eager_copy_mb)
+    handle = ckpt.save(1, state)
+    state["ema"].data.add_(1.0)
+    gate.open()
+    ckpt.close()
+    stored = ss.open(handle.wait()).read("ema")
+    assert torch.equal(stored, torch.zeros(1000) if eager_copy_mb else torch.ones(1000))
