@@ -182,7 +182,7 @@ def test_in_place_change_outside_the_optimizer_fails_the_checkpoint(tmp_path, mo
         ckpt.save(2, state)  # the failure surfaces at the next call
     ckpt.close()
     assert not os.path.exists(tmp_path / "step-1")
-    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == [".statesnap-lock"]  # no staging left
 
 
 def test_tensors_no_optimizer_writes_are_copied_inside_save(tmp_path, monkeypatch):
@@ -249,7 +249,7 @@ def test_checkpointer_start_puts_back_a_checkpoint_an_overwrite_left_aside(tmp_p
         target = {"t": torch.zeros(3)}
         assert ckpt.load_latest(target) == 1
     assert torch.equal(target["t"], torch.ones(3))
-    assert sorted(os.listdir(tmp_path)) == ["step-1"]
+    assert sorted(os.listdir(tmp_path)) == [".statesnap-lock", "step-1"]
 
 
 def test_wait_staged_covers_custom_loops(tmp_path, monkeypatch):
@@ -337,7 +337,7 @@ def test_disk_full_mid_flush_surfaces_at_the_next_call(tmp_path):
     ckpt.close()
     names = os.listdir(tmp_path)
     assert sorted(n for n in names if n.startswith("step-")) == ["step-1", "step-2"]
-    assert not [n for n in names if n.startswith(".")]  # the failed staging directory is gone
+    assert [n for n in names if n.startswith(".")] == [".statesnap-lock"]  # the failed staging directory is gone
     for step in (1, 2):
         assert_checkpoint_equals(tmp_path / f"step-{step}", refs[step])
 
@@ -420,7 +420,7 @@ def test_load_latest_uses_the_fastest_level_holding_the_newest_step(tmp_path):
     restarted = ss.Checkpointer(root, **settings)
     assert restarted.load_latest(fresh) == 4 and restarted.loaded_from == "further"
     assert_state_equals(fresh, refs[4])
-    assert sorted(os.listdir(further)) == ["step-4"]
+    assert sorted(os.listdir(further)) == [".statesnap-lock", "step-4"]
     restarted.close()
 
 

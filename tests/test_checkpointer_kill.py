@@ -70,4 +70,4 @@ def test_restart_after_sigkill_mid_flush_loads_the_last_committed_step(tmp_path)
     assert ckpt.load_latest(state) == 1 and ckpt.loaded_from == "persistent"
     ckpt.close()
     assert_state_equals(state, torch.load(ref_path))
-    assert sorted(os.listdir(root)) == ["events", "step-1"]  # the leftover is cleaned up
+    assert sorted(os.listdir(root)) == [".statesnap-lock", "events", "step-1"]  # the leftover is cleaned up

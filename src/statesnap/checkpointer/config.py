@@ -56,7 +56,9 @@ class CheckpointerConfig:
     this much, because nothing would hold back a change to them; larger sets (frozen weights)
     are copied in the background and checked. ``copy_threads``/``threads``: staging copy and
     write workers. ``backend``: a custom :class:`StorageBackend` for the persistent level (tests
-    inject slow or failing storage).
+    inject slow or failing storage). ``take_over``: claim the roots even if another job holds
+    them (see docs/checkpointer.md, "One job per root"); ``lease_s``: how long a claim on an
+    object store lasts without renewal.
     """
 
     root: str
@@ -79,6 +81,8 @@ class CheckpointerConfig:
     events: bool = True
     commit_timeout_s: float = 600.0
     block_bytes: int = DEFAULT_BLOCK_BYTES
+    take_over: bool = False
+    lease_s: float = 60.0
 
     def __post_init__(self):
         self.root = str(self.root)
@@ -101,6 +105,7 @@ class CheckpointerConfig:
             (self.copy_threads >= 1, f"copy_threads must be at least 1 (got {self.copy_threads})"),
             (self.threads is None or self.threads >= 1, f"threads must be at least 1 (got {self.threads})"),
             (self.commit_timeout_s > 0, "commit_timeout_s must be positive"),
+            (self.lease_s >= 3, f"lease_s must be at least 3 seconds (got {self.lease_s})"),
             (self.block_bytes >= 4096, "block_bytes must be at least 4096"),
         ]
         for ok, message in checks:

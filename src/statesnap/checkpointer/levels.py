@@ -3,8 +3,10 @@
 Storage levels hold committed checkpoints as ``<root>/step-N`` directories in the normal
 statesnap format, so ``ss.open``/``ss.load`` read them. Retention deletes the oldest committed
 checkpoints beyond ``keep_last`` right after a newer one commits, so the newest committed
-checkpoint is never deleted before the next one is in place. A checkpoint is deleted manifest
-first: a deletion cut short leaves an uncommitted directory, never a damaged "committed" one.
+checkpoint is never deleted before the next one is in place. A checkpoint leaves the namespace in
+one step before its bytes are deleted (``StorageBackend.retire``): a deletion cut short never
+leaves a ``step-N`` that is not a whole checkpoint. Rank 0 claims each level's root for the
+Checkpointer's life (``storage/lock.py``), so no other job's cleanup or retention runs there.
 
 The memory level is the staging arena itself: a resident snapshot stays there after it is
 written, until the ring needs its space, and restores into a state of the same layout without
@@ -23,6 +25,8 @@ from ..format.dtypes import dtype_name
 from ..format.manifest import MANIFEST_NAME
 from ..state.flatten import flatten_for_load
 from ..storage.base import StorageBackend
+from ..storage.local import RETIRED_MARK
+from ..storage.lock import ClaimedBackend, claim_root
 from .staging import item_bytes_view
 
 STEP_PREFIX = "step-"
@@ -38,6 +42,17 @@ def parse_step(name: str) -> int | None:
 class StorageLevel:
     def __init__(self, name: str, root: str, backend: StorageBackend, keep_last: int):
         self.name, self.root, self.backend, self.keep_last = name, root, backend, keep_last
+        self.claim = None
+
+    def claim_root(self, take_over: bool, lease_s: float) -> None:
+        """Own the root for this job; from then on every commit and deletion checks the claim."""
+        self.claim = claim_root(self.root, self.backend, take_over, lease_s)
+        self.backend = ClaimedBackend(self.backend, self.claim)
+
+    def release(self) -> None:
+        if self.claim is not None:
+            self.claim.release()
+            self.backend, self.claim = self.backend._backend, None
 
     def path(self, step: int) -> str:
         return self.backend.join(self.root, f"{STEP_PREFIX}{step}")
@@ -54,8 +69,7 @@ class StorageLevel:
         steps = self.committed_steps()
         doomed = [s for s in steps[:-self.keep_last] if s not in protected]
         for step in doomed:
-            self.backend.remove(self.backend.join(self.path(step), MANIFEST_NAME))
-            self.backend.remove(self.path(step))
+            self.backend.retire(self.path(step), MANIFEST_NAME)
         return doomed
 
     def remove_leftovers(self) -> None:
@@ -67,8 +81,8 @@ class StorageLevel:
             self.backend.recover(self.path(step))
         for name in self.backend.listdir(self.root):
             step = parse_step(name)
-            if (name.startswith(f".{STEP_PREFIX}") and ".tmp-" in name) or \
-                    (step is not None and not self.is_committed(step)):
+            hidden = name.startswith(f".{STEP_PREFIX}") and (".tmp-" in name or RETIRED_MARK in name)
+            if hidden or (step is not None and not self.is_committed(step)):
                 self.backend.remove(self.backend.join(self.root, name))
 
 

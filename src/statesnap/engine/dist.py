@@ -1,50 +1,122 @@
-"""The few collectives a save or load needs, and a single-process stand-in for them.
+"""The few collectives a save or load needs, with a deadline, and a single-process stand-in.
 
 Every cross-rank step goes through :class:`Comm`, so errors travel too: a rank that failed
 contributes its error instead of its result, and :meth:`Comm.agree` makes every rank raise the
 same ``CheckpointError`` instead of some ranks hanging in the next collective.
+
+A rank can also vanish (killed, its node lost) or stop answering (hung). gloo reports the first
+as a raw ``RuntimeError`` and waits for the second as long as the group's timeout (30 minutes by
+default). So objects travel as byte tensors over a gloo group with ``async_op`` work whose
+``wait`` has this Comm's own deadline, and any failure of the transport becomes a
+:class:`PeerLostError` that says what was being done and which rank is gone, where this host
+can tell (ranks on this host whose process has exited).
 """
 from __future__ import annotations
 
+import os
+import pickle
+import socket
+import time
+from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
+
+DEFAULT_TIMEOUT_S = 1800.0  # torch.distributed's own default for gloo groups
+
+# Keyed by id(group); the values hold the group too, so an id cannot be reused while it is a key.
+_SIDE_GROUPS: dict = {}  # (id(group), timeout) -> (group, its side group), made once
+_IDENTITIES: dict = {}  # id(side group) -> (it, [(host, pid)] of its ranks), learned on first use
 
 
 class RemoteFailure(CheckpointError):
     pass
 
 
+class PeerLostError(CheckpointError):
+    """A collective failed in the transport: a rank vanished or did not answer in time."""
+
+
+def side_group(group, timeout_s: float):
+    """A gloo group over the ranks of ``group`` whose operations give up after ``timeout_s``,
+    made once per (group, timeout) by every member of ``group`` (making it is collective).
+    gloo ends an operation only at its group's timeout: the operation's ``wait(timeout)`` alone
+    would leave it pending, and the process would then hang at exit until the peer answers."""
+    key = (id(group), timeout_s)
+    known = _SIDE_GROUPS.get(key)
+    if known is None or known[0] is not group:
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        side = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
+                              use_local_synchronization=ranks is not None)
+        known = _SIDE_GROUPS[key] = (group, side)
+    return known[1]
+
+
+def _process_gone(pid: int) -> bool:
+    """Has process ``pid`` on this host exited? (A zombie not yet reaped by its parent has.)"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+
 class Comm:
-    def __init__(self, group=None):
+    """Collectives among the ranks of ``group`` (None: the default group) for one save, load or
+    commit. ``what`` names the operation in errors; ``timeout_s`` bounds every collective. They
+    run on a side group (:func:`side_group`) unless ``dedicated`` says ``group`` is already a gloo
+    group made for this, with that timeout."""
+
+    def __init__(self, group=None, what: str = "checkpointing", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 dedicated: bool = False):
         self.active = dist.is_available() and dist.is_initialized()
         self.group = group
+        self.what = what
+        self.timeout = timedelta(seconds=timeout_s)
         self.rank = dist.get_rank(group) if self.active else 0
         self.world_size = dist.get_world_size(group) if self.active else 1
+        self._gloo = group if dedicated else None
+        self._timeout_s = timeout_s
+
+    # ----------------------------------------------------------------- object collectives
 
     def all_gather(self, obj: Any) -> list:
-        if not self.active or self.world_size == 1:
+        if not self._multi():
             return [obj]
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        payload = self._encode(obj)
+        sizes = self._all_gather_tensor(torch.tensor([len(payload)], dtype=torch.int64))
+        padded = self._all_gather_tensor(self._pad(payload, int(max(sizes))))
+        return [self._decode(t, int(n)) for t, n in zip(padded, sizes)]
 
     def gather(self, obj: Any) -> list | None:
         """Objects of all ranks on rank 0, None elsewhere."""
-        if not self.active or self.world_size == 1:
+        if not self._multi():
             return [obj]
-        out = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=self._global(0), group=self.group)
-        return out
+        payload = self._encode(obj)
+        sizes = self._all_gather_tensor(torch.tensor([len(payload)], dtype=torch.int64))
+        padded = self._pad(payload, int(max(sizes)))
+        inbox = [torch.empty_like(padded) for _ in range(self.world_size)] if self.rank == 0 else None
+        self.wait(dist.gather(padded, inbox, dst=self._global(0), group=self.transport(), async_op=True))
+        return [self._decode(t, int(n)) for t, n in zip(inbox, sizes)] if self.rank == 0 else None
 
     def broadcast(self, obj: Any) -> Any:
-        if not self.active or self.world_size == 1:
+        if not self._multi():
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=self._global(0), group=self.group)
-        return box[0]
+        payload = self._encode(obj) if self.rank == 0 else None
+        size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+        self.wait(dist.broadcast(size, src=self._global(0), group=self.transport(), async_op=True))
+        box = payload if payload is not None else torch.empty(int(size), dtype=torch.uint8)
+        self.wait(dist.broadcast(box, src=self._global(0), group=self.transport(), async_op=True))
+        return self._decode(box, int(size))
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Raise on every rank if any rank failed ``what``; return normally if all succeeded."""
@@ -56,6 +128,71 @@ class Comm:
         failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None)
         if failed:
             raise RemoteFailure(f"{what} failed on another rank: {failed}")
+
+    # ----------------------------------------------------------------- transport
+
+    def _multi(self) -> bool:
+        return self.active and self.world_size > 1
+
+    def transport(self):
+        """The gloo group these collectives run on (point-to-point calls may use it too)."""
+        if self._gloo is None:
+            self._gloo = side_group(self.group, self._timeout_s)
+        known = _IDENTITIES.get(id(self._gloo))
+        if known is None or known[0] is not self._gloo:  # who is who, to name a rank that vanishes
+            _IDENTITIES[id(self._gloo)] = (self._gloo, None)  # before the exchange, which calls back here
+            _IDENTITIES[id(self._gloo)] = (self._gloo, self.all_gather((socket.gethostname(), os.getpid())))
+        return self._gloo
+
+    def _all_gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self.wait(dist.all_gather(out, tensor, group=self.transport(), async_op=True))
+        return out
+
+    def wait(self, work) -> None:
+        """Wait for ``work`` (an ``async_op`` request on this Comm's group) within the deadline."""
+        try:
+            work.wait(timeout=self.timeout)
+        except RuntimeError as exc:  # gloo: "Connection closed by peer", "Operation timed out!"
+            raise PeerLostError(f"{self.what} failed on rank {self.rank}: {self._who_is_gone(exc)} "
+                                f"({exc})") from exc
+
+    def _who_is_gone(self, exc: RuntimeError) -> str:
+        known = _IDENTITIES.get(id(self._gloo))
+        identities = known[1] if known is not None and known[0] is self._gloo else None
+        here = socket.gethostname()
+        if identities:
+            local = [r for r, (host, _) in enumerate(identities) if r != self.rank and host == here]
+            for _ in range(20):  # a killed process closes its sockets a moment before it is gone
+                gone = [r for r in local if _process_gone(identities[r][1])]
+                if gone or not local:
+                    break
+                time.sleep(0.05)
+            if gone:
+                names = ", ".join(f"rank {r} (pid {identities[r][1]})" for r in gone)
+                return f"{names} on this host exited"
+            hosts = sorted({host for host, _ in identities if host != here})
+            if hosts:
+                return f"a rank on another host ({', '.join(hosts)}) vanished or did not answer"
+        if "timed out" in str(exc).lower():
+            return f"another rank did not answer within {self.timeout.total_seconds():g} s"
+        return "another rank vanished"
+
+    @staticmethod
+    def _encode(obj: Any) -> torch.Tensor:
+        return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+    @staticmethod
+    def _pad(payload: torch.Tensor, size: int) -> torch.Tensor:
+        out = torch.zeros(max(size, 1), dtype=torch.uint8)
+        out[:len(payload)] = payload
+        return out
+
+    @staticmethod
+    def _decode(tensor: torch.Tensor, size: int) -> Any:
+        # Peers of one job are trusted as torch.distributed's own object collectives trust them;
+        # nothing read from a checkpoint ever comes through here.
+        return pickle.loads(tensor[:size].numpy().tobytes())
 
     def _global(self, group_rank: int) -> int:
         if self.group is None:

@@ -20,7 +20,7 @@ from ..state.items import Flattened
 from ..storage import LocalBackend, backend_for, normalize
 from ..storage.base import StorageBackend
 from .buffers import host_contiguous
-from .dist import Comm
+from .dist import DEFAULT_TIMEOUT_S, Comm
 from .objects import decode_value
 from .read import ReadExecutor
 from .shared import plan_shared_reads, should_share
@@ -172,14 +172,16 @@ def fill_objects(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
 
 def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_pickle: bool = False,
          storage_options: dict | None = None, process_group=None, threads: int | None = None,
-         shared_reads: bool | None = None) -> LoadInfo:
+         shared_reads: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> LoadInfo:
     """Load the checkpoint at ``path`` into ``state`` in place, resharding into its current layout.
 
     ``shared_reads``: bytes several ranks need are read by one and sent to the others (True),
-    read by each (False), or shared only when storage is not local (None; see engine/shared.py)."""
+    read by each (False), or shared only when storage is not local (None; see engine/shared.py).
+    Every collective waits at most ``timeout_s`` for the other ranks; a rank that vanishes or
+    hangs makes the load raise a ``CheckpointError`` on the others."""
     started = time.perf_counter()
     path = normalize(path)
-    comm = Comm(process_group)
+    comm = Comm(process_group, f"loading {path}", timeout_s)
     backend = backend_for(path, storage_options)
     error, nbytes = None, 0
     try:

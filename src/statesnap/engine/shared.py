@@ -23,8 +23,6 @@ from ..state.items import Flattened
 from .buffers import host_contiguous
 from .dist import Comm
 
-_GLOO_GROUPS: dict = {}  # trainer group -> a gloo group over the same ranks, made once
-
 
 def should_share(requested: bool | None, comm: Comm, backend_is_local: bool) -> bool:
     """The decision every rank takes identically (it decides whether collectives follow)."""
@@ -41,6 +39,7 @@ class SharedReads:
     sends: dict[int, list[int]] = field(default_factory=dict)  # peer rank -> item indices, in order
     recvs: dict[int, list[int]] = field(default_factory=dict)  # peer rank -> item indices, in order
     group: object = None
+    comm: Comm | None = None
     bytes_received: int = 0
 
     def run(self, flat: Flattened) -> None:
@@ -56,7 +55,7 @@ class SharedReads:
             inbox[peer] = torch.empty(sum(flat.tensors[i].nbytes for i in indices), dtype=torch.uint8)
             requests.append(dist.irecv(inbox[peer], src=peer, group=self.group))
         for request in requests:
-            request.wait()
+            self.comm.wait(request)
         with torch.no_grad():
             for peer, indices in self.recvs.items():
                 pos = 0
@@ -86,7 +85,7 @@ def plan_shared_reads(comm: Comm, flat: Flattened, skip: set[str], enabled: bool
     for key, hs in holders.items():
         if len(hs) == 1:
             load[hs[0][0]] += sizes[key]
-    out = SharedReads(group=_gloo_group(comm))
+    out = SharedReads(group=comm.transport(), comm=comm)
     for key in sorted((k for k, hs in holders.items() if len(hs) > 1), key=lambda k: (-sizes[k], k)):
         hs = holders[key]
         owner, owner_index = min(hs, key=lambda h: (load[h[0]], h[0]))
@@ -106,13 +105,3 @@ def _peer(comm: Comm, group_rank: int) -> int:
     """Point-to-point calls take global ranks."""
     return group_rank if comm.group is None else dist.get_global_rank(comm.group, group_rank)
 
-
-def _gloo_group(comm: Comm):
-    """The trainer's group if it speaks gloo (host tensors), else a gloo twin made once."""
-    if dist.get_backend(comm.group) == "gloo":
-        return comm.group
-    key = id(comm.group)
-    if key not in _GLOO_GROUPS:
-        ranks = None if comm.group is None else dist.get_process_group_ranks(comm.group)
-        _GLOO_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
-    return _GLOO_GROUPS[key]

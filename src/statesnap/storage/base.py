@@ -95,6 +95,14 @@ class StorageBackend(ABC):
         """Make ``staging`` visible at ``final`` atomically. ``keep`` names the committed files
         (backends that write in place delete older files not in it after the switch)."""
 
+    def retire(self, path: str, marker: str) -> None:
+        """Delete the committed checkpoint at ``path`` so that it leaves the namespace in one
+        step: a deletion cut short must not leave a half-deleted checkpoint under its committed
+        name, where listings and other tools would take it for one. The default removes the commit
+        marker first (on object stores a checkpoint without it does not exist), then the rest."""
+        self.remove(self.join(path, marker))
+        self.remove(path)
+
     def recover(self, final: str) -> bool:
         """Put back a checkpoint that an interrupted :meth:`commit` left under another name, if
         any; True if one was restored. Backends whose commit is one atomic step have none."""

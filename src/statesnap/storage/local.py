@@ -41,6 +41,7 @@ except (NameError, AttributeError):
 _SYNC_FILE_RANGE_WRITE = 2
 _WRITEBACK_MIN = 1 << 20
 _ASIDE_SUFFIX = ".old"  # the old checkpoint during an overwrite without renameat2
+RETIRED_MARK = ".deleting-"  # a checkpoint renamed out of the namespace, being deleted
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _DIRECT_MIN = 1 << 20
 _BOUNCE_BYTES = 16 << 20
@@ -317,6 +318,19 @@ class LocalBackend(StorageBackend):
         os.rename(final, aside)
         os.rename(staging, final)
         shutil.rmtree(aside, ignore_errors=True)
+
+    def retire(self, path: str, marker: str) -> None:
+        """Rename the checkpoint to a hidden name (atomic), make the rename durable, then delete:
+        a kill at any moment leaves either the whole checkpoint or nothing at its name."""
+        path = os.path.abspath(path)
+        parent, name = os.path.split(path)
+        hidden = os.path.join(parent, f".{name}{RETIRED_MARK}{os.urandom(6).hex()}")
+        try:
+            os.rename(path, hidden)
+        except FileNotFoundError:
+            return
+        fsync_dir(parent)
+        shutil.rmtree(hidden, ignore_errors=True)
 
     def recover(self, final: str) -> bool:
         final = os.path.abspath(final)
