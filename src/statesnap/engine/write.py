@@ -6,11 +6,13 @@ cache where the backend can (see ``FileWriter.pwrite_bulk``).
 """
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from ..format.checksum import checksum_blocks
+from ..plan.save_plan import ALIGN
 from ..storage.base import StorageBackend
 
 CHUNK_BLOCKS = 4
@@ -24,7 +26,9 @@ def write_file(backend: StorageBackend, path: str, jobs: Sequence[tuple[int, mem
                block_bytes: int, durable: bool, threads: int | None = None) -> list[list[int]]:
     """Write ``(offset, bytes)`` jobs into ``path``; return each job's block checksums."""
     writer = backend.open_write(path, durable)
-    chunk = block_bytes * CHUNK_BLOCKS
+    # Whole blocks (each chunk checksums its own), starting on ALIGN like the pieces: a streaming
+    # writer then knows a stream that ends off ALIGN ends a piece (see storage/fsspec_backend).
+    chunk = math.lcm(block_bytes * CHUNK_BLOCKS, ALIGN)
     tasks = []  # (job index, chunk position, offset, view)
     for index, (offset, view) in enumerate(jobs):
         for pos in range(0, max(len(view), 1), chunk):

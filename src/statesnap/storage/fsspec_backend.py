@@ -4,50 +4,274 @@ Object stores cannot rename a directory atomically, so the manifest is the commi
 files are written in place under names unique to this save, and the manifest is written last in
 one PUT. A reader that finds no manifest sees no checkpoint. On overwrite the old data files stay
 until the new manifest is in place and are deleted only then.
+
+Object stores also cannot write at an offset: a file is one stream (fsspec's buffered files on
+s3/gcs upload a multipart part each time their block fills). :class:`_FsspecWriter` turns the
+positioned writes of several threads into that stream without holding the file in memory.
 """
 from __future__ import annotations
 
+import heapq
+import os
+import tempfile
 import threading
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import fsspec
+from fsspec.spec import AbstractBufferedFile
 
+from ..errors import CheckpointError
 from .base import FileReader, FileWriter, StorageBackend
+
+# Out-of-order bytes one file may hold in host memory. It is outside the Checkpointer's
+# ``host_memory_gb`` budget, so it is small and fixed: about one write of a blocking save.
+REORDER_BYTES = 64 << 20
+# The most one call hands to the fsspec file: its buffer grows by at most this before it
+# uploads a block, whatever size the caller's write has.
+WRITE_SLICE = 8 << 20
+# Writers leave gaps only to start a piece on a multiple of this (the save plan's ALIGN), and
+# cut pieces into parts at multiples of it (blocking saves' chunks; the Checkpointer's segments,
+# whole blocks, when its ``block_bytes`` is a multiple of it). So a stream that ends off such a
+# multiple ends a piece: the gap up to the next multiple is padding, not bytes still to come. A
+# part that breaks this arrives behind the stream and fails the file rather than being lost.
+PAD_ALIGN = 64
+
+
+def _error(what: str, exc: BaseException) -> CheckpointError:
+    error = CheckpointError(f"{what}: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+_HOLD = object()  # ``_admit``'s answer for a part copied into memory
+
+
+class _Spilled(NamedTuple):
+    """A part kept in the spill file: ``nbytes`` at ``at``."""
+
+    at: int
+    nbytes: int
+
+
+def _size(part) -> int:
+    if isinstance(part, _Spilled):
+        return part.nbytes
+    return len(part) if isinstance(part, bytes) else sum(len(v) for v in part)
 
 
 class _FsspecWriter(FileWriter):
-    """Object stores take whole streams, so parts are buffered and uploaded in order at close."""
+    """Positioned writes in, one sequential stream out, in bounded memory.
 
-    def __init__(self, fs, path: str):
-        self.fs, self.path = fs, path
-        self.parts: dict[int, bytes] = {}
-        self.lock = threading.Lock()
+    The file is opened at once and written front to back. A part that continues the stream is
+    written straight from the caller's memory by the thread that brings it, which then writes the
+    held parts that follow on. One thread writes to the file at a time (the *writing role*). A
+    part that arrives early is copied (the caller may reuse its memory once ``pwrite`` returns)
+    while at most ``reorder_bytes`` are held. Beyond that its thread waits (back-pressure), but
+    only while progress is certain: a thread is writing, or a thread inside ``pwrite`` brings
+    the part the stream needs next; either will move the stream on and wake it. Otherwise the
+    next part is still with a caller that may itself be waiting for this one to return (the
+    Checkpointer's flusher writes in copy order, not file order, from a finite pool and arena),
+    so waiting could deadlock: the part goes to a spill file on local disk (``TMPDIR``) instead,
+    and host memory stays bounded. Callers that write in file order from FIFO pools (blocking
+    saves, level copies) keep the next part in flight, so they wait: they spill only if the
+    stream catches up in the instant between a thread taking the next part and handing it over.
+
+    A failed write fails the writer: every later ``pwrite`` and ``close`` raises, and ``close``
+    deletes what was uploaded, so no complete-looking object is left (the manifest is the commit
+    marker in any case)."""
+
+    def __init__(self, fs, path: str, name: str, reorder_bytes: int = REORDER_BYTES):
+        self.fs, self.path, self.name = fs, path, name
+        self.reorder_bytes = reorder_bytes
+        self.held = 0  # bytes of early parts held in memory
+        self._pos = 0  # bytes written to the stream; changed only by the thread in the writing role
+        self._pending: dict[int, object] = {}  # offset -> bytes or _Spilled
+        self._offsets: list[int] = []  # heap of the offsets in ``_pending``
+        self._arriving: list[int] = []  # offsets of parts inside pwrite, neither written nor pending
+        self._writing = False
+        self._failure: CheckpointError | None = None
+        self._spill = None
+        self._spill_end = 0
+        self._cond = threading.Condition()
+        try:
+            self._file = fs.open(path, "wb")
+        except Exception as exc:
+            raise _error(f"cannot create {name}", exc) from exc
 
     def pwrite(self, offset: int, views: Sequence[memoryview]) -> None:
-        data = b"".join(bytes(v) for v in views)
-        with self.lock:
-            self.parts[offset] = data
+        views = [memoryview(v).cast("B") for v in views]
+        nbytes = sum(len(v) for v in views)
+        if not nbytes:
+            return
+        with self._cond:
+            how = self._admit(offset, nbytes)
+        if how is None:
+            self._write_out(offset, views)
+            return
+        try:
+            part = b"".join(views) if how is _HOLD else self._spill_out(how, views)
+        except Exception as exc:
+            what = f"cannot keep bytes [{offset}, {offset + nbytes}) of {self.name} until their turn"
+            raise self._fail(what, exc) from exc
+        with self._cond:
+            if offset in self._pending:
+                raise self._fail(f"bytes at {offset} of {self.name} were written twice", None)
+            self._pending[offset] = part
+            heapq.heappush(self._offsets, offset)
+            self._arriving.remove(offset)
+            if self._writing or not self._ready(self._offsets[0]):
+                return
+            self._writing = True  # the stream reached this part while it was being copied
+        self._write_out()
+
+    def _admit(self, offset: int, nbytes: int):
+        """Under the lock: None to write the part now (the writing role is taken), ``_HOLD`` to
+        copy it into memory (room reserved), or where in the spill file to put it; or wait."""
+        self._arriving.append(offset)
+        while True:
+            self._raise_if_failed()
+            if offset < self._pos:
+                raise self._fail(f"bytes [{offset}, {offset + nbytes}) of {self.name} arrived after the "
+                                 f"upload had passed byte {self._pos}", None)
+            if not self._writing and self._ready(offset):
+                self._writing = True
+                self._arriving.remove(offset)
+                return None
+            if self.held + nbytes <= self.reorder_bytes:
+                self.held += nbytes
+                return _HOLD
+            if not self._writing and not any(map(self._ready, self._arriving)):
+                if self._spill is None:
+                    try:
+                        self._spill = tempfile.TemporaryFile(prefix="statesnap-spill-")
+                    except OSError as exc:
+                        raise self._fail(f"cannot spill early bytes of {self.name} to {tempfile.gettempdir()}",
+                                         exc) from exc
+                at, self._spill_end = self._spill_end, self._spill_end + nbytes
+                return _Spilled(at, nbytes)
+            self._cond.wait()  # the thread writing, or the one bringing the next part, makes progress
+
+    def _ready(self, offset: int) -> bool:
+        return offset == self._pos or (self._pos % PAD_ALIGN != 0 and offset == -(-self._pos // PAD_ALIGN) * PAD_ALIGN)
+
+    def _spill_out(self, spilled: _Spilled, views: list[memoryview]) -> _Spilled:
+        at, fd = spilled.at, self._spill.fileno()
+        for view in views:
+            while len(view):
+                done = os.pwrite(fd, view, at)
+                view, at = view[done:], at + done
+        return spilled
+
+    def _write_out(self, offset: int | None = None, part=None, final: bool = False) -> None:
+        """In the writing role: write ``part`` at ``offset`` (if given), then the held parts that
+        follow on (with ``final``, all of them, gaps filled with zeros); then give up the role."""
+        try:
+            while True:
+                if part is not None:
+                    self._write_at(offset, part)
+                with self._cond:
+                    if part is not None:
+                        self._pos = offset + _size(part)
+                        self.held -= len(part) if isinstance(part, bytes) else 0
+                        self._cond.notify_all()
+                    if not self._offsets or not (final or self._ready(self._offsets[0])):
+                        self._writing = False
+                        self._cond.notify_all()
+                        return
+                    offset = heapq.heappop(self._offsets)
+                    part = self._pending.pop(offset)
+                    if offset < self._pos:
+                        raise self._fail(f"bytes at {offset} of {self.name} overlap bytes written before", None)
+        except BaseException as exc:
+            error = self._fail(f"writing {self.name} failed at byte {offset}", exc)  # keeps a first failure
+            if isinstance(exc, Exception):
+                raise error from exc
+            raise
+
+    def _write_at(self, offset: int, part) -> None:
+        for start in range(self._pos, offset, WRITE_SLICE):  # padding (or, at close, a gap)
+            self._file.write(bytes(min(WRITE_SLICE, offset - start)))
+        if isinstance(part, _Spilled):
+            for start in range(0, part.nbytes, WRITE_SLICE):
+                self._file.write(os.pread(self._spill.fileno(), min(WRITE_SLICE, part.nbytes - start), part.at + start))
+            return
+        for view in [memoryview(part)] if isinstance(part, bytes) else part:
+            for start in range(0, len(view), WRITE_SLICE):
+                self._file.write(view[start:start + WRITE_SLICE])
+
+    def _fail(self, what: str, exc: BaseException | None) -> CheckpointError:
+        """Fail the writer (the first failure is the one reported) and wake every waiting thread."""
+        with self._cond:
+            if self._failure is None:
+                self._failure = _error(what, exc) if exc is not None else CheckpointError(what)
+            self._writing = False
+            self._cond.notify_all()
+            return self._copy_of_failure()
+
+    def _copy_of_failure(self) -> CheckpointError:
+        error = CheckpointError(str(self._failure))
+        error.__cause__ = self._failure.__cause__
+        return error
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise self._copy_of_failure()
 
     def close(self, durable: bool) -> None:
-        with self.fs.open(self.path, "wb") as f:
-            pos = 0
-            for offset in sorted(self.parts):
-                if offset != pos:
-                    f.write(b"\0" * (offset - pos))
-                f.write(self.parts[offset])
-                pos = offset + len(self.parts[offset])
-        self.parts.clear()
+        """Write what is still held, gaps zero-filled, and complete the upload (an object store
+        makes the object durable as it completes it). A failed writer deletes its object."""
+        try:
+            with self._cond:
+                while self._writing:  # a pwrite still under way: callers close after theirs return
+                    self._cond.wait()
+                self._raise_if_failed()
+                self._writing = True
+            self._write_out(final=True)
+            try:
+                self._file.close()
+            except Exception as exc:
+                raise self._fail(f"completing {self.name} failed", exc) from exc
+        except BaseException:
+            self._discard()
+            raise
+        finally:
+            if self._spill is not None:
+                self._spill.close()
+
+    def _discard(self) -> None:
+        """Best effort, on the way to raising the failure that matters: abort the upload (closing
+        a buffered file would complete it with what it has) and delete whatever was stored."""
+        try:
+            if isinstance(self._file, AbstractBufferedFile):
+                self._file.discard()
+                self._file.closed = True
+            else:
+                self._file.close()
+        except Exception:  # noqa: BLE001 (the write's failure is raised instead)
+            pass
+        try:
+            self.fs.rm(self.path)
+        except Exception:  # noqa: BLE001 (nothing stored, or a store failing as well)
+            pass
 
 
 class _FsspecReader(FileReader):
-    def __init__(self, fs, path: str):
-        self.fs, self.path = fs, path
-        self._size = fs.size(path)
+    def __init__(self, fs, path: str, name: str):
+        self.fs, self.path, self.name = fs, path, name
+        try:
+            self._size = fs.size(path)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            raise _error(f"cannot open {name}", exc) from exc
 
     def readinto(self, offset: int, views: Sequence[memoryview]) -> int:
         total = sum(len(v) for v in views)
         end = min(offset + total, self._size)
-        data = self.fs.cat_file(self.path, start=offset, end=end) if end > offset else b""
+        try:
+            data = self.fs.cat_file(self.path, start=offset, end=end) if end > offset else b""
+        except Exception as exc:
+            raise _error(f"reading bytes [{offset}, {end}) of {self.name} failed", exc) from exc
         pos = 0
         for view in views:
             chunk = data[pos:pos + len(view)]
@@ -89,16 +313,24 @@ class FsspecBackend(StorageBackend):
             pass
 
     def open_write(self, path: str, durable: bool = False) -> FileWriter:
-        return _FsspecWriter(self.fs, self._strip(path))
+        return _FsspecWriter(self.fs, self._strip(path), path, REORDER_BYTES)
 
     def open_read(self, path: str) -> FileReader:
-        return _FsspecReader(self.fs, self._strip(path))
+        return _FsspecReader(self.fs, self._strip(path), path)
 
     def write_bytes(self, path: str, data: bytes, durable: bool) -> None:
-        self.fs.pipe_file(self._strip(path), data)
+        try:
+            self.fs.pipe_file(self._strip(path), data)
+        except Exception as exc:
+            raise _error(f"writing {path} failed", exc) from exc
 
     def read_bytes(self, path: str) -> bytes:
-        return self.fs.cat_file(self._strip(path))
+        try:
+            return self.fs.cat_file(self._strip(path))
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise  # callers tell a missing file from a failing one
+        except Exception as exc:
+            raise _error(f"reading {path} failed", exc) from exc
 
     def begin(self, final: str, token: str) -> str:
         self.fs.makedirs(self._strip(final), exist_ok=True)

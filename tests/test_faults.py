@@ -1,0 +1,134 @@
+"""I/O errors at every read and write of a save and a load (``faulty://``): each one surfaces as a
+CheckpointError naming the file, and none leaves a partial checkpoint visible."""
+import errno
+
+import fsspec
+import pytest
+import torch
+
+import statesnap as ss
+from statesnap.bench.faults import Faults, FaultyFileSystem
+
+
+def small_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(40, 30, generator=g), "b": torch.randn(7, generator=g).bfloat16(),
+            "steps": torch.arange(5), "extra": {"epoch": seed, "name": "run", "seen": {seed, "a"}}}  # a set: pickled
+
+
+def blank_state() -> dict:
+    return {"w": torch.zeros(40, 30), "b": torch.zeros(7).bfloat16(), "steps": torch.zeros(5, dtype=torch.long),
+            "extra": {"epoch": -1, "name": "", "seen": set()}}
+
+
+def assert_same(state: dict, expected: dict) -> None:
+    for key in ("w", "b", "steps"):
+        assert torch.equal(state[key].view(torch.uint8), expected[key].view(torch.uint8)), key
+    assert state["extra"] == expected["extra"]
+
+
+def assert_loads(path: str, target: str, seed: int) -> None:
+    """``path`` loads, without faults, the values of ``small_state(seed)`` bit for bit."""
+    state = blank_state()
+    ss.load(state, path, **options(Faults(), target))
+    assert_same(state, small_state(seed))
+
+
+def stored_names(target: str, path: str) -> set[str]:
+    """File names under ``path`` as the wrapped file system holds them."""
+    fs, inner = fsspec.filesystem(target), FaultyFileSystem._strip_protocol(path)
+    return {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(inner, detail=False)} if fs.exists(inner) else set()
+
+
+@pytest.fixture(params=["memory", "file"])
+def place(request, tmp_path):
+    """(URL prefix, wrapped file system): memory, or a local directory."""
+    if request.param == "file":
+        return f"faulty://{tmp_path}", "file"
+    root, memory = f"statesnap-faults/{tmp_path.name}", fsspec.filesystem("memory")
+    if memory.exists(root):
+        memory.rm(root, recursive=True)
+    return f"faulty://{root}", "memory"
+
+
+def options(faults: Faults, target: str) -> dict:
+    """The keywords of save, load and open: these faults over ``target``; the set is pickled."""
+    return {"storage_options": {"faults": faults, "target_protocol": target}, "allow_pickle": True}
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC])
+def test_a_save_failing_at_any_write_raises_and_leaves_nothing_visible(place, code):
+    prefix, target = place
+    faults = Faults(errno=code)
+    ss.save(small_state(0), f"{prefix}/count", **options(faults, target))
+    writes = faults.writes
+    assert writes >= 4  # the data file's open and writes, the manifest
+    for n in range(1, writes + 1):
+        path = f"{prefix}/fresh-{n}"
+        faults.reset(fail_write=n)
+        with pytest.raises(ss.CheckpointError) as info:
+            ss.save(small_state(n), path, **options(faults, target))
+        assert faults.injected, n
+        assert path.split("://", 1)[1] in str(info.value)
+        assert stored_names(target, path) == set(), n  # nothing partial, not even data files
+        faults.reset()
+        with pytest.raises(ss.CheckpointError):
+            ss.open(path, **options(faults, target))
+
+
+def test_an_overwrite_failing_at_any_write_keeps_the_committed_checkpoint(place):
+    prefix, target = place
+    path = f"{prefix}/step-1"
+    faults = Faults()
+    ss.save(small_state(1), path, **options(faults, target))
+    committed = stored_names(target, path)
+    faults.reset()
+    ss.save(small_state(2), f"{prefix}/count", **options(faults, target))
+    for n in range(1, faults.writes + 1):
+        faults.reset(fail_write=n)
+        with pytest.raises(ss.CheckpointError):
+            ss.save(small_state(100 + n), path, overwrite=True, **options(faults, target))
+        assert stored_names(target, path) == committed, n
+        assert_loads(path, target, 1)
+
+
+def test_a_load_failing_at_any_read_raises_naming_the_file(place):
+    prefix, target = place
+    path = f"{prefix}/step-3"
+    faults = Faults()
+    ss.save(small_state(3), path, **options(faults, target), block_bytes=1024)
+    faults.reset()
+    ss.load(blank_state(), path, **options(faults, target), threads=1)
+    reads = faults.reads
+    assert reads >= 3  # the manifest and the data file's pieces
+    for n in range(1, reads + 1):
+        faults.reset(fail_read=n)
+        with pytest.raises(ss.CheckpointError) as info:
+            ss.load(blank_state(), path, **options(faults, target), threads=1)
+        failed_file = faults.injected[0].rsplit("/", 1)[-1]
+        assert failed_file in str(info.value) and "Input/output error" in str(info.value), n
+    assert_loads(path, target, 3)
+
+
+def test_reader_failing_at_any_read_raises_checkpoint_error(place):
+    prefix, target = place
+    path = f"{prefix}/step-4"
+    faults = Faults()
+    ss.save(small_state(4), path, **options(faults, target))
+    faults.reset()
+    ss.open(path, **options(faults, target)).verify()
+    for n in range(1, faults.reads + 1):
+        faults.reset(fail_read=n)
+        with pytest.raises(ss.CheckpointError):
+            ss.open(path, **options(faults, target)).verify()
+
+
+def test_a_full_disk_fails_every_save_until_space_returns(place):
+    prefix, target = place
+    faults = Faults(fail_write=2, errno=errno.ENOSPC, sticky=True)
+    for attempt in range(3):
+        with pytest.raises(ss.CheckpointError, match="No space left"):
+            ss.save(small_state(attempt), f"{prefix}/full-{attempt}", **options(faults, target))
+    faults.reset()
+    ss.save(small_state(9), f"{prefix}/full-0", **options(faults, target))
+    assert_loads(f"{prefix}/full-0", target, 9)
