@@ -15,13 +15,13 @@ from .errors import (
     MissingFileError, ReshardError, StateMismatchError, UnsafeCheckpointError,
 )
 from .reader import Reader, open  # noqa: A004
-from .state.wrappers import PerRank, Sharded, flat_partition
+from .state.wrappers import PerRank, Replicated, Sharded, flat_partition
 
 __version__ = "0.1.0"
 
 __all__ = [
     "save", "load", "open", "Reader", "SaveInfo", "LoadInfo", "convert", "export", "ExportInfo",
-    "Sharded", "PerRank", "flat_partition",
+    "Sharded", "PerRank", "Replicated", "flat_partition",
     "CheckpointError", "CorruptCheckpointError", "MissingFileError", "ManifestError", "StateMismatchError",
     "CheckpointExistsError", "UnsafeCheckpointError", "ConsistencyError", "ReshardError",
 ]

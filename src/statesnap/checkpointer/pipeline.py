@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.dist import Comm
+from ..engine.replicas import REPLICA_CHECK_MB, hash_tensors, limit_bytes, replicas_to_check
 from ..engine.save import RankOutput, commit_or_abort, data_file_name, open_staging
 from ..errors import CheckpointError
 from ..format.checksum import checksum_blocks, checksum_whole
@@ -218,6 +219,7 @@ class FlushTarget:
     durable: bool
     threads: int
     block_bytes_of: Any  # () -> int
+    replica_check_bytes: int = limit_bytes(REPLICA_CHECK_MB)  # replicas compared at commit, up to this size
 
 
 class Flusher(_Stage):
@@ -257,6 +259,8 @@ class Flusher(_Stage):
             if problem is not None:
                 raise CheckpointError(f"could not start checkpoint {snap.path}: {problem}")
             output = self._write(snap, staging, token)
+            self._drain(snap)  # every copy is done, also on a rank that writes nothing
+            output.replicas = self._hash_replicas(snap)
         except BaseException as exc:  # noqa: BLE001 (every rank must reach the gather below)
             error = snap.error or exc
         finally:
@@ -287,6 +291,23 @@ class Flusher(_Stage):
             if batch.region is not None and batch.region.state != FREE:
                 arena.release(batch.region)
         snap.batches.put(None)  # idempotent: a later drain finds the end at once
+
+    def _hash_replicas(self, snap: Snapshot) -> list:
+        """Hashes of the staged copies of this rank's replicas of pieces other ranks write, which
+        the commit compares with the writers' checksums (``engine/replicas.py``). Hashing the
+        arena, here, keeps the work off the training thread and sees exactly the snapshot. Only a
+        resident snapshot has them there: a streaming one stages just what this rank writes."""
+        if not snap.resident or snap.error is not None:
+            return []
+        targets = replicas_to_check(snap.plan, snap.metas, [item.replicated for item in snap.flat.tensors],
+                                    self.target.comm.rank, self.target.replica_check_bytes)
+        if not targets:
+            return []
+        arena, base = self._arena_of(), snap.region.start
+        staged = {index: arena.view(base + snap.item_offsets[index], snap.metas[index].nbytes)
+                  for index, *_ in targets}
+        with self._events.timed("checksum", snap.step, sum(view.numel() for view in staged.values())):
+            return hash_tensors(targets, staged, self.target.block_bytes_of())
 
     def _write(self, snap: Snapshot, staging: str, token: str) -> RankOutput:
         backend, rank = self.target.backend, self.target.comm.rank

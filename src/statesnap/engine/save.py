@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,6 +25,7 @@ from ..storage.base import StorageBackend
 from .buffers import byte_view, host_contiguous
 from .dist import Comm
 from .objects import encode_value
+from .replicas import REPLICA_CHECK_MB, hash_tensors, limit_bytes, mismatches, replicas_to_check
 from .write import write_file
 
 
@@ -48,6 +49,7 @@ class RankOutput:
     checksums: dict[int, list[int]]  # item index -> block checksums
     objects: dict[str, ObjectEntry]  # this rank's object entries (shared ones only from rank 0)
     per_rank: set[str]  # which of ``objects`` are per-rank values
+    replicas: list = field(default_factory=list)  # hashes of replicas other ranks write (engine.replicas)
 
 
 def encode_objects(flat: Flattened, rank: int, allow_pickle: bool) -> tuple[dict[str, ObjectEntry], list[tuple[str, bytes]]]:
@@ -124,8 +126,12 @@ def _merge_objects(outputs: list[RankOutput], index_of: dict[int, int]) -> dict[
 
 def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, allow_pickle: bool = False,
          storage_options: dict | None = None, process_group=None, threads: int | None = None,
-         meta: dict | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES) -> SaveInfo:
-    """Save ``state`` to ``path`` and return once it is committed (durable unless ``durable=False``)."""
+         meta: dict | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
+         replica_check_mb: float = REPLICA_CHECK_MB) -> SaveInfo:
+    """Save ``state`` to ``path`` and return once it is committed (durable unless ``durable=False``).
+
+    Replicated pieces of at most ``replica_check_mb`` MiB (0: none) are compared across the
+    ranks holding them; if they differ nothing is committed (see ``engine/replicas.py``)."""
     started = time.perf_counter()
     path = normalize(path)
     comm = Comm(process_group)
@@ -149,6 +155,9 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
         tensors = {index: host_contiguous(flat.tensors[index].local) for index, _ in plan.writes[comm.rank]}
         output = write_rank(backend, staging, token, comm.rank, plan, tensors, entries, blobs,
                             per_rank_names(flat), durable, threads, block_bytes)
+        targets = replicas_to_check(plan, metas, [item.replicated for item in flat.tensors], comm.rank,
+                                    limit_bytes(replica_check_mb))
+        output.replicas = hash_tensors(targets, [item.local for item in flat.tensors], block_bytes)
     except Exception as exc:
         error = exc
     outputs = comm.gather((output, None if error is None else f"{type(error).__name__}: {error}"))
@@ -183,6 +192,10 @@ def commit_or_abort(backend, path, staging, plan, outputs, world_size, overwrite
     if failures:
         backend.abort(staging, path, written)
         return f"save to {path} failed and was not committed: " + "; ".join(failures)
+    differ = mismatches([out for out, _ in outputs])
+    if differ is not None:
+        backend.abort(staging, path, written)
+        return f"{path} was not committed: {differ}"
     try:
         manifest = build_manifest(plan, [out for out, _ in outputs], world_size, block_bytes, meta)
         backend.write_bytes(backend.join(staging, MANIFEST_NAME), manifest.to_bytes(), durable)

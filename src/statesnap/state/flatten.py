@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
@@ -18,8 +19,8 @@ from ..errors import CheckpointError
 from ..format.plaindata import inlinable
 from ..format.manifest import BOX
 from .items import Flattened, ObjectItem, TensorItem
-from .placement import dtensor_box, is_dtensor
-from .wrappers import PerRank, Sharded
+from .placement import dtensor_box, has_replicate, is_dtensor
+from .wrappers import PerRank, Replicated, Sharded
 
 SEP = "."
 
@@ -65,6 +66,8 @@ class _Walker:
         elif isinstance(value, PerRank):
             self._claim(fqn)
             self.out.objects.append(ObjectItem(fqn, value.snapshot(), per_rank=value))
+        elif isinstance(value, Replicated):
+            self.declare_replicated(lambda: self.walk(fqn, value.value, container, key))
         elif isinstance(value, Sharded):
             self._claim(fqn)
             self.out.tensors.append(TensorItem(fqn, value.local, value.global_shape, value.layout,
@@ -92,16 +95,32 @@ class _Walker:
         if is_dtensor(value):
             box = dtensor_box(value, fqn)
             if box is not None:
-                self.out.tensors.append(TensorItem(fqn, value.to_local(), tuple(value.shape), BOX, *box))
+                self.out.tensors.append(TensorItem(fqn, value.to_local(), tuple(value.shape), BOX, *box,
+                                                   replicated=has_replicate(value)))
         else:
             # A plain tensor under several ranks is a replica (DDP): identical boxes dedup on save.
             self.out.tensors.append(TensorItem(fqn, value, tuple(value.shape)))
 
     def module(self, fqn: str, module: nn.Module) -> None:
         sd = get_model_state_dict(module)
-        self.walk_dict(fqn, sd)
+        if isinstance(module, DistributedDataParallel) and module.broadcast_buffers:
+            # DDP overwrites every rank's buffers with rank 0's at the next forward: unsynchronised
+            # BatchNorm statistics differ between ranks by design, and one copy is what DDP keeps.
+            buffers = {join(fqn, name) for name, _ in module.module.named_buffers()}
+            self.declare_replicated(lambda: self.walk_dict(fqn, sd), buffers)
+        else:
+            self.walk_dict(fqn, sd)
         if self.for_load:
             self.out.finalizers.append(lambda: set_model_state_dict(module, sd))
+
+    def declare_replicated(self, walk: Callable[[], None], names: set[str] | None = None) -> None:
+        """Run ``walk`` and mark the tensor items it adds (those in ``names``, if given) as
+        declared replicated: saves do not compare their copies across ranks."""
+        first = len(self.out.tensors)
+        walk()
+        for item in self.out.tensors[first:]:
+            if names is None or item.fqn in names:
+                item.replicated = True
 
     def optimizer(self, fqn: str, optim: torch.optim.Optimizer) -> None:
         model = self._owner_of(optim)

@@ -27,7 +27,9 @@ class TensorItem:
 
     ``layout == "box"``: ``local`` is the block at offsets ``start`` with extents ``size``.
     ``layout == "flat"``: ``local`` flattened is the range ``start[0] : start[0] + size[0]`` of
-    the row-major flattened logical tensor.
+    the row-major flattened logical tensor. ``replicated``: the state declares that ranks
+    holding the same part may hold different values and one copy is enough (``ss.Replicated``,
+    DTensor ``Replicate``, DDP buffers), so the save does not compare its replicas.
     """
 
     fqn: str
@@ -36,6 +38,7 @@ class TensorItem:
     layout: str = BOX
     start: tuple = ()
     size: tuple = ()
+    replicated: bool = False
 
     def __post_init__(self):
         if not self.size and self.layout == BOX:

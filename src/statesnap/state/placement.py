@@ -75,5 +75,11 @@ def dtensor_box(dt: DTensor, fqn: str) -> tuple[tuple, tuple] | None:
     return tuple(start), tuple(size)
 
 
+def has_replicate(dt: DTensor) -> bool:
+    """Whether some mesh dimension replicates ``dt``: the layout itself declares those copies
+    replicas, so saves do not compare them."""
+    return any(isinstance(p, Replicate) for p in dt.placements)
+
+
 def is_dtensor(value) -> bool:
     return isinstance(value, DTensor)

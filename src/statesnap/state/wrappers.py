@@ -39,6 +39,26 @@ class Sharded:
                 raise CheckpointError(f"box at {self.start} of shape {self.size} does not fit in {self.global_shape}")
 
 
+class Replicated:
+    """Declares the tensors in ``value`` replicated: ranks that hold them with the same name,
+    dtype and shape may hold different values, and one rank's copy is enough to save.
+
+    Saves compare small replicas across ranks and refuse to commit when they differ, because a
+    per-rank value stored once loses the other ranks' values. Wrap what differs on purpose or
+    harmlessly (per-rank timing statistics, unsynchronised buffers that are reset from one rank
+    anyway) to save one copy without the comparison. ``value`` is a tensor, an ``ss.Sharded``,
+    or what holds tensors (a module, an optimizer, a dict, an object with ``state_dict``); it is
+    saved and loaded as if it were not wrapped.
+    """
+
+    def __init__(self, value: Any):
+        if isinstance(value, (PerRank, Replicated)) or not (
+                isinstance(value, (torch.Tensor, Sharded, dict)) or callable(getattr(value, "state_dict", None))):
+            raise CheckpointError(f"Replicated wraps a tensor or what holds tensors (a module, an optimizer, a "
+                                  f"dict, an object with state_dict), not {type(value).__name__}")
+        self.value = value
+
+
 class PerRank:
     """A value that differs per rank (RNG state, data-loader position): saved for every rank.
 

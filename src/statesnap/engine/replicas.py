@@ -1,0 +1,106 @@
+"""Replicas are decided from descriptions; this module checks that their values agree.
+
+The save plan stores a piece once when several ranks describe it identically (name, dtype,
+shape, box). That is right for DDP parameters, and silently wrong for a per-rank value that
+looks alike everywhere (each rank's ``torch.get_rng_state()``, a data-loader position kept as a
+tensor) or for replicas that drifted apart: one rank's copy would be kept and the others lost.
+
+So before anything commits, the values of small replicated pieces are compared. Every piece is
+written by exactly one of its holders, so the pieces a rank holds but does not write are exactly
+its replicas of pieces another rank writes. Each rank hashes those (block checksums, as the
+writer computes anyway for the manifest) and sends the hashes with its part of the commit
+gather that already happens; rank 0 compares them with the writer's checksums and refuses to
+commit if they differ. The cost is one pass over the small replicas and a few integers per
+piece in a message that is sent anyway.
+
+Only pieces up to a size limit are compared: per-rank state is small, and hashing every large
+replica (a whole DDP model on every rank) would cost a pass over memory per checkpoint. Pieces
+the state declares replicated (``ss.Replicated``, DTensor ``Replicate``, the buffers of a DDP
+module that broadcasts them) are not compared: their holders may differ on purpose.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..format.checksum import checksum_blocks
+from ..plan.save_plan import SavePlan, TensorPieces
+from ..state.items import ItemMeta
+from .buffers import byte_view, host_contiguous
+
+REPLICA_CHECK_MB = 1.0  # default size limit of a compared piece, in MiB
+
+# (fqn, writer rank, writer's item index, block checksums of this rank's copy)
+ReplicaHash = tuple[str, int, int, list[int]]
+
+
+def limit_bytes(check_mb: float) -> int:
+    return int(check_mb * (1 << 20))
+
+
+def replicas_to_check(plan: SavePlan, metas: Sequence[ItemMeta], declared: Sequence[bool], rank: int,
+                      limit: int) -> list[tuple[int, str, int, int]]:
+    """(item index, fqn, writer rank, writer's item index) for each piece this rank holds but
+    another rank writes, of at most ``limit`` bytes and not declared replicated (``limit <= 0``:
+    none)."""
+    if limit <= 0:
+        return []
+    written = {index for index, _ in plan.writes[rank]}
+    out = []
+    for index, meta in enumerate(metas):
+        if index in written or declared[index] or meta.nbytes > limit:
+            continue
+        pieces = plan.tensors[meta.fqn]
+        j = 0 if len(pieces.rank) == 1 else _piece_of(pieces, meta)
+        out.append((index, meta.fqn, int(pieces.rank[j]), int(pieces.item[j])))
+    return out
+
+
+def _piece_of(pieces: TensorPieces, meta: ItemMeta) -> int:
+    """The stored piece with ``meta``'s box (the planner stored one identical to it)."""
+    same = (pieces.start == np.asarray(meta.start, np.int64)).all(1) & (pieces.size == np.asarray(meta.size, np.int64)).all(1)
+    return int(np.flatnonzero(same)[0])
+
+
+def hash_tensors(targets: list[tuple[int, str, int, int]], tensors, block_bytes: int) -> list[ReplicaHash]:
+    """This rank's hashes of ``targets`` (from :func:`replicas_to_check`); ``tensors[index]`` is
+    the item's value (a blocking save) or its staged bytes (the Checkpointer)."""
+    return [(fqn, writer, item, checksum_blocks([byte_view(host_contiguous(tensors[index]))], block_bytes))
+            for index, fqn, writer, item in targets]
+
+
+def mismatches(outputs: Sequence) -> str | None:
+    """On rank 0, given every rank's ``RankOutput``: a description of the replicated pieces whose
+    holders hold different bytes, or None when all agree."""
+    bad = {(writer, item): fqn for out in outputs for fqn, writer, item, sums in out.replicas
+           if sums != outputs[writer].checksums[item]}
+    if not bad:
+        return None
+    groups = {key: {tuple(outputs[key[0]].checksums[key[1]]): [key[0]]} for key in bad}
+    for rank, out in enumerate(outputs):
+        for _, writer, item, sums in out.replicas:
+            if (writer, item) in groups:
+                groups[(writer, item)].setdefault(tuple(sums), []).append(rank)
+    by_tensor: dict[str, list[str]] = {}  # a sharded tensor may have several differing pieces
+    for key, g in groups.items():
+        by_tensor.setdefault(bad[key], []).append(" vs ".join(_ranks(r) for r in sorted(map(sorted, g.values()))))
+    described = [f"{fqn} ({'; '.join(sorted(pieces))})" for fqn, pieces in sorted(by_tensor.items())]
+    shown = "; ".join(described[:10]) + (f"; and {len(described) - 10} more" if len(described) > 10 else "")
+    return (f"{len(described)} replicated tensor(s) hold different values on the ranks holding them: {shown}. "
+            "A tensor that several ranks hold with the same name, dtype and shape is stored once, from one "
+            "rank, so the other values would be lost. Wrap per-rank state (an RNG state, a data-loader "
+            "position) in ss.PerRank(...) to save every rank's value; wrap a tensor whose copies may differ "
+            "on purpose (one rank's copy is enough) in ss.Replicated(...). Parameters that should be "
+            "replicas (DDP) but differ point to a bug in the training loop.")
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0-2, 5``: short even for a thousand ranks."""
+    spans, start = [], ranks[0]
+    for prev, cur in zip(ranks, ranks[1:] + [None]):
+        if cur is None or cur != prev + 1:
+            spans.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(spans)

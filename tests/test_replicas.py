@@ -1,0 +1,191 @@
+"""Replicas are compared by value: a tensor every rank holds alike is stored once, so per-rank
+values and drifted replicas must fail the save instead of being reduced to one rank's copy."""
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import statesnap as ss
+from dist_utils import run_ranks
+from statesnap.engine.replicas import _ranks, mismatches, replicas_to_check
+from statesnap.engine.save import RankOutput
+from statesnap.plan.save_plan import plan_save
+from statesnap.state.items import ItemMeta
+
+
+def _model():
+    torch.manual_seed(0)  # the same on every rank: DDP-style replicas
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+
+
+def _error(fn):
+    try:
+        fn()
+    except ss.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def _listing(path):
+    return sorted(os.listdir(path))
+
+
+def _blocking(rank, world, tmp):
+    torch.set_num_threads(1)
+    model = _model()
+    good = os.path.join(tmp, "good")
+    torch.manual_seed(100 + rank)  # each rank its own RNG stream
+    rng = torch.get_rng_state()
+    ss.save({"model": model, "rng": ss.PerRank(rng)}, good)
+    out = {}
+
+    # per-rank state as a plain tensor: refused, on every rank, nothing committed anywhere
+    plain = {"model": model, "rng": rng}
+    out["rng_new"] = _error(lambda: ss.save(plain, os.path.join(tmp, "bad")))
+    out["rng_overwrite"] = _error(lambda: ss.save(plain, good, overwrite=True))
+    out["listing"] = _listing(tmp)
+    loaded = ss.PerRank(torch.zeros_like(rng))
+    fresh = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    ss.load({"model": fresh, "rng": loaded}, good)  # the earlier checkpoint is intact
+    out["rng_round_trip"] = torch.equal(loaded.value, rng)
+    out["model_round_trip"] = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                                  fresh.state_dict().values()))
+    out["off"] = _error(lambda: ss.save(plain, os.path.join(tmp, "unchecked"), replica_check_mb=0))
+
+    # drifted replicas
+    drifted = _model()
+    if rank == 1:
+        with torch.no_grad():
+            drifted[0].weight[0, 0] += 1e-6
+    out["drifted"] = _error(lambda: ss.save({"model": drifted}, os.path.join(tmp, "drifted")))
+
+    # declared replicas: saved once, from one rank, without complaint
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = init_device_mesh("cpu", (world,))
+    differing = torch.full((4,), float(rank))
+    declared = {"stat": ss.Replicated(differing.clone()), "module": ss.Replicated(nn.Linear(2, 2)),
+                "dt": DTensor.from_local(differing.clone(), mesh, [Replicate()], run_check=False)}
+    out["declared"] = _error(lambda: ss.save(declared, os.path.join(tmp, "declared")))
+
+    # a DDP module's buffers are DDP's to synchronise (from rank 0 at the next forward)
+    def unsynced(bn):  # what each rank's forward leaves in unsynchronised BatchNorm statistics
+        with torch.no_grad():
+            bn[1].running_mean.fill_(rank)
+        return bn
+
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    unsynced(ddp.module)
+    out["ddp_buffers"] = _error(lambda: ss.save({"model": ddp}, os.path.join(tmp, "ddp")))
+    out["bare_buffers"] = _error(lambda: ss.save({"model": ddp.module}, os.path.join(tmp, "bare")))
+    return out
+
+
+def test_blocking_save_compares_replicas(tmp_path):
+    results = run_ranks(2, _blocking, str(tmp_path))
+    r0, r1 = results
+    for key in ("rng_new", "rng_overwrite", "drifted", "bare_buffers"):
+        assert r0[key] is not None and r0[key] == r1[key], key  # the same error on every rank
+    message = r0["rng_new"]
+    assert "1 replicated tensor(s)" in message and "rng (rank 0 vs rank 1)" in message
+    assert "ss.PerRank" in message and "ss.Replicated" in message
+    assert "was not committed" in r0["rng_overwrite"]
+    assert "model.0.weight (rank 0 vs rank 1)" in r0["drifted"] and "model.0.bias" not in r0["drifted"]
+    assert "model.1.running_mean" in r0["bare_buffers"]
+    for rank, out in enumerate(results):
+        assert out["listing"] == ["good"]  # no checkpoint, no staging left behind
+        assert out["rng_round_trip"] and out["model_round_trip"], rank
+        assert out["off"] is None and out["declared"] is None and out["ddp_buffers"] is None
+
+    good = ss.open(str(tmp_path / "good"))
+    assert good.info("model.0.weight").pieces == 1  # identical replicas: stored once
+    assert good.manifest.total_bytes < 2 * (8 * 8 + 8 + 4 * 8 + 4) * 4
+    declared = ss.open(str(tmp_path / "declared"))
+    for name in ("stat", "dt", "module.weight"):
+        assert declared.info(name).pieces == 1, name
+    for name in ("stat", "dt"):
+        assert declared.read(name).tolist() in ([0.0] * 4, [1.0] * 4)  # one rank's copy
+    assert ss.open(str(tmp_path / "ddp")).info("model.1.running_mean").pieces == 1
+
+
+def _checkpointer(rank, world, root):
+    torch.set_num_threads(1)
+    model = _model()
+    torch.manual_seed(100 + rank)
+    rng = torch.get_rng_state()
+    ckpt = ss.Checkpointer(root, persist_every=2, host_memory_gb=0.01)
+    ckpt.save(1, {"model": model, "rng": rng}).wait()  # memory only: no commit, nothing compared
+    ckpt.save(2, {"model": model, "rng": ss.PerRank(rng)}).wait()
+    handle = ckpt.save(4, {"model": model, "rng": rng})
+    at_wait = _error(handle.wait)
+    ckpt.save(6, {"model": model, "stat": ss.Replicated(torch.tensor([rank]))}).wait()
+    ckpt.close()  # the failure was raised by wait(): not again
+
+    again = ss.Checkpointer(root, persist_every=2, host_memory_gb=0.01)
+    again.save(8, {"model": model, "rng": rng})
+    at_close = _error(again.close)
+    steps = sorted(n for n in os.listdir(root) if n.startswith("step-"))
+    loaded = ss.PerRank(torch.zeros_like(rng))
+    ss.load({"rng": loaded}, os.path.join(root, "step-2"), strict=False)
+    return at_wait, at_close, steps, torch.equal(loaded.value, rng)
+
+
+def test_checkpointer_compares_replicas_at_commit(tmp_path):
+    root = str(tmp_path / "ckpt")
+    results = run_ranks(2, _checkpointer, root)
+    for at_wait, at_close, steps, rng_ok in results:
+        assert at_wait is not None and "step-4" in at_wait and "rng (rank 0 vs rank 1)" in at_wait
+        assert at_close is not None and "step-8" in at_close and "ss.PerRank" in at_close
+        assert steps == ["step-2", "step-6"] and rng_ok
+    assert results[0][:2] == results[1][:2]
+    assert ss.open(os.path.join(root, "step-6")).info("stat").pieces == 1
+
+
+def _meta(fqn, start, size, nbytes=16):
+    return ItemMeta(fqn, "float32", (4, 4), "box", start, size, nbytes)
+
+
+def test_replicas_to_check_finds_the_writer_of_each_replica():
+    """HSDP-like: two row blocks of ``w``, each held by two ranks; ``b`` on all four; ``big``
+    over the limit. Every rank hashes the pieces it holds but does not write, naming the writer."""
+    metas = [[_meta("w", (2 * (r // 2), 0), (2, 4)), _meta("b", (0, 0), (4, 4)),
+              _meta("big", (0, 0), (4, 4), nbytes=1 << 30)] for r in range(4)]
+    plan = plan_save(metas)
+    for rank in range(4):
+        found = replicas_to_check(plan, metas[rank], [False] * 3, rank, 1 << 20)
+        written = {i for i, _ in plan.writes[rank]}
+        assert {index for index, *_ in found} == {0, 1} - written
+        for index, fqn, writer, item in found:
+            assert writer != rank and item in {i for i, _ in plan.writes[writer]}
+            assert metas[writer][item] == metas[rank][index]
+        assert replicas_to_check(plan, metas[rank], [True] * 3, rank, 1 << 20) == []
+        assert replicas_to_check(plan, metas[rank], [False] * 3, rank, 0) == []
+
+
+def test_mismatch_names_each_tensor_with_the_ranks_that_agree():
+    def output(checksums, replicas):
+        return RankOutput(None, 0, checksums, {}, set(), replicas)
+
+    same = ("ok", 0, 1, [3])
+    outputs = [output({0: [1], 1: [3]}, []), output({}, [("rng", 0, 0, [2]), same]),
+               output({}, [("rng", 0, 0, [1]), same]), output({}, [("rng", 0, 0, [2]), same])]
+    message = mismatches(outputs)
+    assert message.startswith("1 replicated tensor(s)") and "rng (ranks 0, 2 vs ranks 1, 3)" in message
+    assert "ok (" not in message
+    assert mismatches([outputs[0], output({}, [same])]) is None
+
+
+@pytest.mark.parametrize("ranks, text", [([3], "rank 3"), ([0, 1, 2, 5], "ranks 0-2, 5"),
+                                         ([0, 2, 3, 4, 1023], "ranks 0, 2-4, 1023")])
+def test_rank_lists_stay_short(ranks, text):
+    assert _ranks(ranks) == text
+
+
+def test_replicated_rejects_plain_values():
+    with pytest.raises(ss.CheckpointError, match="Replicated wraps a tensor"):
+        ss.Replicated(3)
+    with pytest.raises(ss.CheckpointError):
+        ss.Replicated(ss.PerRank(torch.zeros(1)))
