@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine.replicas import REPLICA_CHECK_MB
 from ..errors import CheckpointError
 from ..format.checksum import DEFAULT_BLOCK_BYTES
 from ..storage.base import StorageBackend
@@ -58,7 +59,8 @@ class CheckpointerConfig:
     write workers. ``backend``: a custom :class:`StorageBackend` for the persistent level (tests
     inject slow or failing storage). ``take_over``: claim the roots even if another job holds
     them (see docs/checkpointer.md, "One job per root"); ``lease_s``: how long a claim on an
-    object store lasts without renewal.
+    object store lasts without renewal. ``replica_check_mb``: replicated pieces up to this size are
+    compared across their holders before a commit (0: none; see docs/resharding.md).
     """
 
     root: str
@@ -83,6 +85,7 @@ class CheckpointerConfig:
     block_bytes: int = DEFAULT_BLOCK_BYTES
     take_over: bool = False
     lease_s: float = 60.0
+    replica_check_mb: float = REPLICA_CHECK_MB
 
     def __post_init__(self):
         self.root = str(self.root)
@@ -106,7 +109,10 @@ class CheckpointerConfig:
             (self.threads is None or self.threads >= 1, f"threads must be at least 1 (got {self.threads})"),
             (self.commit_timeout_s > 0, "commit_timeout_s must be positive"),
             (self.lease_s >= 3, f"lease_s must be at least 3 seconds (got {self.lease_s})"),
-            (self.block_bytes >= 4096, "block_bytes must be at least 4096"),
+            (self.replica_check_mb >= 0, f"replica_check_mb must not be negative (got {self.replica_check_mb})"),
+            (self.block_bytes >= 4096 and self.block_bytes % 4096 == 0,
+             f"block_bytes must be a positive multiple of 4096 (got {self.block_bytes}): checksum blocks are "
+             "written whole, and pieces start on 64-byte boundaries"),
         ]
         for ok, message in checks:
             if not ok:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..engine.dist import Comm
 from ..engine.load import load
+from ..engine.replicas import limit_bytes
 from ..engine.save import encode_objects, per_rank_names
 from ..engine.write import default_threads
 from ..errors import CheckpointError
@@ -75,7 +76,8 @@ class Checkpointer:
                                         cfg.further_keep_last)
         self.memory = MemoryLevel()
         self.loaded_from: str | None = None  # the level the last load_latest restored from
-        self._comm = Comm(cfg.process_group)  # the trainer's group: only on the training thread
+        # the trainer's group: only on the training thread
+        self._comm = Comm(cfg.process_group, f"the Checkpointer of {root}", cfg.commit_timeout_s)
         self._group = None
         if self._comm.active and self._comm.world_size > 1:
             ranks = None if cfg.process_group is None else dist.get_process_group_ranks(cfg.process_group)
@@ -86,11 +88,15 @@ class Checkpointer:
         if cfg.events and not is_url(root):
             events_path = backend.join(root, "events", f"rank-{self.rank:05d}.jsonl")
         try:
+            self._claim_roots()
+        except CheckpointError:
+            if self._group is not None:
+                dist.destroy_process_group(self._group)
+            raise
+        try:
             self.events = EventLog(self.rank, events_path)
-            if self.rank == 0:
-                for level in filter(None, (self.persistent, self.further)):
-                    level.remove_leftovers()
-        except OSError as exc:  # a root that is a file, or a directory we may not write
+        except OSError as exc:
+            self._release_roots()
             raise CheckpointError(f"cannot keep checkpoints under {root}: {exc}") from exc
         self._arena: Arena | None = None
         self._segment_bytes = MAX_SEGMENT_BYTES
@@ -107,8 +113,10 @@ class Checkpointer:
         self._guard = StepGuard(self._gates_for, lambda step, s, e: self.events.add("wait-in-hook", step, s, e))
         self._stager = Stager(lambda: self._arena, cfg.copy_threads, lambda: self._segment_bytes, self.events,
                               self._copies_done, lambda: self._cuda)
-        target = FlushTarget(backend, Comm(self._group) if self._group is not None else Comm(None),
-                             cfg.durable, cfg.threads or default_threads(), lambda: self._block_bytes)
+        flush_comm = Comm(self._group or cfg.process_group, f"committing to {root}", cfg.commit_timeout_s,
+                          dedicated=self._group is not None)
+        target = FlushTarget(self.persistent.backend, flush_comm, cfg.durable, cfg.threads or default_threads(),
+                             lambda: self._block_bytes, limit_bytes(cfg.replica_check_mb))
         self._flusher = Flusher(target, lambda: self._arena, self.events, self._flushed)
         self._further_pool = ThreadPoolExecutor(1, thread_name_prefix="statesnap-further") \
             if self.further is not None and self.rank == 0 else None
@@ -199,7 +207,8 @@ class Checkpointer:
                 level = self.persistent if name == "persistent" else self.further
                 nbytes = load(state, level.path(step), allow_pickle=self.config.allow_pickle,
                               storage_options=self.config.storage_options,
-                              process_group=self.config.process_group).bytes
+                              process_group=self.config.process_group,
+                              timeout_s=self.config.commit_timeout_s).bytes
         finally:
             if borrowed:
                 self._arena.hold(snap.region, lambda: self.memory.drop(snap))
@@ -234,6 +243,7 @@ class Checkpointer:
                 self._further_pool.shutdown(wait=True)
             self._guard.close()
             self.events.flush()
+            self._release_roots()
             if self._group is not None:
                 dist.destroy_process_group(self._group)
         self._raise_pending()
@@ -243,6 +253,34 @@ class Checkpointer:
 
     def __exit__(self, *exc):
         self.close()
+
+    # ----------------------------------------------------------------- roots
+
+    def _claim_roots(self) -> None:
+        """Rank 0 claims the storage roots for this job and clears what crashed saves left there;
+        every rank raises if it could not (another live job owns a root: its cleanup would delete
+        that job's saves in flight, its retention that job's checkpoints)."""
+        levels = [level for level in (self.persistent, self.further) if level is not None]
+        problem = None
+        if self.rank == 0:
+            try:
+                for level in levels:
+                    level.claim_root(self.config.take_over, self.config.lease_s)
+                    level.remove_leftovers()
+            except CheckpointError as exc:
+                problem = exc
+            except OSError as exc:  # a root that is a file, or a directory we may not write
+                problem = CheckpointError(f"cannot keep checkpoints under {level.root}: {exc}")
+            if problem is not None:
+                self._release_roots()
+        problem = self._comm.broadcast(problem)
+        if problem is not None:
+            raise problem
+
+    def _release_roots(self) -> None:
+        for level in (self.persistent, self.further):
+            if level is not None:
+                level.release()
 
     # ----------------------------------------------------------------- planning (training thread)
 

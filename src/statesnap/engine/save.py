@@ -23,7 +23,7 @@ from ..state.items import Flattened
 from ..storage import backend_for, normalize
 from ..storage.base import StorageBackend
 from .buffers import byte_view, host_contiguous
-from .dist import Comm
+from .dist import DEFAULT_TIMEOUT_S, Comm, PeerLostError
 from .objects import encode_value
 from .replicas import REPLICA_CHECK_MB, hash_tensors, limit_bytes, mismatches, replicas_to_check
 from .write import write_file
@@ -127,14 +127,16 @@ def _merge_objects(outputs: list[RankOutput], index_of: dict[int, int]) -> dict[
 def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, allow_pickle: bool = False,
          storage_options: dict | None = None, process_group=None, threads: int | None = None,
          meta: dict | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
-         replica_check_mb: float = REPLICA_CHECK_MB) -> SaveInfo:
+         replica_check_mb: float = REPLICA_CHECK_MB, timeout_s: float = DEFAULT_TIMEOUT_S) -> SaveInfo:
     """Save ``state`` to ``path`` and return once it is committed (durable unless ``durable=False``).
 
+    Every collective waits at most ``timeout_s`` for the other ranks; a rank that vanishes or
+    hangs makes the save raise a ``CheckpointError`` on the others, and nothing is committed.
     Replicated pieces of at most ``replica_check_mb`` MiB (0: none) are compared across the
     ranks holding them; if they differ nothing is committed (see ``engine/replicas.py``)."""
     started = time.perf_counter()
     path = normalize(path)
-    comm = Comm(process_group)
+    comm = Comm(process_group, f"saving {path}", timeout_s)
     backend = backend_for(path, storage_options)
     error = None
     try:
@@ -160,7 +162,12 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
         output.replicas = hash_tensors(targets, [item.local for item in flat.tensors], block_bytes)
     except Exception as exc:
         error = exc
-    outputs = comm.gather((output, None if error is None else f"{type(error).__name__}: {error}"))
+    try:
+        outputs = comm.gather((output, None if error is None else f"{type(error).__name__}: {error}"))
+    except PeerLostError:
+        if comm.rank == 0:  # the coordinator cleans up; other ranks' files are in its staging
+            backend.abort(staging, path, [data_file_name(token, r) for r in range(comm.world_size)])
+        raise
     result = None
     if comm.rank == 0:
         result = commit_or_abort(backend, path, staging, plan, outputs, comm.world_size, overwrite, durable, block_bytes, meta)

@@ -220,7 +220,12 @@ def claim_root(root: str, backend: StorageBackend, take_over: bool = False, leas
     """Claim ``root`` for this job: a ``flock`` where the backend is a POSIX file system, a lease
     elsewhere. Raises :class:`RootBusyError` naming the holder if another job holds it."""
     if isinstance(backend, LocalBackend):
-        return FlockClaim(root, take_over)
+        try:
+            return FlockClaim(root, take_over)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            # a file system without flock (some FUSE mounts): fall back to a lease file
     return LeaseClaim(root, backend, take_over, lease_s)
 
 
