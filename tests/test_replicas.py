@@ -81,20 +81,32 @@ def _blocking(rank, world, tmp):
     unsynced(ddp.module)
     out["ddp_buffers"] = _error(lambda: ss.save({"model": ddp}, os.path.join(tmp, "ddp")))
     out["bare_buffers"] = _error(lambda: ss.save({"model": ddp.module}, os.path.join(tmp, "bare")))
+
+    # plain values are stored from rank 0 alone: a per-rank one is refused, a declared one kept
+    position = {"epoch": 2, "batch": 10 + rank, "rng": [torch.get_rng_state()[:8]]}
+    out["plain"] = _error(lambda: ss.save({"loader": position, "same": {"lr": 0.1}}, os.path.join(tmp, "plain")))
+    out["plain_declared"] = _error(lambda: ss.save({"loader": ss.Replicated(position)},
+                                                   os.path.join(tmp, "plain_declared")))
+    out["plain_per_rank"] = _error(lambda: ss.save({"loader": ss.PerRank(position)}, os.path.join(tmp, "plain_per_rank")))
     return out
 
 
 def test_blocking_save_compares_replicas(tmp_path):
     results = run_ranks(2, _blocking, str(tmp_path))
     r0, r1 = results
-    for key in ("rng_new", "rng_overwrite", "drifted", "bare_buffers"):
+    for key in ("rng_new", "rng_overwrite", "drifted", "bare_buffers", "plain"):
         assert r0[key] is not None and r0[key] == r1[key], key  # the same error on every rank
     message = r0["rng_new"]
-    assert "1 replicated tensor(s)" in message and "rng (rank 0 vs rank 1)" in message
+    assert "1 replicated value(s)" in message and "rng (rank 0 vs rank 1)" in message
     assert "ss.PerRank" in message and "ss.Replicated" in message
     assert "was not committed" in r0["rng_overwrite"]
     assert "model.0.weight (rank 0 vs rank 1)" in r0["drifted"] and "model.0.bias" not in r0["drifted"]
     assert "model.1.running_mean" in r0["bare_buffers"]
+    assert "loader.batch (rank 0 vs rank 1)" in r0["plain"] and "loader.epoch" not in r0["plain"]
+    assert "loader.rng" not in r0["plain"] and "same.lr" not in r0["plain"]  # equal on both ranks
+    assert not (tmp_path / "plain").exists()
+    assert r0["plain_declared"] is None and r0["plain_per_rank"] is None
+    assert ss.open(str(tmp_path / "plain_declared")).read("loader.batch") == 10  # rank 0's
     for rank, out in enumerate(results):
         assert out["listing"] == ["good"]  # no checkpoint, no staging left behind
         assert out["rng_round_trip"] and out["model_round_trip"], rank
@@ -173,7 +185,7 @@ def test_mismatch_names_each_tensor_with_the_ranks_that_agree():
     outputs = [output({0: [1], 1: [3]}, []), output({}, [("rng", 0, 0, [2]), same]),
                output({}, [("rng", 0, 0, [1]), same]), output({}, [("rng", 0, 0, [2]), same])]
     message = mismatches(outputs)
-    assert message.startswith("1 replicated tensor(s)") and "rng (ranks 0, 2 vs ranks 1, 3)" in message
+    assert message.startswith("1 replicated value(s)") and "rng (ranks 0, 2 vs ranks 1, 3)" in message
     assert "ok (" not in message
     assert mismatches([outputs[0], output({}, [same])]) is None
 
@@ -184,8 +196,8 @@ def test_rank_lists_stay_short(ranks, text):
     assert _ranks(ranks) == text
 
 
-def test_replicated_rejects_plain_values():
-    with pytest.raises(ss.CheckpointError, match="Replicated wraps a tensor"):
-        ss.Replicated(3)
-    with pytest.raises(ss.CheckpointError):
+def test_replicated_refuses_per_rank_values():
+    with pytest.raises(ss.CheckpointError, match="either per rank or replicated"):
         ss.Replicated(ss.PerRank(torch.zeros(1)))
+    with pytest.raises(ss.CheckpointError):
+        ss.Replicated(ss.Replicated(3))

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..engine.dist import Comm
 from ..engine.load import load
-from ..engine.replicas import limit_bytes
+from ..engine.replicas import limit_bytes, object_digests
 from ..engine.save import encode_objects, per_rank_names
 from ..engine.write import default_threads
 from ..errors import CheckpointError
@@ -287,7 +287,7 @@ class Checkpointer:
     def _snapshot(self, step: int, state: dict, optimizers: list) -> Snapshot | None:
         flat = flatten_for_save(state)
         metas = [item.meta(dtype_name(item.dtype)) for item in flat.tensors]
-        objects, blobs = encode_objects(flat, 0, self.config.allow_pickle)  # every object: memory restores all
+        objects, blobs = encode_objects(flat, self.config.allow_pickle)  # every object: memory restores all
         plan = self._plan_for(metas)
         # Each item may sit up to a block further on in the arena, at its file offset's distance
         # from a block boundary (direct I/O).
@@ -311,8 +311,8 @@ class Checkpointer:
         return Snapshot(
             step=step, flat=flat, metas=metas, plan=plan, persist=persist, resident=resident,
             versions=[version_of(t) for t in locals_], owners=owners,
-            objects=objects, blobs=dict(blobs), per_rank=per_rank_names(flat), cuda_ready=cuda_ready,
-            rank=self.rank, path=self.persistent.path(step))
+            objects=objects, blobs=blobs, per_rank=per_rank_names(flat), cuda_ready=cuda_ready,
+            object_digests=object_digests(flat, objects) if self._comm.world_size > 1 else {}, rank=self.rank, path=self.persistent.path(step))
 
     def _copy_unguarded_now(self, flat, owners: list) -> None:
         """No optimizer hook holds back a change to a tensor no optimizer writes, and some change

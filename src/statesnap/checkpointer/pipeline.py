@@ -18,7 +18,7 @@ from typing import Any
 
 from ..engine.dist import Comm
 from ..engine.replicas import REPLICA_CHECK_MB, hash_tensors, limit_bytes, replicas_to_check
-from ..engine.save import RankOutput, commit_or_abort, data_file_name, open_staging
+from ..engine.save import RankOutput, commit_or_abort, data_file_name, open_staging, own_objects
 from ..errors import CheckpointError
 from ..format.checksum import checksum_blocks, checksum_whole
 from ..format.manifest import ObjectEntry
@@ -45,6 +45,7 @@ class Snapshot:
     objects: dict  # fqn -> ObjectEntry of every object (the memory level restores all of them)
     blobs: dict  # fqn -> pickled bytes
     per_rank: set
+    object_digests: dict  # fqn -> hash of each shared value the commit compares across ranks
     cuda_ready: dict
     rank: int = 0
     staged: Future = field(default_factory=Future)
@@ -261,6 +262,7 @@ class Flusher(_Stage):
             output = self._write(snap, staging, token)
             self._drain(snap)  # every copy is done, also on a rank that writes nothing
             output.replicas = self._hash_replicas(snap)
+            output.object_digests = snap.object_digests
         except BaseException as exc:  # noqa: BLE001 (every rank must reach the gather below)
             error = snap.error or exc
         finally:
@@ -311,8 +313,7 @@ class Flusher(_Stage):
 
     def _write(self, snap: Snapshot, staging: str, token: str) -> RankOutput:
         backend, rank = self.target.backend, self.target.comm.rank
-        blobs = [(fqn, blob) for fqn, blob in snap.blobs.items() if rank == 0 or fqn in snap.per_rank]
-        entries = {fqn: e for fqn, e in snap.objects.items() if rank == 0 or fqn in snap.per_rank}
+        entries, blobs = own_objects(snap.objects, snap.blobs, snap.per_rank, rank)
         if not snap.plan.writes[rank] and not blobs:
             return RankOutput(None, 0, {}, entries, snap.per_rank)
         name = data_file_name(token, rank)

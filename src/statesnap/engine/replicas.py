@@ -13,6 +13,10 @@ gather that already happens; rank 0 compares them with the writer's checksums an
 commit if they differ. The cost is one pass over the small replicas and a few integers per
 piece in a message that is sent anyway.
 
+Shared plain values (numbers, strings, lists, small tensors inside them) are stored from rank 0
+alone, so they are compared too: every rank sends a hash of each one's JSON form. Pickled values
+are not compared (equal values may pickle to different bytes, e.g. sets in another hash order).
+
 Only pieces up to a size limit are compared: per-rank state is small, and hashing every large
 replica (a whole DDP model on every rank) would cost a pass over memory per checkpoint. Pieces
 the state declares replicated (``ss.Replicated``, DTensor ``Replicate``, the buffers of a DDP
@@ -20,14 +24,16 @@ module that broadcasts them) are not compared: their holders may differ on purpo
 """
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from ..format.checksum import checksum_blocks
+from ..format.checksum import checksum_blocks, checksum_whole
+from ..format.manifest import ObjectEntry
 from ..plan.save_plan import SavePlan, TensorPieces
-from ..state.items import ItemMeta
+from ..state.items import Flattened, ItemMeta
 from .buffers import byte_view, host_contiguous
 
 REPLICA_CHECK_MB = 1.0  # default size limit of a compared piece, in MiB
@@ -71,13 +77,34 @@ def hash_tensors(targets: list[tuple[int, str, int, int]], tensors, block_bytes:
             for index, fqn, writer, item in targets]
 
 
+def object_digests(flat: Flattened, entries: dict[str, ObjectEntry]) -> dict[str, int]:
+    """A hash of the JSON form of each shared value that is not declared replicated."""
+    return {item.fqn: checksum_whole(memoryview(json.dumps(entries[item.fqn].value, sort_keys=True).encode()))
+            for item in flat.objects
+            if item.per_rank is None and not item.replicated and entries[item.fqn].kind == "json"}
+
+
 def mismatches(outputs: Sequence) -> str | None:
-    """On rank 0, given every rank's ``RankOutput``: a description of the replicated pieces whose
-    holders hold different bytes, or None when all agree."""
+    """On rank 0, given every rank's ``RankOutput``: a description of the replicated pieces and
+    shared values whose holders hold different values, or None when all agree."""
     bad = {(writer, item): fqn for out in outputs for fqn, writer, item, sums in out.replicas
            if sums != outputs[writer].checksums[item]}
-    if not bad:
+    by_tensor = _differing_pieces(outputs, bad)
+    by_tensor.update(_differing_objects(outputs))
+    if not by_tensor:
         return None
+    described = [f"{fqn} ({'; '.join(sorted(pieces))})" for fqn, pieces in sorted(by_tensor.items())]
+    shown = "; ".join(described[:10]) + (f"; and {len(described) - 10} more" if len(described) > 10 else "")
+    return (f"{len(described)} replicated value(s) differ between the ranks holding them: {shown}. "
+            "A tensor that several ranks hold with the same name, dtype and shape, and a plain value, are "
+            "stored once, from one rank, so the other values would be lost. Wrap per-rank state (an RNG "
+            "state, a data-loader position) in ss.PerRank(...) to save every rank's value; wrap a value "
+            "whose copies may differ on purpose (one rank's copy is enough) in ss.Replicated(...). "
+            "Parameters that should be replicas (DDP) but differ point to a bug in the training loop.")
+
+
+def _differing_pieces(outputs: Sequence, bad: dict) -> dict[str, list[str]]:
+    """fqn -> for each differing piece, which ranks agree with which (``rank 0 vs rank 1``)."""
     groups = {key: {tuple(outputs[key[0]].checksums[key[1]]): [key[0]]} for key in bad}
     for rank, out in enumerate(outputs):
         for _, writer, item, sums in out.replicas:
@@ -85,15 +112,24 @@ def mismatches(outputs: Sequence) -> str | None:
                 groups[(writer, item)].setdefault(tuple(sums), []).append(rank)
     by_tensor: dict[str, list[str]] = {}  # a sharded tensor may have several differing pieces
     for key, g in groups.items():
-        by_tensor.setdefault(bad[key], []).append(" vs ".join(_ranks(r) for r in sorted(map(sorted, g.values()))))
-    described = [f"{fqn} ({'; '.join(sorted(pieces))})" for fqn, pieces in sorted(by_tensor.items())]
-    shown = "; ".join(described[:10]) + (f"; and {len(described) - 10} more" if len(described) > 10 else "")
-    return (f"{len(described)} replicated tensor(s) hold different values on the ranks holding them: {shown}. "
-            "A tensor that several ranks hold with the same name, dtype and shape is stored once, from one "
-            "rank, so the other values would be lost. Wrap per-rank state (an RNG state, a data-loader "
-            "position) in ss.PerRank(...) to save every rank's value; wrap a tensor whose copies may differ "
-            "on purpose (one rank's copy is enough) in ss.Replicated(...). Parameters that should be "
-            "replicas (DDP) but differ point to a bug in the training loop.")
+        by_tensor.setdefault(bad[key], []).append(_versus(g.values()))
+    return by_tensor
+
+
+def _differing_objects(outputs: Sequence) -> dict[str, list[str]]:
+    """fqn -> which ranks agree with which, for shared values some rank holds differently."""
+    out: dict[str, list[str]] = {}
+    for fqn in outputs[0].object_digests:
+        groups: dict[int | None, list[int]] = {}
+        for rank, output in enumerate(outputs):
+            groups.setdefault(output.object_digests.get(fqn), []).append(rank)
+        if len(groups) > 1:
+            out[fqn] = [_versus(groups.values())]
+    return out
+
+
+def _versus(groups) -> str:
+    return " vs ".join(_ranks(r) for r in sorted(map(sorted, groups)))
 
 
 def _ranks(ranks: list[int]) -> str:

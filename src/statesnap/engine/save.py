@@ -25,7 +25,7 @@ from ..storage.base import StorageBackend
 from .buffers import byte_view, host_contiguous
 from .dist import DEFAULT_TIMEOUT_S, Comm, PeerLostError
 from .objects import encode_value
-from .replicas import REPLICA_CHECK_MB, hash_tensors, limit_bytes, mismatches, replicas_to_check
+from .replicas import REPLICA_CHECK_MB, hash_tensors, limit_bytes, mismatches, object_digests, replicas_to_check
 from .write import write_file
 
 
@@ -50,19 +50,26 @@ class RankOutput:
     objects: dict[str, ObjectEntry]  # this rank's object entries (shared ones only from rank 0)
     per_rank: set[str]  # which of ``objects`` are per-rank values
     replicas: list = field(default_factory=list)  # hashes of replicas other ranks write (engine.replicas)
+    object_digests: dict = field(default_factory=dict)  # fqn -> hash of each compared shared value
 
 
-def encode_objects(flat: Flattened, rank: int, allow_pickle: bool) -> tuple[dict[str, ObjectEntry], list[tuple[str, bytes]]]:
-    """This rank's object entries and the pickled blobs it must write (shared values: rank 0 only)."""
-    entries, blobs = {}, []
+def encode_objects(flat: Flattened, allow_pickle: bool) -> tuple[dict[str, ObjectEntry], dict[str, bytes]]:
+    """Every object's entry and the pickled blobs. Every rank encodes every value, also the shared
+    ones only rank 0 writes: the commit compares them (``engine/replicas.py``)."""
+    entries, blobs = {}, {}
     for item in flat.objects:
-        if item.per_rank is None and rank != 0:
-            continue
         entry, blob = encode_value(item.fqn, item.value, allow_pickle)
         entries[item.fqn] = entry
         if blob is not None:
-            blobs.append((item.fqn, blob))
+            blobs[item.fqn] = blob
     return entries, blobs
+
+
+def own_objects(entries: dict[str, ObjectEntry], blobs: dict[str, bytes], per_rank: set[str],
+                rank: int) -> tuple[dict[str, ObjectEntry], list[tuple[str, bytes]]]:
+    """What this rank writes of the objects: its per-rank values, and on rank 0 the shared ones."""
+    mine = [fqn for fqn in entries if rank == 0 or fqn in per_rank]
+    return {fqn: entries[fqn] for fqn in mine}, [(fqn, blobs[fqn]) for fqn in mine if fqn in blobs]
 
 
 def per_rank_names(flat: Flattened) -> set[str]:
@@ -142,7 +149,9 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
     try:
         flat = flatten_for_save(state)
         metas = [item.meta(dtype_name(item.dtype)) for item in flat.tensors]
-        entries, blobs = encode_objects(flat, comm.rank, allow_pickle)
+        all_entries, all_blobs = encode_objects(flat, allow_pickle)
+        digests = object_digests(flat, all_entries) if comm.world_size > 1 else {}
+        entries, blobs = own_objects(all_entries, all_blobs, per_rank_names(flat), comm.rank)
     except Exception as exc:
         error, metas = exc, []
     comm.agree(error, "preparing the save")
@@ -160,6 +169,7 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
         targets = replicas_to_check(plan, metas, [item.replicated for item in flat.tensors], comm.rank,
                                     limit_bytes(replica_check_mb))
         output.replicas = hash_tensors(targets, [item.local for item in flat.tensors], block_bytes)
+        output.object_digests = digests
     except Exception as exc:
         error = exc
     try:

@@ -114,20 +114,23 @@ class _Walker:
             self.out.finalizers.append(lambda: set_model_state_dict(module, sd))
 
     def declare_replicated(self, walk: Callable[[], None], names: set[str] | None = None) -> None:
-        """Run ``walk`` and mark the tensor items it adds (those in ``names``, if given) as
-        declared replicated: saves do not compare their copies across ranks."""
-        first = len(self.out.tensors)
+        """Run ``walk`` and mark the items it adds (those in ``names``, if given) as declared
+        replicated: saves do not compare their copies across ranks."""
+        first_tensor, first_object = len(self.out.tensors), len(self.out.objects)
         walk()
-        for item in self.out.tensors[first:]:
+        for item in [*self.out.tensors[first_tensor:], *self.out.objects[first_object:]]:
             if names is None or item.fqn in names:
                 item.replicated = True
 
     def optimizer(self, fqn: str, optim: torch.optim.Optimizer) -> None:
+        # Pipeline stages list different parameters in their param groups; the groups are kept
+        # from rank 0 (docs/resharding.md), so they are not compared across ranks.
+        groups = {join(fqn, "param_groups")}
         model = self._owner_of(optim)
         if model is None:
             # No module in the state owns these parameters: fall back to positional state.
             sd = optim.state_dict()
-            self.walk_dict(fqn, sd)
+            self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
             if self.for_load:
                 self.out.finalizers.append(lambda: optim.load_state_dict(sd))
             return
@@ -138,7 +141,7 @@ class _Walker:
         if fresh and not (self.for_load and self.stored_prefixes(join(fqn, "state") + SEP)):
             optim.state.clear()
             sd["state"] = {}
-        self.walk_dict(fqn, sd)
+        self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
         if self.for_load:
             self.out.finalizers.append(lambda: _load_optimizer(model, optim, sd))
 

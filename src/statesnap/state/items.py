@@ -66,6 +66,7 @@ class ObjectItem:
     value: Any
     assign: Callable[[Any], None] | None = None
     per_rank: Any = None  # the PerRank wrapper, for per-rank values
+    replicated: bool = False  # declared (ss.Replicated): ranks may differ, rank 0's value is kept
 
 
 @dataclass

@@ -45,17 +45,16 @@ class Replicated:
 
     Saves compare small replicas across ranks and refuse to commit when they differ, because a
     per-rank value stored once loses the other ranks' values. Wrap what differs on purpose or
-    harmlessly (per-rank timing statistics, unsynchronised buffers that are reset from one rank
-    anyway) to save one copy without the comparison. ``value`` is a tensor, an ``ss.Sharded``,
-    or what holds tensors (a module, an optimizer, a dict, an object with ``state_dict``); it is
-    saved and loaded as if it were not wrapped.
+    harmlessly (per-rank timing statistics, a wall-clock time, unsynchronised buffers that are
+    reset from one rank anyway) to save one copy without the comparison. ``value`` is anything a
+    state may hold (a tensor, an ``ss.Sharded``, a module, an optimizer, a dict, plain data); it
+    is saved and loaded as if it were not wrapped, and for plain data rank 0's value is kept.
     """
 
     def __init__(self, value: Any):
-        if isinstance(value, (PerRank, Replicated)) or not (
-                isinstance(value, (torch.Tensor, Sharded, dict)) or callable(getattr(value, "state_dict", None))):
-            raise CheckpointError(f"Replicated wraps a tensor or what holds tensors (a module, an optimizer, a "
-                                  f"dict, an object with state_dict), not {type(value).__name__}")
+        if isinstance(value, (PerRank, Replicated)):
+            raise CheckpointError(f"Replicated cannot wrap {type(value).__name__}: a value is either per rank "
+                                  "or replicated")
         self.value = value
 
 
