@@ -1,7 +1,11 @@
-"""Format v1: every dtype, odd tensor shapes and plain data round-trip bit for bit; pickle is opt-in."""
+"""Format v1: every dtype, odd tensor shapes and plain data round-trip bit for bit; pickle is opt-in;
+manifests with out-of-range integers or pieces that overlap or leave holes are refused (§8)."""
+import base64
 import json
 import math
+import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -221,3 +225,169 @@ def test_data_files_are_exactly_their_recorded_size(tmp_path):
     doc = json.loads((tmp_path / "c" / MANIFEST_NAME).read_bytes())
     for name, size in zip(doc["files"], doc["file_sizes"]):
         assert (tmp_path / "c" / name).stat().st_size == size
+
+
+# ---- hostile manifests: every integer range-checked, pieces tile their tensor (docs/format.md §8) ----
+def _small_checkpoint(path):
+    state = {"w": torch.arange(48.0).reshape(12, 4), "v": torch.arange(10.0), "obj": {1, 2},
+             "r": ss.PerRank(torch.tensor([7]))}
+    ss.save(state, path, allow_pickle=True)
+    return state
+
+
+def _edit(path, change):
+    doc = json.loads((path / MANIFEST_NAME).read_text())
+    change(doc)
+    (path / MANIFEST_NAME).write_text(json.dumps(doc))
+
+
+def _refused(path, words, error=ss.ManifestError):
+    """Opening, verifying and loading all raise ``error`` (never OverflowError or a silent load)."""
+    target = {"w": torch.zeros(12, 4), "v": torch.zeros(10), "obj": None, "r": ss.PerRank(torch.tensor([0]))}
+    for attempt in (lambda: ss.open(path).verify(), lambda: ss.load(target, path, allow_pickle=True)):
+        with pytest.raises(error, match=words) as caught:
+            attempt()
+        assert MANIFEST_NAME in str(caught.value)
+    assert torch.equal(target["w"], torch.zeros(12, 4))
+
+
+def _overlapping_rows(doc):
+    """Rows 0-5 and rows 4-9 of the 12 x 4 ``w``: 48 elements stored, rows 10-11 in no piece."""
+    w = doc["tensors"]["w"]
+    w.update(file=[w["file"][0]] * 2, offset=[w["offset"][0], w["offset"][0] + 64], nbytes=[96, 96],
+             start=[[0, 0], [4, 0]], size=[[6, 4], [6, 4]], checksum=[1, 2])
+
+
+def test_overlapping_pieces_in_a_manifest_are_refused_not_loaded(tmp_path):
+    _small_checkpoint(tmp_path / "c")
+    _edit(tmp_path / "c", _overlapping_rows)
+    _refused(tmp_path / "c", r"tensor 'w': its pieces must cover it exactly once, but piece 0 \[0:6, 0:4\] "
+                             r"\(in data-\w+-r00000.bin\) and piece 1 \[4:10, 0:4\] \(in .*\) overlap in \[4:6, 0:4\]")
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda w: w.update(nbytes=[80], size=[[5, 4]], checksum=[1]), r"'w'.* \[5:12, 0:4\] is in no piece"),
+    (lambda w: w.update(layout="flat", start=[[0]], size=[[40]], nbytes=[160]), r"'w'.*flat.*\[40:48\] is in no piece"),
+])
+def test_holes_in_a_manifest_are_refused(tmp_path, change, words):
+    _small_checkpoint(tmp_path / "c")
+    _edit(tmp_path / "c", lambda doc: change(doc["tensors"]["w"]))
+    _refused(tmp_path / "c", words)
+
+
+def test_overlapping_flat_ranges_are_refused(tmp_path):
+    _small_checkpoint(tmp_path / "c")
+
+    def flat_overlap(doc):
+        v = doc["tensors"]["v"]
+        v.update(layout="flat", file=[v["file"][0]] * 2, offset=[v["offset"][0]] * 2, nbytes=[24, 24],
+                 start=[[0], [4]], size=[[6], [6]], checksum=[1, 2])
+    _edit(tmp_path / "c", flat_overlap)
+    _refused(tmp_path / "c", r"'v'.*flat.*piece 0 \[0:6\].* and piece 1 \[4:10\].* overlap in \[4:6\]")
+
+
+BIG = 1 << 63
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda d: d["tensors"]["w"].update(shape=[BIG, 4]), r"tensor 'w' has malformed field 'shape'"),
+    (lambda d: d["tensors"]["w"].update(shape=[1 << 62, 4]), r"'shape' .* more than 2\*\*63 - 1 bytes"),
+    (lambda d: d["tensors"]["w"].update(shape=[1 << 31] * 3), r"'shape' .* more than 2\*\*63 - 1 bytes"),
+    (lambda d: d["tensors"]["w"].update(shape=[-1, 4]), r"'w' has malformed field 'shape'"),
+    (lambda d: d.update(block_bytes=BIG), "malformed field 'block_bytes'"),
+    (lambda d: d.update(block_bytes=1 << 64), "malformed field 'block_bytes'"),
+    (lambda d: d.update(block_bytes=0), "malformed field 'block_bytes'"),
+    (lambda d: d.update(world_size=BIG), "malformed field 'world_size'"),
+    (lambda d: d["file_sizes"].__setitem__(0, BIG), "malformed field 'file_sizes'"),
+    (lambda d: d["file_sizes"].__setitem__(0, -1), "malformed field 'file_sizes'"),
+    (lambda d: d["tensors"]["w"].update(offset=[BIG]), r"'w': column 'offset'.*outside the 64-bit range"),
+    (lambda d: d["tensors"]["w"].update(offset=[-1]), "'w': negative offset"),
+    (lambda d: d["tensors"]["w"].update(offset=[True]), r"'w': column 'offset'.*not integers"),
+    (lambda d: d["tensors"]["w"].update(nbytes=[1 << 64]), r"'w': column 'nbytes'.*outside the 64-bit range"),
+    (lambda d: d["tensors"]["w"].update(start=[[BIG, 0]]), r"'w': column 'start'.*outside the 64-bit range"),
+    (lambda d: d["tensors"]["w"].update(start=[[BIG - 4, 0]]), "'w': piece 0 lies outside the global shape"),
+    (lambda d: d["tensors"]["w"].update(size=[[-1, 4]]), "'w': piece 0 lies outside the global shape"),
+    (lambda d: d["tensors"]["w"].update(file=[BIG]), r"'w': column 'file'.*outside the 64-bit range"),
+    (lambda d: d["tensors"]["w"].update(file=[-1]), "'w': piece refers to a file index outside"),
+    (lambda d: d["tensors"]["w"].update(checksum=[1 << 64]), r"'w' has malformed field 'checksum'"),
+    (lambda d: d["tensors"]["w"].update(checksum=[-1]), r"'w' has malformed field 'checksum'"),
+    (lambda d: d["tensors"]["w"].update(checksum=[[1, BIG * 2]]), r"'w' has malformed field 'checksum'"),
+    (lambda d: d["objects"]["obj"]["pickle"].__setitem__(1, BIG), "'obj': malformed pickle reference"),
+    (lambda d: d["objects"]["obj"]["pickle"].__setitem__(2, BIG - 1), "'obj': pickle reference outside"),
+    (lambda d: d["objects"]["obj"]["pickle"].__setitem__(3, 1 << 64), "'obj': malformed pickle reference"),
+    (lambda d: d["objects"]["obj"]["pickle"].__setitem__(0, -1), "'obj': malformed pickle reference"),
+    (lambda d: d["objects"]["r"]["per_rank"].__setitem__(0, {"per_rank": [{"json": 1}]}), "'r': a per-rank value is"),
+    (lambda d: d.update(meta="not an object"), "malformed field 'meta'"),
+])
+def test_integers_beyond_64_bits_or_negative_are_manifest_errors(tmp_path, change, words):
+    """Every integer of the manifest is range-checked where it is parsed: none reaches numpy as an
+    OverflowError or wraps round to a value that passes a later check."""
+    _small_checkpoint(tmp_path / "c")
+    _edit(tmp_path / "c", change)
+    _refused(tmp_path / "c", words)
+
+
+def test_absurdly_nested_manifest_is_a_manifest_error(tmp_path):
+    _small_checkpoint(tmp_path / "c")
+    (tmp_path / "c" / MANIFEST_NAME).write_text("[" * 100_000)
+    _refused(tmp_path / "c", "not valid JSON")
+
+
+def _packed_manifest(**columns) -> bytes:
+    """A manifest whose tensor ``w`` has 64 pieces (so every column is packed), rows 4i..4i+3 each,
+    with ``columns`` replacing any of its numpy columns."""
+    from statesnap.format.columns import PACK_MIN_PIECES
+    from statesnap.format.manifest import Manifest, TensorEntry
+
+    n = PACK_MIN_PIECES
+    values = dict(file=np.arange(n) % 3, offset=np.arange(n) * 256, nbytes=np.full(n, 128),
+                  start=np.stack([np.arange(n) * 4, np.zeros(n, np.int64)], axis=1), size=np.tile([4, 8], (n, 1)))
+    values.update(columns)
+    checksum, bounds = TensorEntry.pack_checksums([[i] for i in range(n)])
+    entry = TensorEntry(torch.float32, (4 * n, 8), "box", checksum=checksum, checksum_bounds=bounds,
+                        **{k: np.asarray(v, dtype=np.int64) for k, v in values.items()})
+    return Manifest(files=["a.bin", "b.bin", "c.bin"], file_sizes=[1 << 30] * 3, tensors={"w": entry},
+                    objects={}).to_bytes()
+
+
+def _packed_doc_manifest(change) -> bytes:
+    doc = json.loads(_packed_manifest())
+    change(doc["tensors"]["w"])
+    return json.dumps(doc).encode()
+
+
+def test_packed_columns_are_checked_like_plain_ones():
+    from statesnap.format.manifest import Manifest
+
+    assert Manifest.from_bytes(_packed_manifest()).tensors["w"].num_pieces == 64
+    start = np.stack([np.arange(64) * 4, np.zeros(64, np.int64)], axis=1)
+    overflow = start.copy()
+    overflow[5, 0] = (1 << 63) - 2  # + 4 rows wraps round to a negative int64
+    overlap = start.copy()
+    overlap[5, 0] = 18  # rows 18-21 overlap piece 4 (16-19); rows 20-23 are in no piece
+    cases = [
+        (dict(start=overflow), "piece 5 lies outside the global shape"),
+        (dict(offset=-np.arange(64)), "negative offset"),
+        (dict(start=overlap), r"piece 4 \[16:20, 0:8\] \(in b.bin\) and piece 5 \[18:22, 0:8\] \(in c.bin\) "
+                              r"overlap in \[18:20, 0:8\]"),
+        (dict(file=np.full(64, 3)), "file index outside"),
+    ]
+    for columns, words in cases:
+        with pytest.raises(ss.ManifestError, match=words):
+            Manifest.from_bytes(_packed_manifest(**columns), where="x/manifest.json")
+
+    def huge_piece_count(w):
+        w["file"]["shape"] = [1 << 62]
+
+    def huge_block_counts(w):
+        w["checksum_blocks"] = {"packed": "i8", "shape": [64], "data": base64.b64encode(
+            np.full(64, 1 << 58, dtype="<i8").tobytes()).decode()}
+
+    def zip_bomb(w):
+        w["offset"]["data"] = base64.b64encode(zlib.compress(bytes(64 << 20))).decode()
+
+    for change, words in [(huge_piece_count, "'file'.*malformed packed column .* bytes where"),
+                          (huge_block_counts, "'checksum_blocks' holds a count"),
+                          (zip_bomb, "'offset'.*inflates past")]:
+        with pytest.raises(ss.ManifestError, match=words):
+            Manifest.from_bytes(_packed_doc_manifest(change))

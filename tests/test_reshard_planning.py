@@ -1,12 +1,18 @@
-"""Save planning at scale (pure computation) and the 1024-rank planning simulation, at a small size."""
+"""Save planning at scale (pure computation): pieces checked to hold every element exactly once, load
+coverage that counts exactly, and the 1024-rank planning simulation at a small size."""
 import numpy as np
 import pytest
+import torch
 
+import statesnap as ss
 from statesnap.bench import planning
+from statesnap.engine.save import build_manifest
 from statesnap.errors import CheckpointError
+from statesnap.format.manifest import Manifest
 from statesnap.plan.load_plan import plan_target
 from statesnap.plan.save_plan import ALIGN, plan_save
 from statesnap.state.items import ItemMeta
+from statesnap.state.placement import chunk_bounds
 
 
 def meta(fqn, start, size, shape=(10, 4), dtype="float32"):
@@ -70,3 +76,80 @@ def test_reshard_benchmark_runs_at_a_tiny_size(tmp_path, capsys):
     shown = capsys.readouterr().out
     assert "reshard_vs_same" in shown and "replicated cold shared=True" in shown
     assert "replicated remote shared=True" in shown and "shared_vs_not_remote" in shown
+
+
+# ---- exact overlap and coverage at save: box arithmetic, not element counts ----
+def flat(fqn, start, size, shape=(12, 4)):
+    return ItemMeta(fqn, "float32", shape, "flat", (start,), (size,), 4 * size)
+
+
+def test_rows_0_to_5_and_4_to_9_are_refused_although_48_of_48_elements_are_there():
+    with pytest.raises(CheckpointError) as caught:
+        plan_save([[meta("w", (0, 0), (6, 4), shape=(12, 4))], [meta("w", (4, 0), (6, 4), shape=(12, 4))]])
+    assert str(caught.value) == ("w: the ranks' pieces must cover it exactly once, but rank 0's piece [0:6, 0:4] and "
+                                 "rank 1's piece [4:10, 0:4] overlap in [4:6, 0:4]; how it is sharded (ss.Sharded "
+                                 "offsets, DTensor placements) is inconsistent across ranks or leaves part of it out")
+
+
+@pytest.mark.parametrize("per_rank, words", [
+    ([[meta("w", (0, 0), (6, 4), shape=(12, 4))], [meta("w", (6, 0), (4, 4), shape=(12, 4))]],
+     r"w: .* \[10:12, 0:4\] is in no piece"),
+    ([[meta("w", (0, 0), (12, 2), shape=(12, 4))], [meta("w", (0, 1), (12, 3), shape=(12, 4))]],
+     r"rank 0's piece \[0:12, 0:2\] and rank 1's piece \[0:12, 1:4\] overlap in \[0:12, 1:2\]"),
+    ([[flat("f", 0, 30)], [flat("f", 24, 24)]], r"f: .*\(flat ranges.*\[0:30\] and .*\[24:48\] overlap in \[24:30\]"),
+    ([[flat("f", 0, 20)], [flat("f", 24, 24)]], r"f: .*flat.*\[20:24\] is in no piece"),
+    ([[flat("f", 0, 24)], [meta("f", (6, 0), (6, 4), shape=(12, 4))]], "disagree on dtype/shape/layout"),
+    ([[meta("c", (0, 0, 0), (2, 3, 4), shape=(2, 6, 4))], [meta("c", (0, 2, 0), (2, 4, 4), shape=(2, 6, 4))]],
+     r"c: .*\[0:2, 0:3, 0:4\] and .*\[0:2, 2:6, 0:4\] overlap in \[0:2, 2:3, 0:4\]"),
+    ([[meta("c", (0, 0, 0), (2, 3, 2), shape=(2, 6, 4))], [meta("c", (0, 3, 0), (2, 3, 4), shape=(2, 6, 4))]],
+     r"c: .*\[0:2, 0:3, 2:4\] is in no piece"),
+    ([[meta("w", (8, 0), (6, 4), shape=(12, 4))], [meta("w", (0, 0), (8, 4), shape=(12, 4))]],
+     r"rank 0's piece \[8:14, 0:4\] lies outside its global shape \[12, 4\]"),
+    ([[meta("h", (0, 0), (1, 4), shape=(1 << 62, 4))]], r"h: global shape .* more than 2\*\*63 - 1 bytes"),
+])
+def test_overlaps_holes_and_strays_are_refused_at_save(per_rank, words):
+    with pytest.raises(CheckpointError, match=words):
+        plan_save(per_rank)
+
+
+def empty_ranks(fqn):
+    """2 rows over 4 ranks: 1, 1, 0, 0 (torch.chunk); the empty ranks' zero-size pieces sit at
+    different places (the end, the start), so they are distinct pieces, not replicas."""
+    out = [meta(fqn, (chunk_bounds(2, 4, r)[0], 0), (chunk_bounds(2, 4, r)[1], 4), shape=(2, 4)) for r in range(3)]
+    assert [m.size[0] for m in out] == [1, 1, 0]
+    return out + [meta(fqn, (0, 0), (0, 4), shape=(2, 4))]
+
+
+def test_legitimate_layouts_still_plan():
+    shape = (10, 4)
+    uneven = [meta("w", (chunk_bounds(10, 4, r)[0], 0), (chunk_bounds(10, 4, r)[1], 4)) for r in range(4)]
+    empty = empty_ranks("e")
+    step = ItemMeta("step", "float32", (), "box", (), (), 4)
+    zero_flat = [flat("z", 0, 16, shape=(8, 8)), flat("z", 16, 48, shape=(8, 8))]
+    grid = [meta("g", (5 * (r // 2), 2 * (r % 2)), (5, 2), shape=shape) for r in range(4)]
+    plan = plan_save([[uneven[r], empty[r], step, zero_flat[r % 2], grid[r]] for r in range(4)])
+    assert plan.tensors["w"].size[:, 0].tolist() == [3, 3, 3, 1]
+    assert sorted(plan.tensors["e"].size[:, 0].tolist()) == [0, 0, 1, 1] and len(plan.tensors["step"].rank) == 1
+
+
+def test_saving_part_of_a_tensor_is_refused(tmp_path):
+    """One process declaring half of a tensor would write a checkpoint no layout can load whole."""
+    with pytest.raises(CheckpointError, match=r"shard: .*\[8:16\] is in no piece"):
+        ss.save({"shard": ss.Sharded(torch.ones(8), (16,), (0,))}, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+
+
+def test_load_plan_coverage_counts_each_element_once():
+    """With disjoint pieces (guaranteed by the manifest check) ``covered`` is exact: zero-size
+    pieces add nothing and are not read, a region a piece only partly overlaps counts its overlap."""
+    plan = plan_save([[m] for m in empty_ranks("w")])
+    outputs = planning.simulated_outputs(plan, 1 << 20)
+    manifest = Manifest.from_bytes(build_manifest(plan, outputs, 4, 1 << 20, None).to_bytes())
+    entry = manifest.tensors["w"]
+    assert entry.num_pieces == 4 and (entry.size[:, 0] == 0).sum() == 2
+    whole = plan_target(entry, "box", (0, 0), (2, 4))
+    assert whole.covered == 8 and len(whole.reads) == 2
+    part = plan_target(entry, "box", (1, 1), (1, 2))
+    assert part.covered == 2 and [r.piece for r in part.reads] == [int(np.flatnonzero(entry.start[:, 0] == 1)[0])]
+    assert plan_target(entry, "flat", (3,), (4,)).covered == 4
+    assert plan_target(entry, "box", (0, 0), (0, 4)).covered == 0

@@ -3,24 +3,28 @@
 Pieces are stored column-wise per tensor (arrays of files, offsets, lengths, boxes) so that a
 checkpoint of millions of pieces stays small and loads into numpy in one pass; see docs/format.md.
 Parsing validates everything a later stage would trust: dtypes, file names (no path may leave the
-checkpoint directory), indices, byte ranges and boxes. A manifest that passes cannot make a
-reader write outside a target tensor or read outside a file.
+checkpoint directory), every integer's range (so nothing overflows numpy's 64 bits further on),
+indices, byte ranges, boxes, and that each tensor's pieces hold every element exactly once
+(format/boxes.py). A manifest that passes cannot make a reader write outside a target tensor,
+leave part of it unwritten, or read outside a file.
 """
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from ..errors import ManifestError
 from .checksum import DEFAULT_BLOCK_BYTES
-from .columns import PACK_MIN_PIECES, integer, pack, unpack
-from .dtypes import dtype_from_name, dtype_name, itemsize
+from .boxes import first_outside, region, tiling_problem
+from .columns import INT64_MAX, PACK_MIN_PIECES, UINT64_MAX, integer, pack, unpack
+from .dtypes import dtype_from_name, dtype_name
 
 FORMAT_NAME = "statesnap"
 FORMAT_VERSION = 1
@@ -66,7 +70,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)  # a Python int: exact for any shape
 
     @property
     def stored_bytes(self) -> int:
@@ -89,81 +93,85 @@ class TensorEntry:
         return out
 
     @classmethod
-    def from_json(cls, fqn: str, data: dict, files: list[str], file_sizes: list[int],
-                  block_bytes: int) -> "TensorEntry":
+    def from_json(cls, fqn: str, data: dict, files: list[str], file_sizes: list[int] | np.ndarray,
+                  block_bytes: int, where: str = "manifest") -> "TensorEntry":
+        where = f"{where}: tensor {fqn!r}"
+        if not isinstance(data, dict):
+            raise ManifestError(f"{where} is malformed (not a JSON object)")
         try:
-            dtype = dtype_from_name(data["dtype"], fqn)
-            shape = tuple(integer(s) for s in data["shape"])
-            layout = data["layout"]
-            if layout not in (BOX, FLAT):
-                raise ManifestError(f"tensor {fqn!r}: unknown layout {layout!r}")
-            file = data["file"]
-            n = len(file) if isinstance(file, list) else integer(file["shape"][0])
-            dims = len(shape) if layout == BOX else 1
-            where = f"tensor {fqn!r}"
-            checksum, bounds = _checksum_columns(data, n, where)
-            entry = cls(
-                dtype=dtype, shape=shape, layout=layout,
-                file=unpack(file, "i8", (n,), where), offset=unpack(data["offset"], "i8", (n,), where),
-                nbytes=unpack(data["nbytes"], "i8", (n,), where),
-                start=unpack(data["start"], "i8", (n, dims), where), size=unpack(data["size"], "i8", (n, dims), where),
-                checksum=checksum, checksum_bounds=bounds,
-            )
-        except ManifestError:
-            raise
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
-            raise ManifestError(f"tensor {fqn!r}: malformed manifest entry ({exc})") from None
-        entry._validate(fqn, files, file_sizes, block_bytes)
+            dtype = dtype_from_name(data.get("dtype"))
+        except ManifestError as exc:
+            raise ManifestError(f"{where}: {exc}") from None
+        shape = _field(data, "shape", where, lambda v: tuple(integer(s) for s in v))
+        if math.prod(shape) * dtype.itemsize > INT64_MAX:
+            raise ManifestError(f"{where} has malformed field 'shape' ({list(shape)} holds more than 2**63 - 1 bytes)")
+        layout = data.get("layout")
+        if layout not in (BOX, FLAT):
+            raise ManifestError(f"{where}: unknown layout {layout!r}")
+        # the file column first: a packed column's length is checked against its bytes, so a
+        # made-up piece count never sizes an allocation below
+        file = _field(data, "file", where, lambda v: unpack(
+            v, "i8", (len(v) if isinstance(v, list) else integer(v["shape"][0]),), f"{where}: column 'file'"))
+        n, dims = len(file), (len(shape) if layout == BOX else 1)
+        columns = {name: _field(data, name, where, lambda v, name=name: unpack(
+            v, "i8", (n, dims) if name in ("start", "size") else (n,), f"{where}: column {name!r}"))
+            for name in ("offset", "nbytes", "start", "size")}
+        checksum, bounds = _field(data, "checksum", where,
+                                  lambda v: _checksum_columns(v, data.get("checksum_blocks"), n, where))
+        entry = cls(dtype=dtype, shape=shape, layout=layout, file=file, checksum=checksum, checksum_bounds=bounds,
+                    **columns)
+        entry._validate(where, files, file_sizes, block_bytes)
         return entry
 
-    def _validate(self, fqn: str, files: list[str], file_sizes: list[int], block_bytes: int) -> None:
+    def _validate(self, where: str, files: list[str], file_sizes: list[int] | np.ndarray, block_bytes: int) -> None:
+        """Rules 5 and 6 of docs/format.md §8, in an order where each check may rely on the ones
+        before it (all values non-negative and inside the shape before any sum or product)."""
         def bad(msg):
-            raise ManifestError(f"tensor {fqn!r}: {msg}")
+            raise ManifestError(f"{where}: {msg}")
 
-        if any(s < 0 for s in self.shape):
-            bad(f"negative shape {self.shape}")
-        if len(self.checksum_bounds) != self.num_pieces + 1 or self.checksum_bounds[-1] != len(self.checksum):
-            bad("checksum column does not match pieces")
-        if self.num_pieces == 0:
-            return
-        if self.file.min() < 0 or self.file.max() >= len(files):
+        if self.num_pieces and (self.file.min() < 0 or self.file.max() >= len(files)):
             bad("piece refers to a file index outside the file table")
-        if (self.start < 0).any() or (self.size < 0).any() or (self.offset < 0).any():
-            bad("negative offset or extent")
-        limit = np.asarray(self.shape if self.layout == BOX else [self.numel], dtype=np.int64)
-        if (self.start + self.size > limit).any():
-            bad(f"a piece lies outside the global shape {list(self.shape)}")
-        elems = self.size.prod(axis=1) if self.size.shape[1] else np.ones(self.num_pieces, np.int64)
-        if (elems * itemsize(self.dtype) != self.nbytes).any():
+        if (self.offset < 0).any() or (self.nbytes < 0).any():
+            bad("negative offset or byte length")
+        outside = first_outside(self.start, self.size, self.shape if self.layout == BOX else [self.numel])
+        if outside >= 0:
+            bad(f"piece {outside} lies outside the global shape {list(self.shape)}")
+        elems = self.size.prod(axis=1)  # inside a shape of < 2**63 bytes: exact
+        if (elems * self.dtype.itemsize != self.nbytes).any():
             bad("piece byte length does not match its extent and dtype")
-        ends = self.offset + self.nbytes
-        sizes = np.asarray(file_sizes, dtype=np.int64)[self.file]
-        if (ends > sizes).any():
-            i = int(np.argmax(ends > sizes))
-            bad(f"piece {i} ends at byte {int(ends[i])} beyond the recorded size of {files[self.file[i]]}")
+        room = np.asarray(file_sizes, dtype=np.int64)[self.file] - self.offset  # no overflow: both >= 0
+        beyond = np.flatnonzero(self.nbytes > room)
+        if len(beyond):
+            i = int(beyond[0])
+            bad(f"piece {i} ends at byte {int(self.offset[i]) + int(self.nbytes[i])} beyond the recorded "
+                f"size of {files[self.file[i]]}")
         expected = np.maximum(1, -(-self.nbytes // block_bytes))
         wrong = np.nonzero(np.diff(self.checksum_bounds) != expected)[0]
         if len(wrong):
             bad(f"piece {int(wrong[0])} has the wrong number of checksums: one per {block_bytes}-byte block expected")
+        problem = tiling_problem(self.shape if self.layout == BOX else (self.numel,), self.start, self.size,
+                                 lambda i: f"piece {i} {region(self.start[i], self.start[i] + self.size[i])} "
+                                           f"(in {files[self.file[i]]})")
+        if problem:
+            flat = " (flat ranges of the row-major tensor)" if self.layout == FLAT else ""
+            bad(f"its pieces{flat} must cover it exactly once, but {problem}")
 
 
-def _checksum_columns(data: dict, n: int, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """(flat checksums, per-piece bounds) from the plain or packed ``checksum`` column."""
-    column = data["checksum"]
+def _checksum_columns(column: Any, blocks: Any, n: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """(flat checksums, per-piece bounds) from the plain or packed ``checksum`` column and the
+    optional ``checksum_blocks`` (blocks per piece, when not all 1)."""
     if isinstance(column, list):
         if len(column) != n:
-            raise ManifestError(f"{where}: checksum list length does not match pieces")
-        per_piece = [c if isinstance(c, list) else [c] for c in column]
-        try:
-            return TensorEntry.pack_checksums([[integer(x) for x in c] for c in per_piece])
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise ManifestError(f"{where}: malformed checksum ({exc})") from None
-    counts = (unpack(data["checksum_blocks"], "i8", (n,), where) if "checksum_blocks" in data
-              else np.ones(n, np.int64))
-    if (counts < 1).any():
-        raise ManifestError(f"{where}: malformed checksum block counts")
+            raise ValueError(f"{len(column)} entries for {n} pieces")
+        return TensorEntry.pack_checksums([[integer(x, high=UINT64_MAX) for x in c] if isinstance(c, list)
+                                           else [integer(c, high=UINT64_MAX)] for c in column])
+    counts = (np.ones(n, np.int64) if blocks is None
+              else unpack(blocks, "i8", (n,), f"{where}: column 'checksum_blocks'"))
+    # a count above 2**62 is no real piece's, and refusing it keeps the running sum below from wrapping
+    if n and ((counts < 1).any() or counts.sum(dtype=np.float64) > 2.0 ** 62):
+        raise ValueError("'checksum_blocks' holds a count below 1 or beyond any real piece's")
     bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    return unpack(column, "u8", (int(bounds[-1]),), where), bounds
+    return unpack(column, "u8", (int(bounds[-1]),), f"{where}: column 'checksum'"), bounds
 
 
 @dataclass
@@ -180,23 +188,30 @@ class ObjectEntry:
         return {self.kind: self.value}
 
     @classmethod
-    def from_json(cls, fqn: str, data: Any, files: list[str], file_sizes: list[int]) -> "ObjectEntry":
+    def from_json(cls, fqn: str, data: Any, files: list[str], file_sizes: list[int], where: str = "manifest",
+                  nested: bool = False) -> "ObjectEntry":
+        where = f"{where}: object {fqn!r}"
         if not isinstance(data, dict) or len(data) != 1:
-            raise ManifestError(f"object {fqn!r}: malformed entry")
+            raise ManifestError(f"{where}: malformed entry")
         (kind, value), = data.items()
         if kind == "json":
             return cls("json", value)
         if kind == "pickle":
             try:
-                file, offset, nbytes, checksum = (integer(v) for v in value)
-            except (TypeError, ValueError):
-                raise ManifestError(f"object {fqn!r}: malformed pickle reference") from None
-            if not 0 <= file < len(files) or offset < 0 or nbytes < 0 or offset + nbytes > file_sizes[file]:
-                raise ManifestError(f"object {fqn!r}: pickle reference outside its data file")
+                if not isinstance(value, list) or len(value) != 4:
+                    raise ValueError("[file, offset, nbytes, checksum] expected")
+                file, offset, nbytes = (integer(v) for v in value[:3])
+                checksum = integer(value[3], high=UINT64_MAX)
+            except ValueError as exc:
+                raise ManifestError(f"{where}: malformed pickle reference ({exc})") from None
+            if file >= len(files) or nbytes > file_sizes[file] - offset:
+                raise ManifestError(f"{where}: pickle reference outside its data file")
             return cls("pickle", [file, offset, nbytes, checksum])
+        if kind == "per_rank" and nested:
+            raise ManifestError(f"{where}: a per-rank value is a json or pickle entry, not another per_rank")
         if kind == "per_rank" and isinstance(value, list):
-            return cls("per_rank", per_rank=[cls.from_json(fqn, v, files, file_sizes) for v in value])
-        raise ManifestError(f"object {fqn!r}: unknown kind {kind!r}")
+            return cls("per_rank", per_rank=[cls.from_json(fqn, v, files, file_sizes, where, True) for v in value])
+        raise ManifestError(f"{where}: unknown kind {kind!r}")
 
 
 @dataclass
@@ -232,7 +247,7 @@ class Manifest:
     def from_bytes(cls, raw: bytes, where: str = "manifest") -> "Manifest":
         try:
             doc = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # recursion: absurd nesting
             raise ManifestError(f"{where} is not valid JSON ({exc}); the checkpoint is damaged or not "
                                 "a statesnap checkpoint") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
@@ -243,32 +258,50 @@ class Manifest:
         if version > FORMAT_VERSION:
             raise ManifestError(f"{where} has format version {version}, newer than this statesnap "
                                 f"reads ({FORMAT_VERSION}); upgrade statesnap to load it")
-        try:
-            files = doc["files"]
-            if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-                raise TypeError("'files' must be a list of names")
-            file_sizes = [integer(s) for s in doc["file_sizes"]]
-            block_bytes, world_size = integer(doc["block_bytes"]), integer(doc["world_size"])
-            tensors_doc, objects_doc = doc["tensors"], doc["objects"]
-            if not isinstance(tensors_doc, dict) or not isinstance(objects_doc, dict):
-                raise TypeError("'tensors' and 'objects' must be JSON objects")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ManifestError(f"{where} is missing or has malformed field {exc}") from None
+        files = _field(doc, "files", where, _names)
+        file_sizes = _field(doc, "file_sizes", where, lambda v: [integer(n) for n in v])
+        block_bytes = _field(doc, "block_bytes", where, lambda v: integer(v, low=1))
+        world_size = _field(doc, "world_size", where, lambda v: integer(v, low=1))
+        tensors_doc, objects_doc = (_field(doc, name, where, _json_object) for name in ("tensors", "objects"))
+        meta = _field(doc, "meta", where, _json_object) if "meta" in doc else {}
         for name in files:
             if not _SAFE_FILE.fullmatch(name) or name in (".", ".."):
                 raise ManifestError(f"{where} names data file {name!r}, which is not a plain file name "
                                     "inside the checkpoint directory; refusing to read it")
-        if len(file_sizes) != len(files) or block_bytes <= 0 or world_size < 1:
-            raise ManifestError(f"{where} has an inconsistent file table")
+        if len(file_sizes) != len(files):
+            raise ManifestError(f"{where} has an inconsistent file table ({len(files)} files, "
+                                f"{len(file_sizes)} sizes)")
         both = sorted(set(tensors_doc) & set(objects_doc))
         if both:
             raise ManifestError(f"{where} names {both[0]!r} both as a tensor and as an object")
-        tensors = {k: TensorEntry.from_json(k, v, files, file_sizes, block_bytes) for k, v in tensors_doc.items()}
-        objects = {k: ObjectEntry.from_json(k, v, files, file_sizes) for k, v in objects_doc.items()}
+        sizes = np.asarray(file_sizes, dtype=np.int64)  # once, not per tensor
+        tensors = {k: TensorEntry.from_json(k, v, files, sizes, block_bytes, where) for k, v in tensors_doc.items()}
+        objects = {k: ObjectEntry.from_json(k, v, files, file_sizes, where) for k, v in objects_doc.items()}
         for fqn, entry in objects.items():
             if entry.kind == "per_rank" and len(entry.per_rank) != world_size:
                 raise ManifestError(f"{where}: object {fqn!r} has {len(entry.per_rank)} per-rank values "
                                     f"for a world of {world_size}")
         return cls(files=files, file_sizes=file_sizes, tensors=tensors, objects=objects,
-                   world_size=world_size, block_bytes=block_bytes, meta=dict(doc.get("meta") or {}),
-                   version=version)
+                   world_size=world_size, block_bytes=block_bytes, meta=dict(meta), version=version)
+
+
+def _field(doc: dict, name: str, where: str, convert: Callable[[Any], Any]) -> Any:
+    """``doc[name]`` through ``convert``, or a ManifestError naming the field."""
+    if name not in doc:
+        raise ManifestError(f"{where} is malformed: field {name!r} is missing")
+    try:
+        return convert(doc[name])
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise ManifestError(f"{where} has malformed field {name!r} ({exc})") from None
+
+
+def _names(value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
+        raise TypeError("a list of file names is expected")
+    return value
+
+
+def _json_object(value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise TypeError(f"a JSON object is expected, not {type(value).__name__}")
+    return value

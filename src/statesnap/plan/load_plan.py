@@ -52,7 +52,10 @@ class PieceRead:
 @dataclass
 class TargetPlan:
     reads: list[PieceRead]
-    covered: int  # elements of the target that stored pieces cover
+    # Elements of the target that stored pieces cover. Exact, not a count that overlaps could
+    # inflate: every save plan and every parsed manifest holds each element exactly once
+    # (format/boxes.py), and empty pieces intersect nothing, so they are neither read nor counted.
+    covered: int
 
 
 def _strides(shape: Sequence[int]) -> np.ndarray:

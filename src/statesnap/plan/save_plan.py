@@ -11,6 +11,7 @@ per-file offsets, per-tensor piece tables) is numpy over those ids.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import chain, count
 from operator import attrgetter
@@ -19,6 +20,9 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import CheckpointError
+from ..format.boxes import first_outside, region, tiling_problem
+from ..format.columns import INT64_MAX
+from ..format.dtypes import dtype_from_name
 from ..format.manifest import BOX
 from ..state.items import ItemMeta
 
@@ -137,17 +141,30 @@ def _tensor_tables(metas: list[ItemMeta], rank: np.ndarray, item: np.ndarray, of
         where = first_int[sel][:, None] + np.arange(dims[fid])
         tables[fqn] = TensorPieces(head.dtype, tuple(head.shape), head.layout, rank[sel], item[sel], offset[sel],
                                    nbytes[sel], starts[where], sizes[where])
-        _check_no_overlap(fqn, tables[fqn])
+        _check_tiling(fqn, tables[fqn])
     return tables
 
 
-def _check_no_overlap(fqn: str, pieces: TensorPieces) -> None:
-    """Distinct pieces of one tensor must not overlap: a partial overlap means ranks disagree
-    about the layout, and loading would be ambiguous."""
-    if len(pieces.rank) < 2:
-        return
-    total = int(pieces.size.prod(axis=1).sum())
-    limit = int(np.prod(pieces.shape, dtype=np.int64))
-    if total > limit:
-        raise CheckpointError(f"{fqn}: the ranks' pieces overlap ({total} elements stored for a tensor of "
-                              f"{limit}); the ranks disagree about how it is sharded")
+def _check_tiling(fqn: str, pieces: TensorPieces) -> None:
+    """The distinct pieces of one tensor must lie inside it and cover it exactly once
+    (docs/format.md §4). A piece outside, two that overlap or a hole mean the ranks disagree
+    about how the tensor is sharded: a load would be ambiguous or would leave elements stale."""
+    numel = math.prod(pieces.shape)
+    itemsize = dtype_from_name(pieces.dtype).itemsize
+    if not all(0 <= s <= INT64_MAX for s in pieces.shape) or numel * itemsize > INT64_MAX:
+        raise CheckpointError(f"{fqn}: global shape {list(pieces.shape)} is negative or holds more than "
+                              "2**63 - 1 bytes")
+    limit = pieces.shape if pieces.layout == BOX else (numel,)
+
+    def describe(i: int) -> str:
+        return f"rank {int(pieces.rank[i])}'s piece {region(pieces.start[i], pieces.start[i] + pieces.size[i])}"
+
+    outside = first_outside(pieces.start, pieces.size, limit)
+    if outside >= 0:
+        raise CheckpointError(f"{fqn}: {describe(outside)} lies outside its global shape {list(pieces.shape)}")
+    problem = tiling_problem(limit, pieces.start, pieces.size, describe)
+    if problem:
+        flat = " (flat ranges of the row-major tensor)" if pieces.layout != BOX else ""
+        raise CheckpointError(f"{fqn}: the ranks' pieces{flat} must cover it exactly once, but {problem}; "
+                              "how it is sharded (ss.Sharded offsets, DTensor placements) is inconsistent "
+                              "across ranks or leaves part of it out")
