@@ -88,24 +88,32 @@ def _blocking(rank, world, tmp):
     out["plain_declared"] = _error(lambda: ss.save({"loader": ss.Replicated(position)},
                                                    os.path.join(tmp, "plain_declared")))
     out["plain_per_rank"] = _error(lambda: ss.save({"loader": ss.PerRank(position)}, os.path.join(tmp, "plain_per_rank")))
+    out["plain_off"] = _error(lambda: ss.save({"loader": position}, os.path.join(tmp, "plain_off"), replica_check_mb=0))
+
+    # pipeline stages hold different values: each is stored (from the rank holding it), none compared
+    stage = {"epoch": 2, f"layer{rank}": {"step": 3 + rank}}
+    out["stages"] = _error(lambda: ss.save({"optim": stage}, os.path.join(tmp, "stages")))
     return out
 
 
 def test_blocking_save_compares_replicas(tmp_path):
     results = run_ranks(2, _blocking, str(tmp_path))
     r0, r1 = results
-    for key in ("rng_new", "rng_overwrite", "drifted", "bare_buffers", "plain"):
+    for key in ("rng_new", "rng_overwrite", "drifted", "plain"):
         assert r0[key] is not None and r0[key] == r1[key], key  # the same error on every rank
     message = r0["rng_new"]
     assert "1 replicated value(s)" in message and "rng (rank 0 vs rank 1)" in message
     assert "ss.PerRank" in message and "ss.Replicated" in message
     assert "was not committed" in r0["rng_overwrite"]
     assert "model.0.weight (rank 0 vs rank 1)" in r0["drifted"] and "model.0.bias" not in r0["drifted"]
-    assert "model.1.running_mean" in r0["bare_buffers"]
+    assert r0["bare_buffers"] is None  # module buffers (BatchNorm statistics) are kept from one rank
     assert "loader.batch (rank 0 vs rank 1)" in r0["plain"] and "loader.epoch" not in r0["plain"]
     assert "loader.rng" not in r0["plain"] and "same.lr" not in r0["plain"]  # equal on both ranks
     assert not (tmp_path / "plain").exists()
-    assert r0["plain_declared"] is None and r0["plain_per_rank"] is None
+    assert r0["plain_declared"] is None and r0["plain_per_rank"] is None and r0["plain_off"] is None
+    assert r0["stages"] is None
+    stages = ss.open(str(tmp_path / "stages"))
+    assert (stages.read("optim.epoch"), stages.read("optim.layer0.step"), stages.read("optim.layer1.step")) == (2, 3, 4)
     assert ss.open(str(tmp_path / "plain_declared")).read("loader.batch") == 10  # rank 0's
     for rank, out in enumerate(results):
         assert out["listing"] == ["good"]  # no checkpoint, no staging left behind

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..engine.dist import Comm
 from ..engine.load import load
 from ..engine.replicas import limit_bytes, object_digests
-from ..engine.save import encode_objects, per_rank_names
+from ..engine.save import encode_objects, per_rank_names, shared_names
 from ..engine.write import default_threads
 from ..errors import CheckpointError
 from ..format.dtypes import dtype_name
@@ -84,6 +84,8 @@ class Checkpointer:
             self._group = dist.new_group(ranks=ranks, backend="gloo",
                                          timeout=timedelta(seconds=cfg.commit_timeout_s))
         self.rank = self._comm.rank
+        # shared plain values are compared across ranks at each commit (engine/replicas.py)
+        self._compares_objects = self._comm.world_size > 1 and cfg.replica_check_mb > 0
         events_path = None
         if cfg.events and not is_url(root):
             events_path = backend.join(root, "events", f"rank-{self.rank:05d}.jsonl")
@@ -261,8 +263,15 @@ class Checkpointer:
         every rank raises if it could not (another live job owns a root: its cleanup would delete
         that job's saves in flight, its retention that job's checkpoints)."""
         levels = [level for level in (self.persistent, self.further) if level is not None]
+
+        def release() -> None:  # after a failed start, which raises its own error, not this one's
+            try:
+                self._release_roots()
+            except Exception:  # noqa: BLE001
+                log.warning("statesnap: releasing the claimed roots after a failed start failed", exc_info=True)
         problem = None
         if self.rank == 0:
+            # Whatever fails here must reach the broadcast: the other ranks wait in it.
             try:
                 for level in levels:
                     level.claim_root(self.config.take_over, self.config.lease_s)
@@ -271,9 +280,16 @@ class Checkpointer:
                 problem = exc
             except OSError as exc:  # a root that is a file, or a directory we may not write
                 problem = CheckpointError(f"cannot keep checkpoints under {level.root}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - a bug or a storage library's own error
+                problem = CheckpointError(f"cannot claim {level.root} for this job: {type(exc).__name__}: {exc}")
+                problem.__cause__ = exc
             if problem is not None:
-                self._release_roots()
-        problem = self._comm.broadcast(problem)
+                release()
+        try:
+            problem = self._comm.broadcast(problem)
+        except BaseException:  # a rank lost before it got the outcome (PeerLostError): no claim stays
+            release()
+            raise
         if problem is not None:
             raise problem
 
@@ -288,7 +304,7 @@ class Checkpointer:
         flat = flatten_for_save(state)
         metas = [item.meta(dtype_name(item.dtype)) for item in flat.tensors]
         objects, blobs = encode_objects(flat, self.config.allow_pickle)  # every object: memory restores all
-        plan = self._plan_for(metas)
+        plan = self._plan_for(metas, shared_names(flat))
         # Each item may sit up to a block further on in the arena, at its file offset's distance
         # from a block boundary (direct I/O).
         snapshot_bytes = sum(align_up(m.nbytes, ALIGN) + DIRECT_ALIGN for m in metas)
@@ -312,7 +328,8 @@ class Checkpointer:
             step=step, flat=flat, metas=metas, plan=plan, persist=persist, resident=resident,
             versions=[version_of(t) for t in locals_], owners=owners,
             objects=objects, blobs=blobs, per_rank=per_rank_names(flat), cuda_ready=cuda_ready,
-            object_digests=object_digests(flat, objects) if self._comm.world_size > 1 else {}, rank=self.rank, path=self.persistent.path(step))
+            object_digests=object_digests(flat, objects) if persist and self._compares_objects else {},
+            rank=self.rank, path=self.persistent.path(step))
 
     def _copy_unguarded_now(self, flat, owners: list) -> None:
         """No optimizer hook holds back a change to a tensor no optimizer writes, and some change
@@ -326,12 +343,12 @@ class Checkpointer:
         for item in unguarded:
             item.local = item.local.detach().clone()
 
-    def _plan_for(self, metas: list) -> SavePlan:
+    def _plan_for(self, metas: list, objects: list) -> SavePlan:
         """The save plan, reused while this rank's layout is unchanged (ranks change layout together:
         a new layout is planned with one all-gather on the trainer's group, here on its thread)."""
-        key = tuple(metas)
+        key = (tuple(metas), tuple(objects))
         if key != self._plan_key:
-            self._plan = plan_save(self._comm.all_gather(metas))
+            self._plan = plan_save(*zip(*self._comm.all_gather((metas, objects))))
             self._plan_key = key
         return self._plan
 
@@ -383,12 +400,16 @@ class Checkpointer:
             self._finish(snap)
 
     def _flushed(self, snap: Snapshot, committed: int | None) -> None:
-        if committed is not None:
-            self._count("committed")
-            if self.rank == 0:
-                self._after_commit(snap.step)
-            snap.mark_durable(snap.path)
-        self._finish(snap)
+        try:
+            if committed is not None:
+                self._count("committed")
+                try:
+                    if self.rank == 0:
+                        self._after_commit(snap.step)
+                finally:
+                    snap.mark_durable(snap.path)
+        finally:
+            self._finish(snap)  # whatever happens after the commit, nobody waits for this forever
 
     def _after_commit(self, step: int) -> None:
         """Rank 0: start the further-level copy, then apply retention on the persistent level."""
@@ -404,7 +425,9 @@ class Checkpointer:
             protected = {newest, *self._copying_further}
         try:
             self.persistent.retain(protected)
-        except OSError as exc:
+        except CheckpointError as exc:  # the root was taken over: nothing is deleted
+            self._record_failure(None, exc)
+        except Exception as exc:  # noqa: BLE001 (surfaces at the next call)
             self._record_failure(None, CheckpointError(f"retention in {self.persistent.root} failed: {exc}"))
 
     def _copy_further(self, step: int) -> None:

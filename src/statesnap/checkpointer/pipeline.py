@@ -313,7 +313,7 @@ class Flusher(_Stage):
 
     def _write(self, snap: Snapshot, staging: str, token: str) -> RankOutput:
         backend, rank = self.target.backend, self.target.comm.rank
-        entries, blobs = own_objects(snap.objects, snap.blobs, snap.per_rank, rank)
+        entries, blobs = own_objects(snap.objects, snap.blobs, snap.per_rank, rank, snap.plan.object_writers)
         if not snap.plan.writes[rank] and not blobs:
             return RankOutput(None, 0, {}, entries, snap.per_rank)
         name = data_file_name(token, rank)

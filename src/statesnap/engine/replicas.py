@@ -13,8 +13,8 @@ gather that already happens; rank 0 compares them with the writer's checksums an
 commit if they differ. The cost is one pass over the small replicas and a few integers per
 piece in a message that is sent anyway.
 
-Shared plain values (numbers, strings, lists, small tensors inside them) are stored from rank 0
-alone, so they are compared too: every rank sends a hash of each one's JSON form. Pickled values
+Shared plain values (numbers, strings, lists, small tensors inside them) are stored from one rank
+(the lowest holding each), so they are compared too: every holder sends a hash of its JSON form. Pickled values
 are not compared (equal values may pickle to different bytes, e.g. sets in another hash order).
 
 Only pieces up to a size limit are compared: per-rank state is small, and hashing every large
@@ -117,15 +117,13 @@ def _differing_pieces(outputs: Sequence, bad: dict) -> dict[str, list[str]]:
 
 
 def _differing_objects(outputs: Sequence) -> dict[str, list[str]]:
-    """fqn -> which ranks agree with which, for shared values some rank holds differently."""
-    out: dict[str, list[str]] = {}
-    for fqn in outputs[0].object_digests:
-        groups: dict[int | None, list[int]] = {}
-        for rank, output in enumerate(outputs):
-            groups.setdefault(output.object_digests.get(fqn), []).append(rank)
-        if len(groups) > 1:
-            out[fqn] = [_versus(groups.values())]
-    return out
+    """fqn -> which ranks agree with which, for shared values some holder holds differently
+    (ranks that do not hold a value, such as other pipeline stages, are not compared)."""
+    holders: dict[str, dict[int, list[int]]] = {}  # fqn -> digest -> ranks holding that value
+    for rank, output in enumerate(outputs):
+        for fqn, digest in output.object_digests.items():
+            holders.setdefault(fqn, {}).setdefault(digest, []).append(rank)
+    return {fqn: [_versus(groups.values())] for fqn, groups in sorted(holders.items()) if len(groups) > 1}
 
 
 def _versus(groups) -> str:

@@ -65,10 +65,16 @@ def encode_objects(flat: Flattened, allow_pickle: bool) -> tuple[dict[str, Objec
     return entries, blobs
 
 
-def own_objects(entries: dict[str, ObjectEntry], blobs: dict[str, bytes], per_rank: set[str],
-                rank: int) -> tuple[dict[str, ObjectEntry], list[tuple[str, bytes]]]:
-    """What this rank writes of the objects: its per-rank values, and on rank 0 the shared ones."""
-    mine = [fqn for fqn in entries if rank == 0 or fqn in per_rank]
+def shared_names(flat: Flattened) -> list[str]:
+    """The shared (not per-rank) plain values this rank holds, for the plan to pick writers."""
+    return [item.fqn for item in flat.objects if item.per_rank is None]
+
+
+def own_objects(entries: dict[str, ObjectEntry], blobs: dict[str, bytes], per_rank: set[str], rank: int,
+                writers: dict[str, int]) -> tuple[dict[str, ObjectEntry], list[tuple[str, bytes]]]:
+    """What this rank writes of the objects: its per-rank values and the shared ones the plan
+    gives it (``writers``: those it is the lowest rank to hold)."""
+    mine = [fqn for fqn in entries if fqn in per_rank or writers.get(fqn) == rank]
     return {fqn: entries[fqn] for fqn in mine}, [(fqn, blobs[fqn]) for fqn in mine if fqn in blobs]
 
 
@@ -124,7 +130,7 @@ def _merge_objects(outputs: list[RankOutput], index_of: dict[int, int]) -> dict[
         for entry in out.objects.values():
             if entry.kind == "pickle":
                 entry.value[0] = index_of[rank]
-    objects = {fqn: e for fqn, e in outputs[0].objects.items() if fqn not in outputs[0].per_rank}
+    objects = {fqn: e for out in outputs for fqn, e in out.objects.items() if fqn not in out.per_rank}
     for fqn in sorted(set().union(*(out.per_rank for out in outputs))):
         objects[fqn] = ObjectEntry("per_rank", per_rank=[out.objects.get(fqn, ObjectEntry("json", None))
                                                          for out in outputs])
@@ -139,8 +145,9 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
 
     Every collective waits at most ``timeout_s`` for the other ranks; a rank that vanishes or
     hangs makes the save raise a ``CheckpointError`` on the others, and nothing is committed.
-    Replicated pieces of at most ``replica_check_mb`` MiB (0: none) are compared across the
-    ranks holding them; if they differ nothing is committed (see ``engine/replicas.py``)."""
+    Replicated pieces of at most ``replica_check_mb`` MiB, and shared plain values, are compared
+    across the ranks holding them (0: nothing is compared); if they differ nothing is committed
+    (see ``engine/replicas.py``)."""
     started = time.perf_counter()
     path = normalize(path)
     comm = Comm(process_group, f"saving {path}", timeout_s)
@@ -150,13 +157,21 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
         flat = flatten_for_save(state)
         metas = [item.meta(dtype_name(item.dtype)) for item in flat.tensors]
         all_entries, all_blobs = encode_objects(flat, allow_pickle)
-        digests = object_digests(flat, all_entries) if comm.world_size > 1 else {}
-        entries, blobs = own_objects(all_entries, all_blobs, per_rank_names(flat), comm.rank)
+        compare = comm.world_size > 1 and replica_check_mb > 0
+        digests = object_digests(flat, all_entries) if compare else {}
+        names = shared_names(flat)
     except Exception as exc:
-        error, metas = exc, []
+        error, metas, names = exc, [], []
     comm.agree(error, "preparing the save")
-    plan = plan_save(comm.all_gather(metas))
-    staging, token, problem = comm.broadcast(open_staging(backend, path, overwrite) if comm.rank == 0 else None)
+    plan = plan_save(*zip(*comm.all_gather((metas, names))))
+    entries, blobs = own_objects(all_entries, all_blobs, per_rank_names(flat), comm.rank, plan.object_writers)
+    opened = open_staging(backend, path, overwrite) if comm.rank == 0 else None
+    try:
+        staging, token, problem = comm.broadcast(opened)
+    except PeerLostError:
+        if opened is not None and opened[0] is not None:  # no rank wrote into it yet
+            backend.abort(opened[0], path)
+        raise
     if problem is not None:
         raise CheckpointError(f"cannot save to {path}: {problem}")
     if staging is None:

@@ -12,7 +12,7 @@ per-file offsets, per-tensor piece tables) is numpy over those ids.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, count
 from operator import attrgetter
 from typing import Sequence
@@ -55,15 +55,19 @@ class SavePlan:
     writes: list[list[tuple[int, int]]]
     file_bytes: list[int]
     tensors: dict[str, TensorPieces]
+    # shared plain value -> the rank that writes it: the lowest rank holding it (pipeline stages
+    # hold different values; rank 0 need not hold them all)
+    object_writers: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
         return sum(self.file_bytes)
 
 
-def plan_save(per_rank: Sequence[Sequence[ItemMeta]]) -> SavePlan:
+def plan_save(per_rank: Sequence[Sequence[ItemMeta]], objects: Sequence[Sequence[str]] = ()) -> SavePlan:
     """Assign each distinct piece to one holder: pieces only one rank has stay there; replicated
-    ones go, largest first, to the least-loaded of their holders."""
+    ones go, largest first, to the least-loaded of their holders. ``objects[r]`` names the shared
+    plain values rank ``r`` holds; each is written by the lowest rank holding it."""
     world = len(per_rank)
     per_rank_counts = np.fromiter(map(len, per_rank), np.int64, world)
     metas = list(chain.from_iterable(per_rank))
@@ -89,7 +93,11 @@ def plan_save(per_rank: Sequence[Sequence[ItemMeta]]) -> SavePlan:
     writes = [list(zip(items[a:b], offsets[a:b])) for a, b in zip(rank_start[:-1], rank_start[1:])]
     tensors = _tensor_tables(list(map(metas.__getitem__, chosen.tolist())), chosen_rank, index[chosen], offset,
                              nbytes[chosen])
-    return SavePlan(world, writes, file_bytes, tensors)
+    writers: dict[str, int] = {}
+    for rank_of, names in enumerate(objects):
+        for fqn in names:
+            writers.setdefault(fqn, rank_of)
+    return SavePlan(world, writes, file_bytes, tensors, writers)
 
 
 def _choose_holders(first: np.ndarray, rank: np.ndarray, nbytes: np.ndarray, world: int) -> np.ndarray:

@@ -103,13 +103,12 @@ class _Walker:
 
     def module(self, fqn: str, module: nn.Module) -> None:
         sd = get_model_state_dict(module)
-        if isinstance(module, DistributedDataParallel) and module.broadcast_buffers:
-            # DDP overwrites every rank's buffers with rank 0's at the next forward: unsynchronised
-            # BatchNorm statistics differ between ranks by design, and one copy is what DDP keeps.
-            buffers = {join(fqn, name) for name, _ in module.module.named_buffers()}
-            self.declare_replicated(lambda: self.walk_dict(fqn, sd), buffers)
-        else:
-            self.walk_dict(fqn, sd)
+        # Buffers are not compared across ranks: unsynchronised BatchNorm statistics differ between
+        # DDP, FSDP and TP ranks by design, and one copy is what DDP (which broadcasts rank 0's at
+        # the next forward), DCP and torch.save keep. Parameters are compared.
+        inner = module.module if isinstance(module, DistributedDataParallel) else module
+        buffers = {join(fqn, name) for name, _ in inner.named_buffers()}
+        self.declare_replicated(lambda: self.walk_dict(fqn, sd), buffers)
         if self.for_load:
             self.out.finalizers.append(lambda: set_model_state_dict(module, sd))
 
