@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import statesnap as ss
+from statesnap.storage import backend_for
 from statesnap.storage.local import LocalBackend
 from dist_utils import run_ranks
 
@@ -192,6 +193,22 @@ def test_unwritable_destination_is_a_checkpoint_error(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ss.CheckpointError, match="cannot save to"):
         ss.save({"t": torch.ones(2)}, tmp_path / "file" / "ckpt")
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_save_never_replaces_what_is_not_a_checkpoint(tmp_path, where):
+    """overwrite=True replaces a checkpoint, not a user's directory or a Checkpointer's root."""
+    root = str(tmp_path / "run") if where == "local" else f"memory://not-a-ckpt-{os.getpid()}/run"
+    with ss.Checkpointer(root, host_memory_gb=0.05) as ckpt:
+        ckpt.save(1, {"t": torch.ones(4)}).wait()
+    backend = backend_for(root)
+    backend.write_bytes(backend.join(root, "notes.txt"), b"mine", False)
+    before = backend.listdir(root)
+    for overwrite in (False, True):
+        with pytest.raises(ss.CheckpointError, match="not part of a statesnap checkpoint"):
+            ss.save({"t": torch.zeros(4)}, root, overwrite=overwrite)
+    assert backend.listdir(root) == before
+    assert torch.equal(ss.open(backend.join(root, "step-1")).read("t"), torch.ones(4))
 
 
 @pytest.mark.parametrize("has_renameat2", [True, False])

@@ -6,6 +6,7 @@ stores, the manifest itself) makes the whole checkpoint visible at once.
 """
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -38,6 +39,15 @@ class SaveInfo:
 
 def data_file_name(token: str, rank: int) -> str:
     return f"data-{token}-r{rank:05d}.bin"
+
+
+_DATA_FILE = re.compile(r"^data-[0-9a-f]{12}-r[0-9]{5,}\.bin$")
+
+
+def foreign_entries(backend: StorageBackend, path: str) -> list[str]:
+    """What ``path`` holds that no statesnap checkpoint holds: a save must not replace it (a
+    user's directory, a Checkpointer's root with its steps and lock, another tool's files)."""
+    return [name for name in backend.listdir(path) if name != MANIFEST_NAME and not _DATA_FILE.match(name)]
 
 
 @dataclass
@@ -212,6 +222,11 @@ def open_staging(backend: StorageBackend, path: str, overwrite: bool) -> tuple[s
     try:
         if backend.exists(backend.join(path, MANIFEST_NAME)) and not overwrite:
             return None, token, None
+        foreign = foreign_entries(backend, path)
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            return None, token, (f"{path} holds what is not part of a statesnap checkpoint ({shown}); a save "
+                                 "replaces only a checkpoint, so choose another path")
         return backend.begin(path, token), token, None
     except Exception as exc:  # noqa: BLE001 (reported on every rank by the caller)
         return None, token, f"{type(exc).__name__}: {exc}"
