@@ -274,17 +274,16 @@ def test_save_and_load_through_memory_url_are_bit_exact(monkeypatch):
 
 
 def test_checkpointer_streams_to_an_object_store_bit_exact(monkeypatch):
-    """A Checkpointer whose arena is smaller than the state streams batches to memory://. The
-    flusher writes in copy order (a large tensor no optimizer owns goes first although it is last
-    in the file), so early parts beyond the small cap wait or spill; every step is exact."""
+    """A Checkpointer whose arena is smaller than the state streams batches to memory://. Its
+    write workers finish parts out of order, so with a cap this small early parts wait or spill;
+    the memory held stays under the cap and every step is exact."""
     monkeypatch.setattr(fsspec_backend, "REORDER_BYTES", 1 << 18)
-    held, spilled = [0], [0]
+    held = [0]
     real_admit = _FsspecWriter._admit
 
     def recording_admit(self, offset, nbytes):  # the held bytes grow only here
         how = real_admit(self, offset, nbytes)
         held.append(self.held)
-        spilled.append(self._spill_end)
         return how
 
     monkeypatch.setattr(_FsspecWriter, "_admit", recording_admit)
@@ -305,7 +304,7 @@ def test_checkpointer_streams_to_an_object_store_bit_exact(monkeypatch):
         ckpt.save(step, state).wait()
         records[step] = {k: v.clone() for k, v in model.state_dict().items()} | {"ema": ema.clone()}
     ckpt.close()
-    assert 0 < max(held) <= 1 << 18 and max(spilled) > 0
+    assert 0 < max(held) <= 1 << 18
     for step, record in records.items():
         reader = ss.open(f"{root}/step-{step}")
         reader.verify()

@@ -114,7 +114,7 @@ class Checkpointer:
         self._closed = False
         self._guard = StepGuard(self._gates_for, lambda step, s, e: self.events.add("wait-in-hook", step, s, e))
         self._stager = Stager(lambda: self._arena, cfg.copy_threads, lambda: self._segment_bytes, self.events,
-                              self._copies_done, lambda: self._cuda)
+                              self._copies_done, lambda: self._cuda, file_order=is_url(root))
         flush_comm = Comm(self._group or cfg.process_group, f"committing to {root}", cfg.commit_timeout_s,
                           dedicated=self._group is not None)
         target = FlushTarget(self.persistent.backend, flush_comm, cfg.durable, cfg.threads or default_threads(),

@@ -128,8 +128,9 @@ class Stager(_Stage):
     """Allocates arena space for each snapshot in order and runs its copies on worker threads."""
 
     def __init__(self, arena_of, copy_threads: int, segment_bytes_of, events: EventLog,
-                 on_copies_done, cuda_copier_of):
+                 on_copies_done, cuda_copier_of, file_order: bool = False):
         self._arena_of = arena_of  # () -> Arena (it may be replaced between snapshots)
+        self._file_order = file_order  # storage that takes one stream per file (object stores)
         self._segment_bytes_of = segment_bytes_of
         self._events = events
         self._on_copies_done = on_copies_done  # (snap) once no copy of it runs any more
@@ -155,9 +156,14 @@ class Stager(_Stage):
         arena: Arena = self._arena_of()
         items = snap.flat.tensors
         sizes = [item.nbytes for item in items]
-        # Tensors no optimizer changes go first (something else may touch them), then by optimizer.
-        order = sorted(range(len(items)), key=lambda i: (snap.owners[i] is not None, str(snap.owners[i])))
         writes = {index: offset for index, offset in snap.plan.writes[snap.rank]} if snap.persist else {}
+        if self._file_order and writes:
+            # An object store uploads each file as one stream: copies in file order keep its writer
+            # from holding parts that arrive early (what it is not written comes last).
+            order = sorted(range(len(items)), key=lambda i: writes.get(i, float("inf")))
+        else:
+            # Tensors no optimizer changes go first (something else may touch them), then by optimizer.
+            order = sorted(range(len(items)), key=lambda i: (snap.owners[i] is not None, str(snap.owners[i])))
         splittable = [item.local.is_contiguous() for item in items]
         batches, snap.item_offsets = build_batches(order, sizes, splittable, snap.owners, writes,
                                                    snap.resident, self._segment_bytes_of())
