@@ -1,17 +1,21 @@
 """Format v1: every dtype, odd tensor shapes and plain data round-trip bit for bit; pickle is opt-in;
-manifests with out-of-range integers or pieces that overlap or leave holes are refused (§8)."""
+manifests with out-of-range integers or pieces that overlap or leave holes are refused (§8); the
+manifest's checksum of itself catches edits that still parse (§5)."""
 import base64
 import json
 import math
+import time
 import zlib
 
 import numpy as np
 import pytest
 import torch
 
+import xxhash
+
 import statesnap as ss
 from statesnap.format.dtypes import NAME_TO_DTYPE
-from statesnap.format.manifest import MANIFEST_NAME
+from statesnap.format.manifest import MANIFEST_NAME, SELF_CHECKSUM, Manifest
 
 
 def random_of(dtype: torch.dtype, shape=(5, 7)) -> torch.Tensor:
@@ -251,8 +255,15 @@ def _refused(path, words, error=ss.ManifestError):
     assert torch.equal(target["w"], torch.zeros(12, 4))
 
 
+def _two_ranks(doc):
+    """As if two ranks had saved: each may write one piece of a tensor."""
+    doc["world_size"] = 2
+    doc["objects"]["r"]["per_rank"] *= 2
+
+
 def _overlapping_rows(doc):
     """Rows 0-5 and rows 4-9 of the 12 x 4 ``w``: 48 elements stored, rows 10-11 in no piece."""
+    _two_ranks(doc)
     w = doc["tensors"]["w"]
     w.update(file=[w["file"][0]] * 2, offset=[w["offset"][0], w["offset"][0] + 64], nbytes=[96, 96],
              start=[[0, 0], [4, 0]], size=[[6, 4], [6, 4]], checksum=[1, 2])
@@ -279,6 +290,7 @@ def test_overlapping_flat_ranges_are_refused(tmp_path):
     _small_checkpoint(tmp_path / "c")
 
     def flat_overlap(doc):
+        _two_ranks(doc)
         v = doc["tensors"]["v"]
         v.update(layout="flat", file=[v["file"][0]] * 2, offset=[v["offset"][0]] * 2, nbytes=[24, 24],
                  start=[[0], [4]], size=[[6], [6]], checksum=[1, 2])
@@ -347,7 +359,7 @@ def _packed_manifest(**columns) -> bytes:
     entry = TensorEntry(torch.float32, (4 * n, 8), "box", checksum=checksum, checksum_bounds=bounds,
                         **{k: np.asarray(v, dtype=np.int64) for k, v in values.items()})
     return Manifest(files=["a.bin", "b.bin", "c.bin"], file_sizes=[1 << 30] * 3, tensors={"w": entry},
-                    objects={}).to_bytes()
+                    objects={}, world_size=n).to_bytes()
 
 
 def _packed_doc_manifest(change) -> bytes:
@@ -379,6 +391,9 @@ def test_packed_columns_are_checked_like_plain_ones():
     def huge_piece_count(w):
         w["file"]["shape"] = [1 << 62]
 
+    def more_pieces_than_bytes(w):
+        w["file"]["shape"] = [63]
+
     def huge_block_counts(w):
         w["checksum_blocks"] = {"packed": "i8", "shape": [64], "data": base64.b64encode(
             np.full(64, 1 << 58, dtype="<i8").tobytes()).decode()}
@@ -386,8 +401,148 @@ def test_packed_columns_are_checked_like_plain_ones():
     def zip_bomb(w):
         w["offset"]["data"] = base64.b64encode(zlib.compress(bytes(64 << 20))).decode()
 
-    for change, words in [(huge_piece_count, "'file'.*malformed packed column .* bytes where"),
+    for change, words in [(huge_piece_count, "'w' has 4611686018427387904 pieces, more than the 64 ranks"),
+                          (more_pieces_than_bytes, "'file'.*malformed packed column .*inflates past"),
                           (huge_block_counts, "'checksum_blocks' holds a count"),
                           (zip_bomb, "'offset'.*inflates past")]:
         with pytest.raises(ss.ManifestError, match=words):
             Manifest.from_bytes(_packed_doc_manifest(change))
+
+
+# ---- the manifest's checksum of itself (docs/format.md §5): edits that still parse are caught ----
+def _saved_with_plain_values(path):
+    state = {"w": torch.arange(12.0).reshape(3, 4), "extra": {"n": 3, "name": "run-7", "lr": [0.5, 0.25]}}
+    ss.save(state, path, meta={"note": "kept"})
+    return state
+
+
+def _loads(path):
+    target = {"w": torch.zeros(3, 4), "extra": {"n": 0, "name": "", "lr": []}}
+    ss.load(target, path)
+    return target
+
+
+def _replace_bytes(path, old: bytes, new: bytes):
+    raw = (path / MANIFEST_NAME).read_bytes()
+    assert raw.count(old) == 1, old
+    (path / MANIFEST_NAME).write_bytes(raw.replace(old, new))
+
+
+def test_the_manifest_checksum_is_the_xxh3_of_the_rest_of_its_bytes(tmp_path):
+    """What docs/format.md §5 says, implemented from the text: the last member, as the writer puts
+    it, hashes the manifest's bytes without it."""
+    _saved_with_plain_values(tmp_path / "c")
+    raw = (tmp_path / "c" / MANIFEST_NAME).read_bytes()
+    doc = json.loads(raw)
+    assert list(doc)[-1] == SELF_CHECKSUM
+    tail = b',"manifest_xxh3":%d}' % doc[SELF_CHECKSUM]
+    assert raw.endswith(tail)
+    assert xxhash.xxh3_64_intdigest(raw[:-len(tail)] + b"}") == doc[SELF_CHECKSUM]
+    assert json.loads(raw[:-len(tail)] + b"}") == {k: v for k, v in doc.items() if k != SELF_CHECKSUM}
+
+
+@pytest.mark.parametrize("old, new", [
+    (b'{"json":3}', b'{"json":4}'),  # {"n": 3} edited to 4
+    (b'"run-7"', b'"run-8"'),
+    (b'[0.5,0.25]', b'[0.5,0.75]'),
+    (b'"kept"', b'"lost"'),  # meta
+    (b'"torch_version":"', b'"torch_version":"x'),  # informative, but the manifest is no longer what was written
+])
+def test_an_edited_plain_value_is_a_corrupt_checkpoint_not_a_silent_load(tmp_path, old, new):
+    """Plain values live in the manifest itself, where no block checksum covers them."""
+    _saved_with_plain_values(tmp_path / "c")
+    assert _loads(tmp_path / "c")["extra"]["n"] == 3
+    _replace_bytes(tmp_path / "c", old, new)
+    path = tmp_path / "c" / MANIFEST_NAME
+    for attempt in (lambda: _loads(tmp_path / "c"), lambda: ss.open(tmp_path / "c"),
+                    lambda: Manifest.from_bytes(path.read_bytes(), where=str(path))):
+        with pytest.raises(ss.CorruptCheckpointError, match=rf"{path} fails its own checksum: its bytes hash"):
+            attempt()
+
+
+def test_a_flipped_bit_anywhere_in_the_manifest_is_an_error(tmp_path):
+    """Every byte is covered: a flip either breaks the JSON or a rule (ManifestError) or is
+    caught by the checksum (CorruptCheckpointError); it never loads."""
+    ss.save({"w": torch.arange(12.0).reshape(3, 4), "extra": {"n": 3}}, tmp_path / "c")
+    raw = (tmp_path / "c" / MANIFEST_NAME).read_bytes()
+    for position in range(len(raw)):
+        damaged = bytearray(raw)
+        damaged[position] ^= 0x01
+        with pytest.raises((ss.ManifestError, ss.CorruptCheckpointError)):
+            Manifest.from_bytes(bytes(damaged))
+
+
+def test_a_manifest_without_its_checksum_still_loads(tmp_path):
+    """Manifests written before the checksum existed have none: they load as before (§9)."""
+    state = _saved_with_plain_values(tmp_path / "c")
+    raw = (tmp_path / "c" / MANIFEST_NAME).read_bytes()
+    doc = json.loads(raw)
+    old = raw[:-len(b',"manifest_xxh3":%d}' % doc.pop(SELF_CHECKSUM))] + b"}"
+    assert json.loads(old) == doc
+    (tmp_path / "c" / MANIFEST_NAME).write_bytes(old)
+    loaded = _loads(tmp_path / "c")
+    assert loaded["extra"] == state["extra"] and torch.equal(loaded["w"], state["w"])
+    ss.open(tmp_path / "c").verify()
+    # as any JSON writer may have formatted it
+    (tmp_path / "c" / MANIFEST_NAME).write_text(json.dumps(doc, indent=1))
+    assert _loads(tmp_path / "c")["extra"] == state["extra"]
+
+
+@pytest.mark.parametrize("change, error, words", [
+    (lambda raw, value: raw.replace(b"%d}" % value, b"%d}" % (value ^ 1)), ss.CorruptCheckpointError,
+     "fails its own checksum: its bytes hash to 0x[0-9a-f]{16} but its field 'manifest_xxh3' records"),
+    (lambda raw, value: raw.replace(b"%d}" % value, b"%d}" % (value + (1 << 64))), ss.ManifestError,
+     "malformed field 'manifest_xxh3'"),
+    (lambda raw, value: raw.replace(b"%d}" % value, b'"%d"}' % value), ss.ManifestError,
+     "malformed field 'manifest_xxh3'"),
+    (lambda raw, value: raw + b"\n", ss.CorruptCheckpointError, "not where the writer puts it"),
+    (lambda raw, value: json.dumps(json.loads(raw)).encode(), ss.CorruptCheckpointError,
+     "not where the writer puts it.*rewritten"),
+    (lambda raw, value: raw.replace(b'{"format"', b'{"manifest_xxh3":%d,"format"' % value)
+     .replace(b',"manifest_xxh3":%d}' % value, b"}"), ss.CorruptCheckpointError, "not where the writer puts it"),
+])
+def test_a_damaged_checksum_field_is_an_error(tmp_path, change, error, words):
+    _saved_with_plain_values(tmp_path / "c")
+    path = tmp_path / "c" / MANIFEST_NAME
+    raw = path.read_bytes()
+    path.write_bytes(change(raw, json.loads(raw)[SELF_CHECKSUM]))
+    with pytest.raises(error, match=words) as caught:
+        _loads(tmp_path / "c")
+    assert str(path) in str(caught.value)
+
+
+def test_a_broken_rule_is_reported_as_such_and_the_checksum_as_well(tmp_path):
+    """The rules against hostile manifests come first (a hostile writer can recompute the
+    checksum); their error then says that the manifest also fails its checksum."""
+    _saved_with_plain_values(tmp_path / "c")
+    _replace_bytes(tmp_path / "c", b'"dtype":"float32"', b'"dtype":"float31"')
+    with pytest.raises(ss.ManifestError, match=r"unknown dtype.*also fails its own checksum \(its bytes hash"):
+        _loads(tmp_path / "c")
+
+
+def test_checking_the_manifest_costs_little_next_to_parsing_it():
+    """A manifest of 64 tensors x 1024 pieces (packed columns, ~1 MB): hashing it takes a small
+    fraction of parsing it (measured on the 25 MB 1024-rank manifest: ~3 ms against ~1 s)."""
+    from statesnap.format.manifest import TensorEntry, _self_check
+
+    n, tensors = 1024, {}
+    for t in range(64):
+        checksum, bounds = TensorEntry.pack_checksums([[(t * n + i) * 0x9E3779B97F4A7C15 % (1 << 64)] for i in range(n)])
+        tensors[f"layers.{t}.w"] = TensorEntry(
+            torch.float32, (4 * n, 8), "box", np.arange(n), np.zeros(n, np.int64), np.full(n, 128, np.int64),
+            np.stack([np.arange(n) * 4, np.zeros(n, np.int64)], axis=1), np.tile([4, 8], (n, 1)), checksum, bounds)
+    raw = Manifest(files=[f"d{r}.bin" for r in range(n)], file_sizes=[128] * n, tensors=tensors, objects={},
+                   world_size=n).to_bytes()
+    doc = json.loads(raw)
+
+    def best(fn, repeat=5):
+        times = []
+        for _ in range(repeat):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        return min(times)
+    hashing = best(lambda: _self_check(raw, doc, "m"))
+    parsing = best(lambda: Manifest.from_bytes(raw), 3)
+    assert _self_check(raw, doc, "m") is None
+    assert hashing < parsing / 10, (hashing, parsing)

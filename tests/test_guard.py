@@ -107,7 +107,41 @@ class EMA:
             self.shadow[name].copy_(value)
 
 
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    """Like accelerate's: a ``torch.optim.Optimizer`` subclass whose ``__init__`` never calls
+    ``Optimizer.__init__`` (so it has no hook tables: ``register_step_pre_hook`` raises
+    AttributeError), forwarding to the torch optimizer in ``.optimizer``."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, sd):
+        self.optimizer.load_state_dict(sd)
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none)
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+
 STEP, UPDATE = vars(DataSGD)["step"], vars(EMA)["update"]
+ACC_STEP = vars(AcceleratedOptimizer)["step"]
 
 
 def backward(model, seed):
@@ -310,3 +344,33 @@ def test_a_data_write_outside_any_guard(tmp_path, monkeypatch, eager_copy_mb):
     ckpt.close()
     stored = ss.open(handle.wait()).read("ema")
     assert torch.equal(stored, torch.zeros(1000) if eager_copy_mb else torch.ones(1000))
+
+
+@pytest.mark.parametrize("through", ["wrapper", "inner"])
+def test_an_optimizer_subclass_that_takes_no_hooks(tmp_path, monkeypatch, through):
+    """accelerate's AcceleratedOptimizer never runs Optimizer.__init__, so it takes no step hook:
+    its step is guarded like a wrapper's, and the torch optimizer inside it gets the hook (what
+    a GradScaler steps directly). A checkpoint taken before either step holds the values before it."""
+    model, inner = make_training()
+    optim = AcceleratedOptimizer(inner)
+    with pytest.raises(AttributeError):
+        optim.register_step_pre_hook(lambda *args: None)  # what Checkpointer.save used to call
+    backward(model, 1)
+    optim.step()
+    state = {"model": model, "optim": optim}
+    ref = reference(state)
+    assert any(".exp_avg" in fqn for fqn in ref)
+    gate = CopiesWaitForAWaiter(monkeypatch)
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, eager_copy_mb=0)
+    handle = ckpt.save(1, state)
+    assert AcceleratedOptimizer.step.__wrapped__ is ACC_STEP
+    optim.zero_grad()
+    backward(model, 2)
+    assert not handle.staged.done()
+    (optim if through == "wrapper" else inner).step()  # waits for the copies, which then run
+    gate.open()
+    ckpt.close()
+    assert_checkpoint_equals(handle.wait(), ref)
+    assert not torch.equal(model[0].weight, ref["model.0.weight"])  # the step did run afterwards
+    assert hook_waits(ckpt) == 1
+    assert vars(AcceleratedOptimizer)["step"] is ACC_STEP  # close put the method back

@@ -1,12 +1,17 @@
-"""Packed manifest columns: large tensors' piece tables round-trip exactly and fail loudly when damaged."""
+"""Packed manifest columns: large tensors' piece tables round-trip exactly and fail loudly when
+damaged, and a small manifest cannot inflate into a huge one."""
+import base64
 import json
+import math
+import tracemalloc
+import zlib
 
 import numpy as np
 import pytest
 import torch
 
 import statesnap as ss
-from statesnap.format.columns import PACK_MIN_PIECES, pack, unpack
+from statesnap.format.columns import INFLATE_RATIO, PACK_MIN_PIECES, PACK_ZLIB_MAX_DIMS, InflationBudget, pack, unpack
 from statesnap.format.manifest import Manifest, TensorEntry
 
 
@@ -33,8 +38,9 @@ def _entry(pieces: int, multi_block: bool = False) -> TensorEntry:
 
 
 def _manifest(entry: TensorEntry, block_bytes: int = 1 << 20) -> Manifest:
+    """As a save by one rank per piece would write it (a rank writes at most one piece of a tensor)."""
     return Manifest(files=["a.bin", "b.bin", "c.bin"], file_sizes=[1 << 30] * 3, tensors={"w": entry},
-                    objects={}, block_bytes=block_bytes)
+                    objects={}, block_bytes=block_bytes, world_size=entry.num_pieces)
 
 
 @pytest.mark.parametrize("pieces", [1, PACK_MIN_PIECES - 1, PACK_MIN_PIECES, 1000])
@@ -73,3 +79,103 @@ def test_damaged_packed_column_is_a_manifest_error(damage):
     damage(doc["tensors"]["w"]["offset"])
     with pytest.raises(ss.ManifestError, match="'w'"):
         Manifest.from_bytes(json.dumps(doc).encode())
+
+
+# ---- zip bombs: a small manifest cannot inflate into a huge one (docs/format.md section 8, rule 3) ----
+def _inflated_bytes(raw: bytes) -> int:
+    """What the packed columns of a manifest inflate to: 8 bytes per value."""
+    doc = json.loads(raw)
+    return sum(8 * math.prod(column["shape"]) for entry in doc["tensors"].values()
+               for column in entry.values() if isinstance(column, dict) and "packed" in column)
+
+
+def _bomb(world_size: int, pieces: int = 1 << 24) -> bytes:
+    """The reviewer's repro: 1 MB of manifest declaring 16 M empty pieces, columns of zlib'd zeros."""
+    data = base64.b64encode(zlib.compress(bytes(8 * pieces), 9)).decode()
+    col = lambda *shape, kind="i8": {"packed": kind, "shape": list(shape), "zlib": True, "data": data}  # noqa: E731
+    doc = {"format": "statesnap", "version": 1, "files": ["d.bin"], "file_sizes": [0], "block_bytes": 4096,
+           "world_size": world_size, "objects": {},
+           "tensors": {"t": {"dtype": "float32", "shape": [0], "layout": "box", "file": col(pieces),
+                             "offset": col(pieces), "nbytes": col(pieces), "start": col(pieces, 1),
+                             "size": col(pieces, 1), "checksum": col(pieces, kind="u8")}}}
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize("world_size, words", [
+    (1, r"x/manifest.json: tensor 't' has 16777216 pieces, more than the 1 ranks that saved it"),
+    (1 << 40, r"x/manifest.json: tensor 't': column 'file': its packed column of 134217728 bytes would take "
+              r"the manifest's packed columns past \d+ bytes, 64 times the manifest's own size"),
+])
+def test_a_zip_bomb_manifest_is_refused_before_it_inflates(world_size, words):
+    """It used to parse, taking seconds and 1.7 GB. The piece count is capped by the world size,
+    and whatever world size the manifest claims, by the budget of all its packed columns."""
+    raw = _bomb(world_size)
+    assert len(raw) < 1_100_000 and _inflated_bytes(raw) > 700 * len(raw)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ss.ManifestError, match=words):
+            Manifest.from_bytes(raw, where="x/manifest.json")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * len(raw)  # the parsed JSON and little else: nothing was inflated
+
+
+def test_the_inflation_budget_is_shared_by_all_columns_of_a_manifest():
+    budget = InflationBudget(1000)
+    assert budget.limit == INFLATE_RATIO * 1000
+    budget.take(budget.limit - 8, "a")
+    budget.take(8, "b")  # exactly the limit is allowed
+    with pytest.raises(ss.ManifestError, match="^c: its packed column of 8 bytes"):
+        budget.take(8, "c")
+    # columns that fit their shape but together exceed the budget: the tensor that crosses it is named
+    doc = json.loads(_bomb(1 << 40, pieces=1 << 16))
+    doc["tensors"] = {f"t{i}": doc["tensors"]["t"] for i in range(64)}
+    raw = json.dumps(doc).encode()
+    assert _inflated_bytes(raw) > INFLATE_RATIO * len(raw)
+    with pytest.raises(ss.ManifestError, match=r"manifest: tensor 't\d+': column '\w+': its packed column"):
+        Manifest.from_bytes(raw)
+    with pytest.raises(ss.ManifestError, match="more than the 65535 ranks"):
+        Manifest.from_bytes(json.dumps(dict(doc, world_size=(1 << 16) - 1)).encode())
+
+
+def test_a_tensor_may_have_as_many_pieces_as_ranks_and_no_more():
+    entry = _entry(100)
+    raw = _manifest(entry).to_bytes()
+    assert Manifest.from_bytes(raw).tensors["w"].num_pieces == 100
+    doc = json.loads(raw)
+    doc["world_size"] = 99
+    del doc["manifest_xxh3"]
+    with pytest.raises(ss.ManifestError, match="tensor 'w' has 100 pieces, more than the 99 ranks"):
+        Manifest.from_bytes(json.dumps(doc).encode())
+
+
+@pytest.mark.parametrize("dims", [1, 2, PACK_ZLIB_MAX_DIMS, PACK_ZLIB_MAX_DIMS + 1, 64])
+def test_what_statesnap_writes_stays_far_inside_the_budget(dims):
+    """The bound the writer keeps (format/columns.py): with one 8-byte checksum per piece, stored
+    uncompressed, at most 16.5 times; boxes of many dimensions are written uncompressed to keep it.
+    Empty pieces (all checksums alike), many of them, each on its own in a rank's file."""
+    n = 1024
+    start = np.zeros((n, dims), np.int64)
+    start[:, 0] = np.arange(n)
+    size = np.ones((n, dims), np.int64)
+    checksum, bounds = TensorEntry.pack_checksums([[0x2D06800538D394C2]] * n)
+    entry = TensorEntry(torch.float32, (n,) + (1,) * (dims - 1), "box", np.arange(n) % 3,
+                        np.zeros(n, np.int64), np.full(n, 4, np.int64), start, size, checksum, bounds)
+    raw = _manifest(entry).to_bytes()
+    assert _inflated_bytes(raw) <= 16.5 * len(raw) < INFLATE_RATIO * len(raw)
+    assert json.loads(raw)["tensors"]["w"]["start"].get("zlib", False) == (dims <= PACK_ZLIB_MAX_DIMS)
+    assert Manifest.from_bytes(raw).tensors["w"].num_pieces == n
+
+
+def test_a_thousand_rank_manifest_inflates_a_few_times_its_size():
+    """The planning benchmark's layout (torchtitan Llama-70B, TP 8 x FSDP 128 = 1024 ranks), with
+    one layer instead of 80: the same pieces per tensor. The 80-layer manifest, 25.3 MB and 1.79 M
+    pieces, inflates 4.5 times; the budget allows 64."""
+    from statesnap.bench.planning import LLAMA_70B, llama_parameters, plan_save_job
+
+    manifest, _ = plan_save_job(llama_parameters(**dict(LLAMA_70B, layers=1)), 8, 128)
+    raw = manifest.to_bytes()
+    assert max(e.num_pieces for e in manifest.tensors.values()) == 1024 == manifest.world_size
+    assert _inflated_bytes(raw) < 6 * len(raw)
+    assert Manifest.from_bytes(raw).keys() == manifest.keys()

@@ -6,7 +6,9 @@ back until the copies they could overwrite are done:
 
 - each ``torch.optim.Optimizer`` in the state, or inside a wrapper there (its ``.optimizer``),
   gets a pre-step hook that waits until the tensors *that* optimizer changes (its parameters and
-  its state) are copied, and no longer;
+  its state) are copied, and no longer. A subclass that never ran ``Optimizer.__init__`` takes
+  no hooks (accelerate's ``AcceleratedOptimizer`` wraps a torch optimizer that way): it is
+  guarded like the wrappers below, and the torch optimizer in its ``.optimizer`` gets the hook;
 - an optimizer-like wrapper that is no torch optimizer (DeepSpeed's, Megatron's, apex's: a
   callable ``step`` and ``param_groups`` or an inner ``.optimizer``) has its ``step`` wrapped
   (on its class, for that instance). Such wrappers write tensors that are not in their
@@ -98,6 +100,17 @@ def is_optimizer_like(obj) -> bool:
     if not callable(getattr(obj, "step", None)):
         return False
     return hasattr(obj, "param_groups") or callable(getattr(getattr(obj, "optimizer", None), "step", None))
+
+
+def takes_step_hooks(optim: torch.optim.Optimizer) -> bool:
+    """Whether ``register_step_pre_hook`` works on ``optim``: not on an instance of a subclass
+    whose ``__init__`` never called ``Optimizer.__init__``, which creates the hook tables
+    (accelerate's ``AcceleratedOptimizer``, which forwards to the optimizer it wraps)."""
+    try:
+        optim._optimizer_step_pre_hooks  # noqa: B018 (torch's own attribute, set in Optimizer.__init__)
+    except AttributeError:
+        return False
+    return True
 
 
 def find_writers(state) -> tuple[list[torch.optim.Optimizer], list]:
@@ -219,12 +232,16 @@ class StepGuard:
         self._guarded: dict[tuple[int, str], tuple[weakref.ref, _ClassPatch]] = {}
 
     def watch(self, optimizers: Iterable[torch.optim.Optimizer], wrappers: Iterable = ()) -> None:
+        unhooked = []
         for optim in optimizers:
             known = self._handles.get(id(optim))
             if known is None or known[0]() is not optim:  # ids of collected objects are reused
+                if not takes_step_hooks(optim):
+                    unhooked.append(optim)
+                    continue
                 handle = optim.register_step_pre_hook(self._hook)
                 self._handles[id(optim)] = (weakref.ref(optim), handle)
-        for wrapper in wrappers:
+        for wrapper in [*unhooked, *wrappers]:
             try:
                 self.guard(wrapper, "step")
             except CheckpointError as exc:

@@ -5,6 +5,12 @@ costs ~60 bytes and parsing a 70B-model manifest takes seconds. Columns of tenso
 are therefore packed: little-endian 64-bit integers, optionally delta-coded (offsets grow by
 near-constant steps) and zlib-compressed, in base64. Checksums are random, so they are packed but
 not compressed. Small tensors keep plain arrays, so ordinary manifests stay readable by eye.
+
+Compression makes a zip bomb possible: a few bytes of zlib that inflate into gigabytes. A packed
+column never inflates past the shape it declares, but the manifest declares the shapes, so that
+alone bounds nothing. A parse therefore gives all packed columns of a manifest one budget,
+``INFLATE_RATIO`` times the manifest's size (:class:`InflationBudget`), and the parser caps
+each tensor's pieces at the number of ranks that saved it (``format/manifest.py``).
 """
 from __future__ import annotations
 
@@ -20,6 +26,31 @@ from ..errors import ManifestError
 PACK_MIN_PIECES = 64
 INT64_MAX, UINT64_MAX = (1 << 63) - 1, (1 << 64) - 1
 _DTYPES = {"i8": "<i8", "u8": "<u8"}
+
+# The packed columns of a manifest inflate to at most INFLATE_RATIO times the manifest's size in
+# bytes. What statesnap writes stays far below, whatever the layout: every piece has at least one
+# 8-byte checksum, stored uncompressed (10.7 bytes of base64), and inflates to 8 * (4 + 2d) bytes
+# for d dimensions (+8 with a checksum_blocks column), and the start and size columns of tensors
+# with more than PACK_ZLIB_MAX_DIMS dimensions are not compressed (base64 is 4/3 of the bytes): at
+# most (32 + 16 * 8 + 8 + 8) / 10.67 = 16.5 times. The 1024-rank Llama-70B manifest of
+# docs/format.md section 10 (25.3 MB, 1.79 M pieces) inflates 4.5 times.
+INFLATE_RATIO = 64
+PACK_ZLIB_MAX_DIMS = 8
+
+
+class InflationBudget:
+    """What the packed columns of one manifest may still inflate to, in bytes."""
+
+    def __init__(self, manifest_bytes: int):
+        self.limit = self.left = INFLATE_RATIO * manifest_bytes
+
+    def take(self, nbytes: int, where: str) -> None:
+        if nbytes > self.left:
+            raise ManifestError(
+                f"{where}: its packed column of {nbytes} bytes would take the manifest's packed columns "
+                f"past {self.limit} bytes, {INFLATE_RATIO} times the manifest's own size; no manifest "
+                "statesnap writes inflates that much, so it is refused as damaged or hostile")
+        self.left -= nbytes
 
 
 def pack(values: np.ndarray, kind: str = "i8", *, delta: bool = False, compress: bool = True) -> dict:
@@ -48,9 +79,11 @@ def integer(value: Any, low: int = 0, high: int = INT64_MAX) -> int:
     return value
 
 
-def unpack(column: Any, kind: str, shape: tuple, where: str) -> np.ndarray:
+def unpack(column: Any, kind: str, shape: tuple, where: str, budget: InflationBudget | None = None) -> np.ndarray:
     """A column as a numpy array of ``shape`` (JSON list or packed form). Plain values are checked
-    one by one (exact JSON integers in the kind's range); packed ones are 64-bit by construction."""
+    one by one (exact JSON integers in the kind's range); packed ones are 64-bit by construction.
+    A packed column's ``8 * prod(shape)`` bytes are taken from ``budget`` before anything is
+    decoded (without one, only the shape the caller expects bounds what it inflates to)."""
     np_dtype = np.uint64 if kind == "u8" else np.int64
     if isinstance(column, list):
         return _plain(column, kind, shape, where).reshape(shape)
@@ -59,6 +92,8 @@ def unpack(column: Any, kind: str, shape: tuple, where: str) -> np.ndarray:
     if column.get("shape") != list(shape):
         raise ManifestError(f"{where}: packed column has shape {column.get('shape')}, expected {list(shape)}")
     expected = 8 * math.prod(shape)
+    if budget is not None:
+        budget.take(expected, where)
     try:
         raw = base64.b64decode(column["data"], validate=True)
         if column.get("zlib"):  # never inflate past the promised size: a small manifest is no zip bomb

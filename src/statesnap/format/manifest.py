@@ -6,7 +6,12 @@ Parsing validates everything a later stage would trust: dtypes, file names (no p
 checkpoint directory), every integer's range (so nothing overflows numpy's 64 bits further on),
 indices, byte ranges, boxes, and that each tensor's pieces hold every element exactly once
 (format/boxes.py). A manifest that passes cannot make a reader write outside a target tensor,
-leave part of it unwritten, or read outside a file.
+leave part of it unwritten, or read outside a file; nor can a small one inflate into a huge one
+(a tensor has at most ``world_size`` pieces, and all packed columns share one budget).
+
+The manifest also checks itself: its last member, ``manifest_xxh3``, is the xxh3-64 of the rest
+of its bytes, so damage or an edit that still parses (a plain value inline in ``objects``, which
+no block checksum covers) is a ``CorruptCheckpointError``, not a silent load.
 """
 from __future__ import annotations
 
@@ -19,11 +24,13 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import xxhash
 
-from ..errors import ManifestError
+from ..errors import CorruptCheckpointError, ManifestError
 from .checksum import DEFAULT_BLOCK_BYTES
 from .boxes import first_outside, region, tiling_problem
-from .columns import INT64_MAX, PACK_MIN_PIECES, UINT64_MAX, integer, pack, unpack
+from .columns import (INT64_MAX, PACK_MIN_PIECES, PACK_ZLIB_MAX_DIMS, UINT64_MAX, InflationBudget, integer,
+                      pack, unpack)
 from .dtypes import dtype_from_name, dtype_name
 
 FORMAT_NAME = "statesnap"
@@ -31,6 +38,10 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 _SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
 BOX, FLAT = "box", "flat"
+# The manifest's checksum of itself: its last member, written exactly as `,"manifest_xxh3":<int>}`
+# at the end of the file, the xxh3-64 of the manifest's bytes without it (ending in `}`).
+SELF_CHECKSUM = "manifest_xxh3"
+_SELF_TAIL = f',"{SELF_CHECKSUM}":'.encode()
 
 
 @dataclass
@@ -85,8 +96,12 @@ class TensorEntry:
                        checksum=[self.piece_checksums(i) if counts[i] != 1 else int(self.checksum[self.checksum_bounds[i]])
                                  for i in range(self.num_pieces)])
             return out
+        # many-dimensional boxes stay uncompressed: the manifest keeps within the inflation budget
+        # its reader allows (format/columns.py), whatever the layout
+        boxes = self.start.shape[1] <= PACK_ZLIB_MAX_DIMS
         out.update(file=pack(self.file, delta=True), offset=pack(self.offset, delta=True),
-                   nbytes=pack(self.nbytes), start=pack(self.start), size=pack(self.size),
+                   nbytes=pack(self.nbytes), start=pack(self.start, compress=boxes),
+                   size=pack(self.size, compress=boxes),
                    checksum=pack(self.checksum, "u8", compress=False))
         if (counts != 1).any():
             out["checksum_blocks"] = pack(counts)
@@ -94,7 +109,11 @@ class TensorEntry:
 
     @classmethod
     def from_json(cls, fqn: str, data: dict, files: list[str], file_sizes: list[int] | np.ndarray,
-                  block_bytes: int, where: str = "manifest") -> "TensorEntry":
+                  block_bytes: int, where: str = "manifest", world_size: int | None = None,
+                  budget: InflationBudget | None = None) -> "TensorEntry":
+        """The entry of tensor ``fqn``, validated. ``world_size``: the most pieces it may have
+        (each rank writes at most one piece of a tensor); ``budget``: what its packed columns may
+        inflate to, shared with the other tensors of the manifest."""
         where = f"{where}: tensor {fqn!r}"
         if not isinstance(data, dict):
             raise ManifestError(f"{where} is malformed (not a JSON object)")
@@ -108,16 +127,20 @@ class TensorEntry:
         layout = data.get("layout")
         if layout not in (BOX, FLAT):
             raise ManifestError(f"{where}: unknown layout {layout!r}")
-        # the file column first: a packed column's length is checked against its bytes, so a
-        # made-up piece count never sizes an allocation below
-        file = _field(data, "file", where, lambda v: unpack(
-            v, "i8", (len(v) if isinstance(v, list) else integer(v["shape"][0]),), f"{where}: column 'file'"))
-        n, dims = len(file), (len(shape) if layout == BOX else 1)
+        # the file column first: the piece count it declares is capped by the world size, and a
+        # packed column's length is checked against its bytes and the manifest's inflation budget,
+        # so a made-up piece count never sizes an allocation below
+        n = _field(data, "file", where, lambda v: len(v) if isinstance(v, list) else integer(v["shape"][0]))
+        if world_size is not None and n > world_size:
+            raise ManifestError(f"{where} has {n} pieces, more than the {world_size} ranks that saved it "
+                                "(a rank writes at most one piece of each tensor)")
+        file = _field(data, "file", where, lambda v: unpack(v, "i8", (n,), f"{where}: column 'file'", budget))
+        dims = len(shape) if layout == BOX else 1
         columns = {name: _field(data, name, where, lambda v, name=name: unpack(
-            v, "i8", (n, dims) if name in ("start", "size") else (n,), f"{where}: column {name!r}"))
+            v, "i8", (n, dims) if name in ("start", "size") else (n,), f"{where}: column {name!r}", budget))
             for name in ("offset", "nbytes", "start", "size")}
         checksum, bounds = _field(data, "checksum", where,
-                                  lambda v: _checksum_columns(v, data.get("checksum_blocks"), n, where))
+                                  lambda v: _checksum_columns(v, data.get("checksum_blocks"), n, where, budget))
         entry = cls(dtype=dtype, shape=shape, layout=layout, file=file, checksum=checksum, checksum_bounds=bounds,
                     **columns)
         entry._validate(where, files, file_sizes, block_bytes)
@@ -157,7 +180,8 @@ class TensorEntry:
             bad(f"its pieces{flat} must cover it exactly once, but {problem}")
 
 
-def _checksum_columns(column: Any, blocks: Any, n: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+def _checksum_columns(column: Any, blocks: Any, n: int, where: str,
+                      budget: InflationBudget | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(flat checksums, per-piece bounds) from the plain or packed ``checksum`` column and the
     optional ``checksum_blocks`` (blocks per piece, when not all 1)."""
     if isinstance(column, list):
@@ -166,12 +190,12 @@ def _checksum_columns(column: Any, blocks: Any, n: int, where: str) -> tuple[np.
         return TensorEntry.pack_checksums([[integer(x, high=UINT64_MAX) for x in c] if isinstance(c, list)
                                            else [integer(c, high=UINT64_MAX)] for c in column])
     counts = (np.ones(n, np.int64) if blocks is None
-              else unpack(blocks, "i8", (n,), f"{where}: column 'checksum_blocks'"))
+              else unpack(blocks, "i8", (n,), f"{where}: column 'checksum_blocks'", budget))
     # a count above 2**62 is no real piece's, and refusing it keeps the running sum below from wrapping
     if n and ((counts < 1).any() or counts.sum(dtype=np.float64) > 2.0 ** 62):
         raise ValueError("'checksum_blocks' holds a count below 1 or beyond any real piece's")
     bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    return unpack(column, "u8", (int(bounds[-1]),), f"{where}: column 'checksum'"), bounds
+    return unpack(column, "u8", (int(bounds[-1]),), f"{where}: column 'checksum'", budget), bounds
 
 
 @dataclass
@@ -233,6 +257,7 @@ class Manifest:
         return sum(self.file_sizes)
 
     def to_bytes(self) -> bytes:
+        """The manifest's JSON, compact, ending in its checksum of itself (``SELF_CHECKSUM``)."""
         doc = {
             "format": FORMAT_NAME, "version": self.version, "world_size": self.world_size,
             "block_bytes": self.block_bytes, "created_unix": time.time(),
@@ -241,10 +266,18 @@ class Manifest:
             "tensors": {k: v.to_json() for k, v in self.tensors.items()},
             "objects": {k: v.to_json() for k, v in self.objects.items()},
         }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        return b"%s%s%d}" % (body[:-1], _SELF_TAIL, xxhash.xxh3_64_intdigest(body))
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str = "manifest") -> "Manifest":
+        """Parse and validate (docs/format.md section 8). The manifest's checksum of itself is
+        checked after the rules that guard against a hostile manifest, which could recompute it:
+        a manifest that breaks one of those raises their ``ManifestError`` (saying when the
+        checksum fails too), one that breaks none but fails its checksum a
+        ``CorruptCheckpointError``."""
+        if not isinstance(raw, bytes):  # the checksum is of bytes
+            raw = raw.encode() if isinstance(raw, str) else bytes(raw)
         try:
             doc = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # recursion: absurd nesting
@@ -258,6 +291,21 @@ class Manifest:
         if version > FORMAT_VERSION:
             raise ManifestError(f"{where} has format version {version}, newer than this statesnap "
                                 f"reads ({FORMAT_VERSION}); upgrade statesnap to load it")
+        damage = _self_check(raw, doc, where)
+        try:
+            manifest = cls._from_doc(doc, version, where, InflationBudget(len(raw)))
+        except ManifestError as exc:
+            if damage is None:
+                raise
+            raise ManifestError(f"{exc}; the manifest also fails its own checksum ({damage})") from None
+        if damage is not None:
+            raise CorruptCheckpointError(
+                f"{where} fails its own checksum: {damage}. It was damaged or edited after it was written, "
+                "so nothing in it can be trusted; restore the checkpoint from a copy or load another one")
+        return manifest
+
+    @classmethod
+    def _from_doc(cls, doc: dict, version: int, where: str, budget: InflationBudget) -> "Manifest":
         files = _field(doc, "files", where, _names)
         file_sizes = _field(doc, "file_sizes", where, lambda v: [integer(n) for n in v])
         block_bytes = _field(doc, "block_bytes", where, lambda v: integer(v, low=1))
@@ -275,7 +323,8 @@ class Manifest:
         if both:
             raise ManifestError(f"{where} names {both[0]!r} both as a tensor and as an object")
         sizes = np.asarray(file_sizes, dtype=np.int64)  # once, not per tensor
-        tensors = {k: TensorEntry.from_json(k, v, files, sizes, block_bytes, where) for k, v in tensors_doc.items()}
+        tensors = {k: TensorEntry.from_json(k, v, files, sizes, block_bytes, where, world_size, budget)
+                   for k, v in tensors_doc.items()}
         objects = {k: ObjectEntry.from_json(k, v, files, file_sizes, where) for k, v in objects_doc.items()}
         for fqn, entry in objects.items():
             if entry.kind == "per_rank" and len(entry.per_rank) != world_size:
@@ -283,6 +332,27 @@ class Manifest:
                                     f"for a world of {world_size}")
         return cls(files=files, file_sizes=file_sizes, tensors=tensors, objects=objects,
                    world_size=world_size, block_bytes=block_bytes, meta=dict(meta), version=version)
+
+
+def _self_check(raw: bytes, doc: dict, where: str) -> str | None:
+    """What is wrong with the manifest's checksum of itself; None if it matches, or if the
+    manifest has none (written before statesnap wrote one: docs/format.md section 9)."""
+    if SELF_CHECKSUM not in doc:
+        # a key one character away is this one damaged, not a manifest from before it existed
+        near = [key for key in doc if len(key) == len(SELF_CHECKSUM)
+                and sum(x != y for x, y in zip(key, SELF_CHECKSUM)) == 1]
+        return f"it has no field {SELF_CHECKSUM!r} but a field {near[0]!r}, its name damaged" if near else None
+    recorded = _field(doc, SELF_CHECKSUM, where, lambda v: integer(v, high=UINT64_MAX))
+    tail = b"%s%d}" % (_SELF_TAIL, recorded)
+    if not raw.endswith(tail):
+        return (f"its field {SELF_CHECKSUM!r} is not where the writer puts it, the document's last "
+                "member and the file's last bytes; the manifest was rewritten")
+    hasher = xxhash.xxh3_64(memoryview(raw)[:len(raw) - len(tail)])
+    hasher.update(b"}")
+    actual = hasher.intdigest()
+    if actual != recorded:
+        return f"its bytes hash to {actual:#018x} but its field {SELF_CHECKSUM!r} records {recorded:#018x}"
+    return None
 
 
 def _field(doc: dict, name: str, where: str, convert: Callable[[Any], Any]) -> Any:
