@@ -42,7 +42,12 @@ def _rank_main(rank, world, port, scenario, path):
     op, how = scenario.split("-")
     if op == "load":
         ss.save(_state(rank), path)  # a good checkpoint first
-    if rank == victim:
+    if rank == victim and how == "gone":
+        os._exit(0)  # lost before the operation: the others set up its collectives without it
+    if rank == victim and how == "claim":  # lost after the Checkpointer's own group, before its claim broadcast
+        import statesnap.engine.dist as sdist
+        sdist.side_group = lambda *args, **kwargs: os._exit(0)
+    elif rank == victim:
         module = importlib.import_module(f"statesnap.engine.{op}")  # the package re-exports save/load
         target = (module, "write_rank" if op == "save" else "fill_tensors")
         real = getattr(*target)
@@ -55,10 +60,14 @@ def _rank_main(rank, world, port, scenario, path):
     try:
         if op == "save":
             ss.save(_state(rank), path, timeout_s=TIMEOUT_S)
+        elif op == "ckpt":
+            ss.Checkpointer(path, commit_timeout_s=TIMEOUT_S, host_memory_gb=0.05).close()
         else:
             ss.load(_state(rank), path, timeout_s=TIMEOUT_S)
     except ss.CheckpointError as exc:
+        from statesnap.storage.lock import _held_here
         print(f"RAISED {type(exc).__name__} after {time.monotonic() - started:.1f}s: {exc}", flush=True)
+        print(f"CLAIMS HELD {len(_held_here)}", flush=True)
         return
     print("NO ERROR", flush=True)
 
@@ -80,6 +89,26 @@ def _run(world, scenario, path):
                 p.kill()
         victim.wait()
     return outs
+
+
+@pytest.mark.parametrize("scenario", [
+    "save-gone", "load-gone", "ckpt-claim",
+    pytest.param("ckpt-gone", marks=pytest.mark.xfail(strict=True, reason=(
+        "Checkpointer.__init__ makes its own gloo group with a bare dist.new_group before the claim "
+        "broadcast; it raises a raw DistStoreError until it uses engine.dist.timed_group")))])
+def test_a_rank_gone_before_a_group_is_made_is_a_checkpoint_error(tmp_path, scenario):
+    """Making a timed gloo group with a rank already gone: torch raises a raw DistStoreError
+    after the timeout; statesnap raises a PeerLostError that says which operation it was setting
+    up: ss.save, ss.load, a Checkpointer's construction (its own group, then the claim broadcast,
+    after which rank 0 holds no claim)."""
+    path = str(tmp_path / "ckpt")
+    (code, out, err), = _run(2, scenario, path)
+    assert code == 0, f"exited with {code}:\n{out}\n{err}"
+    assert out.startswith("RAISED PeerLostError"), f"{out}\n{err}"
+    assert "setting up its collectives: another rank did not join within 4 s" in out and path in out, out
+    seconds = float(out.split(" after ")[1].split("s:")[0])
+    assert seconds < TIMEOUT_S * 3 + 10, out
+    assert "CLAIMS HELD 0" in out, out
 
 
 @pytest.mark.parametrize("scenario", ["save-kill", "save-stop", "load-kill", "load-stop"])

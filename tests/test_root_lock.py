@@ -1,21 +1,25 @@
 """One job per checkpoint root: a second Checkpointer on a root another live job owns is refused
 with the holder's name, a take-over is explicit and stops the old owner from deleting anything,
 and a retention cut short never leaves a ``step-N`` that is not a whole checkpoint."""
+import gc
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import weakref
 
 import pytest
 import torch
 
 import statesnap as ss
+from statesnap.bench.faults import Faults
 from statesnap.storage import backend_for
 from statesnap.storage.local import LocalBackend
-from statesnap.storage.lock import LeaseClaim, RootBusyError
+from statesnap.storage.lock import LEASE_NAME, ClaimedBackend, LeaseClaim, RootBusyError
 
 
 def _state(value):
@@ -67,6 +71,31 @@ def test_second_checkpointer_in_one_process_is_refused_until_the_first_closes(tm
     ss.Checkpointer(tmp_path, host_memory_gb=0.05).close()
 
 
+def test_a_checkpointer_dropped_without_close_can_be_taken_over_in_process(tmp_path):
+    dropped = []
+
+    def train():  # the loop dies without close() or `with`: its threads keep the Checkpointer alive
+        ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.05)
+        dropped.append(weakref.ref(ckpt))
+        ckpt.save(1, _state(1)).wait()
+        raise RuntimeError("NaN loss")
+    with pytest.raises(RuntimeError):
+        train()
+    gc.collect()
+    with pytest.raises(RootBusyError, match="close\\(\\) it first, or pass take_over=True"):
+        ss.Checkpointer(tmp_path, host_memory_gb=0.05)
+    with ss.Checkpointer(tmp_path, host_memory_gb=0.05, take_over=True) as ckpt:
+        state = _state(0)
+        assert ckpt.load_latest(state) == 1
+        ckpt.save(2, _state(2)).wait()
+        old = dropped[0]()
+        if old is not None:  # still alive (its threads hold it): it no longer commits or deletes
+            with pytest.raises(ss.CheckpointError, match="taken over"):
+                old.save(3, _state(3)).wait()
+            old.close()
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-1", "step-2"]
+
+
 def test_take_over_stops_the_old_owner_from_committing_or_deleting(tmp_path):
     old = ss.Checkpointer(tmp_path, keep_last=1, host_memory_gb=0.05)
     old.save(1, _state(1)).wait()
@@ -111,6 +140,218 @@ def test_a_lease_that_is_not_renewed_goes_stale_and_its_holder_stops():
         old.check()
     new.check()
     new.release()
+
+
+def _lease_root(name):
+    faults = Faults()
+    root = f"faulty://{name}-{os.getpid()}-{time.monotonic_ns()}/root"
+    return root, backend_for(root, {"faults": faults}), faults
+
+
+def _stored(backend, root):
+    import json
+    return json.loads(backend.read_bytes(backend.join(root, LEASE_NAME)))
+
+
+def _stored_raw(backend, root):
+    return backend.read_bytes(backend.join(root, LEASE_NAME))
+
+
+def _by_hand(claim):
+    """Stop the claim's renewer, so that the test drives each renewal itself."""
+    claim._stop.set()
+    claim._renewer.join()
+    return claim
+
+
+def test_a_failed_renewal_extends_nothing_and_the_next_one_renews():
+    root, backend, faults = _lease_root("renew")
+    claim = _by_hand(LeaseClaim(root, backend, take_over=False, lease_s=3))
+    deadline, expires = claim._deadline, _stored(backend, root)["expires"]
+    assert claim.expires == expires
+    faults.reset(fail_write=1)  # the fsspec backend raises CheckpointError, not OSError
+    with pytest.raises(ss.CheckpointError, match="injected fault"):
+        claim._renew_once()
+    assert (claim._deadline, claim.expires, _stored(backend, root)["expires"]) == (deadline, expires, expires)
+    claim._renew_once()
+    assert claim._deadline > deadline and claim.expires == _stored(backend, root)["expires"] > expires
+    claim.release()
+
+
+class _FailingWrites:
+    """A backend whose lease writes number ``fail`` raise; ``renewed`` is set by the first
+    successful write after them."""
+
+    def __init__(self, backend, fail):
+        self._backend, self.fail, self.writes = backend, set(fail), 0
+        self.renewed = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def write_bytes(self, path, data, durable):
+        self.writes += 1
+        if self.writes in self.fail:
+            raise ss.CheckpointError(f"writing {path} failed: injected")
+        self._backend.write_bytes(path, data, durable)
+        if self.writes > max(self.fail):
+            self.renewed.set()
+
+
+def test_the_renewer_survives_a_failed_renewal():
+    root = f"memory://renewer-{os.getpid()}/root"
+    backend = _FailingWrites(backend_for(root), fail=[2, 3])  # write 1 claims; the next two renewals fail
+    claim = LeaseClaim(root, backend, take_over=False, lease_s=3)
+    try:
+        assert backend.renewed.wait(20), "no renewal after the failed ones"
+        assert claim._renewer.is_alive() and claim.renew_errors == 2
+        claim.check()
+    finally:
+        claim.release()
+
+
+def test_an_expired_lease_that_is_still_ours_recovers_and_a_taken_one_stays_lost():
+    root, backend, faults = _lease_root("expired")
+    claim = _by_hand(LeaseClaim(root, backend, take_over=False, lease_s=3))
+    claim._deadline = time.monotonic() - 1  # renewals failed or came late: the lease expired
+    faults.reset(fail_write=1)
+    with pytest.raises(RootBusyError, match="lease expired and could not be renewed"):
+        claim.check()  # the renewal it tries first fails: nothing commits
+    faults.reset()
+    before = time.monotonic()
+    claim.check()  # still ours: renewed, and on it goes
+    assert claim._deadline >= before + 3 and _stored(backend, root)["token"] == claim.token
+    claim._deadline = time.monotonic() - 1
+    new = _by_hand(LeaseClaim(root, backend, take_over=True, lease_s=3))
+    for _ in range(2):  # lost for good: neither check nor a renewal writes the lease again
+        with pytest.raises(RootBusyError, match="lost its claim \\(taken over by pid"):
+            claim.check()
+        with pytest.raises(RootBusyError, match="lost its claim"):
+            claim._renew_once()
+    assert _stored(backend, root)["token"] == new.token
+    new.check()
+    new.release()
+    claim.release()
+
+
+def test_every_commit_and_deletion_reads_the_lease():
+    root, backend, faults = _lease_root("window")
+    old = _by_hand(LeaseClaim(root, backend, take_over=False, lease_s=60))
+    claimed = ClaimedBackend(backend, old)
+    faults.reset()
+    old.check()
+    claimed.remove(backend.join(root, "nothing-there"))
+    assert faults.reads == 2  # one GET each
+    new = _by_hand(LeaseClaim(root, backend, take_over=True, lease_s=60))
+    backend.write_bytes(backend.join(root, "step-1", "a"), b"x", True)
+    for call in (lambda: claimed.commit(backend.join(root, "step-1"), backend.join(root, "step-1"), False, True),
+                 lambda: claimed.remove(backend.join(root, "step-1")),
+                 lambda: claimed.retire(backend.join(root, "step-1"), "manifest.json"),
+                 lambda: claimed.recover(backend.join(root, "step-1"))):
+        with pytest.raises(RootBusyError, match="taken over"):  # at once, not at the next renewal
+            call()
+    assert backend.exists(backend.join(root, "step-1", "a"))
+    faults.reset(fail_read=1)
+    with pytest.raises(ss.CheckpointError, match="cannot confirm .* claim"):
+        new.check()  # a GET that fails fails that check only
+    new.check()
+    new.release()
+    old.release()
+
+
+@pytest.mark.parametrize("content", [b'{"expires": "tomorrow", "pid": 1}', b'{"expires": null}',
+                                     b'{"token": "x", "expires": 1e400}', b'{"token": "x", "expires": [1]}',
+                                     b'{"token": 7, "expires": 1}', b"[1]", b"\xff\xfe", b""])
+def test_an_unreadable_lease_counts_as_held(content):
+    root, backend, _ = _lease_root("garbled")
+    backend.write_bytes(backend.join(root, LEASE_NAME), content, True)
+    with pytest.raises(RootBusyError, match=rf"the lease at {root}/{LEASE_NAME} is unreadable .*take_over=True"):
+        LeaseClaim(root, backend, take_over=False, lease_s=3)
+    claim = _by_hand(LeaseClaim(root, backend, take_over=True, lease_s=3))
+    claim.check()
+    backend.write_bytes(backend.join(root, LEASE_NAME), content, True)  # the holder's lease garbled too
+    with pytest.raises(RootBusyError, match="lost its claim .*replaced by an unreadable one"):
+        claim.check()
+    claim.release()
+    assert _stored_raw(backend, root) == content  # not ours to delete
+
+
+def test_a_checkpointer_refuses_a_garbled_lease_and_takes_a_missing_one():
+    root, backend, faults = _lease_root("ckpt-garbled")
+    settings = dict(host_memory_gb=0.05, events=False, storage_options={"faults": faults}, lease_s=3)
+    backend.write_bytes(backend.join(root, LEASE_NAME), b'{"expires": null}', True)
+    with pytest.raises(RootBusyError, match="unreadable"):
+        ss.Checkpointer(root, **settings)
+    backend.remove(backend.join(root, LEASE_NAME))
+    ss.Checkpointer(root, **settings).close()
+    assert not backend.exists(backend.join(root, LEASE_NAME))  # released
+
+
+def test_a_lease_file_on_a_file_system_without_flock_is_replaced_whole(tmp_path):
+    claim = _by_hand(LeaseClaim(str(tmp_path), LocalBackend(), take_over=False, lease_s=3))
+    first = _stored(LocalBackend(), str(tmp_path))
+    claim._renew_once()  # renamed over the lease: a reader sees the old one or the new one, whole
+    assert _stored(LocalBackend(), str(tmp_path))["expires"] >= first["expires"]
+    assert os.listdir(tmp_path) == [LEASE_NAME]
+    claim.check()
+    claim.release()
+    assert os.listdir(tmp_path) == []
+
+
+def test_release_deletes_only_its_own_live_lease():
+    root, backend, _ = _lease_root("release")
+    old = _by_hand(LeaseClaim(root, backend, take_over=False, lease_s=60))
+    new = _by_hand(LeaseClaim(root, backend, take_over=True, lease_s=60))
+    old.release()  # never noticed the take-over: reads the lease, finds it is not its own
+    assert _stored(backend, root)["token"] == new.token
+    new.check()
+    new._deadline = time.monotonic() - 1  # expired: may be another opener's already, so left in place
+    new.release()
+    assert _stored(backend, root)["token"] == new.token
+
+
+def test_a_take_over_inside_the_release_round_trip_stops_the_taker():
+    """fsspec has no conditional delete: the window between release's GET and its DELETE is
+    documented, and a taker that loses its lease there finds out at its next check."""
+    root, backend, _ = _lease_root("release-race")
+    old = _by_hand(LeaseClaim(root, backend, take_over=False, lease_s=60))
+    taker = []
+
+    class TakeOverAfterRead:
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
+        def read_bytes(self, path):
+            raw = backend.read_bytes(path)
+            taker.append(_by_hand(LeaseClaim(root, backend, take_over=True, lease_s=60)))
+            return raw
+    old.backend = TakeOverAfterRead()
+    old.release()
+    with pytest.raises(RootBusyError, match="lost its claim .*was deleted"):
+        taker[0].check()
+    taker[0].release()
+
+
+def _claim_fails_raw_on_rank_0(rank, world, root):
+    import statesnap.checkpointer.levels as levels
+
+    def broken(*args, **kwargs):
+        raise ValueError("a storage library's own error")
+    if rank == 0:
+        levels.claim_root = broken
+    try:
+        ss.Checkpointer(root, host_memory_gb=0.05, commit_timeout_s=60)
+    except ss.CheckpointError as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def test_a_raw_error_of_the_claim_on_rank_0_reaches_every_rank(tmp_path):
+    from dist_utils import run_ranks
+    results = run_ranks(2, _claim_fails_raw_on_rank_0, str(tmp_path))
+    for rank in range(2):  # the other rank gets it in the broadcast, not a PeerLostError at the timeout
+        assert results[rank] == ("CheckpointError", f"cannot claim {tmp_path} for this job: ValueError: a storage "
+                                                    "library's own error"), results
 
 
 def test_retention_cut_short_leaves_no_visible_partial_checkpoint(tmp_path, monkeypatch):

@@ -7,9 +7,10 @@ same ``CheckpointError`` instead of some ranks hanging in the next collective.
 A rank can also vanish (killed, its node lost) or stop answering (hung). gloo reports the first
 as a raw ``RuntimeError`` and waits for the second as long as the group's timeout (30 minutes by
 default). So objects travel as byte tensors over a gloo group with ``async_op`` work whose
-``wait`` has this Comm's own deadline, and any failure of the transport becomes a
-:class:`PeerLostError` that says what was being done and which rank is gone, where this host
-can tell (ranks on this host whose process has exited).
+``wait`` has this Comm's own deadline, and any failure of the transport, making the group
+included (a rank already gone when it is made), becomes a :class:`PeerLostError` that says what
+was being done and which rank is gone, where this host can tell (ranks on this host whose
+process has exited).
 """
 from __future__ import annotations
 
@@ -40,19 +41,37 @@ class PeerLostError(CheckpointError):
     """A collective failed in the transport: a rank vanished or did not answer in time."""
 
 
-def side_group(group, timeout_s: float):
+def side_group(group, timeout_s: float, what: str = "checkpointing"):
     """A gloo group over the ranks of ``group`` whose operations give up after ``timeout_s``,
     made once per (group, timeout) by every member of ``group`` (making it is collective).
     gloo ends an operation only at its group's timeout: the operation's ``wait(timeout)`` alone
-    would leave it pending, and the process would then hang at exit until the peer answers."""
+    would leave it pending, and the process would then hang at exit until the peer answers.
+    Making it waits up to ``timeout_s`` for every member: a rank that is gone by then (or never
+    comes) is a :class:`PeerLostError` naming ``what``, not torch's raw store error."""
     key = (id(group), timeout_s)
     known = _SIDE_GROUPS.get(key)
     if known is None or known[0] is not group:
         ranks = None if group is None else dist.get_process_group_ranks(group)
-        side = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
-                              use_local_synchronization=ranks is not None)
+        side = timed_group(ranks, timeout_s, what, dist.get_rank(group), use_local_synchronization=ranks is not None)
         known = _SIDE_GROUPS[key] = (group, side)
     return known[1]
+
+
+def timed_group(ranks, timeout_s: float, what: str, rank: int | None = None, **kwargs):
+    """``dist.new_group(ranks, backend="gloo", timeout=timeout_s)``, collective over ``ranks``
+    (None: all). gloo connects to every member while the group is made and waits for each up to
+    ``timeout_s``; a member that is gone raises torch's ``DistStoreError`` (or a connection
+    error), which becomes a :class:`PeerLostError` that says which operation was being set up."""
+    try:
+        return dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s), **kwargs)
+    except RuntimeError as exc:  # DistStoreError, DistNetworkError: both RuntimeErrors
+        rank = dist.get_rank() if rank is None else rank
+        if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+            why = f"another rank did not join within {timeout_s:g} s"
+        else:
+            why = "another rank vanished while they were connecting"
+        raise PeerLostError(f"{what} failed on rank {rank}: setting up its collectives: {why} "
+                            f"({type(exc).__name__}: {exc})") from exc
 
 
 def _process_gone(pid: int) -> bool:
@@ -137,7 +156,7 @@ class Comm:
     def transport(self):
         """The gloo group these collectives run on (point-to-point calls may use it too)."""
         if self._gloo is None:
-            self._gloo = side_group(self.group, self._timeout_s)
+            self._gloo = side_group(self.group, self._timeout_s, self.what)
         known = _IDENTITIES.get(id(self._gloo))
         if known is None or known[0] is not self._gloo:  # who is who, to name a rank that vanishes
             _IDENTITIES[id(self._gloo)] = (self._gloo, None)  # before the exchange, which calls back here

@@ -10,7 +10,9 @@ one's checkpoints. So a Checkpointer claims its root before it touches anything 
   server frees a dead client's lock when that client's lease runs out.
 * **Object stores** (no locks): a lease object ``<root>/.statesnap-lease.json`` naming the owner,
   host, pid and an expiry, renewed in the background. A lease not renewed by its expiry is stale
-  and the next opener takes it.
+  and the next opener takes it; a missing lease is free, and one that cannot be read as a lease
+  counts as held (``take_over=True`` claims it). The holder reads it again before every commit
+  and deletion (see :class:`LeaseClaim` for what that covers and what it cannot).
 
 Either way the file says who holds the root, so a second opener's error can name the holder.
 ``take_over=True`` claims a root that is held anyway (a job on a dead node whose lock or lease has
@@ -22,6 +24,8 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
+import math
 import os
 import socket
 import sys
@@ -41,6 +45,7 @@ TAKE_OVER_HINT = ("If that job is gone (its node died) and the claim has not exp
 
 _held_here: dict[str, str] = {}  # lock path -> token of the claim this process holds on it
 _held_lock = threading.Lock()
+log = logging.getLogger("statesnap")
 
 
 class RootBusyError(CheckpointError):
@@ -96,8 +101,11 @@ class FlockClaim(RootClaim):
         self.token = uuid.uuid4().hex
         with _held_lock:
             if self.path in _held_here and not take_over:
-                raise RootBusyError(f"{root} is already used by another Checkpointer in this process; "
-                                    "close it first")
+                raise RootBusyError(
+                    f"{root} is already used by another Checkpointer in this process "
+                    f"({describe_holder(self._read_holder())}): close() it first, or pass take_over=True to claim "
+                    "the root from it (then it stops committing and deleting there). A Checkpointer dropped "
+                    "without close() keeps its claim for the life of the process: its threads hold it")
             while True:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
                 try:
@@ -157,63 +165,186 @@ class FlockClaim(RootClaim):
 
 
 class LeaseClaim(RootClaim):
-    """A lease object on storage without locks, renewed every third of its length. Object stores
-    offer no compare-and-swap through fsspec, so two openers that write within the same instant
-    could both read back their own lease; the read-back after writing narrows that to a window
-    of one round trip, and every commit and deletion checks the lease again."""
+    """A lease object on storage without locks, renewed every third of its length.
+
+    Object stores offer no compare-and-swap through fsspec, so a lease is read, then written,
+    then read back: two openers that write within one round trip of each other could both read
+    back their own lease, and that window is what remains. Everything else is checked:
+
+    * :meth:`check` (before every commit and deletion, through :class:`ClaimedBackend`) reads the
+      lease object (one GET). Another holder's lease, a deleted one or an unreadable one means
+      the claim is lost, for good: this holder stops and never writes the lease again. A read
+      that fails fails that check only.
+    * Time: the stored ``expires`` is wall-clock time (``time.time()`` taken before the write,
+      plus ``lease_s``), because other hosts compare it with their own clocks. The holder itself
+      trusts its lease until ``time.monotonic()`` taken before its last successful write, plus
+      ``lease_s``, so a changed wall clock on its host cannot stretch it. Hosts sharing a root
+      must keep their clocks in step (NTP) to well under ``lease_s / 3``: a host whose clock runs
+      ``d`` seconds ahead sees a lease go stale ``d`` seconds early, and only the renewals every
+      ``lease_s / 3`` keep a live holder's lease ahead of it.
+    * A renewal that fails (any exception: fsspec backends raise ``CheckpointError``) changes
+      nothing; the renewer tries again after ``lease_s / 10``. Once the holder's own deadline has
+      passed, ``check`` fails, unless the stored lease is still this holder's: then it renews
+      it first (read, write, read back) and goes on. So a late renewal recovers; a lease that
+      someone else took by then stays lost.
+    """
 
     def __init__(self, root: str, backend: StorageBackend, take_over: bool, lease_s: float):
         super().__init__(root)
         self.backend, self.lease_s = backend, lease_s
         self.path = backend.join(root, LEASE_NAME)
         self.token = uuid.uuid4().hex
-        self._lost: str | None = None
-        holder = self._read()
-        if holder is not None and holder.get("token") != self.token and not take_over and \
-                float(holder.get("expires", 0)) > time.time():
-            raise RootBusyError(f"{root} is owned by another job: {describe_holder(holder)}, whose lease runs "
-                                f"for {float(holder['expires']) - time.time():.0f} s more unless renewed. "
-                                f"{TAKE_OVER_HINT}.")
-        self._write()
-        if (self._read() or {}).get("token") != self.token:
-            raise RootBusyError(f"{root} was claimed by {describe_holder(self._read())} at the same moment")
+        self.expires: float | None = None  # the wall-clock expiry last stored
+        self._deadline = float("-inf")  # time.monotonic() until which this holder's lease stands
+        self._since = time.time()
+        self._lost: str | None = None  # why the claim is gone for good
+        self._renewing = threading.Lock()  # one read-write-read of the lease at a time
+        self.renew_errors = 0  # renewals that failed (and were retried)
+        if not take_over:
+            kind, found = self._look()
+            if kind in ("garbled", "error"):
+                raise RootBusyError(f"{root} may be owned by another job: the lease at {self.path} is unreadable "
+                                    f"({found}). take_over=True claims the root anyway (only if no other job "
+                                    f"uses it).")
+            if kind == "held" and found["expires"] > time.time():
+                raise RootBusyError(f"{root} is owned by another job: {describe_holder(found)}, whose lease runs "
+                                    f"for {found['expires'] - time.time():.0f} s more unless renewed. "
+                                    f"{TAKE_OVER_HINT}.")
+        self._store()
+        kind, found = self._look()  # another opener that wrote at the same moment reads back too
+        if kind != "held" or found["token"] != self.token:
+            raise RootBusyError(f"{root} was not claimed: " + (
+                f"{describe_holder(found)} claimed it at the same moment" if kind == "held" else
+                f"this job's lease at {self.path} was replaced by an unreadable one ({found})" if kind == "garbled"
+                else f"this job's lease at {self.path} was deleted right after it was written" if kind == "free"
+                else f"reading back this job's lease at {self.path} failed ({found}); try again"))
         self._stop = threading.Event()
         self._renewer = threading.Thread(target=self._renew, name="statesnap-lease", daemon=True)
         self._renewer.start()
 
-    def _read(self) -> dict | None:
-        try:
-            return _parse_record(self.backend.read_bytes(self.path))
-        except (FileNotFoundError, OSError):
-            return None
+    # ----------------------------------------------------------------- the lease object
 
-    def _write(self) -> None:
-        self.expires = time.time() + self.lease_s
-        self.backend.write_bytes(self.path, json.dumps(_holder_record(self.token, self.expires)).encode(), True)
+    def _look(self) -> tuple[str, dict | str | None]:
+        """What the lease object holds: ("free", None) if there is none, ("held", record) for a
+        valid lease, ("garbled", why) for one that cannot be read as a lease, ("error", why) if
+        reading it failed (storage error: it may be anything)."""
+        try:
+            raw = self.backend.read_bytes(self.path)
+        except FileNotFoundError:
+            return "free", None
+        except Exception as exc:  # OSError, or the CheckpointError of an fsspec backend
+            return "error", f"reading it failed: {type(exc).__name__}: {exc}"
+        record = _parse_record(raw)
+        if record is None:
+            return "garbled", f"{len(raw)} bytes that are not a JSON object"
+        token, expires = record.get("token"), record.get("expires")
+        if isinstance(expires, bool) or not isinstance(expires, (int, float)) or not math.isfinite(expires):
+            return "garbled", f"its expiry is {expires!r}, not a time"
+        if not isinstance(token, str) or not token:
+            return "garbled", "it names no owner token"
+        return "held", record
+
+    def _store(self) -> None:
+        """Write this holder's lease; only once the write succeeded does the holder trust it,
+        until ``lease_s`` after a moment taken before the write."""
+        started, now_wall = time.monotonic(), time.time()
+        expires = now_wall + self.lease_s
+        data = json.dumps({**_holder_record(self.token, expires), "since": self._since}).encode()
+        if isinstance(self.backend, LocalBackend):
+            # A file system without flock: write a new file and rename it over the lease, so that
+            # no reader ever sees a lease truncated or half written (it would count as garbled).
+            scratch = f"{self.path}.tmp-{self.token}"
+            self.backend.write_bytes(scratch, data, True)
+            os.replace(scratch, self.path)
+        else:  # an object store's PUT replaces the object at once
+            self.backend.write_bytes(self.path, data, True)
+        self.expires, self._deadline = expires, started + self.lease_s
+
+    def _lose(self, kind: str, found) -> RootBusyError:
+        if self._lost is None:
+            self._lost = (
+                f"taken over by {describe_holder(found)}" if kind == "held" else
+                f"its lease at {self.path} was deleted (by a job that took the root over, or by hand)" if kind == "free"
+                else f"its lease at {self.path} was replaced by an unreadable one ({found})")
+        return self._lost_error()
+
+    def _lost_error(self) -> RootBusyError:
+        return RootBusyError(f"{self.root}: this Checkpointer lost its claim ({self._lost}); it no longer "
+                             "commits or deletes checkpoints there")
+
+    def _renew_once(self, only_if_expired: bool = False) -> None:
+        """Read the lease; if it is still this holder's, write it again, then read it back.
+        Raises the lost claim's ``RootBusyError`` if it is not, and any storage error as is."""
+        with self._renewing:
+            if self._lost is not None:
+                raise self._lost_error()
+            if only_if_expired and time.monotonic() < self._deadline:
+                return  # renewed by the renewer meanwhile
+            kind, found = self._look()
+            if kind == "error":
+                raise CheckpointError(f"{self.root}: the lease at {self.path} could not be renewed: {found}")
+            if kind != "held" or found["token"] != self.token:
+                raise self._lose(kind, found)
+            self._store()
+            kind, found = self._look()  # another opener that wrote meanwhile has its lease read back too
+            if kind != "error" and (kind != "held" or found["token"] != self.token):
+                raise self._lose(kind, found)
 
     def _renew(self) -> None:
-        while not self._stop.wait(self.lease_s / 3):
-            holder = self._read()
-            if holder is not None and holder.get("token") != self.token:
-                self._lost = f"taken over by {describe_holder(holder)}"
-                return
+        interval = self.lease_s / 3
+        while not self._stop.wait(interval):
             try:
-                self._write()
-            except OSError:
-                pass  # try again next round; check() reports the lease lost once it expires
+                self._renew_once()
+                interval = self.lease_s / 3
+            except Exception:  # noqa: BLE001 - a renewer that dies leaves the lease to expire
+                if self._lost is not None:
+                    return
+                self.renew_errors += 1
+                interval = self.lease_s / 10  # storage trouble: try again soon; check() fails once it expires
+
+    # ----------------------------------------------------------------- RootClaim
 
     def check(self) -> None:
-        if self._lost is None and time.time() > self.expires:
-            self._lost = "its lease expired before it could be renewed"
+        """Read the lease (one GET): raise unless it is still this holder's and not expired
+        (an expired one that is still ours is renewed first)."""
         if self._lost is not None:
-            raise RootBusyError(f"{self.root}: this Checkpointer lost its claim ({self._lost}); it no longer "
-                                "commits or deletes checkpoints there")
+            raise self._lost_error()
+        kind, found = self._look()
+        if kind == "error":
+            raise CheckpointError(f"{self.root}: cannot confirm this Checkpointer's claim on the root, the lease "
+                                  f"at {self.path} could not be read ({found}); nothing is committed or deleted")
+        if kind != "held" or found["token"] != self.token:
+            raise self._lose(kind, found)
+        if time.monotonic() < self._deadline:
+            return
+        try:  # our lease, but expired: renewals failed or came late, and any opener may take it now
+            self._renew_once(only_if_expired=True)
+        except RootBusyError:
+            raise
+        except Exception as exc:
+            raise RootBusyError(f"{self.root}: this Checkpointer's lease expired and could not be renewed ({exc}); "
+                                "nothing is committed or deleted until a renewal succeeds") from exc
 
     def release(self) -> None:
+        """Stop renewing and delete the lease if it is still this holder's. fsspec has no
+        conditional delete, so the lease is read and then deleted: a job that takes the root
+        over (``take_over=True``) in the round trip between the two loses its fresh lease, and
+        its next check stops it. Outside that, only a lease that has not expired is deleted:
+        an expired one may already be another opener's, and is free for the next one anyway."""
         self._stop.set()
         self._renewer.join()
-        if self._lost is None and (self._read() or {}).get("token") == self.token:
-            self.backend.remove(self.path)
+        with self._renewing:
+            ours = self._lost is None and time.monotonic() < self._deadline
+            self._lost = self._lost or "released"
+            if not ours:
+                return
+            kind, found = self._look()
+            if kind == "held" and found["token"] == self.token:
+                try:
+                    self.backend.remove(self.path)
+                except Exception as exc:  # noqa: BLE001 - the lease then expires on its own
+                    log.warning("statesnap: could not delete the lease %s (%s); it expires in %.0f s", self.path,
+                                exc, self._deadline - time.monotonic())
 
 
 def claim_root(root: str, backend: StorageBackend, take_over: bool = False, lease_s: float = 60.0) -> RootClaim:
