@@ -91,11 +91,7 @@ def _run(world, scenario, path):
     return outs
 
 
-@pytest.mark.parametrize("scenario", [
-    "save-gone", "load-gone", "ckpt-claim",
-    pytest.param("ckpt-gone", marks=pytest.mark.xfail(strict=True, reason=(
-        "Checkpointer.__init__ makes its own gloo group with a bare dist.new_group before the claim "
-        "broadcast; it raises a raw DistStoreError until it uses engine.dist.timed_group")))])
+@pytest.mark.parametrize("scenario", ["save-gone", "load-gone", "ckpt-claim", "ckpt-gone"])
 def test_a_rank_gone_before_a_group_is_made_is_a_checkpoint_error(tmp_path, scenario):
     """Making a timed gloo group with a rank already gone: torch raises a raw DistStoreError
     after the timeout; statesnap raises a PeerLostError that says which operation it was setting

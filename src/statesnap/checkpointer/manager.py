@@ -14,12 +14,11 @@ import threading
 import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ..engine.dist import Comm
+from ..engine.dist import Comm, timed_group
 from ..engine.load import load
 from ..engine.replicas import limit_bytes, object_digests
 from ..engine.save import encode_objects, per_rank_names, shared_names
@@ -81,8 +80,7 @@ class Checkpointer:
         self._group = None
         if self._comm.active and self._comm.world_size > 1:
             ranks = None if cfg.process_group is None else dist.get_process_group_ranks(cfg.process_group)
-            self._group = dist.new_group(ranks=ranks, backend="gloo",
-                                         timeout=timedelta(seconds=cfg.commit_timeout_s))
+            self._group = timed_group(ranks, cfg.commit_timeout_s, f"the Checkpointer of {root}", self._comm.rank)
         self.rank = self._comm.rank
         # shared plain values are compared across ranks at each commit (engine/replicas.py)
         self._compares_objects = self._comm.world_size > 1 and cfg.replica_check_mb > 0

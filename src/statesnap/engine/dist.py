@@ -182,7 +182,7 @@ class Comm:
         here = socket.gethostname()
         if identities:
             local = [r for r, (host, _) in enumerate(identities) if r != self.rank and host == here]
-            for _ in range(20):  # a killed process closes its sockets a moment before it is gone
+            for _ in range(100):  # a killed process closes its sockets a moment before it is gone
                 gone = [r for r in local if _process_gone(identities[r][1])]
                 if gone or not local:
                     break

@@ -28,7 +28,6 @@ import json
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from ..format.checksum import checksum_blocks, checksum_whole
 from ..format.manifest import ObjectEntry
