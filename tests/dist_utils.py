@@ -1,31 +1,68 @@
-"""Run a function on N real gloo ranks (separate processes) on 127.0.0.1 and collect results."""
+"""Run a function on N real gloo ranks (separate processes) on 127.0.0.1 and collect results.
+
+Determinism: tests compare, bit for bit, values that different ranks computed on their own
+(replicas trained alike on every rank are stored once, from one rank, and loaded by all; the
+library also compares replicas by hash and refuses a save whose replicas differ). That holds
+only if every rank does the same arithmetic in the same order, so each rank runs with one
+intra-op and one inter-op thread: with more, reductions and matrix products are split by the
+thread count, which depends on the machine and on what else was set in the process.
+
+Ports: the parent binds the rendezvous store itself (port 0, chosen by the kernel and held from
+then on) and the ranks join it as clients. Picking a free port, closing it and letting rank 0
+bind it seconds later raced with every other process on the machine (another xdist worker's
+ranks, their gloo connections) that could take the port in between.
+"""
 from __future__ import annotations
 
 import os
+import pickle
+import queue as queue_module
 import socket
+import time
 import traceback
+from datetime import timedelta
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+STORE_TIMEOUT = timedelta(minutes=30)  # what init_process_group gives its own store
+GRACE_S = 60  # how long the other ranks may take to finish or fail once one rank has failed
+
 
 def free_port() -> int:
+    """A port that was free a moment ago (racy: another process may take it before it is bound).
+    ``run_ranks`` does not use it; kept for tests that start ranks themselves."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+def pin_threads() -> None:
+    """One intra-op and one inter-op thread, and the same for processes started from here."""
     import torch
+
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set, or inter-op work has started: it can be set only once
+        pass
+
+
+def _rank_main(rank, world_size, port, fn, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    pin_threads()
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=STORE_TIMEOUT)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        # Pickled here, by value: a tensor put on a multiprocessing queue as it is travels as a
+        # file descriptor that this process must still hold when the parent unpickles it, and on a
+        # loaded machine the rank had often exited by then (FileNotFoundError in the parent).
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
+        results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -35,26 +72,57 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 240):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
 
     ``fn`` must be importable (a module-level function). Any rank's exception fails the call with
-    that rank's traceback."""
+    that rank's traceback. ``timeout`` bounds the wait for each next result (not the whole run). A
+    rank that dies without a result, or one still running ``GRACE_S`` after another rank failed
+    (typically waiting in a collective for the failed one), is named as such instead of hiding
+    the first rank's traceback behind a queue timeout."""
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    results = ctx.Queue()
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=STORE_TIMEOUT)
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, store.port, fn, args, results))
+             for r in range(world_size)]
     for p in procs:
         p.start()
-    results, errors = {}, []
+    values, errors = {}, {}
+    deadline, failed_at = time.monotonic() + timeout, None
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout)
+        while len(values) + len(errors) < world_size:
+            try:
+                rank, status, value = results.get(timeout=1.0)
+            except queue_module.Empty:
+                pending = [r for r in range(world_size) if r not in values and r not in errors]
+                dead = [r for r in pending if procs[r].exitcode is not None]
+                now = time.monotonic()
+                if dead:  # its result may still be in the pipe: one more look before giving up on it
+                    try:
+                        rank, status, value = results.get(timeout=5.0)
+                    except queue_module.Empty:
+                        errors.update({r: f"exited with code {procs[r].exitcode} without a result" for r in dead})
+                        failed_at = failed_at or now
+                        continue
+                elif failed_at is not None and now > failed_at + GRACE_S:
+                    errors.update({r: f"still running {GRACE_S} s after another rank failed (killed)"
+                                   for r in pending})
+                    break
+                elif now > deadline:
+                    errors.update({r: f"no result within {timeout:.0f} s (killed)" for r in pending})
+                    break
+                else:
+                    continue
             if status == "ok":
-                results[rank] = value
+                values[rank] = pickle.loads(value)
             else:
-                errors.append(f"rank {rank}:\n{value}")
+                errors[rank] = value
+                failed_at = failed_at or time.monotonic()
+            deadline = time.monotonic() + timeout
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=5 if errors else 30)
             if p.is_alive():
                 p.kill()
+                p.join()
+        del store
     if errors:
-        raise AssertionError("\n".join(errors))
-    return [results[r] for r in range(world_size)]
+        raise AssertionError("\n".join(f"rank {r}:\n{errors[r]}" for r in sorted(errors)))
+    return [values[r] for r in range(world_size)]

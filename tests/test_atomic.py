@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import torch
 
@@ -19,6 +20,7 @@ import statesnap as ss
 
 TENSORS, ELEMENTS = 12, 2 << 20  # 12 x 8 MB of float32
 ROUNDS = 4
+EXTRA_ROUNDS = 8
 
 CHILD = textwrap.dedent("""
     import os, sys
@@ -28,39 +30,77 @@ CHILD = textwrap.dedent("""
     root, mode, first = sys.argv[1], sys.argv[2], int(sys.argv[3])
     tensors, elements = int(sys.argv[4]), int(sys.argv[5])
     step = first
+
+    def say(word):
+        # One write(2) per line, atomic on a pipe. With PYTHONUNBUFFERED, print() writes "begin",
+        # " ", step and "\\n" one by one, and a kill between two of them left half a line.
+        os.write(1, f"{word} {step}\\n".encode())
+
     while True:
         state = {"model": {f"t{i}": torch.full((elements,), float(step)) for i in range(tensors)},
                  "extra": {"step": step}}
         name = f"step-{step}" if mode == "dirs" else "latest"
-        print("begin", step, flush=True)
+        say("begin")
         ss.save(state, os.path.join(root, name), overwrite=(mode == "overwrite"))
-        print("done", step, flush=True)
+        say("done")
         step += 1
 """)
 
 
-def run_and_kill(root, mode: str, first: int, delay: float) -> tuple[str, int]:
+def run_and_kill(root, mode: str, first: int, delay: float, inside: float | None = None) -> tuple[str, int]:
     """Start the saving child at step ``first`` and kill it ``delay`` seconds after its first save
     began. Return ("begin", N) if the kill landed inside save N, or ("done", N) if save N was the
-    last to finish."""
+    last to finish.
+
+    With ``inside`` (a fraction of a save), after ``delay`` wait for the next save to begin and
+    kill it at that fraction of the shortest save seen so far: the kill lands inside a save
+    unless this process is kept off the CPU for the rest of it. A plain delay lands between two
+    saves (building the next state) about half the time."""
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(root), mode, str(first), str(TENSORS), str(ELEMENTS)],
                             stdout=subprocess.PIPE, text=True)
-    lines, started = [], threading.Event()
+    lines, times, seen = [], {}, threading.Condition()
 
     def read():
         for line in proc.stdout:
-            lines.append(line.split())
-            started.set()
+            if not line.endswith("\n"):  # cut short by the kill (cannot happen with one write per line)
+                break
+            with seen:
+                lines.append(line.split())
+                times[tuple(lines[-1])] = time.monotonic()
+                seen.notify_all()
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    assert started.wait(120), "the saving child did not start"
-    threading.Event().wait(delay)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    try:
+        with seen:
+            assert seen.wait_for(lambda: lines, timeout=120), "the saving child did not start"
+        threading.Event().wait(delay)
+        if inside is not None:
+            with seen:
+                before = len(lines)
+                assert seen.wait_for(lambda: any(w == "begin" for w, _ in lines[before:]), timeout=120), \
+                    f"the saving child made no progress after {lines[-3:]}"
+                saves = [times["done", n] - times["begin", n] for (word, n) in lines
+                         if word == "done" and ("begin", n) in times]
+            threading.Event().wait(inside * min(saves, default=0.02))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        proc.kill()
+        proc.wait()
     reader.join()
     assert proc.returncode == -signal.SIGKILL, f"the child stopped by itself after {lines[-3:]}"
     word, step = lines[-1]  # every line printed before the kill has been read by now
     return word, int(step)
+
+
+def kill_moments(rng: random.Random, landed_inside):
+    """``ROUNDS`` kills at random moments, then, while none has landed inside a save (about one
+    run in 16 on a machine where saving and building the next state take as long), up to
+    ``EXTRA_ROUNDS`` kills aimed inside one: (delay, inside) for ``run_and_kill``."""
+    for round_ in range(ROUNDS + EXTRA_ROUNDS):
+        if round_ >= ROUNDS and landed_inside():
+            return
+        yield (rng.uniform(0.05, 1.5), None) if round_ < ROUNDS else (rng.uniform(0.05, 0.5), rng.uniform(0, 0.75))
 
 
 def check_whole(path) -> int:
@@ -87,8 +127,8 @@ def hidden_are_staging(root) -> None:
 def test_kill_during_saves_never_leaves_a_partial_checkpoint(tmp_path):
     rng = random.Random(20261122)
     first, kept, kills_inside_a_save = 0, set(), 0
-    for _ in range(ROUNDS):
-        word, step = run_and_kill(tmp_path, "dirs", first, rng.uniform(0.05, 1.5))
+    for delay, inside in kill_moments(rng, lambda: kills_inside_a_save):
+        word, step = run_and_kill(tmp_path, "dirs", first, delay, inside)
         found = {check_whole(tmp_path / name) for name in visible(tmp_path)}
         assert sorted(f"step-{s}" for s in found) == visible(tmp_path)
         assert kept <= found  # the checkpoint kept from the last round is still there and whole
@@ -112,9 +152,9 @@ def test_kill_during_overwrite_leaves_old_or_new(tmp_path):
     state = {"model": {f"t{i}": torch.full((ELEMENTS,), -1.0) for i in range(TENSORS)}, "extra": {"step": -1}}
     ss.save(state, tmp_path / "latest")
     previous, kills_inside_a_save = -1, 0
-    for round_ in range(ROUNDS):
+    for round_, (delay, inside) in enumerate(kill_moments(rng, lambda: kills_inside_a_save)):
         first = round_ * 1000
-        word, step = run_and_kill(tmp_path, "overwrite", first, rng.uniform(0.05, 1.5))
+        word, step = run_and_kill(tmp_path, "overwrite", first, delay, inside)
         assert visible(tmp_path) == ["latest"]
         found = check_whole(tmp_path / "latest")
         if word == "begin":  # overwriting with ``step``: the old one or the new one, whole
