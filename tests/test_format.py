@@ -38,7 +38,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("name", sorted(NAME_TO_DTYPE))
 def test_every_dtype_round_trips_bit_for_bit(tmp_path, name):
     dtype = NAME_TO_DTYPE[name]
-    torch.manual_seed(hash(name) % 1000)
+    torch.manual_seed(zlib.crc32(name.encode()) % 1000)  # hash() differs per process
     original = random_of(dtype)
     ss.save({"t": original, "transposed": original.t()}, tmp_path / "c")
     strided_storage = torch.zeros_like(original)

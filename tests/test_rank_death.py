@@ -13,7 +13,6 @@ import time
 import pytest
 import torch
 
-from dist_utils import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT_S = 4.0
@@ -36,8 +35,8 @@ def _rank_main(rank, world, port, scenario, path):
     import statesnap as ss
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)  # the parent holds the port
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     victim = world - 1
     op, how = scenario.split("-")
     if op == "load":
@@ -73,7 +72,11 @@ def _rank_main(rank, world, port, scenario, path):
 
 
 def _run(world, scenario, path):
-    port = free_port()
+    import torch.distributed as dist
+
+    # the rendezvous store binds a port the kernel picks and keeps it: no other process can take it
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(r), str(world), str(port), scenario,
                                path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE)
              for r in range(world)]

@@ -113,11 +113,11 @@ def test_take_over_stops_the_old_owner_from_committing_or_deleting(tmp_path):
 
 def test_object_store_lease_names_the_holder_and_expires(tmp_path):
     root = f"memory://lease-test-{os.getpid()}/root"
-    first = ss.Checkpointer(root, host_memory_gb=0.05, lease_s=3)
+    first = ss.Checkpointer(root, host_memory_gb=0.05, lease_s=6)
     with pytest.raises(RootBusyError, match=rf"pid {os.getpid()} on host .*lease runs for"):
         ss.Checkpointer(root, host_memory_gb=0.05)
     first.save(1, _state(1)).wait()
-    time.sleep(3.5)  # renewed in the background: still held
+    time.sleep(7)  # past the first expiry; renewed every 2 s in the background: still held
     with pytest.raises(RootBusyError):
         ss.Checkpointer(root, host_memory_gb=0.05)
     first.close()  # releases the lease
