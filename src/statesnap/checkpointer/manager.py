@@ -110,6 +110,7 @@ class Checkpointer:
         self._counts = {"committed": 0, "memory_only": 0, "skipped": 0, "failed": 0}
         self._warned_streaming = False
         self._closed = False
+        self._closing = False
         self._guard = StepGuard(self._gates_for, lambda step, s, e: self.events.add("wait-in-hook", step, s, e))
         self._stager = Stager(lambda: self._arena, cfg.copy_threads, lambda: self._segment_bytes, self.events,
                               self._copies_done, lambda: self._cuda, file_order=is_url(root))
@@ -138,9 +139,12 @@ class Checkpointer:
             done.set_result(None)
             self.events.add("save", step, started, now())
             return SaveHandle(step, done, done)
-        self._guard.watch(optimizers, wrappers)
         with self._lock:
-            self._inflight.append(snap)
+            if self._closing:  # close() began while this save planned: its threads take no more work
+                raise CheckpointError(f"this Checkpointer was closed while step {step} was being saved; "
+                                      "the step was not saved")
+            self._inflight.append(snap)  # close() waits for it from here on
+        self._guard.watch(optimizers, wrappers)
         self._stager.submit(snap)
         if snap.persist:
             self._flusher.submit(snap)
@@ -233,6 +237,8 @@ class Checkpointer:
         """Wait for the work in flight, stop the background threads, and raise what failed."""
         if self._closed:
             return
+        with self._lock:
+            self._closing = True  # a save() on another thread now raises instead of queueing behind the end
         try:
             self._wait_all()
         finally:

@@ -10,6 +10,7 @@ trace`` turns into a Chrome/Perfetto trace and a PNG timeline. The file is rotat
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import threading
@@ -22,6 +23,7 @@ STALL_PHASES = ("save", "backpressure", "wait-in-hook", "wait-staged")
 # Phases in background threads. Besides these: "plan" (inside "save") and "load".
 BACKGROUND_PHASES = ("copy", "checksum", "write", "fsync", "commit", "further", "arena-wait")
 MAX_FILE_BYTES = 64 << 20
+log = logging.getLogger("statesnap")
 
 
 def now() -> float:
@@ -58,6 +60,7 @@ class EventLog:
         self._unwritten: list[Event] = []
         self._lock = threading.Lock()
         self._file_lock = threading.Lock()  # whole lines from concurrent flushes
+        self._dropping = False  # the last write to the file failed (warned once)
         if path:
             os.makedirs(os.path.dirname(path), exist_ok=True)
 
@@ -87,17 +90,31 @@ class EventLog:
             self.add(phase, step, start, now(), nbytes, **info)
 
     def flush(self) -> None:
-        """Append the events not yet written to the events file (no-op without a file)."""
+        """Append the events not yet written to the events file (no-op without a file).
+
+        The Checkpointer's background threads call this after every checkpoint, and the file
+        usually sits on the disk being checkpointed to. When that disk is full a write here must
+        not kill the thread (every later checkpoint would then wait for it forever): the file is
+        diagnostics, so the events that cannot be written are dropped, with one warning until a
+        write works again, and ``summary`` still counts them."""
         with self._lock:
             batch, self._unwritten = self._unwritten, []
         if not self.path or not batch:
             return
         text = "".join(json.dumps(asdict(e), separators=(",", ":")) + "\n" for e in batch)
         with self._file_lock:
-            if os.path.exists(self.path) and os.path.getsize(self.path) > MAX_FILE_BYTES:
-                os.replace(self.path, self.path + ".1")
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(text)
+            try:
+                if os.path.exists(self.path) and os.path.getsize(self.path) > MAX_FILE_BYTES:
+                    os.replace(self.path, self.path + ".1")
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write(text)
+            except OSError as exc:
+                if not self._dropping:
+                    log.warning("statesnap: cannot write events to %s (%s); dropping them until it works again",
+                                self.path, exc)
+                self._dropping = True
+                return
+            self._dropping = False
 
     def summary(self) -> dict:
         """Sums over all events so far; see docs/checkpointer.md for what each key means."""
