@@ -6,6 +6,8 @@ Suites (each a module with ``main(argv)`` that parses its own options):
 * ``training``: stall, end-to-end overhead and peak RSS of checkpointing a training run (:mod:`.training`);
 * ``reshard``: resharded load against same-layout load and DCP (:mod:`.reshard`);
 * ``planning``: save/load planning and manifest size at 1024 simulated ranks (:mod:`.planning`);
+* ``chaos``: kills, full disks, I/O errors, damage, dying ranks and concurrent owners, with the
+  outcome of every trial counted (:mod:`.chaos`, docs/reliability.md);
 * ``all``: every suite in turn with its default options.
 """
 from __future__ import annotations
@@ -14,7 +16,7 @@ import argparse
 import importlib
 import sys
 
-SUITES = ("io", "training", "reshard", "planning")
+SUITES = ("io", "training", "reshard", "planning", "chaos")
 
 
 def main(argv: list[str] | None = None) -> int:
