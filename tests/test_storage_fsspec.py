@@ -275,8 +275,8 @@ def test_save_and_load_through_memory_url_are_bit_exact(monkeypatch):
 
 def test_checkpointer_streams_to_an_object_store_bit_exact(monkeypatch):
     """A Checkpointer whose arena is smaller than the state streams batches to memory://. Its
-    write workers finish parts out of order, so with a cap this small early parts wait or spill;
-    the memory held stays under the cap and every step is exact."""
+    write workers may finish parts out of order, so with a cap this small early parts wait or
+    spill; the memory held stays under the cap and every step is exact."""
     monkeypatch.setattr(fsspec_backend, "REORDER_BYTES", 1 << 18)
     held = [0]
     real_admit = _FsspecWriter._admit
@@ -304,7 +304,7 @@ def test_checkpointer_streams_to_an_object_store_bit_exact(monkeypatch):
         ckpt.save(step, state).wait()
         records[step] = {k: v.clone() for k, v in model.state_dict().items()} | {"ema": ema.clone()}
     ckpt.close()
-    assert 0 < max(held) <= 1 << 18
+    assert max(held) <= 1 << 18  # how much is early depends on thread timing: only the bound is fixed
     for step, record in records.items():
         reader = ss.open(f"{root}/step-{step}")
         reader.verify()
