@@ -14,6 +14,7 @@ process has exited).
 """
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import socket
@@ -74,6 +75,28 @@ def timed_group(ranks, timeout_s: float, what: str, rank: int | None = None, **k
                             f"({type(exc).__name__}: {exc})") from exc
 
 
+def _drop_side_group(side) -> None:
+    """Destroy a side group whose peer is lost, now, while the interpreter is whole: left to the
+    end of the process, gloo's teardown of a group with a broken pair sometimes aborts it
+    ("terminate called without an active exception"). The next Comm makes a new one."""
+    for key, (_, known) in list(_SIDE_GROUPS.items()):
+        if known is side:
+            del _SIDE_GROUPS[key]
+    _IDENTITIES.pop(id(side), None)
+    try:
+        dist.destroy_process_group(side)
+    except Exception:  # noqa: BLE001 (already torn down with the default group)
+        pass
+
+
+@atexit.register
+def _drop_side_groups() -> None:
+    """Side groups are statesnap's own: tear them down before the interpreter is (see above)."""
+    if dist.is_available() and dist.is_initialized():
+        for _, side in list(_SIDE_GROUPS.values()):
+            _drop_side_group(side)
+
+
 def _process_gone(pid: int) -> bool:
     """Has process ``pid`` on this host exited? (A zombie not yet reaped by its parent has.)"""
     try:
@@ -104,6 +127,7 @@ class Comm:
         self.rank = dist.get_rank(group) if self.active else 0
         self.world_size = dist.get_world_size(group) if self.active else 1
         self._gloo = group if dedicated else None
+        self._dedicated = dedicated
         self._timeout_s = timeout_s
 
     # ----------------------------------------------------------------- object collectives
@@ -173,8 +197,10 @@ class Comm:
         try:
             work.wait(timeout=self.timeout)
         except RuntimeError as exc:  # gloo: "Connection closed by peer", "Operation timed out!"
-            raise PeerLostError(f"{self.what} failed on rank {self.rank}: {self._who_is_gone(exc)} "
-                                f"({exc})") from exc
+            error = PeerLostError(f"{self.what} failed on rank {self.rank}: {self._who_is_gone(exc)} ({exc})")
+            if not self._dedicated:
+                _drop_side_group(self._gloo)
+            raise error from exc
 
     def _who_is_gone(self, exc: RuntimeError) -> str:
         known = _IDENTITIES.get(id(self._gloo))
