@@ -93,6 +93,9 @@ def rank(spec: dict) -> dict:
     me, world, victim, op, how = spec["rank"], spec["world"], spec["victim"], spec["op"], spec["how"]
     store = dist.TCPStore("127.0.0.1", spec["port"], world, is_master=False, timeout=STORE_TIMEOUT)
     dist.init_process_group("gloo", store=store, rank=me, world_size=world)
+    # A rank's init returns once its own connections are up, maybe before a peer's are: a victim
+    # dying right away would fail the peer's init, which is torch's set-up, not what is tested.
+    dist.barrier()
     state, path, ckpt = _state(me, world), os.path.join(spec["root"], "ckpt"), None
     if op == "load":
         ss.save(state, path)  # a good checkpoint, which the failed load must leave as it is
