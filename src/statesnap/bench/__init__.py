@@ -5,6 +5,8 @@ Suites (each a module with ``main(argv)`` that parses its own options):
 * ``io``: save/load throughput against the raw disk, torch.save and DCP (:mod:`.io`);
 * ``training``: stall, end-to-end overhead and peak RSS of checkpointing a training run (:mod:`.training`);
 * ``reshard``: resharded load against same-layout load and DCP (:mod:`.reshard`);
+* ``convert``: DeepSpeed ZeRO-3 import against ``ds_to_universal``, and a safetensors import
+  without copying against reading the source once (:mod:`.convert`);
 * ``planning``: save/load planning and manifest size at 1024 simulated ranks (:mod:`.planning`);
 * ``chaos``: kills, full disks, I/O errors, damage, dying ranks and concurrent owners, with the
   outcome of every trial counted (:mod:`.chaos`, docs/reliability.md);
@@ -16,7 +18,7 @@ import argparse
 import importlib
 import sys
 
-SUITES = ("io", "training", "reshard", "planning", "chaos")
+SUITES = ("io", "training", "reshard", "convert", "planning", "chaos")
 
 
 def main(argv: list[str] | None = None) -> int:
