@@ -1,0 +1,118 @@
+"""Read DeepSpeed's ``.pt`` files without DeepSpeed and without running code from them.
+
+DeepSpeed pickles a few of its own classes into its checkpoints (the loss scaler object, the
+ZeRO stage enum, the ``fragment_address`` records of ``param_slice_mappings``), so
+``torch.load(weights_only=True)`` refuses its optimizer files and ``weights_only=False`` would run
+whatever a file names (and needs DeepSpeed importable). Here PyTorch's weights-only unpickler runs
+with exactly those names admitted (``torch.serialization.safe_globals`` with ``(stand-in, name)``
+pairs), each bound to an inert stand-in defined in this module: the stand-ins only hold data, so
+a file naming ``deepspeed.runtime.fp16.loss_scaler.LossScaler`` gets a dict of the scaler's
+attributes and no DeepSpeed code runs, or is even imported. Any other global (``os.system``, a
+training script's class) is still refused, with :class:`UnsafeCheckpointError` naming the file and
+the global. After loading, the stand-ins are replaced by plain data (see :func:`load`).
+"""
+from __future__ import annotations
+
+import pickle
+import threading
+import zipfile
+from collections import OrderedDict, namedtuple
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, UnsafeCheckpointError
+
+FragmentAddress = namedtuple("FragmentAddress", ["numel", "start"])
+FragmentAddress.__doc__ = "DeepSpeed's ``fragment_address``: a parameter's ``numel`` elements at ``start`` of a flat partition."
+
+
+class _ScalerStandIn(dict):
+    """Receives a pickled loss scaler's attributes (BUILD state) as dict items; nothing else."""
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, dict):
+            raise pickle.UnpicklingError(f"a loss scaler's state must be a dict of attributes, got {type(state)}")
+        self.update(state)
+
+
+class _FragmentStandIn:
+    """Receives a pickled ``fragment_address`` dataclass's two fields."""
+
+    __slots__ = ("numel", "start")
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, dict) or set(state) != {"numel", "start"} or \
+                not all(type(v) is int for v in state.values()):
+            raise pickle.UnpicklingError(f"fragment_address state must be {{numel: int, start: int}}, got {state!r}")
+        self.numel, self.start = state["numel"], state["start"]
+
+
+def _zero_stage(value: Any) -> int:
+    """``ZeroStageEnum(value)`` as the plain int it is (the enum subclasses int)."""
+    if type(value) is not int or not 0 <= value <= 3:
+        raise pickle.UnpicklingError(f"ZeroStageEnum value must be an int 0..3, got {value!r}")
+    return value
+
+
+# The globals DeepSpeed 0.19 writes into its checkpoints (found by scanning every pickle its ZeRO 1-3,
+# bf16/fp16, pipeline, AutoTP and ds_to_universal outputs hold), each with its stand-in.
+STAND_INS = {
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler": _ScalerStandIn,
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": _ScalerStandIn,
+    "deepspeed.runtime.zero.config.ZeroStageEnum": _zero_stage,
+    "deepspeed.utils.tensor_fragment.fragment_address": _FragmentStandIn,
+}
+_ALLOWED = [(stand_in, name) for name, stand_in in STAND_INS.items()]
+# safe_globals adds to and removes from one process-wide set; two loads overlapping in threads
+# would remove each other's entries, so loads take turns.
+_LOCK = threading.Lock()
+
+
+def load(path: str) -> Any:
+    """The object in the DeepSpeed ``torch.save`` file at ``path``, as tensors and plain data.
+
+    DeepSpeed's classes come back as plain data: a loss scaler as a dict of its attributes
+    (``cur_scale``, ``dynamic``, ...), ``ZeroStageEnum`` as an int and ``fragment_address`` as a
+    :data:`FragmentAddress` ``(numel, start)`` named tuple. Raises :class:`UnsafeCheckpointError`
+    for any other global and :class:`CheckpointError` for a missing, truncated or garbled file."""
+    try:
+        mmap = zipfile.is_zipfile(path)
+        with _LOCK, torch.serialization.safe_globals(_ALLOWED):
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except FileNotFoundError:
+        raise CheckpointError(f"no DeepSpeed checkpoint file at {path}") from None
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"{path}: refused to unpickle: {_reason(exc)}. statesnap admits only tensors, plain data and the "
+            f"DeepSpeed records {', '.join(STAND_INS)} (as inert data), and never runs code from a "
+            "checkpoint") from None
+    except Exception as exc:
+        raise CheckpointError(f"{path} is not a readable torch.save file (truncated or damaged?): "
+                              f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    return _plain(obj)
+
+
+def _reason(exc: Exception) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    line = next((line for line in lines if "global" in line.lower() or "unsupported" in line.lower()), lines[0])
+    return line.split(" was not an allowed global")[0]
+
+
+def _plain(obj: Any) -> Any:
+    """``obj`` with the stand-ins replaced by plain dicts and named tuples (containers rebuilt as
+    their own type; tensors untouched)."""
+    if isinstance(obj, _ScalerStandIn):
+        return {key: _plain(value) for key, value in obj.items()}
+    if isinstance(obj, _FragmentStandIn):
+        return FragmentAddress(obj.numel, obj.start)
+    if isinstance(obj, dict):
+        out = OrderedDict() if isinstance(obj, OrderedDict) else {}
+        for key, value in obj.items():
+            out[key] = _plain(value)
+        return out
+    if isinstance(obj, list):
+        return [_plain(value) for value in obj]
+    if type(obj) is tuple:
+        return tuple(_plain(value) for value in obj)
+    return obj
