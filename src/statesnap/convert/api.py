@@ -21,10 +21,10 @@ from ..engine.save import SaveInfo, save
 from ..errors import CheckpointError, CheckpointExistsError
 from ..reader import Reader, TensorInfo
 from ..storage.local import LocalBackend, fsync_dir
-from . import dcp, safetensors_io, torch_save
+from . import dcp, safetensors_io, torch_save, ucp
 from .transform import Lazy, apply_spec, is_tensor, load_spec, materialize
 
-SOURCES = {"torch": torch_save.read, "dcp": dcp.read, "safetensors": safetensors_io.read}
+SOURCES = {"torch": torch_save.read, "dcp": dcp.read, "safetensors": safetensors_io.read, "ucp": ucp.read}
 TARGETS = ("safetensors", "torch", "dcp")
 
 
@@ -43,6 +43,8 @@ def detect_source(src: str) -> str:
     """The source kind of ``src`` by what it contains: DCP metadata, safetensors, else torch.save."""
     if os.path.isdir(src):
         names = os.listdir(src)
+        if ucp.is_universal(src):
+            return "ucp"
         if dcp.METADATA_NAME in names:
             return "dcp"
         if any(n.endswith(safetensors_io.SUFFIX) or n == safetensors_io.INDEX_NAME for n in names):

@@ -1,0 +1,265 @@
+"""``source="ucp"``: DeepSpeed universal checkpoint folders, as ``ds_to_universal`` writes them.
+
+Universal Checkpointing (research/ucp_bytecheckpoint.md, 1.4) already did the hard part: every
+trainable parameter's fp32 master weight and Adam moments are consolidated, unpadded and merged
+across tensor-parallel ranks, one directory per parameter::
+
+    <folder>/zero/<param>/fp32.pt, exp_avg.pt, exp_avg_sq.pt[, step.pt]
+    <folder>/zero/optimizer_state.pt          param_groups, loss scaler, zero stage, ...
+    <folder>/*model_states.pt                 copied from the source checkpoint unchanged
+    <parent>/latest_universal                 the folder's name
+
+What is left is reading it without trusting it, and naming the values as ``source="deepspeed"``
+names the same run's values, so that either source loads into the same ``ss.load`` state:
+``model.<param>``, ``fp32.<param>``, ``optim.state.<param>.exp_avg|exp_avg_sq|step``,
+``optim.param_groups`` (parameter names, as ``get_optimizer_state_dict`` lists them) and the
+engine's counters and client state as plain data. The layout differs by ZeRO stage, and the
+differences are the reason this module exists:
+
+- ZeRO-1/2 (and any tensor-parallel run) store ``{"param": full tensor, "cat_dim": ..., ...}``
+  and a ``step.pt`` per parameter; parameters that never got optimizer state (frozen ones) have
+  only an ``fp32.pt`` made from the module's weights.
+- ZeRO-3 without tensor parallelism stores bare flat 1-D tensors (reshaped here by the
+  ``param_shapes`` of the model-states files), no ``step.pt`` (the step is per parameter group,
+  in ``optimizer_state.pt``), and placeholders instead of module weights: ``model.<param>`` is
+  then the fp32 master cast to the module's dtype, which is how DeepSpeed itself refreshes the
+  module's weights from the masters after every step. Frozen parameters are not in ``zero/``;
+  they are rebuilt from the ``frozen_param_fragments`` every rank saved.
+
+Every file is read with the allow-listed unpickler (:mod:`.unpickler`); tensors stay
+:class:`~.transform.Lazy` and are checked against the shape and dtype announced for them when
+they are read.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+from . import unpickler
+from .transform import Lazy
+
+LATEST = "latest_universal"
+ZERO = "zero"
+OPTIMIZER_STATE = "optimizer_state.pt"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+# Model-states keys that describe the layout (rebuilt here as names and shapes), not state to keep.
+LAYOUT_KEYS = {"module", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
+               "shared_params", "buffer_names", "universal_checkpoint_info", "ds_config", "ds_version",
+               "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions"}
+_RANK_FILE = re.compile(r"(?:.*_)?(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt")
+
+
+def folder_of(src: str) -> str:
+    """The universal folder ``src`` names: itself (it has ``zero/``) or the one its ``latest_universal`` names."""
+    if not os.path.isdir(src):
+        raise CheckpointError(f"{src} is not a directory; a DeepSpeed universal checkpoint is a folder "
+                              "(ds_to_universal's --output_folder) or its parent holding latest_universal")
+    if os.path.isdir(os.path.join(src, ZERO)):
+        return src
+    latest = os.path.join(src, LATEST)
+    if not os.path.isfile(latest):
+        raise CheckpointError(f"{src} is not a DeepSpeed universal checkpoint: it has neither a {ZERO}/ "
+                              f"folder nor a {LATEST} file")
+    with open(latest, encoding="utf-8") as f:
+        tag = f.read().strip()
+    folder = os.path.join(src, tag)
+    if not tag or os.sep in tag or tag in (".", "..") or not os.path.isdir(os.path.join(folder, ZERO)):
+        raise CheckpointError(f"{latest} names {tag!r}, which is not a universal checkpoint folder beside it")
+    return folder
+
+
+def is_universal(src: str) -> bool:
+    """Whether ``src`` looks like a universal folder or its parent (for ``detect_source``)."""
+    if os.path.isfile(os.path.join(src, LATEST)):
+        return True
+    zero = os.path.join(src, ZERO)
+    return os.path.isfile(os.path.join(zero, OPTIMIZER_STATE)) or (
+        os.path.isdir(zero) and any(os.path.isfile(os.path.join(zero, n, "fp32.pt")) for n in os.listdir(zero)))
+
+
+def read(src: str) -> dict[str, Any]:
+    """``{name: Lazy tensor or plain value}`` of the universal folder ``src`` (or its parent)."""
+    folder = folder_of(src)
+    zero = os.path.join(folder, ZERO)
+    ranks = _model_states(folder)
+    first = ranks[min(ranks)]
+    groups = [dict(shapes) for shapes in first.get("param_shapes") or []]
+    if not groups:
+        raise CheckpointError(f"{_model_path(folder)} has no param_shapes; not a DeepSpeed ZeRO checkpoint")
+    optimizer = unpickler.load(_need(os.path.join(zero, OPTIMIZER_STATE)))
+    group_of = {name: index for index, shapes in enumerate(groups) for name in shapes}
+    shapes = {name: torch.Size(shape) for group in groups for name, shape in group.items()}
+    tp = int((first.get("checkpoint_parallel_dimensions") or {}).get("tp_degree", 1))
+    names = sorted(n for n in os.listdir(zero) if os.path.isdir(os.path.join(zero, n)))
+    unknown = set(group_of) - set(names)
+    if unknown:
+        raise CheckpointError(f"{zero} lacks the folders of parameters {_show(unknown)} that the model states list")
+
+    out: dict[str, Any] = {}
+    steps = _group_steps(optimizer, zero)
+    fp32 = {}
+    for name in names:
+        folder_p = os.path.join(zero, name)
+        fp32[name] = _tensor(os.path.join(folder_p, "fp32.pt"), name, shapes.get(name) if tp == 1 else None)
+        out[f"fp32.{name}"] = fp32[name]
+        if name not in group_of:
+            continue  # no optimizer state: DeepSpeed wrote fp32.pt from the module's weights
+        for moment in MOMENTS:
+            out[f"optim.state.{name}.{moment}"] = _tensor(os.path.join(folder_p, f"{moment}.pt"), name,
+                                                          fp32[name].shape)
+        step_path = os.path.join(folder_p, "step.pt")
+        if os.path.exists(step_path):
+            out[f"optim.state.{name}.step"] = _step(unpickler.load(step_path), step_path, name)
+        elif group_of[name] in steps:
+            out[f"optim.state.{name}.step"] = steps[group_of[name]]
+        else:
+            raise CheckpointError(f"{folder_p}: no step.pt, and {zero}/{OPTIMIZER_STATE} has no step for "
+                                  f"parameter group {group_of[name]} of {name}")
+    out.update(_module(folder, ranks, fp32, tp))
+    out["optim.param_groups"] = _param_groups(optimizer, groups, os.path.join(zero, OPTIMIZER_STATE))
+    out.update({key: value for key, value in first.items() if key not in LAYOUT_KEYS})
+    return out
+
+
+def _model_states(folder: str) -> dict[tuple[int, int], dict]:
+    """Each model-states file of ``folder``, keyed by (model-parallel rank, data-parallel rank)."""
+    ranks = {}
+    for entry in sorted(os.listdir(folder)):
+        match = _RANK_FILE.fullmatch(entry)
+        if match and not entry.startswith("layer_"):
+            ranks[(int(match["mp"]), int(match["dp"] or 0))] = unpickler.load(os.path.join(folder, entry))
+    if not ranks:
+        raise CheckpointError(f"{folder} holds no DeepSpeed *model_states.pt file (ds_to_universal copies them "
+                              "into the universal folder)")
+    return ranks
+
+
+def _model_path(folder: str) -> str:
+    return os.path.join(folder, "*model_states.pt")
+
+
+def _need(path: str) -> str:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"missing {path}: not a complete DeepSpeed universal checkpoint")
+    return path
+
+
+def _tensor(path: str, name: str, shape: torch.Size | None) -> Lazy:
+    """The tensor in a ``zero/<name>/<state>.pt`` file, lazily: its dtype and shape are read now
+    (the file is memory-mapped, its data is not read), its data when materialized. A flat ZeRO-3
+    tensor is reshaped to ``shape``."""
+    value = _unwrap(unpickler.load(_need(path)), path, name)
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        if value.dim() != 1 or value.numel() != math.prod(shape):
+            raise CheckpointError(f"{path}: {name} has shape {tuple(value.shape)}, but the model states give "
+                                  f"{tuple(shape)}")
+    final = tuple(shape) if shape is not None else tuple(value.shape)
+    dtype = value.dtype
+    del value
+
+    def load() -> torch.Tensor:
+        tensor = _unwrap(unpickler.load(path), path, name)
+        if tensor.dtype != dtype or tensor.numel() != math.prod(final):
+            raise CheckpointError(f"{path} changed while it was converted ({name})")
+        return tensor.reshape(final)
+
+    return Lazy(dtype, final, load)
+
+
+def _unwrap(value: Any, path: str, name: str) -> torch.Tensor:
+    """A bare tensor (ZeRO-3) or the ``param`` of ``{"param": tensor, "cat_dim": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("param")
+    if not isinstance(value, torch.Tensor):
+        raise CheckpointError(f"{path} holds no tensor for {name} (expected a tensor or a dict with 'param')")
+    return value
+
+
+def _step(value: Any, path: str, name: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise CheckpointError(f"{path}: the step of {name} is {type(value).__name__}, not a one-element tensor")
+    return value.reshape(())
+
+
+def _group_steps(optimizer: dict, zero: str) -> dict[int, torch.Tensor]:
+    """ZeRO-3's per-group Adam step, from the inner ``optimizer_state_dict`` of ``optimizer_state.pt``."""
+    inner = optimizer.get("optimizer_state_dict")
+    state = inner.get("state") if isinstance(inner, dict) else None
+    if not isinstance(state, dict):
+        return {}
+    path = os.path.join(zero, OPTIMIZER_STATE)
+    return {int(group): _step(s["step"], path, f"parameter group {group}")
+            for group, s in state.items() if isinstance(s, dict) and "step" in s}
+
+
+def _module(folder: str, ranks: dict, fp32: dict[str, Lazy], tp: int) -> dict[str, Any]:
+    """``model.<name>``: the module's weights and buffers as DeepSpeed held them.
+
+    Where the model states hold the full module (ZeRO-1/2 without tensor parallelism) they are
+    taken from there; else each parameter is its fp32 master cast to the module's dtype, and a
+    frozen parameter is rebuilt from the data-parallel ranks' ``frozen_param_fragments``."""
+    first = ranks[min(ranks)]
+    module = first.get("module") or {}
+    trainable = {name for shapes in first["param_shapes"] for name in shapes}
+    frozen = dict(first.get("frozen_param_shapes") or {})
+    out: dict[str, Any] = {}
+    for name, value in module.items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{_model_path(folder)}: module entry {name} is not a tensor")
+        if name in trainable and (tp > 1 or tuple(value.shape) != tuple(fp32[name].shape)):
+            out[f"model.{name}"] = _cast(fp32[name], value.dtype)
+        elif name in frozen and tuple(value.shape) != tuple(frozen[name]):
+            out[f"model.{name}"] = _frozen(folder, ranks, name, torch.Size(frozen[name]))
+        else:
+            out[f"model.{name}"] = value.detach()
+    for alias, source in (first.get("shared_params") or {}).items():
+        if f"model.{source}" not in out:
+            raise CheckpointError(f"{_model_path(folder)}: shared parameter {alias} names {source}, "
+                                  "which the module does not hold")
+        out[f"model.{alias}"] = out[f"model.{source}"]
+    return out
+
+
+def _cast(value: Lazy, dtype: torch.dtype) -> Lazy:
+    if value.dtype == dtype:
+        return value
+    return Lazy(dtype, value.shape, lambda: value.read().to(dtype))
+
+
+def _frozen(folder: str, ranks: dict, name: str, shape: torch.Size) -> torch.Tensor:
+    """A frozen ZeRO-3 parameter: every data-parallel rank saved its ``ceil(numel / dp)`` slice."""
+    if len({mp for mp, _ in ranks}) > 1:
+        raise CheckpointError(f"{folder}: frozen parameter {name} is split over model-parallel ranks, "
+                              "which the universal format does not consolidate")
+    pieces = []
+    for key in sorted(ranks):
+        piece = (ranks[key].get("frozen_param_fragments") or {}).get(name)
+        if not isinstance(piece, torch.Tensor):
+            raise CheckpointError(f"{folder}: data-parallel rank {key[1]} saved no fragment of frozen parameter {name}")
+        pieces.append(piece.detach().reshape(-1))
+    flat = torch.cat(pieces)
+    if flat.numel() < math.prod(shape):
+        raise CheckpointError(f"{folder}: the fragments of frozen parameter {name} hold {flat.numel()} elements, "
+                              f"fewer than its shape {tuple(shape)} needs")
+    return flat[:math.prod(shape)].reshape(shape).clone()
+
+
+def _param_groups(optimizer: dict, groups: list[dict], path: str) -> list[dict]:
+    """The optimizer's param groups with ``params`` as parameter names, as ``get_optimizer_state_dict`` gives them."""
+    loaded = optimizer.get("param_groups")
+    if not isinstance(loaded, list) or len(loaded) != len(groups):
+        raise CheckpointError(f"{path} has {len(loaded) if isinstance(loaded, list) else 'no'} param_groups, "
+                              f"the model states {len(groups)}")
+    return [{**{k: v for k, v in group.items() if k != "params"}, "params": list(shapes)}
+            for group, shapes in zip(loaded, groups)]
+
+
+def _show(names) -> str:
+    names = sorted(names)
+    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
