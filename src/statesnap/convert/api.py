@@ -21,10 +21,11 @@ from ..engine.save import SaveInfo, save
 from ..errors import CheckpointError, CheckpointExistsError
 from ..reader import Reader, TensorInfo
 from ..storage.local import LocalBackend, fsync_dir
-from . import dcp, safetensors_io, torch_save, ucp
+from . import dcp, deepspeed, safetensors_io, torch_save, ucp
 from .transform import Lazy, apply_spec, is_tensor, load_spec, materialize
 
-SOURCES = {"torch": torch_save.read, "dcp": dcp.read, "safetensors": safetensors_io.read, "ucp": ucp.read}
+SOURCES = {"torch": torch_save.read, "dcp": dcp.read, "safetensors": safetensors_io.read, "ucp": ucp.read,
+           "deepspeed": deepspeed.read}
 TARGETS = ("safetensors", "torch", "dcp")
 
 
@@ -45,6 +46,8 @@ def detect_source(src: str) -> str:
         names = os.listdir(src)
         if ucp.is_universal(src):
             return "ucp"
+        if deepspeed.is_deepspeed(src):
+            return "deepspeed"
         if dcp.METADATA_NAME in names:
             return "dcp"
         if any(n.endswith(safetensors_io.SUFFIX) or n == safetensors_io.INDEX_NAME for n in names):

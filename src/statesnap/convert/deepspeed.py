@@ -1,0 +1,376 @@
+"""``source="deepspeed"``: DeepSpeed ``save_checkpoint`` directories (ZeRO 1-3, pipeline, AutoTP).
+
+A DeepSpeed checkpoint is one ``*_model_states.pt`` per model-parallel rank (per data-parallel
+rank too under ZeRO-3) and one ``*_optim_states.pt`` per rank, in which the fp32 master weights
+and the Adam moments are flat, padded partitions of whole parameter groups. Everything needed to
+cut them back into parameters is in the files: ``param_shapes`` (names, shapes and order),
+ZeRO-1/2's ``param_slice_mappings`` (where each parameter's fragment sits in each rank's
+partition) and ZeRO-3's rule (each parameter split into ``ceil(numel / dp)`` pieces, the pieces of
+a rank concatenated in parameter order). This module reads them (through the allow-listed
+:mod:`.unpickler`, so no DeepSpeed code runs and DeepSpeed need not be installed) and names the
+values as ``source="ucp"`` names the same run's universal checkpoint, so either loads into the
+same state:
+
+- ``model.<param>``: the module's weights as DeepSpeed held them (bf16 for bf16 runs), buffers,
+  frozen and tied parameters included; ``fp32.<param>``: the fp32 master weights, stored for
+  fp32 runs too (where they equal ``model.*``) so that every run has the same names;
+- ``optim.state.<param>.exp_avg`` / ``.exp_avg_sq`` / ``.step`` (whatever the torch optimizer
+  keeps), full shape, unpadded; ``optim.param_groups`` with parameter names as ``params``;
+- the engine's ``global_steps``, ``global_samples``, ``skipped_steps``, ``lr_scheduler`` and the
+  client state under the keys DeepSpeed saved them; ``ds_loss_scaler`` (the loss scaler's
+  attributes) and ``ds_zero_stage``.
+
+Pipeline stages write their layers to ``layer_XX-model_states.pt`` and are merged into one name
+space (``PipelineModule`` names parameters ``<layer index>.<name>``). AutoTP's tensor-parallel
+slices are kept per rank as ``tp_rank_XX.<name>`` and merged by a transform spec derived from the
+``universal_checkpoint_info`` DeepSpeed saved (:func:`derive_spec`), the same rules
+``ds_to_universal`` applies. Tensors stay :class:`Lazy`: the files are memory-mapped and a tensor
+is cut out of its partitions only when it is written.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+from . import unpickler
+from .transform import Lazy, apply_spec, is_tensor, load_spec
+from .ucp import LAYOUT_KEYS, _module, _param_groups
+
+LATEST = "latest"
+_MODEL = re.compile(r"(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt")
+_OPTIM = re.compile(r"(?P<prefix>(?:bf16_)?)zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt")
+_LAYER = re.compile(r"layer_(?P<layer>\d+)(?:-model_(?P<mp>\d+))?-model_states\.pt")
+TP_PREFIX = "tp_rank_{:02d}."
+# Keys of the optimizer files that are plain state worth keeping, under these names.
+_SCALER_KEYS = ("dynamic_loss_scale", "overflow", "clip_grad")
+
+
+def tag_dir(src: str) -> str:
+    """The tag directory of ``src``: the one its ``latest`` file names, or ``src`` itself."""
+    if not os.path.isdir(src):
+        raise CheckpointError(f"{src} is not a directory; a DeepSpeed checkpoint is the save_checkpoint directory "
+                              "(with a 'latest' file) or one tag directory in it")
+    latest = os.path.join(src, LATEST)
+    if os.path.isfile(latest):
+        with open(latest, encoding="utf-8") as f:
+            tag = f.read().strip()
+        folder = os.path.join(src, tag)
+        if not tag or os.sep in tag or tag in (".", "..") or not os.path.isdir(folder):
+            raise CheckpointError(f"{latest} names {tag!r}, which is not a tag directory beside it")
+        return folder
+    if not any(_MODEL.fullmatch(n) for n in os.listdir(src)):
+        raise CheckpointError(f"{src} is not a DeepSpeed checkpoint: no 'latest' file and no *model_states.pt files")
+    return src
+
+
+def is_deepspeed(src: str) -> bool:
+    """Whether ``src`` looks like a DeepSpeed run directory or tag directory (for ``detect_source``)."""
+    return os.path.isfile(os.path.join(src, LATEST)) or any(n.endswith("model_states.pt") for n in os.listdir(src))
+
+
+def read(src: str) -> dict[str, Any]:
+    """``{name: Lazy tensor or plain value}`` of the DeepSpeed checkpoint ``src``, TP slices merged."""
+    ckpt = _Checkpoint(tag_dir(src))
+    return apply_spec(load_spec(_spec(ckpt)), ckpt.values())
+
+
+def derive_spec(src: str) -> dict:
+    """The transform spec :func:`read` applies to merge tensor-parallel slices (``{"ops": []}``
+    without TP), derived from ``universal_checkpoint_info``; print it, edit it, and pass the edit
+    as ``ss.convert(..., spec=...)`` on top of the one read applies, or rebuild from the per-rank
+    names with your own."""
+    return _spec(_Checkpoint(tag_dir(src), tensors=False))
+
+
+class _Checkpoint:
+    """The files of one tag directory, loaded (memory-mapped) once."""
+
+    def __init__(self, folder: str, tensors: bool = True):
+        self.folder = folder
+        names = sorted(os.listdir(folder))
+        self.states: dict[tuple[int, int], dict] = {}
+        for name in names:
+            m = _MODEL.fullmatch(name)
+            if m:
+                self.states[(int(m["mp"]), int(m["dp"] or 0))] = unpickler.load(os.path.join(folder, name))
+        if not self.states:
+            raise CheckpointError(f"{folder} holds no *model_states.pt file; not a DeepSpeed checkpoint tag directory")
+        self.first = self.states[min(self.states)]
+        self.mp = _int(self.first, "mp_world_size", folder)
+        self.dp = _int(self.first, "dp_world_size", folder)
+        dims = self.first.get("checkpoint_parallel_dimensions") or {}
+        self.tp, self.pp = int(dims.get("tp_degree", 1)), int(dims.get("pp_degree", 1))
+        if self.tp > 1 and self.pp > 1:
+            raise CheckpointError(f"{folder}: pipeline and tensor parallelism together (pp={self.pp}, tp={self.tp}) "
+                                  "are not supported yet; convert with ds_to_universal and source='ucp'")
+        self.optim_files = {(int(m["mp"]), int(m["dp"])): os.path.join(folder, n)
+                            for n in names for m in [_OPTIM.fullmatch(n)] if m}
+        self.layer_files = {(int(m["layer"]), int(m["mp"] or 0)): os.path.join(folder, n)
+                            for n in names for m in [_LAYER.fullmatch(n)] if m}
+        self.tensors = tensors
+
+    def values(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        groups: list[dict] = []
+        for mp in range(self.mp):
+            values = self._rank(mp)
+            rank_groups = values.pop("optim.param_groups")
+            groups = _merge_groups(groups, rank_groups) if self.tp == 1 else groups or rank_groups
+            prefix = TP_PREFIX.format(mp) if self.tp > 1 else ""
+            for name, value in values.items():
+                key = prefix + name if is_tensor(value) else name
+                if key in out and is_tensor(value):
+                    raise CheckpointError(f"{self.folder}: two model-parallel ranks both hold {name}")
+                out.setdefault(key, value)
+        out["optim.param_groups"] = groups
+        return out
+
+    def _rank(self, mp: int) -> dict[str, Any]:
+        """The values of one model-parallel rank (a pipeline stage or a TP rank), DP partitions merged."""
+        states = self._dp_states(mp)
+        first = states[(mp, 0)]
+        shapes = [dict(group) for group in first.get("param_shapes") or []]
+        if not shapes:
+            raise CheckpointError(f"{self._model_path(mp)} has no param_shapes: ZeRO stage 0 and optimizer-less "
+                                  "checkpoints are not supported")
+        optims = [self._optim(mp, dp) for dp in range(self.dp)]
+        inner = optims[0][1]["optimizer_state_dict"]
+        stage = inner.get("zero_stage")
+        if stage == 3:
+            fp32, state, base = self._zero3(mp, shapes, optims)
+        else:
+            fp32, state, base = self._zero12(mp, shapes, optims)
+        out = {f"fp32.{name}": value for name, value in fp32.items()}
+        out.update(state)
+        module_states = dict(states)
+        if first.get("module") is None:  # a pipeline stage: its weights are in the layer files
+            module_states[(mp, 0)] = {**first, "module": self._layers(mp)}
+        out.update(_module(self.folder, module_states, fp32, tp=1))
+        out["optim.param_groups"] = _param_groups(base, shapes, optims[0][0])
+        out.update({key: value for key, value in first.items() if key not in LAYOUT_KEYS})
+        out["ds_zero_stage"] = int(stage)
+        scaler = {**(inner.get("loss_scaler") or {}), **{key: inner[key] for key in _SCALER_KEYS if key in inner}}
+        # The fp16 scaler keeps its torch.dtype, which is no plain data: stored by name.
+        out["ds_loss_scaler"] = {k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
+                                 for k, v in scaler.items()}
+        return out
+
+    def _dp_states(self, mp: int) -> dict[tuple[int, int], dict]:
+        zero3 = any(dp > 0 for (m, dp) in self.states if m == mp)
+        wanted = range(self.dp) if zero3 else range(1)
+        missing = [self._model_path(mp, dp if zero3 else None) for dp in wanted if (mp, dp) not in self.states]
+        if missing:
+            raise CheckpointError(f"missing DeepSpeed rank file {missing[0]} (mp_world_size={self.mp}, "
+                                  f"dp_world_size={self.dp}); the checkpoint is incomplete")
+        return {(mp, dp): self.states[(mp, dp)] for dp in wanted}
+
+    def _model_path(self, mp: int, dp: int | None = None) -> str:
+        name = f"mp_rank_{mp:02d}_model_states.pt"
+        return os.path.join(self.folder, name if dp is None else f"zero_pp_rank_{dp}_{name}")
+
+    def _optim(self, mp: int, dp: int) -> tuple[str, dict]:
+        path = self.optim_files.get((mp, dp))
+        if path is None:
+            raise CheckpointError(f"missing DeepSpeed optimizer file {os.path.join(self.folder, f'[bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt')} "
+                                  f"(dp_world_size={self.dp}); the checkpoint is incomplete")
+        loaded = unpickler.load(path) if self.tensors else {"optimizer_state_dict": {}}
+        if not isinstance(loaded.get("optimizer_state_dict"), dict):
+            raise CheckpointError(f"{path} has no optimizer_state_dict; not a DeepSpeed ZeRO optimizer file")
+        return path, loaded
+
+    def _layers(self, mp: int) -> dict[str, torch.Tensor]:
+        """A pipeline stage's module, from the layer files (global layer numbers) its param_shapes name."""
+        wanted = {name.split(".", 1)[0] for group in self.states[(mp, 0)]["param_shapes"] for name in group}
+        module = {}
+        for (layer, tp), path in sorted(self.layer_files.items()):
+            if str(layer) in wanted and tp == 0:
+                loaded = unpickler.load(path)
+                if not isinstance(loaded, dict):
+                    raise CheckpointError(f"{path} holds a {type(loaded).__name__}, not a layer's state dict")
+                module.update({f"{layer}.{key}": value for key, value in loaded.items()})
+        return module
+
+    def _zero12(self, mp: int, shapes: list[dict], optims: list) -> tuple[dict, dict, dict]:
+        """ZeRO-1/2: each rank's partition holds fragments of parameters at ``param_slice_mappings``."""
+        fp32: dict[str, Any] = {}
+        state: dict[str, Any] = {}
+        base = optims[0][1]["optimizer_state_dict"]["base_optimizer_state"]
+        for g, group in enumerate(shapes):
+            parts = []
+            for path, loaded in optims:
+                inner = loaded["optimizer_state_dict"]
+                try:
+                    flat = inner["single_partition_of_fp32_groups"][g]
+                    mapping = inner["param_slice_mappings"][g]
+                    moments = inner["base_optimizer_state"]["state"].get(g, {})
+                except (KeyError, IndexError, TypeError, AttributeError):
+                    raise CheckpointError(f"{path} lacks the partition of parameter group {g}") from None
+                parts.append((path, flat, mapping, moments))
+            for name, shape in group.items():
+                shape = torch.Size(shape)
+                pieces = [(path, flat, mapping[name], moments) for path, flat, mapping, moments in parts
+                          if name in mapping]
+                held = sum(address.numel for _, _, address, _ in pieces)
+                if held != shape.numel():
+                    raise CheckpointError(f"{self.folder}: the partitions of {name} hold {held} elements "
+                                          f"({', '.join(os.path.basename(p[0]) for p in pieces) or 'none'}), "
+                                          f"but param_shapes gives {tuple(shape)} ({shape.numel()})")
+                fp32[name] = _gather(name, shape, [(path, flat, a.start, a.numel) for path, flat, a, _ in pieces])
+                for key, value in parts[0][3].items():
+                    if isinstance(value, torch.Tensor) and value.dim() == 1:
+                        state[f"optim.state.{name}.{key}"] = _gather(
+                            f"{name} {key}", shape, [(path, moments[key], a.start, a.numel)
+                                                     for path, _, a, moments in pieces])
+                    else:
+                        state[f"optim.state.{name}.{key}"] = value
+        return fp32, state, base
+
+    def _zero3(self, mp: int, shapes: list[dict], optims: list) -> tuple[dict, dict, dict]:
+        """ZeRO-3: each parameter split into ``ceil(numel / dp)`` pieces, a rank's pieces concatenated
+        in parameter order over its (sub-)groups' flat tensors."""
+        params = {name: torch.Size(shape) for group in shapes for name, shape in group.items()}
+        per_rank = []
+        for path, loaded in optims:
+            inner = loaded["optimizer_state_dict"]
+            flats = inner.get("fp32_flat_groups")
+            moments = (inner.get("optimizer_state_dict") or {}).get("state") or {}
+            if not isinstance(flats, list) or not all(isinstance(t, torch.Tensor) for t in flats):
+                raise CheckpointError(f"{path} has no fp32_flat_groups; not a ZeRO-3 optimizer file")
+            need = sum(math.ceil(s.numel() / self.dp) for s in params.values())
+            have = sum(t.numel() for t in flats)
+            if have != need:
+                raise CheckpointError(f"{path}: the fp32 partition holds {have} elements, but the parameters of "
+                                      f"param_shapes need {need} ({self.dp} ranks, ceil(numel/{self.dp}) each)")
+            per_rank.append((path, flats, [moments.get(i, {}) for i in range(len(flats))]))
+        base = {"param_groups": optims[0][1]["optimizer_state_dict"]["optimizer_state_dict"].get("param_groups")}
+        fp32: dict[str, Any] = {}
+        state: dict[str, Any] = {}
+        offset = 0
+        for name, shape in params.items():
+            piece = math.ceil(shape.numel() / self.dp)
+            fp32[name] = _gather(name, shape, [(path, _Flat(flats), offset, piece) for path, flats, _ in per_rank])
+            for key, value in per_rank[0][2][_group_at(per_rank[0][1], offset)].items():
+                if isinstance(value, torch.Tensor) and value.dim() == 1:
+                    state[f"optim.state.{name}.{key}"] = _gather(
+                        f"{name} {key}", shape, [(path, _Flat([m.get(key) for m in moments]), offset, piece)
+                                                 for path, _, moments in per_rank])
+                else:
+                    state[f"optim.state.{name}.{key}"] = value
+            offset += piece
+        return fp32, state, base
+
+
+class _Flat:
+    """Several flat tensors seen as their concatenation, without concatenating them."""
+
+    def __init__(self, tensors: list):
+        self.tensors = tensors
+        self.dtype = tensors[0].dtype if tensors and isinstance(tensors[0], torch.Tensor) else None
+
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.tensors if isinstance(t, torch.Tensor))
+
+    def narrow(self, start: int, length: int) -> torch.Tensor:
+        out, at = [], 0
+        for t in self.tensors:
+            n = t.numel()
+            if at + n > start and at < start + length:
+                lo = max(start - at, 0)
+                out.append(t.reshape(-1)[lo:min(start + length - at, n)])
+            at += n
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _group_at(flats: list, offset: int) -> int:
+    at = 0
+    for index, t in enumerate(flats):
+        at += t.numel()
+        if offset < at:
+            return index
+    return len(flats) - 1
+
+
+def _gather(name: str, shape: torch.Size, pieces: list[tuple[str, Any, int, int]]) -> Lazy:
+    """The tensor of ``shape`` made of ``(file, flat, start, numel)`` pieces in order, cut to its size."""
+    dtypes = set()
+    for path, flat, start, numel in pieces:
+        if not isinstance(flat, (torch.Tensor, _Flat)) or flat.dtype is None:
+            raise CheckpointError(f"{path}: {name} has no flat partition tensor")
+        if start < 0 or start + numel > flat.numel():
+            raise CheckpointError(f"{path}: {name} needs elements [{start}, {start + numel}) of a partition "
+                                  f"of {flat.numel()}; the file does not match param_shapes (truncated or foreign)")
+        dtypes.add(flat.dtype)
+    if len(dtypes) != 1:
+        raise CheckpointError(f"{name}: the ranks' partitions have different dtypes {sorted(map(str, dtypes))}")
+    return Lazy(dtypes.pop(), tuple(shape), partial(_read, shape, pieces))
+
+
+def _read(shape: torch.Size, pieces: list) -> torch.Tensor:
+    flat = torch.cat([flat.narrow(0, start, numel) if isinstance(flat, torch.Tensor) else flat.narrow(start, numel)
+                      for _, flat, start, numel in pieces])
+    return flat[:shape.numel()].reshape(shape).clone()
+
+
+def _merge_groups(groups: list[dict], more: list[dict]) -> list[dict]:
+    """Pipeline stages' param groups merged index by index (their hyperparameters agree; the
+    parameters differ), so that one torch optimizer over the whole model matches them."""
+    if not groups:
+        return [dict(g) for g in more]
+    if len(groups) != len(more):
+        raise CheckpointError(f"pipeline stages have {len(groups)} and {len(more)} parameter groups")
+    return [{**g, "params": g["params"] + m["params"]} for g, m in zip(groups, more)]
+
+
+def _int(states: dict, key: str, folder: str) -> int:
+    value = states.get(key)
+    if not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"{folder}: the model states' {key} is {value!r}, not a positive int")
+    return value
+
+
+def _spec(ckpt: _Checkpoint) -> dict:
+    """Fuse ops merging the ``tp_rank_XX.`` slices, by ``universal_checkpoint_info``'s patterns."""
+    if ckpt.tp == 1:
+        return {"ops": []}
+    info = ckpt.first.get("universal_checkpoint_info")
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{ckpt.folder}: tensor-parallel checkpoint without universal_checkpoint_info; "
+                              "write a transform spec fusing the tp_rank_XX.* slices yourself")
+    rank = r"tp_rank_(?P<index>\d+)\."
+
+    def names(patterns: list[str]) -> str:
+        # UCP patterns match parameter names (re.match); here they match inside our value names.
+        body = "|".join(f"(?:{p.lstrip('^').rstrip('$')})" for p in patterns)
+        return rf"(?:model|fp32)\.(?:{body})|optim\.state\.(?:{body})\.(?!step$)[^.]+"
+
+    ops: list[dict] = [{"fuse": rank + r"(?P<name>optim\.state\..*\.step)", "to": r"\g<name>", "same": True,
+                        "optional": True}]
+    replicated = info.get("tp_replicated_parameter_patterns") or []
+    average = info.get("parameter_to_average_patterns") or []
+    row = info.get("parameter_with_row_parallelism_patterns") or []
+    vocab = info.get("vocabulary_parameter_patterns") or []
+    # [gate; up] fused per rank: each rank's dim 0 is [gate_r; up_r] (Megatron's SwiGLU fc1).
+    two_sub = info.get("parameter_with_2_sub_params_cat_dim_0") or []
+    if info.get("parameter_with_sub_params"):
+        raise CheckpointError(f"{ckpt.folder}: universal_checkpoint_info lists sub-parameters of uneven sizes "
+                              "(parameter_with_sub_params), which this importer does not derive a spec for; "
+                              "convert with ds_to_universal and source='ucp'")
+    for patterns, how in ((replicated, {"same": True}), (average, {"cat": 0, "average": True}),
+                          (two_sub, {"cat": 0, "groups": 2}), (row, {"cat": 1}), (vocab, {"cat": 0})):
+        if patterns:
+            op = {"fuse": rank + f"(?P<name>{names(patterns)})", "to": r"\g<name>", **how, "optional": True}
+            if "average" in how:
+                op = {k: v for k, v in op.items() if k != "cat"}
+            ops.append(op)
+    ops.append({"fuse": rank + r"(?P<name>.*)", "to": r"\g<name>", "cat": 0, "optional": True})
+    if vocab and info.get("original_vocab_size"):
+        ops.append({"vocab": f"^(?:{names(vocab)})$", "size": int(info["original_vocab_size"]), "dim": 0,
+                    "optional": True})
+    ops.append({"expect": r"(?!tp_rank_\d+\.).*"})
+    return {"ops": ops}
