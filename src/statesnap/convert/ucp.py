@@ -17,8 +17,9 @@ engine's counters and client state as plain data. The layout differs by ZeRO sta
 differences are the reason this module exists:
 
 - ZeRO-1/2 (and any tensor-parallel run) store ``{"param": full tensor, "cat_dim": ..., ...}``
-  and a ``step.pt`` per parameter; parameters that never got optimizer state (frozen ones) have
-  only an ``fp32.pt`` made from the module's weights.
+  and a ``step.pt`` per parameter; what has no optimizer state (frozen parameters, tied aliases)
+  gets only an ``fp32.pt`` made from the module's weights, upcast. That is no master weight, so
+  it is not kept as ``fp32.<name>``; ``model.<name>`` holds the weight as the module did.
 - ZeRO-3 without tensor parallelism stores bare flat 1-D tensors (reshaped here by the
   ``param_shapes`` of the model-states files), no ``step.pt`` (the step is per parameter group,
   in ``optimizer_state.pt``), and placeholders instead of module weights: ``model.<param>`` is
@@ -48,11 +49,12 @@ LATEST = "latest_universal"
 ZERO = "zero"
 OPTIMIZER_STATE = "optimizer_state.pt"
 MOMENTS = ("exp_avg", "exp_avg_sq")
+SCALER_KEYS = ("dynamic_loss_scale", "overflow", "clip_grad")
 # Model-states keys that describe the layout (rebuilt here as names and shapes), not state to keep.
 LAYOUT_KEYS = {"module", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
                "shared_params", "buffer_names", "universal_checkpoint_info", "ds_config", "ds_version",
                "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions"}
-_RANK_FILE = re.compile(r"(?:.*_)?(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt")
+_RANK_FILE = re.compile(r"(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt")
 
 
 def folder_of(src: str) -> str:
@@ -75,9 +77,14 @@ def folder_of(src: str) -> str:
 
 
 def is_universal(src: str) -> bool:
-    """Whether ``src`` looks like a universal folder or its parent (for ``detect_source``)."""
+    """Whether ``src`` looks like a universal folder or its parent (for ``detect_source``).
+
+    ds_to_universal writes ``latest_universal`` into the training run's directory, beside
+    DeepSpeed's own ``latest``; such a directory is read as the native checkpoint (what
+    ``latest`` names is exact and may be newer than the universal copy): ``source="ucp"`` picks
+    the universal one."""
     if os.path.isfile(os.path.join(src, LATEST)):
-        return True
+        return not os.path.isfile(os.path.join(src, "latest"))
     zero = os.path.join(src, ZERO)
     return os.path.isfile(os.path.join(zero, OPTIMIZER_STATE)) or (
         os.path.isdir(zero) and any(os.path.isfile(os.path.join(zero, n, "fp32.pt")) for n in os.listdir(zero)))
@@ -101,15 +108,19 @@ def read(src: str) -> dict[str, Any]:
     if unknown:
         raise CheckpointError(f"{zero} lacks the folders of parameters {_show(unknown)} that the model states list")
 
+    # ds_to_universal also writes an fp32.pt for what has no optimizer state (frozen parameters, tied
+    # aliases), made from the module's weights upcast: not a master weight, and model.<name> has it.
+    stray = set(names) - set(group_of) - set(first.get("module") or {})
+    if stray:
+        raise CheckpointError(f"{zero} has folders {_show(stray)} that are neither parameters the optimizer "
+                              "holds nor module weights")
     out: dict[str, Any] = {}
     steps = _group_steps(optimizer, zero)
     fp32 = {}
-    for name in names:
+    for name in (n for n in names if n in group_of):
         folder_p = os.path.join(zero, name)
-        fp32[name] = _tensor(os.path.join(folder_p, "fp32.pt"), name, shapes.get(name) if tp == 1 else None)
+        fp32[name] = _tensor(os.path.join(folder_p, "fp32.pt"), name, shapes[name] if tp == 1 else None)
         out[f"fp32.{name}"] = fp32[name]
-        if name not in group_of:
-            continue  # no optimizer state: DeepSpeed wrote fp32.pt from the module's weights
         for moment in MOMENTS:
             out[f"optim.state.{name}.{moment}"] = _tensor(os.path.join(folder_p, f"{moment}.pt"), name,
                                                           fp32[name].shape)
@@ -124,7 +135,17 @@ def read(src: str) -> dict[str, Any]:
     out.update(_module(folder, ranks, fp32, tp))
     out["optim.param_groups"] = _param_groups(optimizer, groups, os.path.join(zero, OPTIMIZER_STATE))
     out.update({key: value for key, value in first.items() if key not in LAYOUT_KEYS})
+    out.update(engine_state(optimizer))
     return out
+
+
+def engine_state(optimizer: dict) -> dict[str, Any]:
+    """``ds_zero_stage`` and ``ds_loss_scaler`` (its attributes and the scaling flags) as plain data,
+    from a ZeRO optimizer's state; the fp16 scaler's ``torch.dtype`` is kept by name."""
+    scaler = {**(optimizer.get("loss_scaler") or {}), **{key: optimizer[key] for key in SCALER_KEYS if key in optimizer}}
+    return {"ds_zero_stage": int(optimizer["zero_stage"]),
+            "ds_loss_scaler": {key: str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+                               for key, value in scaler.items()}}
 
 
 def _model_states(folder: str) -> dict[tuple[int, int], dict]:
@@ -132,7 +153,7 @@ def _model_states(folder: str) -> dict[tuple[int, int], dict]:
     ranks = {}
     for entry in sorted(os.listdir(folder)):
         match = _RANK_FILE.fullmatch(entry)
-        if match and not entry.startswith("layer_"):
+        if match:
             ranks[(int(match["mp"]), int(match["dp"] or 0))] = unpickler.load(os.path.join(folder, entry))
     if not ranks:
         raise CheckpointError(f"{folder} holds no DeepSpeed *model_states.pt file (ds_to_universal copies them "
