@@ -334,6 +334,13 @@ def _int(states: dict, key: str, folder: str) -> int:
     return value
 
 
+def _padded(ckpt: _Checkpoint, patterns: list[str], size: int) -> bool:
+    """Whether a vocabulary tensor has more rows than ``size`` once its TP slices are joined."""
+    module = ckpt.first.get("module") or {}
+    return any(any(re.match(p, name) for p in patterns) and value.dim() > 0 and value.shape[0] * ckpt.tp > size
+               for name, value in module.items() if isinstance(value, torch.Tensor))
+
+
 def _spec(ckpt: _Checkpoint) -> dict:
     """Fuse ops merging the ``tp_rank_XX.`` slices, by ``universal_checkpoint_info``'s patterns."""
     if ckpt.tp == 1:
@@ -369,8 +376,7 @@ def _spec(ckpt: _Checkpoint) -> dict:
                 op = {k: v for k, v in op.items() if k != "cat"}
             ops.append(op)
     ops.append({"fuse": rank + r"(?P<name>.*)", "to": r"\g<name>", "cat": 0, "optional": True})
-    if vocab and info.get("original_vocab_size"):
-        ops.append({"vocab": f"^(?:{names(vocab)})$", "size": int(info["original_vocab_size"]), "dim": 0,
-                    "optional": True})
-    ops.append({"expect": r"(?!tp_rank_\d+\.).*"})
+    size = info.get("original_vocab_size")
+    if vocab and size and _padded(ckpt, vocab, int(size)):
+        ops.append({"vocab": f"^(?:{names(vocab)})$", "size": int(size), "dim": 0})
     return {"ops": ops}
