@@ -4,7 +4,8 @@ Two runs of ``producers/ds_train.py`` on 2 gloo ranks (a tied weight, a frozen p
 do not divide by the world size, a WarmupLR scheduler, client state): ZeRO-1 in bf16 (converted
 with ``--inject_missing_state``, as a HF/accelerate-style checkpoint without
 ``universal_checkpoint_info`` needs) and ZeRO-3 in fp32 (flat per-parameter tensors, no
-``step.pt``, placeholder module weights). The converted checkpoint must hold DeepSpeed's own
+``step.pt``, placeholder module weights); and an AutoTP x2 run (``producers/ds_autotp.py``), whose
+tensor-parallel slices ds_to_universal merged. The converted checkpoint must hold DeepSpeed's own
 ground truth bit for bit, and the same values under the same names as ``source="deepspeed"``
 gives for the native checkpoint of the same run.
 """
@@ -20,12 +21,15 @@ import pytest
 import torch
 
 import statesnap as ss
-from statesnap.convert import ucp
+from statesnap.convert import ucp, unpickler
 from statesnap.convert.api import detect_source
 from statesnap.errors import CheckpointError, UnsafeCheckpointError
 from producers import run_producer
 
-RUNS = {"z1_bf16": ("1", "bf16"), "z3_fp32": ("3", "fp32")}
+AUTOTP = "autotp"  # producers/ds_autotp.py: a tiny Llama, AutoTP x2 with ZeRO-1
+PRODUCED = {"z1_bf16": ["ds_train.py", "1", "{run}", "bf16"], "z3_fp32": ["ds_train.py", "3", "{run}", "fp32"],
+            AUTOTP: ["ds_autotp.py", "{run}"]}
+RUNS = ["z1_bf16", "z3_fp32"]  # the runs with whole-model ground truth
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +38,9 @@ def runs(tmp_path_factory):
     ground truth) and the run converted from each source."""
     root = tmp_path_factory.mktemp("ucp")
     out = {}
-    for key, (stage, precision) in RUNS.items():
+    for key, command in PRODUCED.items():
         run = str(root / key)
-        run_producer("ds_train.py", stage, run, precision)
+        run_producer(*(part.format(run=run) for part in command))
         universal = os.path.join(run, "global_step3_universal")
         subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                         os.path.join(run, "global_step3"), "--output_folder", universal, "--inject_missing_state"],
@@ -44,8 +48,9 @@ def runs(tmp_path_factory):
         converted = {source: str(root / f"{key}_{source}") for source in ("ucp", "deepspeed")}
         ss.convert(universal, converted["ucp"])  # detected
         ss.convert(run, converted["deepspeed"], source="deepspeed")
+        truth = os.path.join(run, "truth.pt")
         out[key] = {"run": run, "universal": universal, "converted": converted,
-                    "truth": torch.load(os.path.join(run, "truth.pt"), weights_only=True)}
+                    "truth": torch.load(truth, weights_only=True) if os.path.exists(truth) else None}
     yield out
     shutil.rmtree(root, ignore_errors=True)
 
@@ -93,12 +98,14 @@ def test_steps_param_groups_and_client_state(runs, run):
     # WarmupLR (log warmup to 1e-2 over 10 steps) had set the lr of step 3; it comes along.
     assert group["lr"] == pytest.approx(1e-2 * math.log(3) / math.log(10), rel=1e-12)
     assert got["global_steps"] == 3 and got["my_extra"] == 42
-    assert got["ds_zero_stage"] == int(RUNS[run][0])
+    assert got["ds_zero_stage"] == int(PRODUCED[run][1])
     assert got["lr_scheduler.last_batch_iteration"] == 2  # WarmupLR counts from -1
 
 
-@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("run", [*RUNS, AUTOTP])
 def test_same_names_and_bytes_as_the_deepspeed_source(runs, run):
+    """Also for AutoTP, where ds_to_universal merged the tensor-parallel slices by its patterns and
+    the deepspeed source by the spec it derives from the same ``universal_checkpoint_info``."""
     ours, theirs = (_read_all(runs[run]["converted"][s]) for s in ("ucp", "deepspeed"))
     assert ours.keys() == theirs.keys()
     for name, value in ours.items():
@@ -145,6 +152,14 @@ class _Payload:
 def test_foreign_global_is_refused_without_running_it(damaged):
     torch.save({"param": _Payload()}, damaged / "zero" / "fc1.bias" / "fp32.pt")
     with pytest.raises(UnsafeCheckpointError, match=r"fc1\.bias/fp32\.pt"):
+        ucp.read(str(damaged))
+
+
+def test_pipeline_folders_are_refused_with_the_way_out(damaged):
+    path = damaged / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    states = unpickler.load(str(path))
+    torch.save({**states, "module": None}, path)  # as a pipeline engine's mp_rank files hold it
+    with pytest.raises(CheckpointError, match="pipeline-parallel universal checkpoint.*source='deepspeed'"):
         ucp.read(str(damaged))
 
 

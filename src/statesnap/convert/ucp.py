@@ -36,7 +36,6 @@ from __future__ import annotations
 import math
 import os
 import re
-from functools import partial
 from typing import Any
 
 import torch
@@ -96,6 +95,10 @@ def read(src: str) -> dict[str, Any]:
     zero = os.path.join(folder, ZERO)
     ranks = _model_states(folder)
     first = ranks[min(ranks)]
+    if first.get("module") is None:
+        raise CheckpointError(f"{folder} is a pipeline-parallel universal checkpoint (its model states hold no "
+                              "module; ds_to_universal does not copy the layer files): convert the DeepSpeed "
+                              "checkpoint it was made from with source='deepspeed'")
     groups = [dict(shapes) for shapes in first.get("param_shapes") or []]
     if not groups:
         raise CheckpointError(f"{_model_path(folder)} has no param_shapes; not a DeepSpeed ZeRO checkpoint")
@@ -202,9 +205,13 @@ def _unwrap(value: Any, path: str, name: str) -> torch.Tensor:
     return value
 
 
-def _step(value: Any, path: str, name: str) -> torch.Tensor:
+def _step(value: Any, path: str, name: str) -> torch.Tensor | int | float:
+    """A step as the optimizer kept it: a 0-d tensor (torch's Adam), or a number (AutoTP runs store an int)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        raise CheckpointError(f"{path}: the step of {name} is {type(value).__name__}, not a one-element tensor")
+        raise CheckpointError(f"{path}: the step of {name} is {type(value).__name__}, not a number or a "
+                              "one-element tensor")
     return value.reshape(())
 
 
