@@ -147,7 +147,7 @@ def test_zero_matches_truth_and_zero_to_fp32(name, produced, converted):
     assert reader.read("my_extra") == 42
     assert reader.read("lr_scheduler.last_batch_iteration") == 2
     assert reader.read("ds_zero_stage") == int(name[1])
-    assert reader.read("ds_loss_scaler")["cur_scale"] == 1
+    assert reader.read("ds_loss_scaler.cur_scale") == 1
     groups = reader.read("optim.param_groups")
     assert groups[0]["params"] == ["emb.weight", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "norm.bias"]
 
@@ -171,7 +171,8 @@ def test_loads_into_a_plain_model_and_adamw(produced, converted):
     truth = torch.load(os.path.join(produced("z3"), "truth.pt"))
     model = Net()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1.0)
-    ss.load({"model": model, "optim": opt}, converted("z3"))
+    # The checkpoint holds more (fp32 masters, counters, client state): load what the state names.
+    ss.load({"model": model, "optim": opt}, converted("z3"), strict=False)
     for name, param in model.named_parameters():
         assert bits_equal(param.detach(), truth["model"][name]), name
     assert model.head.weight is model.emb.weight

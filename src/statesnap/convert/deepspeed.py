@@ -95,10 +95,13 @@ class _Checkpoint:
         self.folder = folder
         names = sorted(os.listdir(folder))
         self.states: dict[tuple[int, int], dict] = {}
+        self.per_dp: set[int] = set()  # model-parallel ranks with one model-states file per DP rank (ZeRO-3)
         for name in names:
             m = _MODEL.fullmatch(name)
             if m:
                 self.states[(int(m["mp"]), int(m["dp"] or 0))] = unpickler.load(os.path.join(folder, name))
+                if m["dp"] is not None:
+                    self.per_dp.add(int(m["mp"]))
         if not self.states:
             raise CheckpointError(f"{folder} holds no *model_states.pt file; not a DeepSpeed checkpoint tag directory")
         self.first = self.states[min(self.states)]
@@ -162,7 +165,7 @@ class _Checkpoint:
         return out
 
     def _dp_states(self, mp: int) -> dict[tuple[int, int], dict]:
-        zero3 = any(dp > 0 for (m, dp) in self.states if m == mp)
+        zero3 = mp in self.per_dp
         wanted = range(self.dp) if zero3 else range(1)
         missing = [self._model_path(mp, dp if zero3 else None) for dp in wanted if (mp, dp) not in self.states]
         if missing:
