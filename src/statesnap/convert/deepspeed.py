@@ -85,13 +85,13 @@ def derive_spec(src: str) -> dict:
     without TP), derived from ``universal_checkpoint_info``; print it, edit it, and pass the edit
     as ``ss.convert(..., spec=...)`` on top of the one read applies, or rebuild from the per-rank
     names with your own."""
-    return _spec(_Checkpoint(tag_dir(src), tensors=False))
+    return _spec(_Checkpoint(tag_dir(src)))
 
 
 class _Checkpoint:
     """The files of one tag directory, loaded (memory-mapped) once."""
 
-    def __init__(self, folder: str, tensors: bool = True):
+    def __init__(self, folder: str):
         self.folder = folder
         names = sorted(os.listdir(folder))
         self.states: dict[tuple[int, int], dict] = {}
@@ -116,7 +116,6 @@ class _Checkpoint:
                             for n in names for m in [_OPTIM.fullmatch(n)] if m}
         self.layer_files = {(int(m["layer"]), int(m["mp"] or 0)): os.path.join(folder, n)
                             for n in names for m in [_LAYER.fullmatch(n)] if m}
-        self.tensors = tensors
 
     def values(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -180,9 +179,10 @@ class _Checkpoint:
     def _optim(self, mp: int, dp: int) -> tuple[str, dict]:
         path = self.optim_files.get((mp, dp))
         if path is None:
-            raise CheckpointError(f"missing DeepSpeed optimizer file {os.path.join(self.folder, f'[bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt')} "
+            name = f"[bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt"
+            raise CheckpointError(f"missing DeepSpeed optimizer file {os.path.join(self.folder, name)} "
                                   f"(dp_world_size={self.dp}); the checkpoint is incomplete")
-        loaded = unpickler.load(path) if self.tensors else {"optimizer_state_dict": {}}
+        loaded = unpickler.load(path)
         if not isinstance(loaded.get("optimizer_state_dict"), dict):
             raise CheckpointError(f"{path} has no optimizer_state_dict; not a DeepSpeed ZeRO optimizer file")
         return path, loaded

@@ -24,7 +24,8 @@ import torch
 from ..errors import CheckpointError, UnsafeCheckpointError
 
 FragmentAddress = namedtuple("FragmentAddress", ["numel", "start"])
-FragmentAddress.__doc__ = "DeepSpeed's ``fragment_address``: a parameter's ``numel`` elements at ``start`` of a flat partition."
+FragmentAddress.__doc__ = ("DeepSpeed's ``fragment_address``: a parameter's ``numel`` elements at ``start`` "
+                           "of a flat partition.")
 
 
 class _ScalerStandIn(dict):
