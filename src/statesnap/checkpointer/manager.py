@@ -178,9 +178,10 @@ class Checkpointer:
         self._check_open()
         self._guard.guard(obj, method)
 
-    def load_latest(self, state: dict) -> int | None:
+    def load_latest(self, state: dict, *, cast: bool = False) -> int | None:
         """Restore the newest committed step into ``state`` from the fastest level holding it;
-        return the step (None if there is none). ``loaded_from`` names the level used."""
+        return the step (None if there is none). ``loaded_from`` names the level used.
+        ``cast`` is ``ss.load``'s: floating dtypes may differ from the stored ones."""
         self._check_open()
         self._wait_all()
         self._raise_pending()
@@ -212,7 +213,7 @@ class Checkpointer:
                 nbytes = load(state, level.path(step), allow_pickle=self.config.allow_pickle,
                               storage_options=self.config.storage_options,
                               process_group=self.config.process_group,
-                              timeout_s=self.config.commit_timeout_s).bytes
+                              timeout_s=self.config.commit_timeout_s, cast=cast).bytes
         finally:
             if borrowed:
                 self._arena.hold(snap.region, lambda: self.memory.drop(snap))

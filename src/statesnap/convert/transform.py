@@ -457,8 +457,8 @@ def _vocab(step: _Step, values: dict) -> tuple[dict, bool]:
         dim = _dim(step, op.get("dim", 0), len(shape), name)
         rows = shape[dim]
         wanted = op["size"] if "size" in op else -(-rows // op["multiple"]) * op["multiple"]
-        step.require("multiple" in op or rows >= wanted, name, f"has {rows} rows along dimension {dim}, fewer than the vocabulary "
-                                           f"size {wanted}", [shape])
+        step.require("multiple" in op or rows >= wanted, name,
+                     f"has {rows} rows along dimension {dim}, fewer than the vocabulary size {wanted}", [shape])
         if wanted != rows:
             out[name] = Lazy(value.dtype, shape[:dim] + (wanted,) + shape[dim + 1:],
                              lambda v=value, d=dim, w=wanted: _resized(materialize(v), d, w))

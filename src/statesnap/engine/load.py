@@ -13,8 +13,8 @@ import torch
 
 from ..errors import CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, StateMismatchError
 from ..format.checksum import checksum_whole
-from ..format.manifest import MANIFEST_NAME, Manifest
-from ..plan.load_plan import plan_target
+from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
+from ..plan.load_plan import TargetPlan, plan_target
 from ..state.flatten import flatten_for_load
 from ..state.items import Flattened
 from ..storage import LocalBackend, backend_for, normalize
@@ -99,16 +99,29 @@ def _format_list(title: str, names: list[str]) -> str:
     return f"{title} ({len(names)}): {shown}{more}"
 
 
-def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: str) -> set[str]:
+def _castable(stored: torch.dtype, target: torch.dtype) -> bool:
+    """Whether ``cast=True`` may convert ``stored`` values into a ``target`` tensor: between
+    floating dtypes only. Integer and bool tensors hold counts, indices and masks; turning them
+    into floats or back would round or truncate them without anyone having asked for that."""
+    return stored.is_floating_point and target.is_floating_point
+
+
+def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: str, cast: bool) -> set[str]:
     """Check the target against the checkpoint; return the names to skip (non-strict)."""
-    missing, mismatched = [], []
+    missing, mismatched, precision_only = [], [], False
     for item in flat.tensors:
         entry = manifest.tensors.get(item.fqn)
         if entry is None:
             missing.append(item.fqn)
-        elif entry.dtype != item.dtype or entry.shape != item.global_shape:
+            continue
+        same_shape, same_dtype = entry.shape == item.global_shape, entry.dtype == item.dtype
+        convertible = not same_dtype and _castable(entry.dtype, item.dtype)
+        precision_only = precision_only or (same_shape and convertible and not cast)
+        if not same_shape or not (same_dtype or (cast and convertible)):
+            why = (" (cast=True converts between floating dtypes only)"
+                   if cast and same_shape and not same_dtype else "")
             mismatched.append(f"{item.fqn} (checkpoint {str(entry.dtype)[6:]}{list(entry.shape)}, "
-                              f"target {str(item.dtype)[6:]}{list(item.global_shape)})")
+                              f"target {str(item.dtype)[6:]}{list(item.global_shape)}){why}")
     missing += [o.fqn for o in flat.objects if o.fqn not in manifest.objects]
     unexpected = []
     if strict:
@@ -118,8 +131,9 @@ def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: 
             parts = [_format_list(t, sorted(n)) for t, n in
                      (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
                       ("shape/dtype mismatch", mismatched)) if n]
+            hint = " Pass cast=True to convert between floating dtypes." if precision_only else ""
             raise StateMismatchError(f"state does not match checkpoint {path}: " + "; ".join(parts) +
-                                     ". Pass strict=False to load only what matches.",
+                                     f". Pass strict=False to load only what matches.{hint}",
                                      missing, unexpected, mismatched)
     return set(missing) | {m.split(" ", 1)[0] for m in mismatched}
 
@@ -128,7 +142,7 @@ def fill_tensors(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
                  verify: bool, threads: int | None, strict: bool, received: set[int] = frozenset()) -> int:
     """Read every item not in ``skip`` (by name) or ``received`` (by index: another rank sends it)."""
     executor = ReadExecutor(backend, path, manifest, verify, threads)
-    copy_back = []
+    copy_back, casts = [], []
     for index, item in enumerate(flat.tensors):
         if item.fqn in skip or index in received:
             continue
@@ -138,6 +152,9 @@ def fill_tensors(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
             raise CorruptCheckpointError(f"{item.fqn}: the checkpoint {path} stores only {plan.covered} of the "
                                          f"{item.local.numel()} elements this rank needs; it is incomplete")
         local = item.local
+        if local.dtype != entry.dtype:  # cast=True (checked by _match): filled after the others
+            casts.append((item.fqn, entry, local, plan))
+            continue
         if local.device.type == "cpu" and local.is_contiguous():
             buffer = local.detach()
         else:  # GPU or strided targets are filled through a host copy, then copied back
@@ -148,6 +165,20 @@ def fill_tensors(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
     with torch.no_grad():
         for local, buffer in copy_back:
             local.copy_(buffer)
+    return executor.bytes_read + sum(_fill_cast(backend, path, manifest, verify, threads, *cast) for cast in casts)
+
+
+def _fill_cast(backend: StorageBackend, path: str, manifest: Manifest, verify: bool, threads: int | None,
+               fqn: str, entry: TensorEntry, local: torch.Tensor, plan: TargetPlan) -> int:
+    """Read one tensor's stored bytes into a buffer of the stored dtype (so checksums verify what
+    was written), then convert them into the target with ``copy_``. One tensor at a time: the
+    extra memory a cast costs is this rank's part of one tensor, not a copy of the whole state."""
+    buffer = torch.empty(local.shape, dtype=entry.dtype)
+    executor = ReadExecutor(backend, path, manifest, verify, threads)
+    executor.add(fqn, entry, buffer, plan)
+    executor.run()
+    with torch.no_grad():
+        local.copy_(buffer)
     return executor.bytes_read
 
 
@@ -172,8 +203,15 @@ def fill_objects(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
 
 def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_pickle: bool = False,
          storage_options: dict | None = None, process_group=None, threads: int | None = None,
-         shared_reads: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> LoadInfo:
+         shared_reads: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, cast: bool = False) -> LoadInfo:
     """Load the checkpoint at ``path`` into ``state`` in place, resharding into its current layout.
+
+    ``cast=True`` lets a target tensor of another floating dtype than the stored one take its
+    values converted (fp32 master weights into a bf16 model, as UCP's precision-agnostic resume
+    does); the stored bytes are still verified against their checksums before the conversion.
+    Without it a dtype mismatch is a ``StateMismatchError``, because a silently changed precision
+    is a silently changed model. Floating <-> integer/bool is refused either way: those tensors
+    hold counts, indices and masks, which a conversion would round or truncate.
 
     ``shared_reads``: bytes several ranks need are read by one and sent to the others (True),
     read by each (False), or shared only when storage is not local (None; see engine/shared.py).
@@ -191,7 +229,7 @@ def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_p
         error = exc
     comm.agree(error, f"loading {path}")
     try:
-        skip = _match(flat, manifest, comm, strict, path)
+        skip = _match(flat, manifest, comm, strict, path, cast)
     except Exception as exc:
         error = exc
     comm.agree(error, f"loading {path}")
