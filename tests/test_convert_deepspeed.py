@@ -7,9 +7,12 @@ gathered through DeepSpeed's public API beside its checkpoint, DeepSpeed's own `
 from __future__ import annotations
 
 import os
+import pickle
+import re
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -273,3 +276,104 @@ def test_foreign_global_in_a_rank_file(damaged, tmp_path):
     with pytest.raises(UnsafeCheckpointError, match="zero_pp_rank_0_mp_rank_00_optim_states.pt"):
         ss.convert(os.path.dirname(tag), str(tmp_path / "out"))  # detected as deepspeed from 'latest'
     assert not (tmp_path / "ran").exists()
+
+
+# --- hostile pickles and garbage in every field ------------------------------------------------
+
+def _crafted(path: str, body: bytes) -> None:
+    """A torch.save zip whose pickle is ``body`` (protocol 2 opcodes), to name any global with any arguments."""
+    torch.save({}, path)
+    with zipfile.ZipFile(path) as zf:
+        entries = {info.filename: zf.read(info) for info in zf.infolist()}
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        for name, data in entries.items():
+            zf.writestr(name, b"\x80\x02" + body + b"." if name.endswith("/data.pkl") else data)
+
+
+def _glob(name: str) -> bytes:
+    module, _, attr = name.rpartition(".")
+    return b"c" + module.encode() + b"\n" + attr.encode() + b"\n"
+
+
+def _text(s: str) -> bytes:
+    return b"X" + len(s).to_bytes(4, "little") + s.encode()
+
+
+FRAGMENT, SCALER = "deepspeed.utils.tensor_fragment.fragment_address", "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+HOSTILE = {
+    "eval": _glob("builtins.eval") + _text("print('ran')") + b"\x85R",  # eval(...)
+    "system": _glob("os.system") + _text("true") + b"\x85R",
+    "popen": _glob("subprocess.Popen") + _text("true") + b"\x85R",
+    "made-up DeepSpeed name": _glob("deepspeed.runtime.evil.X") + b")\x81",
+    "fragment without state": _glob(FRAGMENT) + b")\x81",  # NEWOBJ, no BUILD
+    "fragment negative": _glob(FRAGMENT) + b")\x81}(" + _text("numel") + b"J\xfb\xff\xff\xff" + _text("start")
+    + b"K\x00ub",  # BUILD {numel: -5, start: 0}
+    "zero stage text": _glob("deepspeed.runtime.zero.config.ZeroStageEnum") + _text("3") + b"\x85R",
+    "scaler state list": _glob(SCALER) + b")\x81]b",  # BUILD with []
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_pickles_are_refused_without_effect(case, tmp_path):
+    path = str(tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    _crafted(path, HOSTILE[case])
+    before = set(torch.serialization.get_safe_globals())
+    with pytest.raises(UnsafeCheckpointError) as err:
+        unpickler.load(path)
+    assert path in str(err.value) and "Weights only load failed" not in str(err.value)
+    assert set(torch.serialization.get_safe_globals()) == before  # nothing admitted beyond the load
+    _crafted(path, _glob(SCALER) + b")\x81")
+    with pytest.raises(pickle.UnpicklingError):  # a plain weights-only load still refuses DeepSpeed's names
+        torch.load(path, weights_only=True)
+
+
+def _edit(path: str, change) -> None:
+    loaded = torch.load(path, weights_only=False)  # DeepSpeed is installed here: the test may trust it
+    change(loaded)
+    torch.save(loaded, path)
+
+
+def _shift_fragment(optim: dict) -> None:
+    mapping = optim["optimizer_state_dict"]["param_slice_mappings"][0]
+    name = list(mapping)[1]
+    mapping[name] = type(mapping[name])(numel=mapping[name].numel, start=0)  # on top of the first
+
+
+GARBAGE = {  # name -> (run, file, change, what the error names)
+    "shape of text": ("z1", "mp_rank_00_model_states.pt",
+                      lambda o: o["param_shapes"][0].__setitem__("fc1.weight", "abc"), "fc1.weight"),
+    "param_shapes not groups": ("z1", "mp_rank_00_model_states.pt",
+                                lambda o: o.__setitem__("param_shapes", "abc"), "param_shapes"),
+    "overlapping fragments": ("z1", "zero_pp_rank_0_mp_rank_00_optim_states.pt", _shift_fragment, "overlaps"),
+    "partition_count 0": ("z1", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                          lambda o: o["optimizer_state_dict"].__setitem__("partition_count", [0]), "partition_count"),
+    "no zero_stage": ("z1", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                      lambda o: o["optimizer_state_dict"].pop("zero_stage"), "zero_stage"),
+    "no base optimizer": ("z1", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                          lambda o: o["optimizer_state_dict"].pop("base_optimizer_state"), "base_optimizer_state"),
+    "a rank without exp_avg": ("z1", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                               lambda o: o["optimizer_state_dict"]["base_optimizer_state"]["state"][0].pop("exp_avg"),
+                               "exp_avg"),
+    "ranks of two runs": ("z3", "zero_pp_rank_1_mp_rank_00_model_states.pt",
+                          lambda o: o.update(dp_world_size=4, global_steps=7), "dp_world_size"),
+    "no inner optimizer": ("z3", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                           lambda o: o["optimizer_state_dict"].pop("optimizer_state_dict"), "param_groups"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GARBAGE))
+def test_garbage_fields_are_checkpoint_errors(case, damaged, tmp_path):
+    run, name, change, says = GARBAGE[case]
+    tag = damaged(run)
+    _edit(os.path.join(tag, name), change)
+    with pytest.raises(CheckpointError, match=f"{re.escape(name)}.*{says}"):
+        ss.convert(os.path.dirname(tag), str(tmp_path / "out"), source="deepspeed")
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00", b"../../etc", b"global_step9", b"x" * 10000])
+def test_latest_naming_no_tag_beside_it(content, damaged, tmp_path):
+    run = os.path.dirname(damaged("z1"))
+    with open(os.path.join(run, "latest"), "wb") as f:
+        f.write(content)
+    with pytest.raises(CheckpointError, match="latest names"):
+        ss.convert(run, str(tmp_path / "out"), source="deepspeed")

@@ -40,15 +40,13 @@ import torch
 from ..errors import CheckpointError
 from . import unpickler
 from .transform import Lazy, apply_spec, is_tensor, load_spec
-from .ucp import LAYOUT_KEYS, _module, _param_groups
+from .ds_common import (LAYOUT_KEYS, MODEL_FILE, engine_state, model_path, model_states, module_weights,
+                        param_groups, param_shapes, pointed_folder, positive_int)
 
 LATEST = "latest"
-_MODEL = re.compile(r"(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt")
 _OPTIM = re.compile(r"(?P<prefix>(?:bf16_)?)zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt")
 _LAYER = re.compile(r"layer_(?P<layer>\d+)(?:-model_(?P<mp>\d+))?-model_states\.pt")
 TP_PREFIX = "tp_rank_{:02d}."
-# Keys of the optimizer files that are plain state worth keeping, under these names.
-_SCALER_KEYS = ("dynamic_loss_scale", "overflow", "clip_grad")
 
 
 def tag_dir(src: str) -> str:
@@ -58,13 +56,8 @@ def tag_dir(src: str) -> str:
                               "(with a 'latest' file) or one tag directory in it")
     latest = os.path.join(src, LATEST)
     if os.path.isfile(latest):
-        with open(latest, encoding="utf-8") as f:
-            tag = f.read().strip()
-        folder = os.path.join(src, tag)
-        if not tag or os.sep in tag or tag in (".", "..") or not os.path.isdir(folder):
-            raise CheckpointError(f"{latest} names {tag!r}, which is not a tag directory beside it")
-        return folder
-    if not any(_MODEL.fullmatch(n) for n in os.listdir(src)):
+        return pointed_folder(latest, os.path.isdir)
+    if not any(MODEL_FILE.fullmatch(n) for n in os.listdir(src)):
         raise CheckpointError(f"{src} is not a DeepSpeed checkpoint: no 'latest' file and no *model_states.pt files")
     return src
 
@@ -94,19 +87,12 @@ class _Checkpoint:
     def __init__(self, folder: str):
         self.folder = folder
         names = sorted(os.listdir(folder))
-        self.states: dict[tuple[int, int], dict] = {}
-        self.per_dp: set[int] = set()  # model-parallel ranks with one model-states file per DP rank (ZeRO-3)
-        for name in names:
-            m = _MODEL.fullmatch(name)
-            if m:
-                self.states[(int(m["mp"]), int(m["dp"] or 0))] = unpickler.load(os.path.join(folder, name))
-                if m["dp"] is not None:
-                    self.per_dp.add(int(m["mp"]))
-        if not self.states:
-            raise CheckpointError(f"{folder} holds no *model_states.pt file; not a DeepSpeed checkpoint tag directory")
+        self.states = model_states(folder)
+        # model-parallel ranks with one model-states file per DP rank (ZeRO-3)
+        self.per_dp = {int(m["mp"]) for n in names for m in [MODEL_FILE.fullmatch(n)] if m and m["dp"] is not None}
         self.first = self.states[min(self.states)]
-        self.mp = _int(self.first, "mp_world_size", folder)
-        self.dp = _int(self.first, "dp_world_size", folder)
+        self.mp = positive_int(self.first, "mp_world_size", folder)
+        self.dp = positive_int(self.first, "dp_world_size", folder)
         dims = self.first.get("checkpoint_parallel_dimensions") or {}
         self.tp, self.pp = int(dims.get("tp_degree", 1)), int(dims.get("pp_degree", 1))
         if self.tp > 1 and self.pp > 1:
@@ -137,13 +123,18 @@ class _Checkpoint:
         """The values of one model-parallel rank (a pipeline stage or a TP rank), DP partitions merged."""
         states = self._dp_states(mp)
         first = states[(mp, 0)]
-        shapes = [dict(group) for group in first.get("param_shapes") or []]
-        if not shapes:
-            raise CheckpointError(f"{self._model_path(mp)} has no param_shapes: ZeRO stage 0 and optimizer-less "
-                                  "checkpoints are not supported")
+        shapes = param_shapes(first, model_path(self.folder, mp, 0 if mp in self.per_dp else None))
         optims = [self._optim(mp, dp) for dp in range(self.dp)]
         inner = optims[0][1]["optimizer_state_dict"]
-        stage = inner.get("zero_stage")
+        engine = engine_state(inner, optims[0][0])
+        stage = engine["ds_zero_stage"]
+        for path, loaded in optims:  # the ranks of one run agree on the stage and on how it was partitioned
+            count = loaded["optimizer_state_dict"].get("partition_count", self.dp)
+            if loaded["optimizer_state_dict"].get("zero_stage") != stage or any(
+                    c != self.dp for c in (count if isinstance(count, list) else [count])):
+                raise CheckpointError(f"{path}: zero_stage {loaded['optimizer_state_dict'].get('zero_stage')!r} "
+                                      f"partition_count {count!r}, but {os.path.basename(optims[0][0])} has "
+                                      f"zero_stage {stage} and dp_world_size is {self.dp}; the folder mixes runs")
         if stage == 3:
             fp32, state, base = self._zero3(mp, shapes, optims)
         else:
@@ -153,28 +144,20 @@ class _Checkpoint:
         module_states = dict(states)
         if first.get("module") is None:  # a pipeline stage: its weights are in the layer files
             module_states[(mp, 0)] = {**first, "module": self._layers(mp)}
-        out.update(_module(self.folder, module_states, fp32, tp=1))
-        out["optim.param_groups"] = _param_groups(base, shapes, optims[0][0])
+        out.update(module_weights(self.folder, module_states, fp32, tp=1))
+        out["optim.param_groups"] = param_groups(base, shapes, optims[0][0])
         out.update({key: value for key, value in first.items() if key not in LAYOUT_KEYS})
-        out["ds_zero_stage"] = int(stage)
-        scaler = {**(inner.get("loss_scaler") or {}), **{key: inner[key] for key in _SCALER_KEYS if key in inner}}
-        # The fp16 scaler keeps its torch.dtype, which is no plain data: stored by name.
-        out["ds_loss_scaler"] = {k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
-                                 for k, v in scaler.items()}
+        out.update(engine)
         return out
 
     def _dp_states(self, mp: int) -> dict[tuple[int, int], dict]:
         zero3 = mp in self.per_dp
         wanted = range(self.dp) if zero3 else range(1)
-        missing = [self._model_path(mp, dp if zero3 else None) for dp in wanted if (mp, dp) not in self.states]
+        missing = [model_path(self.folder, mp, dp if zero3 else None) for dp in wanted if (mp, dp) not in self.states]
         if missing:
             raise CheckpointError(f"missing DeepSpeed rank file {missing[0]} (mp_world_size={self.mp}, "
                                   f"dp_world_size={self.dp}); the checkpoint is incomplete")
         return {(mp, dp): self.states[(mp, dp)] for dp in wanted}
-
-    def _model_path(self, mp: int, dp: int | None = None) -> str:
-        name = f"mp_rank_{mp:02d}_model_states.pt"
-        return os.path.join(self.folder, name if dp is None else f"zero_pp_rank_{dp}_{name}")
 
     def _optim(self, mp: int, dp: int) -> tuple[str, dict]:
         path = self.optim_files.get((mp, dp))
@@ -183,7 +166,7 @@ class _Checkpoint:
             raise CheckpointError(f"missing DeepSpeed optimizer file {os.path.join(self.folder, name)} "
                                   f"(dp_world_size={self.dp}); the checkpoint is incomplete")
         loaded = unpickler.load(path)
-        if not isinstance(loaded.get("optimizer_state_dict"), dict):
+        if not isinstance(loaded, dict) or not isinstance(loaded.get("optimizer_state_dict"), dict):
             raise CheckpointError(f"{path} has no optimizer_state_dict; not a DeepSpeed ZeRO optimizer file")
         return path, loaded
 
@@ -203,7 +186,9 @@ class _Checkpoint:
         """ZeRO-1/2: each rank's partition holds fragments of parameters at ``param_slice_mappings``."""
         fp32: dict[str, Any] = {}
         state: dict[str, Any] = {}
-        base = optims[0][1]["optimizer_state_dict"]["base_optimizer_state"]
+        base = optims[0][1]["optimizer_state_dict"].get("base_optimizer_state")
+        if not isinstance(base, dict):
+            raise CheckpointError(f"{optims[0][0]} has no base_optimizer_state; not a ZeRO-1/2 optimizer file")
         for g, group in enumerate(shapes):
             parts = []
             for path, loaded in optims:
@@ -214,9 +199,9 @@ class _Checkpoint:
                     moments = inner["base_optimizer_state"]["state"].get(g, {})
                 except (KeyError, IndexError, TypeError, AttributeError):
                     raise CheckpointError(f"{path} lacks the partition of parameter group {g}") from None
+                _check_fragments(path, mapping, moments)
                 parts.append((path, flat, mapping, moments))
             for name, shape in group.items():
-                shape = torch.Size(shape)
                 pieces = [(path, flat, mapping[name], moments) for path, flat, mapping, moments in parts
                           if name in mapping]
                 held = sum(address.numel for _, _, address, _ in pieces)
@@ -228,7 +213,7 @@ class _Checkpoint:
                 for key, value in parts[0][3].items():
                     if isinstance(value, torch.Tensor) and value.dim() == 1:
                         state[f"optim.state.{name}.{key}"] = _gather(
-                            f"{name} {key}", shape, [(path, moments[key], a.start, a.numel)
+                            f"{name} {key}", shape, [(path, moments.get(key), a.start, a.numel)
                                                      for path, _, a, moments in pieces])
                     else:
                         state[f"optim.state.{name}.{key}"] = value
@@ -250,8 +235,12 @@ class _Checkpoint:
             if have != need:
                 raise CheckpointError(f"{path}: the fp32 partition holds {have} elements, but the parameters of "
                                       f"param_shapes need {need} ({self.dp} ranks, ceil(numel/{self.dp}) each)")
-            per_rank.append((path, flats, [moments.get(i, {}) for i in range(len(flats))]))
-        base = {"param_groups": optims[0][1]["optimizer_state_dict"]["optimizer_state_dict"].get("param_groups")}
+            per_group = [moments.get(i, {}) for i in range(len(flats))]
+            if not all(isinstance(m, dict) for m in per_group):
+                raise CheckpointError(f"{path}: the optimizer state of a parameter group is not a dict")
+            per_rank.append((path, flats, per_group))
+        base = {"param_groups": (optims[0][1]["optimizer_state_dict"].get("optimizer_state_dict") or {}).get(
+            "param_groups")}
         fp32: dict[str, Any] = {}
         state: dict[str, Any] = {}
         offset = 0
@@ -269,12 +258,28 @@ class _Checkpoint:
         return fp32, state, base
 
 
+def _check_fragments(path: str, mapping: Any, moments: Any) -> None:
+    """A rank's ``param_slice_mappings`` of one group: fragments that do not overlap (else two
+    parameters would be cut from the same elements); each is checked against the partition's
+    length when it is gathered."""
+    if not isinstance(mapping, dict) or not all(isinstance(a, unpickler.FragmentAddress) for a in mapping.values()):
+        raise CheckpointError(f"{path}: param_slice_mappings is not a {{name: fragment_address}} dict")
+    if not isinstance(moments, dict):
+        raise CheckpointError(f"{path}: the optimizer state of a parameter group is not a dict")
+    end, last = 0, None
+    for name, address in sorted(mapping.items(), key=lambda item: item[1].start):
+        if address.start < end:
+            raise CheckpointError(f"{path}: the fragment of {name} (elements {address.start}..) overlaps the one "
+                                  f"of {last} (..{end}) in param_slice_mappings")
+        end, last = address.start + address.numel, name
+
+
 class _Flat:
     """Several flat tensors seen as their concatenation, without concatenating them."""
 
     def __init__(self, tensors: list):
         self.tensors = tensors
-        self.dtype = tensors[0].dtype if tensors and isinstance(tensors[0], torch.Tensor) else None
+        self.dtype = tensors[0].dtype if tensors and all(isinstance(t, torch.Tensor) for t in tensors) else None
 
     def numel(self) -> int:
         return sum(t.numel() for t in self.tensors if isinstance(t, torch.Tensor))
@@ -328,13 +333,6 @@ def _merge_groups(groups: list[dict], more: list[dict]) -> list[dict]:
     if len(groups) != len(more):
         raise CheckpointError(f"pipeline stages have {len(groups)} and {len(more)} parameter groups")
     return [{**g, "params": g["params"] + m["params"]} for g, m in zip(groups, more)]
-
-
-def _int(states: dict, key: str, folder: str) -> int:
-    value = states.get(key)
-    if not isinstance(value, int) or value < 1:
-        raise CheckpointError(f"{folder}: the model states' {key} is {value!r}, not a positive int")
-    return value
 
 
 def _padded(ckpt: _Checkpoint, patterns: list[str], size: int) -> bool:

@@ -35,25 +35,20 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from typing import Any
 
 import torch
 
 from ..errors import CheckpointError
 from . import unpickler
+from .ds_common import (LAYOUT_KEYS, engine_state, model_states, module_weights, param_groups,
+                        param_shapes, pointed_folder)
 from .transform import Lazy
 
 LATEST = "latest_universal"
 ZERO = "zero"
 OPTIMIZER_STATE = "optimizer_state.pt"
 MOMENTS = ("exp_avg", "exp_avg_sq")
-SCALER_KEYS = ("dynamic_loss_scale", "overflow", "clip_grad")
-# Model-states keys that describe the layout (rebuilt here as names and shapes), not state to keep.
-LAYOUT_KEYS = {"module", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
-               "shared_params", "buffer_names", "universal_checkpoint_info", "ds_config", "ds_version",
-               "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions"}
-_RANK_FILE = re.compile(r"(?:zero_pp_rank_(?P<dp>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt")
 
 
 def folder_of(src: str) -> str:
@@ -67,12 +62,7 @@ def folder_of(src: str) -> str:
     if not os.path.isfile(latest):
         raise CheckpointError(f"{src} is not a DeepSpeed universal checkpoint: it has neither a {ZERO}/ "
                               f"folder nor a {LATEST} file")
-    with open(latest, encoding="utf-8") as f:
-        tag = f.read().strip()
-    folder = os.path.join(src, tag)
-    if not tag or os.sep in tag or tag in (".", "..") or not os.path.isdir(os.path.join(folder, ZERO)):
-        raise CheckpointError(f"{latest} names {tag!r}, which is not a universal checkpoint folder beside it")
-    return folder
+    return pointed_folder(latest, lambda folder: os.path.isdir(os.path.join(folder, ZERO)))
 
 
 def is_universal(src: str) -> bool:
@@ -93,18 +83,19 @@ def read(src: str) -> dict[str, Any]:
     """``{name: Lazy tensor or plain value}`` of the universal folder ``src`` (or its parent)."""
     folder = folder_of(src)
     zero = os.path.join(folder, ZERO)
-    ranks = _model_states(folder)
+    ranks = model_states(folder)
     first = ranks[min(ranks)]
     if first.get("module") is None:
         raise CheckpointError(f"{folder} is a pipeline-parallel universal checkpoint (its model states hold no "
                               "module; ds_to_universal does not copy the layer files): convert the DeepSpeed "
                               "checkpoint it was made from with source='deepspeed'")
-    groups = [dict(shapes) for shapes in first.get("param_shapes") or []]
-    if not groups:
-        raise CheckpointError(f"{_model_path(folder)} has no param_shapes; not a DeepSpeed ZeRO checkpoint")
+    groups = param_shapes(first, os.path.join(folder, "*model_states.pt"))
     optimizer = unpickler.load(_need(os.path.join(zero, OPTIMIZER_STATE)))
+    if not isinstance(optimizer, dict):
+        raise CheckpointError(f"{zero}/{OPTIMIZER_STATE} holds a {type(optimizer).__name__}, not a ZeRO "
+                              "optimizer state")
     group_of = {name: index for index, shapes in enumerate(groups) for name in shapes}
-    shapes = {name: torch.Size(shape) for group in groups for name, shape in group.items()}
+    shapes = {name: shape for group in groups for name, shape in group.items()}
     tp = int((first.get("checkpoint_parallel_dimensions") or {}).get("tp_degree", 1))
     names = sorted(n for n in os.listdir(zero) if os.path.isdir(os.path.join(zero, n)))
     unknown = set(group_of) - set(names)
@@ -135,37 +126,11 @@ def read(src: str) -> dict[str, Any]:
         else:
             raise CheckpointError(f"{folder_p}: no step.pt, and {zero}/{OPTIMIZER_STATE} has no step for "
                                   f"parameter group {group_of[name]} of {name}")
-    out.update(_module(folder, ranks, fp32, tp))
-    out["optim.param_groups"] = _param_groups(optimizer, groups, os.path.join(zero, OPTIMIZER_STATE))
+    out.update(module_weights(folder, ranks, fp32, tp))
+    out["optim.param_groups"] = param_groups(optimizer, groups, os.path.join(zero, OPTIMIZER_STATE))
     out.update({key: value for key, value in first.items() if key not in LAYOUT_KEYS})
-    out.update(engine_state(optimizer))
+    out.update(engine_state(optimizer, os.path.join(zero, OPTIMIZER_STATE)))
     return out
-
-
-def engine_state(optimizer: dict) -> dict[str, Any]:
-    """``ds_zero_stage`` and ``ds_loss_scaler`` (its attributes and the scaling flags) as plain data,
-    from a ZeRO optimizer's state; the fp16 scaler's ``torch.dtype`` is kept by name."""
-    scaler = {**(optimizer.get("loss_scaler") or {}), **{key: optimizer[key] for key in SCALER_KEYS if key in optimizer}}
-    return {"ds_zero_stage": int(optimizer["zero_stage"]),
-            "ds_loss_scaler": {key: str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
-                               for key, value in scaler.items()}}
-
-
-def _model_states(folder: str) -> dict[tuple[int, int], dict]:
-    """Each model-states file of ``folder``, keyed by (model-parallel rank, data-parallel rank)."""
-    ranks = {}
-    for entry in sorted(os.listdir(folder)):
-        match = _RANK_FILE.fullmatch(entry)
-        if match:
-            ranks[(int(match["mp"]), int(match["dp"] or 0))] = unpickler.load(os.path.join(folder, entry))
-    if not ranks:
-        raise CheckpointError(f"{folder} holds no DeepSpeed *model_states.pt file (ds_to_universal copies them "
-                              "into the universal folder)")
-    return ranks
-
-
-def _model_path(folder: str) -> str:
-    return os.path.join(folder, "*model_states.pt")
 
 
 def _need(path: str) -> str:
@@ -224,68 +189,6 @@ def _group_steps(optimizer: dict, zero: str) -> dict[int, torch.Tensor]:
     path = os.path.join(zero, OPTIMIZER_STATE)
     return {int(group): _step(s["step"], path, f"parameter group {group}")
             for group, s in state.items() if isinstance(s, dict) and "step" in s}
-
-
-def _module(folder: str, ranks: dict, fp32: dict[str, Lazy], tp: int) -> dict[str, Any]:
-    """``model.<name>``: the module's weights and buffers as DeepSpeed held them.
-
-    Where the model states hold the full module (ZeRO-1/2 without tensor parallelism) they are
-    taken from there; else each parameter is its fp32 master cast to the module's dtype, and a
-    frozen parameter is rebuilt from the data-parallel ranks' ``frozen_param_fragments``."""
-    first = ranks[min(ranks)]
-    module = first.get("module") or {}
-    trainable = {name for shapes in first["param_shapes"] for name in shapes}
-    frozen = dict(first.get("frozen_param_shapes") or {})
-    out: dict[str, Any] = {}
-    for name, value in module.items():
-        if not isinstance(value, torch.Tensor):
-            raise CheckpointError(f"{_model_path(folder)}: module entry {name} is not a tensor")
-        if name in trainable and (tp > 1 or tuple(value.shape) != tuple(fp32[name].shape)):
-            out[f"model.{name}"] = _cast(fp32[name], value.dtype)
-        elif name in frozen and tuple(value.shape) != tuple(frozen[name]):
-            out[f"model.{name}"] = _frozen(folder, ranks, name, torch.Size(frozen[name]))
-        else:
-            out[f"model.{name}"] = value.detach()
-    for alias, source in (first.get("shared_params") or {}).items():
-        if f"model.{source}" not in out:
-            raise CheckpointError(f"{_model_path(folder)}: shared parameter {alias} names {source}, "
-                                  "which the module does not hold")
-        out[f"model.{alias}"] = out[f"model.{source}"]
-    return out
-
-
-def _cast(value: Lazy, dtype: torch.dtype) -> Lazy:
-    if value.dtype == dtype:
-        return value
-    return Lazy(dtype, value.shape, lambda: value.read().to(dtype))
-
-
-def _frozen(folder: str, ranks: dict, name: str, shape: torch.Size) -> torch.Tensor:
-    """A frozen ZeRO-3 parameter: every data-parallel rank saved its ``ceil(numel / dp)`` slice."""
-    if len({mp for mp, _ in ranks}) > 1:
-        raise CheckpointError(f"{folder}: frozen parameter {name} is split over model-parallel ranks, "
-                              "which the universal format does not consolidate")
-    pieces = []
-    for key in sorted(ranks):
-        piece = (ranks[key].get("frozen_param_fragments") or {}).get(name)
-        if not isinstance(piece, torch.Tensor):
-            raise CheckpointError(f"{folder}: data-parallel rank {key[1]} saved no fragment of frozen parameter {name}")
-        pieces.append(piece.detach().reshape(-1))
-    flat = torch.cat(pieces)
-    if flat.numel() < math.prod(shape):
-        raise CheckpointError(f"{folder}: the fragments of frozen parameter {name} hold {flat.numel()} elements, "
-                              f"fewer than its shape {tuple(shape)} needs")
-    return flat[:math.prod(shape)].reshape(shape).clone()
-
-
-def _param_groups(optimizer: dict, groups: list[dict], path: str) -> list[dict]:
-    """The optimizer's param groups with ``params`` as parameter names, as ``get_optimizer_state_dict`` gives them."""
-    loaded = optimizer.get("param_groups")
-    if not isinstance(loaded, list) or len(loaded) != len(groups):
-        raise CheckpointError(f"{path} has {len(loaded) if isinstance(loaded, list) else 'no'} param_groups, "
-                              f"the model states {len(groups)}")
-    return [{**{k: v for k, v in group.items() if k != "params"}, "params": list(shapes)}
-            for group, shapes in zip(loaded, groups)]
 
 
 def _show(names) -> str:

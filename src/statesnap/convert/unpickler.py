@@ -44,8 +44,8 @@ class _FragmentStandIn:
 
     def __setstate__(self, state: Any) -> None:
         if not isinstance(state, dict) or set(state) != {"numel", "start"} or \
-                not all(type(v) is int for v in state.values()):
-            raise pickle.UnpicklingError(f"fragment_address state must be {{numel: int, start: int}}, got {state!r}")
+                not all(type(v) is int and v >= 0 for v in state.values()):
+            raise pickle.UnpicklingError(f"fragment_address state must be {{numel: int >= 0, start: int >= 0}}, got {state!r}")
         self.numel, self.start = state["numel"], state["start"]
 
 
@@ -63,6 +63,7 @@ STAND_INS = {
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": _ScalerStandIn,
     "deepspeed.runtime.zero.config.ZeroStageEnum": _zero_stage,
     "deepspeed.utils.tensor_fragment.fragment_address": _FragmentStandIn,
+    "argparse.Namespace": _ScalerStandIn,  # Megatron-LM's args (common.pt, model_optim_rng.pt): a dict
 }
 _ALLOWED = [(stand_in, name) for name, stand_in in STAND_INS.items()]
 # safe_globals adds to and removes from one process-wide set; two loads overlapping in threads
@@ -81,6 +82,7 @@ def load(path: str) -> Any:
         mmap = zipfile.is_zipfile(path)
         with _LOCK, torch.serialization.safe_globals(_ALLOWED):
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        return _plain(obj)
     except FileNotFoundError:
         raise CheckpointError(f"no DeepSpeed checkpoint file at {path}") from None
     except pickle.UnpicklingError as exc:
@@ -91,13 +93,17 @@ def load(path: str) -> Any:
     except Exception as exc:
         raise CheckpointError(f"{path} is not a readable torch.save file (truncated or damaged?): "
                               f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
-    return _plain(obj)
 
 
 def _reason(exc: Exception) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
-    line = next((line for line in lines if "global" in line.lower() or "unsupported" in line.lower()), lines[0])
-    return line.split(" was not an allowed global")[0]
+    """The line of torch's message that says what was refused: the global it names, or what a
+    stand-in found wrong with its arguments (torch wraps both in advice to pass weights_only=False)."""
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    lines = [line.strip() for line in text.splitlines()
+             if line.strip() and not line.strip().startswith(("Weights only load failed", "Check the documentation"))]
+    return (lines or [type(exc).__name__])[0].split(" was not an allowed global")[0]
 
 
 def _plain(obj: Any) -> Any:
@@ -106,6 +112,8 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, _ScalerStandIn):
         return {key: _plain(value) for key, value in obj.items()}
     if isinstance(obj, _FragmentStandIn):
+        if not hasattr(obj, "numel"):  # created without the BUILD that gives it its two fields
+            raise pickle.UnpicklingError("a fragment_address without its numel and start")
         return FragmentAddress(obj.numel, obj.start)
     if isinstance(obj, dict):
         out = OrderedDict() if isinstance(obj, OrderedDict) else {}
