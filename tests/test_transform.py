@@ -249,7 +249,8 @@ def test_malformed_ops_are_refused_before_any_value_is_read():
                {"fuse": TP_REPLICA, "to": "x", "cat": 0, "same": True}, {"fuse": "(.*)", "to": "x", "average": True},
                {"vocab": "e", "size": 10, "multiple": 8}, {"vocab": "e"}, {"vocab": "e", "size": 0},
                {"unstack": "e", "to": "e.0"}, {"cast": "x", "dtype": "int32"}, {"cast": "x", "dtype": "nonsense"},
-               {"expect": "("}, {"expect": "x", "to": "y"}):
+               {"expect": "("}, {"expect": "x", "to": "y"}, {"split": "x", "to": ["a", "b"], "dim": 0, "sizes": [1]},
+               {"split": "x", "to": ["a"], "dim": 0, "groups": 0}):
         with pytest.raises(TransformError, match="op #0"):
             load_spec({"ops": [op]})
 

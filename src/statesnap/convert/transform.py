@@ -149,6 +149,12 @@ def _check_fuse(op: dict, pattern: re.Pattern) -> str | None:
 def _check_split(op: dict, pattern: re.Pattern) -> str | None:
     if not isinstance(op["to"], list) or not op["to"]:
         return 'split needs "to": a list of name templates, one per part'
+    sizes = op.get("sizes")
+    if sizes is not None and (not isinstance(sizes, list) or len(sizes) != len(op["to"])
+                              or not all(_count(size, 0) for size in sizes)):
+        return '"sizes" must list one size (an integer >= 0) per name in "to"'
+    if "groups" in op and not _count(op["groups"]):
+        return '"groups" must be a positive count'
     return None
 
 
