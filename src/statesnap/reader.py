@@ -15,6 +15,7 @@ from .errors import CheckpointError, CorruptCheckpointError, MissingFileError
 from .format.checksum import checksum_blocks
 from .format.manifest import BOX, Manifest
 from .plan.load_plan import plan_target
+from .progress import bar
 from .storage import backend_for, normalize
 
 VERIFY_CHUNK_BLOCKS = 4
@@ -93,11 +94,12 @@ class Reader:
         executor.run()
         return out.squeeze(squeeze) if squeeze else out
 
-    def verify(self, threads: int | None = None) -> int:
+    def verify(self, threads: int | None = None, progress: bool | None = None) -> int:
         """Read every stored byte and check it against its checksum; return the bytes checked.
 
         Raises one :class:`CorruptCheckpointError` (or :class:`MissingFileError`) listing every
-        damaged piece by tensor and file, so one run shows the whole extent of the damage."""
+        damaged piece by tensor and file, so one run shows the whole extent of the damage.
+        ``progress``: a bar on stderr (default: only when stderr is a terminal)."""
         problems, missing = [], []
         for index, name in enumerate(self.manifest.files):
             where = self.backend.join(self.path, name)
@@ -105,10 +107,15 @@ class Reader:
                 missing.append(name)
         tasks = [(fqn, entry, i) for fqn, entry in self.manifest.tensors.items() for i in range(entry.num_pieces)
                  if self.manifest.files[int(entry.file[i])] not in missing]
-        with ThreadPoolExecutor(threads or default_threads()) as pool:
-            for result in pool.map(lambda t: self._verify_piece(*t), tasks):
-                if result:
-                    problems.append(result)
+        total = sum(int(entry.nbytes[i]) for _, entry, i in tasks)
+        with bar(total, f"verify {self.path}", progress) as advance, \
+                ThreadPoolExecutor(threads or default_threads()) as pool:
+            def check(task) -> str | None:
+                problem = self._verify_piece(*task)
+                advance(int(task[1].nbytes[task[2]]))
+                return problem
+
+            problems += [problem for problem in pool.map(check, tasks) if problem]
         problems += self._verify_pickled(missing)
         if missing:
             needed = {fqn for fqn, _, _ in self._pieces_in(missing)}

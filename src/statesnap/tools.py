@@ -41,6 +41,12 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def progress_flags(parser: argparse.ArgumentParser) -> None:
+    """``--progress``/``--no-progress``: force the bar on or off (default: only on a terminal)."""
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="show a progress bar on stderr (default: only when stderr is a terminal)")
+
+
 def _open(path: str, args) -> Reader:
     return Reader(path, storage_options=args.storage_options)
 
@@ -120,12 +126,13 @@ def inspect_main(argv: list[str]) -> int:
 def verify_main(argv: list[str]) -> int:
     parser = _parser("verify", "read every stored byte of each checkpoint and check its checksums")
     parser.add_argument("paths", nargs="+", metavar="path", help="checkpoint directories or URLs")
+    progress_flags(parser)
     args = parser.parse_args(argv)
     status = OK
     for path in args.paths:
         try:
             reader = _open(path, args)
-            checked = reader.verify()
+            checked = reader.verify(progress=args.progress)
         except CheckpointError as exc:
             print(f"DAMAGED {path}: {exc}", file=sys.stderr)
             status = FOUND

@@ -1,11 +1,12 @@
 """``ss.convert`` (foreign checkpoint -> statesnap) and ``ss.export`` (statesnap -> foreign format).
 
-Both are thin pipelines over the same three steps: a source gives a flat map ``{name: tensor or
-plain value}``, an optional transform spec reshapes it, a sink writes it. The statesnap side
-always goes through the public ``ss.save`` and ``ss.open``, so a converted checkpoint is exactly
-what a save would have produced, with its provenance in the manifest's ``meta``. Exports are
-written into a staging name and renamed into place, so an interrupted export leaves nothing
-that looks complete.
+Both are thin pipelines over the same three steps: a source gives a flat map ``{name: tensor,
+Lazy tensor or plain value}``, an optional transform spec reshapes it, a sink writes it one
+tensor at a time. The statesnap side is written with the save engine's own plan, encoding,
+checksums and commit (``convert/writer.py``) and read through ``ss.open``, so a converted
+checkpoint is exactly what a save would have produced, with its provenance in the manifest's
+``meta``. Exports are written into a staging name and renamed into place, so an interrupted
+export leaves nothing that looks complete.
 """
 from __future__ import annotations
 
@@ -15,17 +16,19 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-from ..engine.save import SaveInfo, save
+from ..engine.save import SaveInfo
 from ..errors import CheckpointError, CheckpointExistsError
+from ..progress import bar
 from ..reader import Reader, TensorInfo
 from ..storage.local import LocalBackend, fsync_dir
-from . import dcp, deepspeed, safetensors_io, torch_save, ucp
+from . import dcp, deepspeed, megatron, safetensors_io, torch_save, ucp
 from .transform import Lazy, apply_spec, is_tensor, load_spec, materialize
+from .writer import write_checkpoint
 
 SOURCES = {"torch": torch_save.read, "dcp": dcp.read, "safetensors": safetensors_io.read, "ucp": ucp.read,
-           "deepspeed": deepspeed.read}
+           "deepspeed": deepspeed.read, "megatron": megatron.read}
 TARGETS = ("safetensors", "torch", "dcp")
 
 
@@ -48,6 +51,8 @@ def detect_source(src: str) -> str:
             return "ucp"
         if deepspeed.is_deepspeed(src):
             return "deepspeed"
+        if megatron.is_megatron(src):  # before DCP: a dist_checkpointing directory is a DCP one plus common.pt
+            return "megatron"
         if dcp.METADATA_NAME in names:
             return "dcp"
         if any(n.endswith(safetensors_io.SUFFIX) or n == safetensors_io.INDEX_NAME for n in names):
@@ -57,33 +62,43 @@ def detect_source(src: str) -> str:
 
 
 def convert(src, dst, source: str | None = None, spec: Any = None, *, overwrite: bool = False,
-            allow_pickle: bool = False, storage_options: dict | None = None) -> SaveInfo:
+            allow_pickle: bool = False, storage_options: dict | None = None, copy: bool = True,
+            progress: bool | None = None) -> SaveInfo:
     """Convert the foreign checkpoint ``src`` into a statesnap checkpoint at ``dst``.
 
-    ``source`` is ``"torch"`` (a torch.save file, or a directory of them, one per rank),
-    ``"dcp"`` or ``"safetensors"`` (a file, an index json or a directory); by default it is
-    detected from ``src``. ``spec`` is a transform spec (a dict or a JSON file; see
-    :mod:`statesnap.convert.transform`) applied before saving."""
+    ``source`` is one of :data:`SOURCES` (``"torch"``: a torch.save file, or a directory of
+    them, one per rank; ``"dcp"``; ``"safetensors"``: a file, an index json or a directory; ...);
+    by default it is detected from ``src``. ``spec`` is a transform spec (a dict or a JSON file;
+    see :mod:`statesnap.convert.transform`) applied before saving. The checkpoint is written one
+    tensor at a time (see :mod:`statesnap.convert.writer`), so a source larger than memory
+    converts. ``copy=False`` (safetensors) makes the checkpoint's data files links to the
+    source's files instead of copies. ``progress``: a bar on stderr (default: on a terminal).
+    What the conversion noticed without refusing (replicas that drifted) is in ``.notes``."""
     src = os.fspath(src)
     source = source or detect_source(src)
     if source not in SOURCES:
         raise CheckpointError(f"unknown source {source!r} for {src}; choose one of {', '.join(SOURCES)}")
     ops = load_spec(spec)  # a bad spec fails before a large source is read
-    values = apply_spec(ops, SOURCES[source](src))
-    state = {name: materialize(value) for name, value in values.items()}
+    notes: list[str] = []
+    values = apply_spec(ops, SOURCES[source](src), notes=notes)
     meta = {"converted_from": {"source": source, "path": os.path.abspath(src), "ops": ops}}
-    return save(state, dst, overwrite=overwrite, allow_pickle=allow_pickle, storage_options=storage_options,
-                meta=meta)
+    info = write_checkpoint(values, dst, meta=meta, overwrite=overwrite, allow_pickle=allow_pickle,
+                            storage_options=storage_options, copy=copy, progress=progress)
+    info.notes = notes  # filled while the values were read
+    return info
 
 
 def export(path, dst, to: str = "safetensors", *, spec: Any = None, max_shard_bytes: int | None = None,
-           overwrite: bool = False, allow_pickle: bool = False, storage_options: dict | None = None) -> ExportInfo:
+           overwrite: bool = False, allow_pickle: bool = False, storage_options: dict | None = None,
+           progress: bool | None = None) -> ExportInfo:
     """Write the statesnap checkpoint ``path`` as one consolidated foreign checkpoint at local ``dst``.
 
     ``to="safetensors"``: tensors only (``dst`` a ``.safetensors`` file or a directory, sharded
     by ``max_shard_bytes``), read and written one tensor at a time. ``to="torch"``: one
     torch.save file of ``{name: value}``. ``to="dcp"``: a DCP directory. Values a format cannot
-    hold (plain data in safetensors, per-rank values anywhere) are listed in ``skipped``."""
+    hold (plain data in safetensors, per-rank values anywhere) are listed in ``skipped``.
+    ``dst`` may be an existing empty directory (as ``save_pretrained`` allows); anything else
+    already there needs ``overwrite=True``. ``progress``: a bar on stderr (default: on a terminal)."""
     started = time.perf_counter()
     dst = os.fspath(dst)
     if to not in TARGETS:
@@ -97,13 +112,15 @@ def export(path, dst, to: str = "safetensors", *, spec: Any = None, max_shard_by
     if to == "safetensors":
         skipped += [f"{name} (safetensors holds tensors only)" for name, v in values.items() if not is_tensor(v)]
     single_file = to == "torch" or dst.endswith(safetensors_io.SUFFIX)
-    with _staged(dst, overwrite, single_file) as target:
+    tensors = [v for v in values.values() if is_tensor(v)]
+    nbytes = sum(safetensors_io.tensor_bytes(v) for v in tensors)
+    with _staged(dst, overwrite, single_file) as target, bar(nbytes, f"export -> {os.path.basename(dst)}",
+                                                             progress) as advance:
+        values = {name: _counted(v, advance) if is_tensor(v) else v for name, v in values.items()}
         if to == "safetensors":
             files = safetensors_io.write(values, target, max_shard_bytes)
         else:
             files = (torch_save.write if to == "torch" else dcp.write)(values, target)
-    tensors = [v for v in values.values() if is_tensor(v)]
-    nbytes = sum(safetensors_io.tensor_bytes(v) for v in tensors)
     return ExportInfo(dst, to, [dst] if single_file else files, len(tensors), nbytes,
                       time.perf_counter() - started, skipped)
 
@@ -125,12 +142,28 @@ def checkpoint_values(reader: Reader) -> tuple[dict[str, Any], list[str]]:
     return values, skipped
 
 
+def _counted(value: Any, advance: Callable[[int], None]) -> Lazy:
+    """``value`` as a Lazy tensor that moves the progress bar by its bytes once it is read."""
+    def read():
+        tensor = materialize(value)
+        advance(safetensors_io.tensor_bytes(value))
+        return tensor
+
+    return Lazy(value.dtype, tuple(value.shape), read)
+
+
 @contextmanager
 def _staged(dst: str, overwrite: bool, single_file: bool) -> Iterator[str]:
     """Yield where to write (a file or a directory in a staging directory next to ``dst``), then
-    make every byte durable and move it to ``dst`` in one rename."""
-    if os.path.exists(dst) and not overwrite:
-        raise CheckpointExistsError(f"{dst} already exists; pass overwrite=True to replace it")
+    make every byte durable and move it to ``dst`` in one rename.
+
+    An existing empty directory is where a user meant the export to go (``mkdir out`` first, as
+    with ``save_pretrained``): it is removed just before the rename, which fails if anything has
+    appeared in it meanwhile, so nothing the user put there is ever replaced without ``overwrite``."""
+    into_empty = not single_file and not overwrite and os.path.isdir(dst) and not os.listdir(dst)
+    if os.path.exists(dst) and not overwrite and not into_empty:
+        raise CheckpointExistsError(f"{dst} already exists and is not an empty directory; "
+                                    "pass overwrite=True to replace it")
     backend = LocalBackend()
     staging = backend.begin(dst, uuid.uuid4().hex[:12])
     target = os.path.join(staging, os.path.basename(dst)) if single_file else staging
@@ -141,6 +174,13 @@ def _staged(dst: str, overwrite: bool, single_file: bool) -> Iterator[str]:
             os.replace(target, dst)
             fsync_dir(os.path.dirname(os.path.abspath(dst)))
         else:
+            if into_empty:
+                try:
+                    os.rmdir(dst)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    raise CheckpointExistsError(f"{dst} was filled while exporting; not replacing it") from None
             backend.commit(staging, dst, overwrite, durable=True)
     finally:
         if os.path.exists(staging):

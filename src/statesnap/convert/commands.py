@@ -7,6 +7,7 @@ import sys
 from typing import Any, Callable
 
 from ..errors import CheckpointError
+from ..tools import progress_flags
 from .api import SOURCES, TARGETS, convert, export
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -31,6 +32,7 @@ def _parser(name: str, description: str, src_help: str, dst_help: str) -> argpar
     parser.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="convert: store non-plain values with pickle; export: include pickled values")
+    progress_flags(parser)
     return parser
 
 
@@ -48,9 +50,13 @@ def convert_main(argv: list[str]) -> int:
                      "torch.save file or directory of them, DCP directory, safetensors file/index/directory",
                      "statesnap checkpoint to create (a path or fsspec URL)")
     parser.add_argument("--from", dest="source", choices=sorted(SOURCES), help="source format (default: detect)")
+    parser.add_argument("--no-copy", dest="copy", action="store_false",
+                        help="safetensors: link the source's files into the checkpoint instead of copying "
+                             "them (one read to checksum, no added disk use; same file system only)")
     args = parser.parse_args(argv)
     info = _run("convert", lambda: convert(args.src, args.dst, source=args.source, spec=args.spec,
-                                           overwrite=args.overwrite, allow_pickle=args.allow_pickle))
+                                           overwrite=args.overwrite, allow_pickle=args.allow_pickle,
+                                           copy=args.copy, progress=args.progress))
     if info is None:
         return 1
     print(f"converted {args.src} -> {info.path}: {info.bytes} bytes in {info.seconds:.2f} s")
@@ -66,7 +72,7 @@ def export_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     info = _run("export", lambda: export(args.src, args.dst, to=args.to, spec=args.spec,
                                          max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
-                                         allow_pickle=args.allow_pickle))
+                                         allow_pickle=args.allow_pickle, progress=args.progress))
     if info is None:
         return 1
     print(f"exported {args.src} -> {info.path} ({info.to}): {info.tensors} tensors, {info.bytes} bytes "

@@ -1,9 +1,10 @@
 """PyTorch Distributed Checkpoint (DCP) directories in and out, through DCP's public API only.
 
-Reading builds a target state dict from the checkpoint's own metadata (every tensor at its full
-global shape) and lets ``torch.distributed.checkpoint.load`` assemble the shards, in one process
-with no process group. The nesting DCP flattened away is rebuilt from ``planner_data``, so an
-optimizer's ``param_groups`` comes back as one list, as ``ss.save`` would have stored it.
+Reading builds a target from the checkpoint's own metadata (every tensor at its full global
+shape) and lets ``torch.distributed.checkpoint.load`` assemble the shards, in one process with no
+process group, one large tensor at a time (``read`` returns them as :class:`Lazy` values). The
+nesting DCP flattened away is rebuilt from ``planner_data``, so an optimizer's ``param_groups``
+comes back as one list, as ``ss.save`` would have stored it.
 
 Trust: DCP pickles its ``.metadata`` file and every non-tensor value (``torch.load`` with
 ``weights_only=False``). Converting a DCP checkpoint therefore trusts it exactly as much as
@@ -15,37 +16,77 @@ from __future__ import annotations
 import os
 import warnings
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..errors import CheckpointError
-from .transform import materialize
+from ..format.dtypes import itemsize
+from ..format.plaindata import MAX_INLINE_TENSOR_BYTES
+from .transform import Lazy, materialize
 from .tree import flatten_tree, nest_paths
 
 METADATA_NAME = ".metadata"
 
 
 def read(src: str) -> dict[str, Any]:
-    """``{name: tensor or plain value}`` of the DCP checkpoint directory ``src``, fully assembled."""
+    """``{name: Lazy tensor, small tensor or plain value}`` of the DCP checkpoint directory ``src``.
+
+    Large tensors are :class:`Lazy`: each is read on its own, when the writer gets to it, through
+    ``dcp.load`` of a one-tensor state dict, so a conversion never holds the whole checkpoint.
+    Plain values and tensors small enough to be plain data are read at once, in one call."""
     if not os.path.isfile(os.path.join(src, METADATA_NAME)):
         raise CheckpointError(f"{src} is not a DCP checkpoint: it has no {METADATA_NAME} file")
-    reader = FileSystemReader(src)
     try:
+        reader = _MetadataOnce(src)
         metadata = reader.read_metadata()
-        flat = {key: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
-                for key, md in metadata.state_dict_metadata.items()}
-        with _single_process():
-            dcp.load(flat, storage_reader=reader, no_dist=True)
+        flat: dict[str, Any] = {}
+        now: dict[str, Any] = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                flat[key] = now[key] = None  # DCP puts the stored object in its place
+            elif md.size.numel() * itemsize(md.properties.dtype) <= MAX_INLINE_TENSOR_BYTES:
+                flat[key] = now[key] = torch.empty(md.size, dtype=md.properties.dtype)
+            else:
+                flat[key] = Lazy(md.properties.dtype, tuple(md.size), partial(_load_one, reader, src, key, md))
+        if now:
+            _load(reader, now)
+            flat.update(now)
         nested = nest_paths(flat, metadata.planner_data or {})
     except CheckpointError:
         raise
     except Exception as exc:
         raise CheckpointError(f"reading DCP checkpoint {src} failed: {type(exc).__name__}: {exc}") from None
     return flatten_tree(nested, src)
+
+
+class _MetadataOnce(FileSystemReader):
+    """DCP's reader of a directory, with its ``.metadata`` unpickled once: ``dcp.load`` asks for
+    it on every call, and the streaming read makes one call per tensor."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        if not hasattr(self, "_metadata"):
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+def _load(reader: FileSystemReader, state: dict[str, Any]) -> None:
+    with _single_process():
+        dcp.load(state, storage_reader=reader, no_dist=True)
+
+
+def _load_one(reader: FileSystemReader, src: str, key: str, md: TensorStorageMetadata) -> torch.Tensor:
+    state = {key: torch.empty(md.size, dtype=md.properties.dtype)}
+    try:
+        _load(reader, state)
+    except Exception as exc:
+        raise CheckpointError(f"reading {key!r} from DCP checkpoint {src} failed: "
+                              f"{type(exc).__name__}: {exc}") from None
+    return state[key]
 
 
 def write(values: dict[str, Any], target: str) -> list[str]:

@@ -1,7 +1,9 @@
 """Hugging Face safetensors in and out: one file, or shards listed by ``model.safetensors.index.json``.
 
-Reading goes through the ``safetensors`` package's ``safe_open``, whose tensors are memory-mapped:
-a converter holds page-cache pages, not copies. Writing streams the format (an 8-byte header
+Reading parses the header (an 8-byte length, then JSON naming each tensor's dtype, shape and byte
+range) and reads each tensor's bytes only when asked, at its offset: a conversion holds one
+tensor at a time, and an import without copying can point the checkpoint at the bytes where they
+already are (``convert/writer.py``). Writing streams the format (an 8-byte header
 length, a JSON header, then raw little-endian bytes) one tensor at a time, because the package's
 ``save_file`` wants every tensor of a file in memory at once, and a consolidated export of a
 large model would not fit.
@@ -9,17 +11,19 @@ large model would not fit.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
+from functools import partial
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from ..engine.buffers import byte_view, host_contiguous
 from ..errors import CheckpointError
 from ..format.dtypes import itemsize
 from .transform import is_tensor, materialize
+from .writer import InFile
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -33,29 +37,95 @@ DTYPE_NAMES = {
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
     torch.float8_e5m2fnuz: "F8_E5M2FNUZ", torch.complex64: "C64",
 }
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+MAX_HEADER_BYTES = 100 << 20  # the safetensors package's own limit
 
 
 def read(src: str) -> dict[str, Any]:
-    """``{name: memory-mapped tensor}`` of a safetensors file, an index json, or a directory."""
+    """``{name: InFile}`` of a safetensors file, an index json, or a directory.
+
+    Only the headers are read here; each tensor's bytes are read when it is materialized, so a
+    conversion holds one tensor at a time, and each value knows its file and byte offset, so an
+    import without copying can point at the bytes where they are."""
     out: dict[str, Any] = {}
     expected = None
     files = [src]
     if os.path.isdir(src) or src.endswith(".json"):
         files, expected = _shard_files(src)
     for path in files:
-        try:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    if name in out:
-                        raise CheckpointError(f"{path}: tensor {name!r} is also in another shard")
-                    if expected is not None and expected.get(name) != path:
-                        raise CheckpointError(f"{path}: tensor {name!r} is not listed for this file in the index")
-                    out[name] = f.get_tensor(name)
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from None
+        for name, value in read_header(path).items():
+            if name in out:
+                raise CheckpointError(f"{path}: tensor {name!r} is also in another shard")
+            if expected is not None and expected.get(name) != path:
+                raise CheckpointError(f"{path}: tensor {name!r} is not listed for this file in the index")
+            out[name] = value
     missing = sorted(set(expected or ()) - set(out))
     if missing:
         raise CheckpointError(f"{src}: the index lists tensors that no shard holds: {', '.join(missing[:20])}")
+    return out
+
+
+def read_header(path: str) -> dict[str, InFile]:
+    """The tensors of one safetensors file as :class:`InFile` values, checked against the
+    specification (known dtypes, byte ranges that match shape and dtype, lie in the file and do
+    not overlap) so that a damaged or foreign file fails here, naming the file and tensor."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
+                raise CheckpointError(f"{path} is not a safetensors file: header length {length} does not fit "
+                                      f"a file of {size} bytes")
+            header = json.loads(f.read(length))
+    except OSError as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from None
+    except ValueError as exc:  # also UnicodeDecodeError
+        raise CheckpointError(f"{path} is not a safetensors file: its header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is not a safetensors file: its header is not a JSON object")
+    base = 8 + length
+    out, ranges = {}, []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, (begin, end) = _entry(path, name, entry)
+        if base + end > size:
+            raise CheckpointError(f"{path}: tensor {name!r} ends at byte {base + end}, beyond the file's {size}")
+        ranges.append((begin, end, name))
+        out[name] = InFile(dtype, shape, partial(_read_range, path, name, dtype, shape, base + begin),
+                           path, base + begin)
+    ranges.sort()
+    for (_, end, first), (begin, _, second) in zip(ranges, ranges[1:]):
+        if begin < end:
+            raise CheckpointError(f"{path}: tensors {first!r} and {second!r} overlap in the file")
+    return out
+
+
+def _entry(path: str, name: str, entry: Any) -> tuple[torch.dtype, tuple, tuple[int, int]]:
+    """(dtype, shape, data offsets) of one header entry, or an error naming file and tensor."""
+    try:
+        dtype = DTYPES[entry["dtype"]]
+        shape = tuple(entry["shape"])
+        begin, end = entry["data_offsets"]
+        ints = [*shape, begin, end]
+        if not all(type(n) is int and n >= 0 for n in ints) or begin > end:
+            raise ValueError("shape and offsets must be non-negative integers")
+        if end - begin != math.prod(shape) * itemsize(dtype):
+            raise ValueError(f"{end - begin} bytes do not hold {dtype} {list(shape)}")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry ({exc}): {entry!r:.200}") from None
+    return dtype, shape, (begin, end)
+
+
+def _read_range(path: str, name: str, dtype: torch.dtype, shape: tuple, offset: int) -> torch.Tensor:
+    """The tensor stored at ``offset``: one positioned read into its own memory."""
+    out = torch.empty(shape, dtype=dtype)
+    view = byte_view(out)
+    with open(path, "rb") as f:
+        got = os.preadv(f.fileno(), [view], offset) if len(view) else 0
+    if got != len(view):
+        raise CheckpointError(f"{path}: tensor {name!r} was cut short (read {got} of {len(view)} bytes)")
     return out
 
 

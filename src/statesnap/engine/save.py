@@ -35,6 +35,8 @@ class SaveInfo:
     path: str
     bytes: int
     seconds: float
+    # What a conversion noticed but did not refuse (how far averaged replicas drifted, ...)
+    notes: list[str] = field(default_factory=list)
 
 
 def data_file_name(token: str, rank: int) -> str:

@@ -1,0 +1,41 @@
+"""Progress bars (in bytes) for the long one-shot commands: ``convert``, ``export`` and ``verify``.
+
+Converting or checking a 70B-parameter checkpoint takes minutes; without a bar a user cannot tell
+a slow disk from a hang. A bar belongs on a terminal only: in a training job's log or a CI
+capture it is noise (carriage returns and partial lines), so by default it is shown only when
+``sys.stderr`` is a terminal, and ``progress=True``/``False`` forces it on or off.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+
+def wanted(progress: bool | None) -> bool:
+    """Whether to show a bar: as asked, or by default only on a terminal."""
+    if progress is None:
+        return sys.stderr.isatty()
+    return bool(progress)
+
+
+@contextmanager
+def bar(total_bytes: int, what: str, progress: bool | None = None) -> Iterator[Callable[[int], None]]:
+    """Yield ``advance(nbytes)``; it moves a bar on stderr, or does nothing when no bar is wanted.
+
+    ``advance`` may be called from several threads (verify checks pieces in parallel): tqdm's
+    own lock guards its display, ours the running count."""
+    if not wanted(progress):
+        yield lambda nbytes: None
+        return
+    from tqdm import tqdm  # imported only when a bar is shown
+
+    lock = threading.Lock()
+    with tqdm(total=total_bytes, desc=what, unit="B", unit_scale=True, unit_divisor=1024,
+              file=sys.stderr, dynamic_ncols=True, leave=True) as shown:
+        def advance(nbytes: int) -> None:
+            with lock:
+                shown.update(nbytes)
+
+        yield advance
