@@ -23,12 +23,12 @@ from ..errors import CheckpointError, CheckpointExistsError
 from ..progress import bar
 from ..reader import Reader, TensorInfo
 from ..storage.local import LocalBackend, fsync_dir
-from . import dcp, deepspeed, safetensors_io, torch_save, ucp
+from . import dcp, deepspeed, megatron, safetensors_io, torch_save, ucp
 from .transform import Lazy, apply_spec, is_tensor, load_spec, materialize
 from .writer import write_checkpoint
 
 SOURCES = {"torch": torch_save.read, "dcp": dcp.read, "safetensors": safetensors_io.read, "ucp": ucp.read,
-           "deepspeed": deepspeed.read}
+           "deepspeed": deepspeed.read, "megatron": megatron.read}
 TARGETS = ("safetensors", "torch", "dcp")
 
 
@@ -51,6 +51,8 @@ def detect_source(src: str) -> str:
             return "ucp"
         if deepspeed.is_deepspeed(src):
             return "deepspeed"
+        if megatron.is_megatron(src):  # before DCP: a dist_checkpointing directory is a DCP one plus common.pt
+            return "megatron"
         if dcp.METADATA_NAME in names:
             return "dcp"
         if any(n.endswith(safetensors_io.SUFFIX) or n == safetensors_io.INDEX_NAME for n in names):
