@@ -227,7 +227,7 @@ def _checksum_linked(plan, staging: str, rank: int, file: str, names: list[str],
                      block_bytes: int, advance) -> RankOutput:
     """A linked file as if rank ``rank`` had written it: each tensor's piece at its offset in the
     file, its block checksums from one read of those bytes."""
-    where = os.path.join(staging, file)
+    where, source = os.path.join(staging, file), tensors[names[0]].path
     size = os.path.getsize(where)
     for fqn in names:
         plan.tensors[fqn].offset = np.array([tensors[fqn].offset], dtype=np.int64)
@@ -235,13 +235,18 @@ def _checksum_linked(plan, staging: str, rank: int, file: str, names: list[str],
     reader = LocalBackend().open_read(where)
 
     def checksums(fqn: str) -> list[int]:
-        nbytes = int(plan.tensors[fqn].nbytes[0])
-        view = reader.map(tensors[fqn].offset, nbytes) or memoryview(b"")
-        try:
-            return checksum_blocks([view], block_bytes)
-        finally:
-            view.release()
-            advance(nbytes)
+        """One block at a time through one buffer: a mapping of the whole file would make every
+        page of it count as this process's memory."""
+        base, nbytes = tensors[fqn].offset, int(plan.tensors[fqn].nbytes[0])
+        buf = memoryview(bytearray(min(block_bytes, nbytes)))
+        sums = [] if nbytes else checksum_blocks([buf], block_bytes)
+        for pos in range(0, nbytes, block_bytes):
+            view = buf[:min(block_bytes, nbytes - pos)]
+            if reader.readinto(base + pos, [view]) != len(view):
+                raise CheckpointError(f"{source}: tensor {fqn!r} was cut short while it was imported")
+            sums += checksum_blocks([view], block_bytes)
+            advance(len(view))
+        return sums
 
     try:
         with ThreadPoolExecutor(default_threads(), thread_name_prefix="statesnap-checksum") as pool:
