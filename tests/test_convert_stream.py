@@ -315,3 +315,23 @@ def test_export_into_an_existing_empty_directory(tmp_path):
     ss.export(tmp_path / "ck", tmp_path / "full", to="dcp", overwrite=True)
     assert "notes.txt" not in os.listdir(tmp_path / "full") and ".metadata" in os.listdir(tmp_path / "full")
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no staging left behind
+
+
+def test_notes_of_the_spec_reach_the_result_and_the_cli(tmp_path, capsys):
+    """Replicas averaged by the spec may have drifted: how far is reported, not hidden."""
+    norm = torch.linspace(0, 1, 8)
+    torch.save({"tp_rank_00": {"norm": norm}, "tp_rank_01": {"norm": norm + 2**-10}}, tmp_path / "src.pt")
+    spec = {"ops": [{"fuse": r"tp_rank_(?P<index>\d+)\.norm", "to": "norm", "average": True}]}
+    info = ss.convert(tmp_path / "src.pt", tmp_path / "ck", spec=spec)
+    assert len(info.notes) == 1 and "norm" in info.notes[0] and "0.000976562" in info.notes[0]
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    assert cli.main(["convert", str(tmp_path / "src.pt"), str(tmp_path / "ck2"), "--spec", str(tmp_path / "spec.json")]) == 0
+    assert "note: norm" in capsys.readouterr().out
+    assert same_bits(ss.open(tmp_path / "ck").read("norm"), norm + 2**-11)
+
+
+def test_unsupported_dtype_is_named(tmp_path):
+    packed = torch.zeros(4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    torch.save({"w": packed}, tmp_path / "src.pt")
+    with pytest.raises(ss.CheckpointError, match=r"^w: dtype torch.float4_e2m1fn_x2 is not supported"):
+        ss.convert(tmp_path / "src.pt", tmp_path / "ck")

@@ -60,6 +60,8 @@ def convert_main(argv: list[str]) -> int:
     if info is None:
         return 1
     print(f"converted {args.src} -> {info.path}: {info.bytes} bytes in {info.seconds:.2f} s")
+    for line in info.notes:
+        print(f"  note: {line}")
     return 0
 
 

@@ -107,8 +107,12 @@ def write_checkpoint(values: dict[str, Any], dst, *, meta: dict, overwrite: bool
 def _meta(name: str, value: Any) -> ItemMeta:
     """The save plan's description of a whole tensor held by one rank, from dtype and shape."""
     shape = tuple(int(s) for s in value.shape)
+    try:
+        dtype = dtype_name(value.dtype)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{name}: {exc}; cast it with a transform spec") from None
     nbytes = torch.Size(shape).numel() * itemsize(value.dtype)
-    return ItemMeta(name, dtype_name(value.dtype), shape, BOX, (0,) * len(shape), shape, nbytes)
+    return ItemMeta(name, dtype, shape, BOX, (0,) * len(shape), shape, nbytes)
 
 
 class _Kept(FileWriter):
