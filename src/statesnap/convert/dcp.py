@@ -31,6 +31,10 @@ from .transform import Lazy, materialize
 from .tree import flatten_tree, nest_paths
 
 METADATA_NAME = ".metadata"
+# Tensors up to this size are read together, at once: they may be plain data inside a list (an
+# RNG state), which the statesnap checkpoint keeps as one value, and one call per tiny tensor
+# would cost more than it saves.
+EAGER_BYTES = MAX_INLINE_TENSOR_BYTES
 
 
 def read(src: str) -> dict[str, Any]:
@@ -49,7 +53,7 @@ def read(src: str) -> dict[str, Any]:
         for key, md in metadata.state_dict_metadata.items():
             if not isinstance(md, TensorStorageMetadata):
                 flat[key] = now[key] = None  # DCP puts the stored object in its place
-            elif md.size.numel() * itemsize(md.properties.dtype) <= MAX_INLINE_TENSOR_BYTES:
+            elif md.size.numel() * itemsize(md.properties.dtype) <= EAGER_BYTES:
                 flat[key] = now[key] = torch.empty(md.size, dtype=md.properties.dtype)
             else:
                 flat[key] = Lazy(md.properties.dtype, tuple(md.size), partial(_load_one, reader, src, key, md))
