@@ -1,7 +1,9 @@
 """Megatron DDP + distributed optimizer training, model and optimizer saved with dist_checkpointing:
-``mcore_train.py <outdir> <sharding type>`` on 2 gloo ranks (TP=1, DP=2), or 4 ranks with TP=2 DP=2.
+``mcore_train.py <outdir> <sharding type>`` on 2 gloo ranks (TP=1, DP=2), or 4 ranks with TP=2 DP=2
+(``MCORE_TP=2``).
 
-A GPT model (LayerNorm, GELU, biases, tied embeddings) trains 2 Adam steps through
+A GPT model (LayerNorm, GELU, biases, tied embeddings) trains 2 Adam steps (gradients in buckets
+of about ``$MCORE_BUCKET_ELEMENTS`` elements if set) through
 ``get_megatron_optimizer`` (a ChainedOptimizer over a DistributedOptimizer), then
 ``dist_checkpointing.save`` writes ``{"model": ..., "optimizer": opt.sharded_state_dict(...,
 metadata={"distrib_optim_sharding_type": <sharding type>})}`` to ``<outdir>/dist``. Each rank writes
@@ -41,8 +43,12 @@ def main():
                             bias_dropout_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
                             persist_layer_norm=False)
     gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
-                   max_sequence_length=16)
-    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False)
+                   max_sequence_length=16, share_embeddings_and_output_weights=True)
+    # MCORE_BUCKET_ELEMENTS: small buckets (megatron-core buckets only with overlap_grad_reduce), each
+    # padded to a multiple of lcm(DP, 128) elements; unset: one bucket
+    bucket = int(os.environ.get("MCORE_BUCKET_ELEMENTS", "0")) or None
+    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=bucket is not None,
+                                            bucket_size=bucket)
     model = DistributedDataParallel(cfg, ddp_cfg, gpt)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True), [model])
     generator = torch.Generator().manual_seed(1 + ps.get_data_parallel_rank())
