@@ -335,3 +335,15 @@ def test_unsupported_dtype_is_named(tmp_path):
     torch.save({"w": packed}, tmp_path / "src.pt")
     with pytest.raises(ss.CheckpointError, match=r"^w: dtype torch.float4_e2m1fn_x2 is not supported"):
         ss.convert(tmp_path / "src.pt", tmp_path / "ck")
+
+
+def test_convert_streams_to_an_fsspec_url_and_copy_false_needs_a_local_destination(tmp_path):
+    expected = write_hf(tmp_path / "hf", hf_shards())
+    url = f"memory://convert-{os.getpid()}/ck"
+    ss.convert(tmp_path / "hf", url)
+    reader = ss.open(url)
+    assert reader.verify() > 0
+    for name, tensor in expected.items():
+        assert same_bits(reader.read(name), tensor), name
+    with pytest.raises(ss.CheckpointError, match="copy=False links files on a local file system"):
+        ss.convert(tmp_path / "hf", f"memory://convert-{os.getpid()}/ck2", copy=False)
