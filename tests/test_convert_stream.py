@@ -242,8 +242,12 @@ def test_import_without_copying_writes_what_the_spec_computes_and_links_the_rest
 
 def test_import_without_copying_is_refused_where_it_cannot_apply(tmp_path):
     torch.save({"w": torch.randn(4)}, tmp_path / "src.pt")
-    with pytest.raises(ss.CheckpointError, match="copy=False needs a source whose tensors lie raw"):
+    with pytest.raises(ss.CheckpointError, match="a 'torch' source is decoded, so it is copied: use copy=True"):
         ss.convert(tmp_path / "src.pt", tmp_path / "ck", copy=False)
+    save_file({"w": torch.randn(4)}, tmp_path / "m.safetensors")
+    with pytest.raises(ss.CheckpointError, match="the transform spec computes every one"):
+        ss.convert(tmp_path / "m.safetensors", tmp_path / "ck", copy=False,
+                   spec={"ops": [{"split": "w", "to": ["a", "b"], "dim": 0}]})
     assert not (tmp_path / "ck").exists()
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".ck")]  # no staging left behind
 

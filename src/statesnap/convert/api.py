@@ -30,6 +30,7 @@ from .writer import write_checkpoint
 SOURCES = {"torch": torch_save.read, "dcp": dcp.read, "safetensors": safetensors_io.read, "ucp": ucp.read,
            "deepspeed": deepspeed.read, "megatron": megatron.read}
 TARGETS = ("safetensors", "torch", "dcp")
+IN_PLACE_SOURCES = ("safetensors",)  # sources whose tensors convert(copy=False) can link (writer.InFile)
 
 
 @dataclass
@@ -78,6 +79,10 @@ def convert(src, dst, source: str | None = None, spec: Any = None, *, overwrite:
     source = source or detect_source(src)
     if source not in SOURCES:
         raise CheckpointError(f"unknown source {source!r} for {src}; choose one of {', '.join(SOURCES)}")
+    if not copy and source not in IN_PLACE_SOURCES:
+        raise CheckpointError(f"copy=False links the source's files into the checkpoint, which needs tensors stored "
+                              f"raw in them ({', '.join(IN_PLACE_SOURCES)}); a {source!r} source is decoded, "
+                              "so it is copied: use copy=True")
     ops = load_spec(spec)  # a bad spec fails before a large source is read
     notes: list[str] = []
     values = apply_spec(ops, SOURCES[source](src), notes=notes)

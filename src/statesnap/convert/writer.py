@@ -187,9 +187,8 @@ def _link_sources(tensors: dict[str, Any], staging: str, token: str, durable: bo
         if isinstance(value, InFile):
             by_path.setdefault(value.path, []).append(name)
     if not by_path:
-        raise CheckpointError("copy=False needs a source whose tensors lie raw in its files (safetensors); "
-                              "this source's tensors are decoded or transformed, so they must be copied: "
-                              "use copy=True")
+        raise CheckpointError("copy=False: no tensor is left as the source stores it (the transform spec "
+                              "computes every one), so there is nothing to link; use copy=True")
     linked = {}
     for rank, (source, names) in enumerate(by_path.items(), start=1):
         name = data_file_name(token, rank)
