@@ -84,6 +84,8 @@ def write_checkpoint(values: dict[str, Any], dst, *, meta: dict, overwrite: bool
         in_link = {name for names in linked.values() for name in names}
         own = [name for name in tensors if name not in in_link]
         files = list(linked)
+        # each linked file is planned as if another rank held its tensors (its offsets are then set
+        # to where they lie in it), so the manifest comes from the engine's own build_manifest
         plan = plan_save([[_meta(n, tensors[n]) for n in own], *([_meta(n, tensors[n]) for n in linked[f]]
                                                                    for f in files)],
                          [shared_names(plain)] + [[] for _ in files])
