@@ -167,14 +167,18 @@ def test_distributed_optimizer_state_equals_ground_truth(produced, name):
 
 def test_convert_detects_each_layout_and_round_trips(produced, tmp_path):
     out = produced("gpt_pp2")
-    for layout, src in [("run", f"{out}/classic"), ("iteration", f"{out}/classic/iter_0000007"),
-                        ("dist", f"{out}/dist")]:
+    dist_run = tmp_path / "dist_run"  # Megatron-LM's torch_dist layout: tracker + iter_0000007/ in DCP form
+    shutil.copytree(f"{out}/dist", dist_run / "iter_0000007")
+    (dist_run / "latest_checkpointed_iteration.txt").write_text("7\n")
+    layouts = {"run": f"{out}/classic", "iteration": f"{out}/classic/iter_0000007", "dist": f"{out}/dist",
+               "dist_run": str(dist_run)}
+    for layout, src in layouts.items():
         assert detect_source(src) == "megatron", layout
-        ss.convert(src, tmp_path / layout)
+        ss.convert(src, tmp_path / f"converted_{layout}")
     want = materialized(megatron.read(f"{out}/dist"))
-    for layout in ("run", "iteration", "dist"):
+    for layout in layouts:
         state = {n: torch.empty_like(v) for n, v in want.items() if isinstance(v, torch.Tensor)}
-        ss.load(state, tmp_path / layout, strict=False)
+        ss.load(state, tmp_path / f"converted_{layout}", strict=False)
         for n, v in state.items():
             assert torch.equal(v, want[n]), (layout, n)
 
