@@ -67,7 +67,8 @@ NORM_RENAMES = [{"rename": r"\.self_attention\.linear_qkv\.layer_norm_(weight|bi
                 {"rename": r"\.mlp\.linear_fc1\.layer_norm_(weight|bias)\b", "to": r".pre_mlp_layernorm.\1",
                  "optional": True}]
 # The vocabulary-sized tensors: weights, fp32 masters and Adam moments of the embedding and output layer.
-VOCAB_TENSORS = r"^(?:model|fp32|optim\.state)\.(?:embedding\.word_embeddings|output_layer)\.weight(?:\.exp_avg(?:_sq)?)?$"
+VOCAB_TENSORS = (r"^(?:model|fp32|optim\.state)\.(?:embedding\.word_embeddings|output_layer)\.weight"
+                 r"(?:\.exp_avg(?:_sq)?)?$")
 
 
 def is_dist_checkpoint(src: str) -> bool:
@@ -133,38 +134,60 @@ def read_dist(folder: str) -> dict[str, Any]:
     if not isinstance(common, dict):
         raise CheckpointError(f"{os.path.join(folder, COMMON)} holds a {type(common).__name__}, not a dict")
     sharded = dcp.read(folder)
+    # Megatron-LM also shards per-rank objects (rng_state, rerun_state_machine): not model state.
+    skipped = sorted({n.split("/")[0] for n in sharded if not n.startswith(("model.", "optimizer."))})
+    if skipped:
+        log.warning("%s: not imported: %s", folder, ", ".join(skipped))
     optimizer = common.pop("optimizer", {})
+    if not isinstance(optimizer, dict):
+        raise CheckpointError(f"{os.path.join(folder, COMMON)}: 'optimizer' holds a {type(optimizer).__name__}, "
+                              "not a dict")
     values = {name: value for name, value in sharded.items() if name.startswith("model.")}
-    stray = [n for n in sharded if not n.startswith(("model.", "optimizer."))]
-    if stray:
-        raise CheckpointError(f"{folder}: sharded entries outside model.* and optimizer.*: {', '.join(stray[:8])}")
-    groups = optimizer.get("optimizer", {}).get("param_groups") if isinstance(optimizer, dict) else None
-    sharding = optimizer.get("param_state_sharding_type") if isinstance(optimizer, dict) else None
-    for name, value in sharded.items():
-        m = re.fullmatch(r"optimizer\.state\.(param|exp_avg|exp_avg_sq)\.model\.(.*)", name)
-        if m:
-            values["fp32." + m.group(2) if m.group(1) == "param" else f"optim.state.{m.group(2)}.{m.group(1)}"] = value
-        elif name.startswith("optimizer.") and not name.startswith("optimizer.distributed."):
-            raise CheckpointError(f"{folder}: unknown optimizer entry {name!r} (sharding type {sharding!r})")
+    values.update(_model_space_optimizer(sharded, folder))
     ops = [{"drop": r"\._extra_state(?:/shard_\d+_\d+)?$", "optional": True},
            {"unstack": r"(?P<head>(?:model|fp32|optim\.state)\.(?:.*\.)?decoder\.layers\.)(?P<tail>[^\d].*)",
             "to": r"\g<head>{index}.\g<tail>", "dim": 0, "optional": True},
            *NORM_RENAMES]
     values = apply_spec(load_spec({"ops": ops}), values)
+    groups = optimizer.get("optimizer", {}).get("param_groups")
     distributed = {n: v for n, v in sharded.items() if n.startswith("optimizer.distributed.")}
     if distributed:
-        groups = sharded_object(distributed, folder, "optimizer").get("param_groups")
+        inner = sharded_object(distributed, folder, "optimizer")
+        groups = inner.get("param_groups") if isinstance(inner, dict) else None
         values.update(bucket_values(distributed, parameter_order(values), folder))
     values = apply_spec(load_spec({"ops": _vocab_ops(common.get("args"))}), values)
     if groups is not None:
-        values["optim.param_groups"] = groups
-        steps = {group.get("step") for group in groups}
-        if len(steps) == 1 and None not in steps:
-            values["optim.step"] = steps.pop()
+        values.update(_param_groups(groups, folder))
     values.update(flatten_tree(common, os.path.join(folder, COMMON)))
-    if isinstance(optimizer, dict) and sharding is not None:
-        values["optimizer.param_state_sharding_type"] = sharding
+    if "param_state_sharding_type" in optimizer:
+        values["optimizer.param_state_sharding_type"] = optimizer["param_state_sharding_type"]
     return values
+
+
+def _model_space_optimizer(sharded: dict[str, Any], folder: str) -> dict[str, Any]:
+    """``fully_reshardable`` state, model-shaped (``optimizer.state.<key>.model.<name>``), renamed
+    like the DeepSpeed importer's: ``fp32.<name>`` and ``optim.state.<name>.<key>``."""
+    out = {}
+    for name, value in sharded.items():
+        m = re.fullmatch(r"optimizer\.state\.(param|exp_avg|exp_avg_sq)\.model\.(.*)", name)
+        if m:
+            key, param = m.groups()
+            out["fp32." + param if key == "param" else f"optim.state.{param}.{key}"] = value
+        elif name.startswith("optimizer.") and not name.startswith("optimizer.distributed."):
+            raise CheckpointError(f"{folder}: optimizer entry {name!r} is not Adam state (param, exp_avg, exp_avg_sq) "
+                                  "of a model parameter")
+    return out
+
+
+def _param_groups(groups: Any, folder: str) -> dict[str, Any]:
+    """``optim.param_groups`` as saved, and ``optim.step``: Megatron keeps Adam's step in the groups."""
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise CheckpointError(f"{folder}: the optimizer's param_groups is not a list of dicts: {str(groups)[:200]}")
+    out: dict[str, Any] = {"optim.param_groups": groups}
+    steps = {group.get("step") for group in groups}
+    if len(steps) == 1 and None not in steps:
+        out["optim.step"] = steps.pop()
+    return out
 
 
 def parameter_order(values: dict[str, Any]) -> list[tuple[str, tuple]]:
@@ -224,8 +247,8 @@ def read_classic(folder: str) -> dict[str, Any]:
         if not isinstance(content, dict) or not isinstance(content.get("model"), dict):
             raise CheckpointError(f"{ranks[key]} holds no 'model' state dict; not a Megatron model_optim_rng.pt")
         if any(k.startswith("model") and k != "model" for k in content):
-            raise CheckpointError(f"{ranks[key]}: virtual pipeline stages ({', '.join(k for k in content if k.startswith('model'))}) "
-                                  "are not supported")
+            chunks = ", ".join(k for k in content if k.startswith("model"))
+            raise CheckpointError(f"{ranks[key]}: virtual pipeline stages ({chunks}) are not supported")
     values, tied = {}, _tied(args, files, pp_size, ranks)
     for tp in range(tp_size):
         offset = 0

@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import math
 import re
+from functools import partial
 from typing import Any
+
+import torch
 
 from ..errors import CheckpointError
 from .transform import Lazy, materialize
@@ -70,9 +73,13 @@ def bucket_values(distributed: dict[str, Any], order: list[tuple[str, tuple]], f
             if tuple(tensor.shape) != (unpadded[bucket],):
                 raise CheckpointError(f"{folder}: bucket {bucket} {key} has shape {list(tensor.shape)}, expected "
                                       f"[{unpadded[bucket]}] (per_bucket_numel_unpadded)")
-            out[KEYS[key].format(param)] = Lazy(tensor.dtype, shape, lambda t=tensor, s=start, n=math.prod(shape), sh=shape:
-                                                materialize(t).narrow(0, s, n).reshape(sh).clone())
+            out[KEYS[key].format(param)] = Lazy(tensor.dtype, shape, partial(_cut, tensor, start, shape))
     return out
+
+
+def _cut(bucket: Any, start: int, shape: tuple) -> torch.Tensor:
+    """One parameter's elements of a bucket, in storage of its own (not a view keeping the bucket)."""
+    return materialize(bucket).narrow(0, start, math.prod(shape)).reshape(shape).clone()
 
 
 def _sizes(per_gbuf: Any, folder: str) -> list[int]:
@@ -102,15 +109,16 @@ def layout(order: list[tuple[str, tuple]], padded: list[int], unpadded: list[int
                                   f"{name}; the model section does not match the optimizer's parameters")
         end = start + math.prod(shape)
         if end - bucket_start > unpadded[bucket]:
-            raise CheckpointError(f"{folder}: parameter {name} {list(shape)} would end at {end - bucket_start} in bucket "
-                                  f"{bucket} of {unpadded[bucket]} elements; the model section does not match the "
-                                  "optimizer's parameters")
+            raise CheckpointError(f"{folder}: parameter {name} {list(shape)} would end at {end - bucket_start} in "
+                                  f"bucket {bucket} of {unpadded[bucket]} elements; the model section does not match "
+                                  "the optimizer's parameters")
         placed.append((name, shape, bucket, start - bucket_start))
         if end - bucket_start == unpadded[bucket]:
             bucket_start, bucket = bucket_start + padded[bucket], bucket + 1
             end = bucket_start
         position = end
     if bucket != len(unpadded):
-        raise CheckpointError(f"{folder}: the model's parameters fill {bucket} of the {len(unpadded)} optimizer buckets "
-                              f"({unpadded} elements); the model section does not match the optimizer's parameters")
+        raise CheckpointError(f"{folder}: the model's parameters fill {bucket} of the {len(unpadded)} optimizer "
+                              f"buckets ({unpadded} elements); the model section does not match the optimizer's "
+                              "parameters")
     return placed
