@@ -19,7 +19,7 @@ import torch
 import statesnap as ss
 from statesnap.convert import megatron, specs
 from statesnap.convert.api import detect_source
-from statesnap.errors import CheckpointError
+from statesnap.errors import CheckpointError, UnsafeCheckpointError
 
 from producers import run_producer
 
@@ -244,6 +244,23 @@ def test_damaged_and_foreign_checkpoints_are_refused(produced, tmp_path):
         megatron.read(str(dist))
     with pytest.raises(CheckpointError, match="not a Megatron checkpoint"):
         megatron.read(str(tmp_path))
+
+
+def test_classic_replicas_that_differ_and_foreign_globals_are_refused(produced, tmp_path):
+    out = produced("llama_tp2")
+    classic = tmp_path / "classic"
+    shutil.copytree(f"{out}/classic", classic)
+    path = classic / "iter_0000007" / "mp_rank_01" / "model_optim_rng.pt"
+    content = torch.load(path, weights_only=False)
+    content["model"]["decoder.layers.2.pre_mlp_layernorm.weight"][5] += 1
+    torch.save(content, path)
+    with pytest.raises(CheckpointError, match=r"decoder\.layers\.2\.pre_mlp_layernorm\.weight"):
+        materialized(megatron.read(str(classic)))
+    dist = tmp_path / "dist"
+    shutil.copytree(f"{out}/dist", dist)
+    torch.save({"iteration": 7, "args": shutil.copytree}, dist / "common.pt")  # a global no checkpoint needs
+    with pytest.raises(UnsafeCheckpointError, match="shutil.copytree"):
+        megatron.read(str(dist))
 
 
 def test_dp_reshardable_refuses_a_model_that_does_not_fill_the_buckets(produced, tmp_path):
