@@ -3,15 +3,16 @@ model imported without copying against reading it once.
 
 * ``deepspeed``: DeepSpeed writes a ZeRO-3 checkpoint of an MLP stack on 2 gloo ranks (fp32,
   AdamW, one step). Then, interleaved ``--repeat`` times, each in a fresh process: DeepSpeed's own
-  ``python -m deepspeed.checkpoint.ds_to_universal`` (the Universal Checkpointing converter: it
-  writes one folder per parameter) and ``statesnap convert --from deepspeed`` (which writes one
-  reshardable checkpoint directly). Wall time of the whole command (interpreter start and imports
-  included, for both) and the peak resident memory of its process tree (``ds_to_universal``
-  runs worker processes; their memory is summed).
+  ``ds_to_universal`` (the Universal Checkpointing converter: it writes one folder per parameter)
+  and ``ss.convert(source="deepspeed")`` (which writes one reshardable checkpoint directly).
 * ``safetensors``: a ``--gb`` safetensors file; the floor is reading it once and hashing it with
-  xxh3 (what any import must do to checksum it); against it ``statesnap convert --no-copy`` (hard
+  xxh3 (what any import must do to checksum it); against it ``ss.convert(copy=False)`` (hard
   links) and a copying convert. Disk use is what the destination adds: bytes of its files that
   share no inode with the source.
+
+Each job reports the seconds of its own work (timed inside the process, imports excluded), the
+wall time of the whole process (interpreter start and imports included) and the peak resident
+memory of its process tree (``ds_to_universal`` runs worker processes; their memory is summed).
 
 The page cache is warm for every measurement (each source is read once first): the figures compare
 the converters' work, not the disk. Scratch goes under ``--out`` and is removed at the end.
@@ -19,6 +20,7 @@ the converters' work, not the disk. Scratch goes under ``--out`` and is removed 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -78,17 +80,40 @@ def _rss(pid: int) -> int:
 
 
 def measured(command: list[str], env: dict | None = None) -> dict:
-    """Wall seconds and peak tree RSS of ``command``; it must succeed."""
+    """Wall seconds and peak tree RSS of ``command``, which must succeed and print, last, a JSON
+    line with the seconds of the work itself (the wall time also holds interpreter start and imports)."""
     started = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
     memory = TreeMemory(proc.pid)
     out, err = proc.communicate()
-    seconds = time.perf_counter() - started
+    wall = time.perf_counter() - started
     peak = memory.stop()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed (exit {proc.returncode}):\n{out[-2000:]}\n{err[-4000:]}")
-    return {"seconds": seconds, "peak_rss_bytes": peak}
+    return {"wall_seconds": wall, "seconds": json.loads(out.strip().splitlines()[-1])["seconds"],
+            "peak_rss_bytes": peak}
+
+
+def _child(*args: str) -> list[str]:
+    return [sys.executable, "-m", "statesnap.bench.convert", "--child", *args]
+
+
+def run_child_job(kind: str, args: list[str]) -> None:
+    """In a fresh process: one timed job, then its seconds as the last line of stdout."""
+    started = time.perf_counter()
+    if kind == "hash":
+        hash_file(args[0])
+    elif kind == "ds_to_universal":
+        from deepspeed.checkpoint import ds_to_universal
+
+        sys.argv = ["ds_to_universal", "--input_folder", args[0], "--output_folder", args[1]]
+        ds_to_universal.main(ds_to_universal.parse_arguments())
+    else:
+        import statesnap as ss
+
+        ss.convert(args[0], args[1], source=args[2], overwrite=True, copy=kind != "no_copy", progress=False)
+    print(json.dumps({"seconds": time.perf_counter() - started}))
 
 
 def read_everything(path: str) -> None:
@@ -100,14 +125,10 @@ def read_everything(path: str) -> None:
                     pass
 
 
-def _statesnap_convert(src: str, dst: str, source: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "statesnap.cli", "convert", src, dst, "--from", source, "--overwrite", *extra]
-
-
 # --- DeepSpeed ZeRO-3 -------------------------------------------------------------------------
 
 def deepspeed_part(scratch: str, dim: int, layers: int, repeat: int) -> dict:
-    ckpt = os.path.join(scratch, "ds")
+    ckpt = os.path.join(fresh_dir(scratch), "ds")
     env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                     "-m", "statesnap.bench.ds_producer", ckpt, str(dim), str(layers)],
@@ -118,10 +139,8 @@ def deepspeed_part(scratch: str, dim: int, layers: int, repeat: int) -> dict:
     runs: dict[str, list[dict]] = {"ds_to_universal": [], "statesnap": []}
     for _ in range(repeat):
         shutil.rmtree(os.path.dirname(universal), ignore_errors=True)
-        runs["ds_to_universal"].append(measured(
-            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag,
-             "--output_folder", universal], env))
-        runs["statesnap"].append(measured(_statesnap_convert(tag, ours, "deepspeed"), env))
+        runs["ds_to_universal"].append(measured(_child("ds_to_universal", tag, universal), env))
+        runs["statesnap"].append(measured(_child("copy", tag, ours, "deepspeed"), env))
     return {"checkpoint_bytes": tree_bytes(tag), "universal_bytes": tree_bytes(os.path.dirname(universal)),
             "statesnap_bytes": tree_bytes(ours), "runs": runs, "summary": _summary(runs)}
 
@@ -132,7 +151,7 @@ def safetensors_part(scratch: str, gigabytes: float, repeat: int) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    src = os.path.join(scratch, "model.safetensors")
+    src = os.path.join(fresh_dir(scratch), "model.safetensors")
     per_tensor = 64 << 20
     count = max(1, round(gigabytes * 1e9 / per_tensor))
     generator = torch.Generator().manual_seed(0)
@@ -142,10 +161,10 @@ def safetensors_part(scratch: str, gigabytes: float, repeat: int) -> dict:
     runs: dict[str, list[dict]] = {"read_and_xxh3": [], "no_copy": [], "copy": []}
     added: dict[str, int] = {}
     for _ in range(repeat):
-        runs["read_and_xxh3"].append(measured([sys.executable, "-m", "statesnap.bench.convert", "--hash-file", src]))
-        for mode, extra in (("no_copy", ("--no-copy",)), ("copy", ())):
+        runs["read_and_xxh3"].append(measured(_child("hash", src)))
+        for mode in ("no_copy", "copy"):
             dst = os.path.join(scratch, mode)
-            runs[mode].append(measured(_statesnap_convert(src, dst, "safetensors", *extra)))
+            runs[mode].append(measured(_child(mode, src, dst, "safetensors")))
             added[mode] = _bytes_not_shared_with(dst, src)
             shutil.rmtree(dst)
     return {"source_bytes": os.path.getsize(src), "tensors": count, "disk_added_bytes": added,
@@ -173,13 +192,14 @@ def hash_file(path: str) -> None:
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buffer):
             digest.update(view[:n])
-    print(digest.hexdigest())
+    digest.hexdigest()
 
 
 # --- report -----------------------------------------------------------------------------------
 
 def _summary(runs: dict[str, list[dict]]) -> dict:
-    return {name: {"seconds": median(r["seconds"] for r in rs), "peak_rss_mb": median(r["peak_rss_bytes"] for r in rs) / 1e6}
+    return {name: {"seconds": median(r["seconds"] for r in rs), "wall_seconds": median(r["wall_seconds"] for r in rs),
+                   "peak_rss_mb": median(r["peak_rss_bytes"] for r in rs) / 1e6}
             for name, rs in runs.items()}
 
 
@@ -190,24 +210,25 @@ def report(result: dict) -> str:
         s = part["summary"]
         lines += [f"DeepSpeed ZeRO-3 checkpoint, {part['checkpoint_bytes'] / 1e6:.0f} MB on disk "
                   f"(2 ranks); medians of {result['repeat']} interleaved runs",
-                  format_table(["converter", "seconds", "peak RSS MB", "output MB"], [
-                      ["ds_to_universal", s["ds_to_universal"]["seconds"], s["ds_to_universal"]["peak_rss_mb"],
-                       part["universal_bytes"] / 1e6],
-                      ["statesnap convert", s["statesnap"]["seconds"], s["statesnap"]["peak_rss_mb"],
-                       part["statesnap_bytes"] / 1e6]]),
-                  f"statesnap is {s['ds_to_universal']['seconds'] / s['statesnap']['seconds']:.2f}x faster", ""]
+                  format_table(["converter", "seconds", "process wall s", "peak RSS MB", "output MB"], [
+                      ["ds_to_universal", s["ds_to_universal"]["seconds"], s["ds_to_universal"]["wall_seconds"],
+                       s["ds_to_universal"]["peak_rss_mb"], part["universal_bytes"] / 1e6],
+                      ["statesnap convert", s["statesnap"]["seconds"], s["statesnap"]["wall_seconds"],
+                       s["statesnap"]["peak_rss_mb"], part["statesnap_bytes"] / 1e6]]),
+                  f"statesnap is {s['ds_to_universal']['seconds'] / s['statesnap']['seconds']:.2f}x faster "
+                  f"({s['ds_to_universal']['wall_seconds'] / s['statesnap']['wall_seconds']:.2f}x by process wall time)", ""]
     if "safetensors" in result:
         part = result["safetensors"]
         s = part["summary"]
         floor = s["read_and_xxh3"]["seconds"]
         lines += [f"safetensors import, {part['source_bytes'] / 1e9:.2f} GB in {part['tensors']} tensors; "
                   f"medians of {result['repeat']} interleaved runs (warm page cache)",
-                  format_table(["mode", "seconds", "x floor", "peak RSS MB", "disk added MB"], [
-                      ["read once + xxh3 (floor)", floor, 1.0, s["read_and_xxh3"]["peak_rss_mb"], 0.0],
-                      ["convert --no-copy", s["no_copy"]["seconds"], s["no_copy"]["seconds"] / floor,
-                       s["no_copy"]["peak_rss_mb"], part["disk_added_bytes"]["no_copy"] / 1e6],
-                      ["convert (copy)", s["copy"]["seconds"], s["copy"]["seconds"] / floor,
-                       s["copy"]["peak_rss_mb"], part["disk_added_bytes"]["copy"] / 1e6]])]
+                  format_table(["mode", "seconds", "x floor", "process wall s", "peak RSS MB", "disk added MB"], [
+                      ["read once + xxh3 (floor)", floor, 1.0, s["read_and_xxh3"]["wall_seconds"],
+                       s["read_and_xxh3"]["peak_rss_mb"], 0.0],
+                      *([label, s[mode]["seconds"], s[mode]["seconds"] / floor, s[mode]["wall_seconds"],
+                         s[mode]["peak_rss_mb"], part["disk_added_bytes"][mode] / 1e6]
+                        for label, mode in (("convert copy=False", "no_copy"), ("convert (copy)", "copy")))])]
     return "\n".join(lines)
 
 
@@ -220,10 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", default=DEFAULT_OUT, help="scratch directory (removed at the end)")
     parser.add_argument("--json", help="also write the figures here ('-' for stdout)")
-    parser.add_argument("--hash-file", help=argparse.SUPPRESS)  # the floor's child process
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)  # one timed job in a fresh process
     args = parser.parse_args(argv)
-    if args.hash_file:
-        hash_file(args.hash_file)
+    if args.child:
+        run_child_job(args.child[0], args.child[1:])
         return 0
     parts = [p for p in args.parts.split(",") if p]
     if set(parts) - set(PARTS):
