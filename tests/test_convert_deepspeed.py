@@ -165,12 +165,17 @@ def test_zero_moments_match_ds_to_universal(name, produced, converted, tmp_path)
             assert bits_equal(value, universal_tensor(folder, param, state).reshape(value.shape)), (param, state)
 
 
-def test_loads_into_a_plain_model_and_adamw(produced, converted):
+def _producer_net():
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "producers"))
     try:
         from ds_train import Net
     finally:
         sys.path.pop(0)
+    return Net
+
+
+def test_loads_into_a_plain_model_and_adamw(produced, converted):
+    Net = _producer_net()
     truth = torch.load(os.path.join(produced("z3"), "truth.pt"))
     model = Net()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1.0)
@@ -184,6 +189,18 @@ def test_loads_into_a_plain_model_and_adamw(produced, converted):
             state = opt.state[param]
             assert bits_equal(state["exp_avg"], truth["exp_avg"][name]) and state["step"].item() == 3, name
     assert opt.param_groups[0]["lr"] == pytest.approx(0.004771212547196624)
+
+
+def test_fp32_masters_load_into_a_bf16_model_with_cast(produced, converted):
+    """UCP's precision-agnostic resume: the fp32 master weights into a bf16 model, rounded once."""
+    Net = _producer_net()
+    truth = torch.load(os.path.join(produced("z3"), "truth.pt"))
+    model = Net().to(torch.bfloat16)
+    # strict=False: the frozen norm weight has no fp32 master (the optimizer never held it)
+    ss.load({"fp32": model}, converted("z3"), strict=False, cast=True)
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            assert bits_equal(param.detach(), truth["fp32"][name].to(torch.bfloat16)), name
 
 
 # --- pipeline and tensor parallelism -------------------------------------------------------
@@ -224,6 +241,27 @@ def test_autotp_slices_merge_by_the_derived_spec(produced, converted, tmp_path):
         for state, ours in (("fp32", f"fp32.{param}"), *((m, f"optim.state.{param}.{m}") for m in MOMENTS)):
             assert bits_equal(reader.read(ours), universal_tensor(folder, param, state)), (param, state)
     assert reader.read("my_extra") == 42 and not any(k.startswith("tp_rank_") for k in reader.keys())
+
+
+def test_autotp_llama_exports_to_safetensors_that_from_pretrained_loads(produced, converted, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from statesnap.convert import specs
+
+    out = tmp_path / "hf"
+    out.mkdir()  # an existing empty directory, as save_pretrained accepts
+    ss.export(converted("autotp"), str(out), to="safetensors", spec=specs.path("deepspeed_to_hf"))
+    # the producer's config (tests/producers/ds_autotp.py)
+    LlamaConfig(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                intermediate_size=48, vocab_size=64, max_position_embeddings=32,
+                tie_word_embeddings=False).save_pretrained(out)
+    model, loading = LlamaForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"], loading
+    reader = ss.open(converted("autotp"))
+    loaded = model.state_dict()
+    assert sorted(f"model.{name}" for name in loaded) == sorted(k for k in reader.keys() if k.startswith("model."))
+    for name, tensor in loaded.items():
+        assert bits_equal(tensor, reader.read(f"model.{name}")), name
 
 
 # --- damaged input -------------------------------------------------------------------------

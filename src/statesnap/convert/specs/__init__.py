@@ -10,6 +10,9 @@ passed by file with :func:`path`.
   gives them: RMSNorm, SwiGLU, RoPE, untied embeddings, no biases) to Hugging Face Llama names.
   Placeholders: ``query_groups`` (``num_query_groups``), ``heads_per_group``
   (``num_attention_heads // num_query_groups``), ``head_dim`` (``kv_channels``).
+- ``deepspeed_to_hf``: the module weights of a ``source="deepspeed"`` or ``"ucp"`` import (``model.*``)
+  under the module's own names, which for a Hugging Face model are the names ``from_pretrained``
+  reads. The fp32 master weights (``fp32.*``) and optimizer state are left out.
 """
 from __future__ import annotations
 
