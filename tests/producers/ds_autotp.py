@@ -37,4 +37,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from teardown import leave_together  # the script's directory is on sys.path
+
     main()
+    leave_together()

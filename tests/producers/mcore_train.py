@@ -97,4 +97,7 @@ def truth(gpt, dist_opt) -> dict:
 
 
 if __name__ == "__main__":
+    from teardown import leave_together  # the script's directory is on sys.path
+
     main()
+    leave_together()

@@ -320,9 +320,20 @@ def _gather(name: str, shape: torch.Size, pieces: list[tuple[str, Any, int, int]
 
 
 def _read(shape: torch.Size, pieces: list) -> torch.Tensor:
-    flat = torch.cat([flat.narrow(0, start, numel) if isinstance(flat, torch.Tensor) else flat.narrow(start, numel)
-                      for _, flat, start, numel in pieces])
-    return flat[:shape.numel()].reshape(shape).clone()
+    """The pieces cut to the tensor's size (ZeRO pads the last one) and joined: one copy at most,
+    none for a tensor in one piece (a view of the memory-mapped partition, which the writer only reads)."""
+    parts, left = [], shape.numel()
+    for _, flat, start, numel in pieces:
+        take = min(numel, left)
+        if take > 0:
+            parts.append(flat.narrow(0, start, take) if isinstance(flat, torch.Tensor) else flat.narrow(start, take))
+            left -= take
+    if left:
+        raise CheckpointError(f"{pieces[0][0] if pieces else 'the partitions'}: {left} elements of a tensor of "
+                              f"shape {list(shape)} are in no partition")
+    if not parts:  # an empty tensor
+        return torch.empty(shape, dtype=pieces[0][1].dtype)
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(shape)
 
 
 def _merge_groups(groups: list[dict], more: list[dict]) -> list[dict]:
