@@ -103,6 +103,24 @@ def test_bench_dispatches_every_suite(monkeypatch):
     assert called == [("training", ["--steps", "3"])]
 
 
+def test_convert_suite_reports_both_parts_and_checks_the_import(tmp_path, capsys):
+    out = tmp_path / "result.json"
+    assert cli.main(["bench", "--suite", "convert", "--dim", "64", "--layers", "2", "--gb", "0.02", "--repeat", "1",
+                     "--out", str(tmp_path), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    ds, st = result["deepspeed"], result["safetensors"]
+    assert ds["tensors_checked"] == 4 * 3  # two layers' weight and bias: fp32 master and both moments each
+    assert set(ds["summary"]) == {"ds_to_universal", "statesnap"}
+    assert set(st["summary"]) == {"read_and_xxh3", "no_copy", "copy"}
+    # linked, the import adds only its manifest; copied, it adds the tensors' bytes
+    assert st["disk_added_bytes"]["no_copy"] < 1 << 20 <= st["disk_added_bytes"]["copy"]
+    assert all(r["seconds"] > 0 and r["peak_rss_bytes"] > 0 for runs in (ds["runs"], st["runs"])
+               for rs in runs.values() for r in rs)
+    text = capsys.readouterr().out
+    assert "ds_to_universal" in text and "copy=False" in text and "x floor" in text
+    assert not (tmp_path / "convert").exists()  # scratch removed
+
+
 def test_format_table_aligns_columns():
     text = format_table(["op", "GB/s"], [["save", 1.234], ["load", float("nan")]])
     lines = text.splitlines()

@@ -45,7 +45,9 @@ class ExportInfo:
 
 
 def detect_source(src: str) -> str:
-    """The source kind of ``src`` by what it contains: DCP metadata, safetensors, else torch.save."""
+    """The source kind of ``src`` by what it contains: DeepSpeed (universal, then native) and
+    Megatron layouts first, as they are built from DCP and torch.save files; then DCP metadata,
+    safetensors, else torch.save."""
     if os.path.isdir(src):
         names = os.listdir(src)
         if ucp.is_universal(src):
