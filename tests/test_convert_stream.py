@@ -275,6 +275,25 @@ def test_overlapping_safetensors_tensors_are_refused(tmp_path):
         ss.convert(tmp_path / "m.safetensors", tmp_path / "ck")
 
 
+@pytest.mark.parametrize("header, message", [
+    (b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}',
+     "names given twice: 'a'"),
+    (b'{"a":{"dtype":"F32","shape":[0,1180591620717411303424],"data_offsets":[0,0]}}', "'a'.*too large"),
+    (b'{"a":{"dtype":"F32","shape":[0,4611686018427387904,4611686018427387904],"data_offsets":[0,0]}}',
+     "'a'.*too large"),
+    (b"[" * 100000 + b"]" * 100000, "header is not JSON"),
+    (b'{"a":{"dtype":"Q9","shape":[1],"data_offsets":[0,4]}}', "'a'.*unknown dtype 'Q9'"),
+])
+def test_hostile_safetensors_header_is_an_error_naming_file_and_tensor(tmp_path, header, message):
+    """A tensor named twice (json keeps the last), sizes beyond int64 with no bytes (a 0 dimension),
+    nesting deeper than the parser's recursion: errors naming the file, not ValueError or
+    RecursionError from deep inside, and never a silently chosen byte range."""
+    (tmp_path / "m.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    with pytest.raises(ss.CheckpointError, match=rf"m\.safetensors.*{message}"):
+        ss.convert(tmp_path / "m.safetensors", tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+
+
 def test_progress_bars_only_on_a_terminal_or_when_asked(tmp_path, capsys):
     write_hf(tmp_path / "hf", hf_shards())
     ss.convert(tmp_path / "hf", tmp_path / "ck")  # stderr is captured here: not a terminal

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import struct
+from collections import Counter
 from functools import partial
 from typing import Any
 
@@ -39,6 +40,7 @@ DTYPE_NAMES = {
 }
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 MAX_HEADER_BYTES = 100 << 20  # the safetensors package's own limit
+SHOWN = 8  # names shown in an error
 
 
 def read(src: str) -> dict[str, Any]:
@@ -77,10 +79,10 @@ def read_header(path: str) -> dict[str, InFile]:
             if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
                 raise CheckpointError(f"{path} is not a safetensors file: header length {length} does not fit "
                                       f"a file of {size} bytes")
-            header = json.loads(f.read(length))
+            header = json.loads(f.read(length), object_pairs_hook=_unique_keys)
     except OSError as exc:
         raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from None
-    except ValueError as exc:  # also UnicodeDecodeError
+    except (ValueError, RecursionError) as exc:  # also UnicodeDecodeError; RecursionError: nesting too deep
         raise CheckpointError(f"{path} is not a safetensors file: its header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path} is not a safetensors file: its header is not a JSON object")
@@ -102,15 +104,29 @@ def read_header(path: str) -> dict[str, InFile]:
     return out
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a key given twice: ``json`` would keep the last silently, so a
+    tensor named twice would be read from one of two byte ranges without a word."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        twice = sorted(key for key, count in Counter(key for key, _ in pairs).items() if count > 1)
+        raise ValueError(f"names given twice: {', '.join(map(repr, twice[:SHOWN]))}")
+    return out
+
+
 def _entry(path: str, name: str, entry: Any) -> tuple[torch.dtype, tuple, tuple[int, int]]:
     """(dtype, shape, data offsets) of one header entry, or an error naming file and tensor."""
     try:
+        if entry["dtype"] not in DTYPES:
+            raise ValueError(f"unknown dtype {entry['dtype']!r}")
         dtype = DTYPES[entry["dtype"]]
         shape = tuple(entry["shape"])
         begin, end = entry["data_offsets"]
         ints = [*shape, begin, end]
         if not all(type(n) is int and n >= 0 for n in ints) or begin > end:
             raise ValueError("shape and offsets must be non-negative integers")
+        if math.prod(max(n, 1) for n in shape) * itemsize(dtype) >= 1 << 63:  # torch's sizes are int64
+            raise ValueError(f"shape {list(shape)} is too large for any tensor")
         if end - begin != math.prod(shape) * itemsize(dtype):
             raise ValueError(f"{end - begin} bytes do not hold {dtype} {list(shape)}")
     except (KeyError, TypeError, ValueError) as exc:
