@@ -203,6 +203,27 @@ def test_source_written_in_place_after_import_is_caught_by_checksums(tmp_path):
     assert same_bits(out, expected["layer.0.weight"])
 
 
+def test_import_without_copying_through_symlinks_links_the_file_they_point_at(tmp_path):
+    """The Hugging Face hub cache: snapshots/<rev>/model.safetensors is a relative symlink to
+    blobs/<hash>. Linux's link() links a symlink itself, which in the checkpoint would dangle
+    (relative) or follow whatever later sits at the path; the checkpoint must share the blob's inode."""
+    tensors = {"w": torch.randn(8, 8), "b": torch.randn(3)}
+    (tmp_path / "blobs").mkdir()
+    save_file(tensors, tmp_path / "blobs" / "abc123")
+    snapshot = tmp_path / "snapshots" / "rev"
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").symlink_to("../../blobs/abc123")
+    ss.convert(snapshot, tmp_path / "ck", copy=False)
+    reader = ss.open(tmp_path / "ck")
+    (data,) = reader.manifest.files
+    assert not os.path.islink(tmp_path / "ck" / data)
+    assert os.stat(tmp_path / "ck" / data).st_ino == os.stat(tmp_path / "blobs" / "abc123").st_ino
+    os.remove(tmp_path / "blobs" / "abc123")  # the cache evicted: the checkpoint keeps the bytes
+    reader = ss.open(tmp_path / "ck")
+    reader.verify()
+    assert all(same_bits(reader.read(name), value) for name, value in tensors.items())
+
+
 def test_import_without_copying_across_file_systems_copies_with_one_read(tmp_path, monkeypatch):
     """Where neither a hard link nor a reflink is possible (EXDEV), the tensors are written like
     any conversion's: the checkpoint is whole and independent of the source."""
@@ -292,6 +313,15 @@ def test_hostile_safetensors_header_is_an_error_naming_file_and_tensor(tmp_path,
     with pytest.raises(ss.CheckpointError, match=rf"m\.safetensors.*{message}"):
         ss.convert(tmp_path / "m.safetensors", tmp_path / "ck")
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("weight_map", [["a"], {}])
+def test_index_whose_weight_map_names_no_tensors_is_refused(tmp_path, weight_map):
+    """A truncated or foreign index must not become an empty checkpoint (or an AttributeError)."""
+    save_file({"a": torch.ones(2)}, tmp_path / "s1.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ss.CheckpointError, match=r"index\.json is not a safetensors index.*weight_map"):
+        ss.convert(tmp_path, tmp_path / "ck")
 
 
 def test_progress_bars_only_on_a_terminal_or_when_asked(tmp_path, capsys):

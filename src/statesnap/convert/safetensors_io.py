@@ -156,6 +156,8 @@ def _shard_files(src: str) -> tuple[list[str], dict[str, str] | None]:
     try:
         with open(index, encoding="utf-8") as f:
             weight_map = json.load(f)["weight_map"]
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"its weight_map is {str(weight_map)[:80]}, not an object naming tensors")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{index} is not a safetensors index (needs a weight_map): {exc}") from None
     root = os.path.dirname(os.path.abspath(index))

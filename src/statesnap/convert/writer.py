@@ -206,7 +206,12 @@ def _link_sources(tensors: dict[str, Any], staging: str, token: str, durable: bo
 
 
 def _link(source: str, target: str) -> bool:
-    """Hard-link ``source`` at ``target``, else reflink it; False if the file system allows neither."""
+    """Hard-link ``source`` at ``target``, else reflink it; False if the file system allows neither.
+
+    A symlink is resolved first: Linux's link() links the symlink itself (whatever
+    ``follow_symlinks`` says), which would leave the checkpoint a pointer to a path, dangling
+    when relative, and no protection against the source being replaced or deleted."""
+    source = os.path.realpath(source)
     try:
         os.link(source, target)
         return True
