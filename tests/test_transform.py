@@ -250,9 +250,25 @@ def test_malformed_ops_are_refused_before_any_value_is_read():
                {"vocab": "e", "size": 10, "multiple": 8}, {"vocab": "e"}, {"vocab": "e", "size": 0},
                {"unstack": "e", "to": "e.0"}, {"cast": "x", "dtype": "int32"}, {"cast": "x", "dtype": "nonsense"},
                {"expect": "("}, {"expect": "x", "to": "y"}, {"split": "x", "to": ["a", "b"], "dim": 0, "sizes": [1]},
-               {"split": "x", "to": ["a"], "dim": 0, "groups": 0}):
+               {"split": "x", "to": ["a"], "dim": 0, "groups": 0},
+               {"rename": "x", "to": 5}, {"fuse": TP_REPLICA, "to": 3, "cat": 0}, {"split": "x", "to": [1, 2], "dim": 0},
+               {"drop": "x", "optional": "no"}):
         with pytest.raises(TransformError, match="op #0"):
             load_spec({"ops": [op]})
+
+
+def test_templates_that_do_not_fit_their_pattern_are_errors_naming_the_value():
+    """A group the pattern lacks, or an index that is not a number, shows only once a name
+    matches: an error naming it and the op, not re.error, IndexError or ValueError."""
+    values = {"a.0": randn(2), "a.1": randn(2)}
+    for op, problem in (({"rename": "a", "to": "\\9"}, "invalid group reference 9"),
+                        ({"rename": "a", "to": "\\g<zz>"}, "unknown group name 'zz'"),
+                        ({"fuse": r"a\.(?P<index>\d)", "to": "\\2", "cat": 0}, "invalid group reference 2"),
+                        ({"split": "a.0", "to": ["\\g<x>", "y"], "dim": 0}, "unknown group name 'x'"),
+                        ({"unstack": "a.0", "to": "\\1.{index}"}, "invalid group reference 1"),
+                        ({"fuse": r"(?P<index>a)\.\d", "to": "b", "cat": 0}, "group 'index' matched 'a'")):
+        with pytest.raises(TransformError, match=rf"a\.0: .*{problem}.*\(transform op #0 {next(iter(op))}\)"):
+            run([op], values)
 
 
 def test_patterns_that_match_nothing_and_collisions_are_errors():

@@ -123,6 +123,11 @@ def _check_op(op: Any, where: str) -> None:
     except (re.error, TypeError) as exc:
         raise TransformError(f"{where}: bad pattern {op[kind]!r}: {exc}") from None
     problem = _OP_CHECKS.get(kind, lambda op, pattern: None)(op, pattern)
+    templates = op.get("to", "")
+    if not problem and not all(isinstance(t, str) for t in (templates if isinstance(templates, list) else [templates])):
+        problem = '"to" must be a name template (a string)'
+    if not problem and not isinstance(op.get("optional", False), bool):
+        problem = '"optional" must be true or false'
     if problem:
         raise TransformError(f"{where}: {op!r}: {problem}")
 
@@ -197,6 +202,14 @@ class _Step:
         if not ok:
             raise self.error(name, f"{problem} (shapes {[list(s) for s in shapes]})")
 
+    def expand(self, m: re.Match, template: str) -> str:
+        """``template`` filled from a match, or an error naming the name and the bad reference
+        (a group the pattern lacks is only found once a name matches)."""
+        try:
+            return m.expand(template)
+        except (re.error, IndexError) as exc:
+            raise self.error(m.string, f"the template {template!r} does not fit the pattern: {exc}") from None
+
     def note(self, line: str) -> None:
         log.info("%s", line)
         if self.notes is not None:
@@ -229,7 +242,10 @@ def _filter(step: _Step, values: dict, keep: bool) -> tuple[dict, bool]:
 def _rename(step: _Step, values: dict) -> tuple[dict, bool]:
     pattern, out, matched = re.compile(step.op["rename"]), {}, False
     for name, value in values.items():
-        new, count = pattern.subn(step.op["to"], name)
+        try:
+            new, count = pattern.subn(step.op["to"], name)
+        except (re.error, IndexError) as exc:
+            raise step.error(name, f"the template {step.op['to']!r} does not fit the pattern: {exc}") from None
         matched = matched or count > 0
         _add(step, out, new, value, name)
     return out, matched
@@ -247,7 +263,10 @@ def _fuse(step: _Step, values: dict) -> tuple[dict, bool]:
     for name in values:
         m = pattern.fullmatch(name)
         if m:
-            target, index = m.expand(step.op["to"]), int(m.group("index"))
+            target, index = step.expand(m, step.op["to"]), m.group("index")
+            if index is None or not index.isdecimal():
+                raise step.error(name, f"group 'index' matched {index!r}, not a part number")
+            index = int(index)
             parts = groups.setdefault(target, {})
             if index in parts:
                 raise step.error(target, f"{parts[index]!r} and {name!r} are both part {index}")
@@ -434,7 +453,7 @@ def _split_parts(step: _Step, m: re.Match, name: str, value: Any) -> list[tuple[
         parts.append(Lazy(value.dtype, part_shape, lambda o=offset, s=size: _cut(
             shared, lambda t: t.unflatten(dim, (groups, per_group)).narrow(dim + 1, o, s).flatten(dim, dim + 1))))
         offset += size
-    return [(m.expand(target), part) for target, part in zip(op["to"], parts)]
+    return [(step.expand(m, target), part) for target, part in zip(op["to"], parts)]
 
 
 def _unstack_parts(step: _Step, m: re.Match, name: str, value: Any) -> list[tuple[str, Lazy]]:
@@ -443,7 +462,7 @@ def _unstack_parts(step: _Step, m: re.Match, name: str, value: Any) -> list[tupl
     shape = tuple(value.shape)
     dim = _dim(step, step.op.get("dim", 0), len(shape), name)
     shared = _Shared(value, shape[dim])
-    return [(m.expand(step.op["to"].replace("{index}", str(index))),
+    return [(step.expand(m, step.op["to"].replace("{index}", str(index))),
              Lazy(value.dtype, shape[:dim] + shape[dim + 1:], lambda i=index: _cut(shared, lambda t: t.select(dim, i))))
             for index in range(shape[dim])]
 
