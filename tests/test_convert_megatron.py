@@ -246,6 +246,40 @@ def test_damaged_and_foreign_checkpoints_are_refused(produced, tmp_path):
         megatron.read(str(tmp_path))
 
 
+def test_tampered_tracker_metadata_common_and_args_are_errors_not_crashes_or_hangs(produced, tmp_path):
+    """Bytes that are not text in the tracker, a metadata.json that is not an object, an optimizer
+    entry of the wrong type in common.pt, a weight that is not a tensor, and args claiming
+    10^12 rank directories (listing every missing one never finished): CheckpointErrors."""
+    out = produced("llama_tp2")
+    classic = tmp_path / "classic"
+    shutil.copytree(f"{out}/classic", classic)
+    (classic / "latest_checkpointed_iteration.txt").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(CheckpointError, match="names no iteration directory"):
+        megatron.read(str(classic))
+    (classic / "latest_checkpointed_iteration.txt").write_text("7")
+    first = classic / "iter_0000007" / "mp_rank_00" / "model_optim_rng.pt"
+    content = torch.load(first, weights_only=False)
+    content["args"].tensor_model_parallel_size = content["args"].pipeline_model_parallel_size = 10 ** 6
+    torch.save(content, first)
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_001, .*and 999999999990 more are missing"):
+        megatron.read(str(classic))
+    content["args"].tensor_model_parallel_size, content["args"].pipeline_model_parallel_size = 2, 1
+    content["model"]["decoder.layers.0.mlp.linear_fc1.weight"] = "oops"
+    torch.save(content, first)
+    with pytest.raises(CheckpointError, match=r"part 'tp_rank_00\.model\.decoder\.layers\.0\.mlp\.linear_fc1\.weight' "
+                                              "is not a tensor"):
+        megatron.read(str(classic))
+    dist = tmp_path / "dist"
+    shutil.copytree(f"{out}/dist", dist)
+    common = torch.load(dist / "common.pt", weights_only=False)
+    torch.save({**common, "optimizer": {"optimizer": [1, 2]}}, dist / "common.pt")
+    with pytest.raises(CheckpointError, match=r"common\.pt: 'optimizer\.optimizer' holds a list"):
+        megatron.read(str(dist))
+    (dist / "metadata.json").write_text('["sharded_backend"]')
+    with pytest.raises(CheckpointError, match="not a Megatron checkpoint"):
+        megatron.read(str(dist))
+
+
 def test_classic_replicas_that_differ_and_foreign_globals_are_refused(produced, tmp_path):
     out = produced("llama_tp2")
     classic = tmp_path / "classic"

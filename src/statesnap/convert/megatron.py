@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import re
+from itertools import islice
 from typing import Any
 
 from ..errors import CheckpointError
@@ -50,6 +51,7 @@ log = logging.getLogger("statesnap.convert")
 METADATA_JSON, COMMON = "metadata.json", "common.pt"
 TRACKER = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
+SHOWN_MISSING = 8  # rank directories named in an error
 _ITERATION = re.compile(r"iter_\d{7}|release")
 _RANK_DIR = re.compile(r"mp_rank_(?P<tp>\d{2})(?:_(?P<pp>\d{3}))?")
 _LAYER = re.compile(r"(?P<head>(?:.*\.)?decoder\.layers\.)(?P<index>\d+)\.(?P<tail>.*)")
@@ -78,7 +80,8 @@ def is_dist_checkpoint(src: str) -> bool:
         return False
     try:
         with open(path, encoding="utf-8") as f:
-            return "sharded_backend" in json.load(f)
+            metadata = json.load(f)
+        return isinstance(metadata, dict) and "sharded_backend" in metadata
     except (OSError, ValueError, TypeError):
         return False
 
@@ -106,8 +109,8 @@ def iteration_dir(src: str) -> str:
     """The iteration directory of ``src``: the one its tracker file names, or ``src`` itself."""
     tracker = os.path.join(src, TRACKER)
     if os.path.isfile(tracker):
-        with open(tracker, encoding="utf-8") as f:
-            text = f.read().strip()
+        with open(tracker, "rb") as f:
+            text = f.read(64).decode("ascii", errors="replace").strip()  # a number or "release"
         name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
         if name is None or not os.path.isdir(os.path.join(src, name)):
             raise CheckpointError(f"{tracker} holds {text!r}, which names no iteration directory beside it")
@@ -149,7 +152,11 @@ def read_dist(folder: str) -> dict[str, Any]:
             "to": r"\g<head>{index}.\g<tail>", "dim": 0, "optional": True},
            *NORM_RENAMES]
     values = apply_spec(load_spec({"ops": ops}), values)
-    groups = optimizer.get("optimizer", {}).get("param_groups")
+    inner = optimizer.get("optimizer", {})
+    if not isinstance(inner, dict):
+        raise CheckpointError(f"{os.path.join(folder, COMMON)}: 'optimizer.optimizer' holds a {type(inner).__name__}, "
+                              "not a dict")
+    groups = inner.get("param_groups")
     distributed = {n: v for n, v in sharded.items() if n.startswith("optimizer.distributed.")}
     if distributed:
         inner = sharded_object(distributed, folder, "optimizer")
@@ -236,8 +243,11 @@ def read_classic(folder: str) -> dict[str, Any]:
     first = unpickler.load(ranks[(0, 0)])
     args = first.get("args") if isinstance(first, dict) else None
     tp_size, pp_size = _sizes(args, ranks)
-    missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp_size > 1 else "")
-               for t in range(tp_size) for p in range(pp_size) if (t, p) not in ranks]
+    # args may claim any sizes: list the first few missing directories, never all TP x PP of them
+    missing = list(islice((f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp_size > 1 else "")
+                           for t in range(tp_size) for p in range(pp_size) if (t, p) not in ranks), SHOWN_MISSING))
+    absent = tp_size * pp_size - sum(t < tp_size and p < pp_size for t, p in ranks)
+    missing += [f"and {absent - len(missing)} more"] if absent > len(missing) else []
     extra = sorted(os.path.dirname(path) for (t, p), path in ranks.items() if t >= tp_size or p >= pp_size)
     if missing or extra:
         raise CheckpointError(f"{folder}: rank directories {', '.join(missing)} are missing{' and ' if extra else ''}"
@@ -340,6 +350,6 @@ def _gated(values: dict[str, Any]) -> bool:
     for name, value in values.items():
         if name.endswith(".mlp.linear_fc1.weight"):
             fc2 = values.get(name[:-len("linear_fc1.weight")] + "linear_fc2.weight")
-            if fc2 is not None:
+            if is_tensor(value) and is_tensor(fc2) and len(value.shape) >= 1 and len(fc2.shape) == 2:
                 return value.shape[0] == 2 * fc2.shape[1]
     return False
