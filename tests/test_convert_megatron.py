@@ -264,6 +264,14 @@ def test_tampered_tracker_metadata_common_and_args_are_errors_not_crashes_or_han
     with pytest.raises(CheckpointError, match=r"mp_rank_00_001, .*and 999999999990 more are missing"):
         megatron.read(str(classic))
     content["args"].tensor_model_parallel_size, content["args"].pipeline_model_parallel_size = 2, 1
+    # sizes Megatron could not have written are refused, not trusted (a vocab_size within the padding,
+    # 1..256 here, is indistinguishable from the true one: the args are the only record of it)
+    content["args"].vocab_size = 300
+    torch.save(content, first)
+    with pytest.raises(CheckpointError, match="padded_vocab_size 256 is not vocab_size 300 padded to a multiple of "
+                                              "make_vocab_size_divisible_by x tensor_model_parallel_size = 256"):
+        megatron.read(str(classic))
+    content["args"].vocab_size = VOCAB
     content["model"]["decoder.layers.0.mlp.linear_fc1.weight"] = "oops"
     torch.save(content, first)
     with pytest.raises(CheckpointError, match=r"part 'tp_rank_00\.model\.decoder\.layers\.0\.mlp\.linear_fc1\.weight' "

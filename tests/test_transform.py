@@ -183,6 +183,10 @@ def test_vocab_strips_padded_rows_and_pads_to_a_multiple_round_trip():
     with pytest.raises(TransformError, match=r"embed\.weight: has 12 rows along dimension 0, fewer than the "
                                              r"vocabulary size 13 \(shapes \[\[12, 4\]\]\) \(transform op #0 vocab\)"):
         run([{"vocab": r"embed\.weight$", "size": 13}], {"embed.weight": padded})
+    # "padded": the rows the source says it padded to are checked before any row is cut
+    assert same_bits(run([{"vocab": "embed", "size": 10, "padded": 12}], {"embed": padded})["embed"], padded[:10].clone())
+    with pytest.raises(TransformError, match="has 12 rows along dimension 0, not the 16 the source says it padded to"):
+        run([{"vocab": "embed", "size": 10, "padded": 16}], {"embed": padded})
 
 
 # --- unstack ------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def main():
                      position_embedding_type="rope" if llama else "learned_absolute")
     rank, tp_rank, pp_rank = dist.get_rank(), ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     args = argparse.Namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, num_layers=4,
-                              hidden_size=64, vocab_size=VOCAB, padded_vocab_size=PADDED_VOCAB,
+                              hidden_size=64, vocab_size=VOCAB, padded_vocab_size=PADDED_VOCAB, make_vocab_size_divisible_by=128,
                               untie_embeddings_and_output_weights=llama)
     common = {"args": args, "iteration": ITERATION, "checkpoint_version": 3.0}
 

@@ -222,8 +222,16 @@ def _vocab_ops(args: Any) -> list[dict]:
     if not isinstance(args, dict):
         return []
     size, padded = args.get("vocab_size"), args.get("padded_vocab_size")
+    divisor, tp = args.get("make_vocab_size_divisible_by"), args.get("tensor_model_parallel_size", 1)
+    if all(isinstance(v, int) and v > 0 for v in (size, padded, divisor, tp)):
+        # Megatron-LM pads to the next multiple of divisor x TP; any other pair is not what it wrote
+        multiple = divisor * tp
+        if padded != -(-size // multiple) * multiple:
+            raise CheckpointError(f"args: padded_vocab_size {padded} is not vocab_size {size} padded to a multiple "
+                                  f"of make_vocab_size_divisible_by x tensor_model_parallel_size = {multiple}; "
+                                  "the args are not Megatron's (pass source sizes through a spec instead)")
     if isinstance(size, int) and isinstance(padded, int) and 0 < size < padded:
-        return [{"vocab": VOCAB_TENSORS, "size": size, "dim": 0, "optional": True}]
+        return [{"vocab": VOCAB_TENSORS, "size": size, "padded": padded, "dim": 0, "optional": True}]
     return []
 
 

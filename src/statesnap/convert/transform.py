@@ -77,7 +77,7 @@ _OPS = {
     "rename": (("to",), ()),
     "fuse": (("to",), (*_FUSE_MODES, "groups", "atol")),
     "split": (("to", "dim"), ("sizes", "groups")),
-    "vocab": ((), ("size", "multiple", "dim")),
+    "vocab": ((), ("size", "multiple", "dim", "padded")),
     "unstack": (("to",), ("dim",)),
     "cast": (("dtype",), ()),
     "expect": ((), ()),
@@ -166,6 +166,8 @@ def _check_split(op: dict, pattern: re.Pattern) -> str | None:
 def _check_vocab(op: dict, pattern: re.Pattern) -> str | None:
     if sum(k in op for k in ("size", "multiple")) != 1 or not _count(op.get("size", op.get("multiple"))):
         return 'vocab needs exactly one of "size": N (strip rows to N) or "multiple": M (pad rows to a multiple of M)'
+    if "padded" in op and ("size" not in op or not _count(op["padded"]) or op["padded"] < op["size"]):
+        return '"padded": P (the rows the tensor must have before stripping) goes with "size": N <= P'
     return None
 
 
@@ -484,6 +486,10 @@ def _vocab(step: _Step, values: dict) -> tuple[dict, bool]:
         wanted = op["size"] if "size" in op else -(-rows // op["multiple"]) * op["multiple"]
         step.require("multiple" in op or rows >= wanted, name,
                      f"has {rows} rows along dimension {dim}, fewer than the vocabulary size {wanted}", [shape])
+        # A source's own record of its padding is checked, not trusted: a wrong size would cut real rows.
+        step.require(op.get("padded", rows) == rows, name,
+                     f"has {rows} rows along dimension {dim}, not the {op.get('padded')} the source says it padded to",
+                     [shape])
         if wanted != rows:
             out[name] = Lazy(value.dtype, shape[:dim] + (wanted,) + shape[dim + 1:],
                              lambda v=value, d=dim, w=wanted: _resized(materialize(v), d, w))
