@@ -246,6 +246,25 @@ def test_import_without_copying_across_file_systems_copies_with_one_read(tmp_pat
     reader.verify()
 
 
+def test_source_replaced_between_reading_its_header_and_linking_it_is_refused(tmp_path, monkeypatch):
+    """The offsets come from the file as it was when its header was read: a file renamed over the
+    path before the link (another download finishing) must not be linked with those offsets."""
+    write_hf(tmp_path / "hf", hf_shards())
+    shard = sorted((tmp_path / "hf").glob("*.safetensors"))[0]
+    link = convert_writer._link
+
+    def replaced_then_linked(source, target):
+        other = tmp_path / "other.safetensors"
+        save_file({"x": torch.arange(100, dtype=torch.float32)}, str(other))
+        os.replace(other, shard)
+        return link(source, target)
+
+    monkeypatch.setattr(convert_writer, "_link", replaced_then_linked)
+    with pytest.raises(ss.CheckpointError, match="changed while it was being converted"):
+        ss.convert(tmp_path / "hf", tmp_path / "ck", copy=False)
+    assert not (tmp_path / "ck").exists()
+
+
 def test_import_without_copying_writes_what_the_spec_computes_and_links_the_rest(tmp_path):
     expected = write_hf(tmp_path / "hf", hf_shards())
     spec = {"ops": [{"rename": "^layer\\.0\\.", "to": "block."},

@@ -80,6 +80,8 @@ def read_header(path: str) -> dict[str, InFile]:
                 raise CheckpointError(f"{path} is not a safetensors file: header length {length} does not fit "
                                       f"a file of {size} bytes")
             header = json.loads(f.read(length), object_pairs_hook=_unique_keys)
+            st = os.fstat(f.fileno())
+            identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     except OSError as exc:
         raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from None
     except (ValueError, RecursionError) as exc:  # also UnicodeDecodeError; RecursionError: nesting too deep
@@ -96,7 +98,7 @@ def read_header(path: str) -> dict[str, InFile]:
             raise CheckpointError(f"{path}: tensor {name!r} ends at byte {base + end}, beyond the file's {size}")
         ranges.append((begin, end, name))
         out[name] = InFile(dtype, shape, partial(_read_range, path, name, dtype, shape, base + begin),
-                           path, base + begin)
+                           path, base + begin, identity)
     ranges.sort()
     for (_, end, first), (begin, _, second) in zip(ranges, ranges[1:]):
         if begin < end:

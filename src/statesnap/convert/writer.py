@@ -58,6 +58,9 @@ class InFile(Lazy):
 
     path: str
     offset: int
+    # (st_dev, st_ino, st_size, st_mtime_ns) of the file the offsets were read from: the file
+    # linked must be that one, not another renamed over its path in between
+    identity: tuple = ()
 
 
 def write_checkpoint(values: dict[str, Any], dst, *, meta: dict, overwrite: bool = False,
@@ -194,7 +197,9 @@ def _link_sources(tensors: dict[str, Any], staging: str, token: str, durable: bo
     linked = {}
     for rank, (source, names) in enumerate(by_path.items(), start=1):
         name = data_file_name(token, rank)
-        if _link(source, os.path.join(staging, name)):
+        linked_stat = _link(source, os.path.join(staging, name))
+        if linked_stat is not None:
+            _require_same_file(source, linked_stat, tensors[names[0]].identity)
             if durable:  # the source may never have been flushed; the checkpoint must be durable
                 fd = os.open(os.path.join(staging, name), os.O_RDONLY)
                 try:
@@ -205,8 +210,16 @@ def _link_sources(tensors: dict[str, Any], staging: str, token: str, durable: bo
     return linked
 
 
-def _link(source: str, target: str) -> bool:
-    """Hard-link ``source`` at ``target``, else reflink it; False if the file system allows neither.
+def _require_same_file(source: str, linked: os.stat_result, identity: tuple) -> None:
+    if identity and (linked.st_dev, linked.st_ino, linked.st_size, linked.st_mtime_ns) != identity:
+        raise CheckpointError(f"{source} changed while it was being converted (another file was put at its path, "
+                              "or it was written to): its tensors' offsets were read from the file as it was "
+                              "before; convert again")
+
+
+def _link(source: str, target: str) -> os.stat_result | None:
+    """Hard-link ``source`` at ``target``, else reflink it; return the status of the file that
+    was linked (None if the file system allows neither).
 
     A symlink is resolved first: Linux's link() links the symlink itself (whatever
     ``follow_symlinks`` says), which would leave the checkpoint a pointer to a path, dangling
@@ -214,7 +227,7 @@ def _link(source: str, target: str) -> bool:
     source = os.path.realpath(source)
     try:
         os.link(source, target)
-        return True
+        return os.stat(target)  # the same inode as what was linked, whatever is at source now
     except OSError as exc:
         if exc.errno not in _CANNOT_LINK:
             raise CheckpointError(f"linking {source} into the checkpoint failed: {exc}") from None
@@ -223,10 +236,10 @@ def _link(source: str, target: str) -> bool:
         dst_fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             fcntl.ioctl(dst_fd, FICLONE, src_fd)
-            return True
+            return os.fstat(src_fd)
         except OSError:
             os.unlink(target)
-            return False
+            return None
         finally:
             os.close(dst_fd)
     finally:
