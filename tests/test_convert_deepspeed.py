@@ -105,6 +105,23 @@ def test_unpickler_refuses_other_globals_without_running_them(tmp_path):
     assert not marker.exists()
 
 
+def test_unpickler_reads_numpy_arrays_but_not_the_globals_inside_object_arrays(tmp_path):
+    """Megatron-LM's rng_state holds numpy's RNG state: numpy arrays load as data; an object
+    array's elements still go through the allow-list."""
+    import numpy as np
+
+    path = str(tmp_path / "rng.pt")
+    state = np.random.RandomState(7).get_state()
+    torch.save({"rng_state": [{"np_rng_state": state}]}, path)
+    loaded = unpickler.load(path)["rng_state"][0]["np_rng_state"]
+    assert loaded[0] == "MT19937" and np.array_equal(loaded[1], state[1]) and loaded[1].dtype == np.uint32
+    marker = tmp_path / "ran"
+    torch.save({"x": np.array([_Evil(str(marker))], dtype=object)}, path)
+    with pytest.raises(UnsafeCheckpointError, match="system"):
+        unpickler.load(path)
+    assert not marker.exists()
+
+
 def test_deepspeed_files_load_without_deepspeed(produced):
     runs = [produced("z1"), produced("z3_bf16"), produced("pipe"), produced("autotp")]
     script = (

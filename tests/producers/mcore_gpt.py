@@ -16,8 +16,10 @@ heads, untied embeddings). The vocabulary is padded the way Megatron-LM pads it 
 """
 import argparse
 import os
+import random
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -72,7 +74,11 @@ def main():
     folder = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
     classic = f"{outdir}/classic/iter_{ITERATION:07d}/{folder}"
     os.makedirs(classic, exist_ok=True)
-    torch.save({"model": model.state_dict_for_save_checkpoint(), **common}, f"{classic}/model_optim_rng.pt")
+    # rng_state as Megatron-LM writes it (numpy's RNG state pickles numpy arrays)
+    rng_state = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                  "torch_rng_state": torch.get_rng_state()}]
+    torch.save({"model": model.state_dict_for_save_checkpoint(), "rng_state": rng_state, **common},
+               f"{classic}/model_optim_rng.pt")
     if rank == 0:
         with open(f"{outdir}/classic/latest_checkpointed_iteration.txt", "w") as f:
             f.write(str(ITERATION))

@@ -19,6 +19,7 @@ import zipfile
 from collections import OrderedDict, namedtuple
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import CheckpointError, UnsafeCheckpointError
@@ -65,7 +66,15 @@ STAND_INS = {
     "deepspeed.utils.tensor_fragment.fragment_address": _FragmentStandIn,
     "argparse.Namespace": _ScalerStandIn,  # Megatron-LM's args (common.pt, model_optim_rng.pt): a dict
 }
-_ALLOWED = [(stand_in, name) for name, stand_in in STAND_INS.items()]
+# numpy arrays, as Megatron-LM's rng_state holds numpy's RNG state: numpy's own array
+# reconstructor builds data from a dtype, a shape and bytes, and runs nothing else. Files from
+# numpy 1.x name it numpy.core..., from 2.x numpy._core...
+_RECONSTRUCT = np.ndarray.__reduce__(np.zeros(0))[0]
+NUMPY_GLOBALS = [np.ndarray, np.dtype, (_RECONSTRUCT, "numpy._core.multiarray._reconstruct"),
+                 (_RECONSTRUCT, "numpy.core.multiarray._reconstruct"),
+                 # a dtype's state is set on its class (numpy.dtypes.UInt32DType, ...): data only
+                 *(getattr(np.dtypes, n) for n in dir(getattr(np, "dtypes", None)) if n.endswith("DType"))]
+_ALLOWED = [(stand_in, name) for name, stand_in in STAND_INS.items()] + NUMPY_GLOBALS
 # safe_globals adds to and removes from one process-wide set; two loads overlapping in threads
 # would remove each other's entries, so loads take turns.
 _LOCK = threading.Lock()
@@ -87,8 +96,8 @@ def load(path: str) -> Any:
         raise CheckpointError(f"no DeepSpeed checkpoint file at {path}") from None
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(
-            f"{path}: refused to unpickle: {_reason(exc)}. statesnap admits only tensors, plain data and the "
-            f"DeepSpeed records {', '.join(STAND_INS)} (as inert data), and never runs code from a "
+            f"{path}: refused to unpickle: {_reason(exc)}. statesnap admits only tensors, plain data, numpy "
+            f"arrays and the records {', '.join(STAND_INS)} (as inert data), and never runs code from a "
             "checkpoint") from None
     except Exception as exc:
         raise CheckpointError(f"{path} is not a readable torch.save file (truncated or damaged?): "
