@@ -130,9 +130,11 @@ def read_everything(path: str) -> None:
 def deepspeed_part(scratch: str, dim: int, layers: int, repeat: int) -> dict:
     ckpt = os.path.join(fresh_dir(scratch), "ds")
     env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                    "-m", "statesnap.bench.ds_producer", ckpt, str(dim), str(layers)],
-                   check=True, capture_output=True, env={**os.environ, **env})
+    made = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "statesnap.bench.ds_producer", ckpt, str(dim), str(layers)],
+                          capture_output=True, text=True, env={**os.environ, **env})
+    if made.returncode != 0:
+        raise RuntimeError(f"DeepSpeed could not write the checkpoint (exit {made.returncode}):\n{made.stderr[-6000:]}")
     tag = os.path.join(ckpt, "global_step1")
     read_everything(ckpt)
     universal, ours = os.path.join(scratch, "universal", "global_step1_universal"), os.path.join(scratch, "ss")
