@@ -22,7 +22,7 @@ from statesnap.convert import deepspeed as ds_import
 from statesnap.convert import unpickler
 from statesnap.errors import CheckpointError, UnsafeCheckpointError
 
-from producers import run_producer
+from producers import once_each, run_producer
 
 # name -> (script, args before the output directory, args after it)
 PRODUCERS = {
@@ -36,32 +36,17 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 @pytest.fixture(scope="module")
 def produced(tmp_path_factory):
     """A function giving the run directory of one producer, each run at most once per module."""
-    root = tmp_path_factory.mktemp("ds")
-    done: dict[str, str] = {}
+    def make(name: str, out: str) -> None:
+        script, before, after = PRODUCERS[name]
+        run_producer(script, *before, out, *after)
 
-    def get(name: str) -> str:
-        if name not in done:
-            script, before, after = PRODUCERS[name]
-            out = str(root / name)
-            run_producer(script, *before, out, *after)
-            done[name] = out
-        return done[name]
-
-    return get
+    return once_each(tmp_path_factory.mktemp("ds"), make)
 
 
 @pytest.fixture(scope="module")
 def converted(produced, tmp_path_factory):
-    root = tmp_path_factory.mktemp("converted")
-    done: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in done:
-            done[name] = str(root / name)
-            ss.convert(produced(name), done[name], source="deepspeed")
-        return done[name]
-
-    return get
+    return once_each(tmp_path_factory.mktemp("converted"),
+                     lambda name, out: ss.convert(produced(name), out, source="deepspeed"))
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -21,7 +21,7 @@ from statesnap.convert import megatron, specs
 from statesnap.convert.api import detect_source
 from statesnap.errors import CheckpointError, UnsafeCheckpointError
 
-from producers import run_producer
+from producers import once_each, run_producer
 
 # name -> (script, arguments after the output directory, ranks, extra environment)
 PRODUCERS = {
@@ -40,18 +40,11 @@ ROW = ("linear_proj.weight", "linear_fc2.weight")
 @pytest.fixture(scope="module")
 def produced(tmp_path_factory):
     """A function giving the output directory of one producer, each run at most once per module."""
-    root = tmp_path_factory.mktemp("mcore")
-    done: dict[str, str] = {}
+    def make(name: str, out: str) -> None:
+        script, args, nproc, env = PRODUCERS[name]
+        run_producer(script, out, *args, nproc=nproc, env=env)
 
-    def get(name: str) -> str:
-        if name not in done:
-            script, args, nproc, env = PRODUCERS[name]
-            out = str(root / name)
-            run_producer(script, out, *args, nproc=nproc, env=env)
-            done[name] = out
-        return done[name]
-
-    return get
+    return once_each(tmp_path_factory.mktemp("mcore"), make)
 
 
 def truths(out: str) -> list[dict]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT_S = 600
@@ -32,3 +33,18 @@ def run_producer(script: str, *args: str, nproc: int = 2, env: dict | None = Non
         raise AssertionError(f"producer {script} {' '.join(map(str, args))} failed with code {done.returncode}:\n"
                              f"{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
     return done.stdout + done.stderr
+
+
+def once_each(root, make: Callable[[str, str], object]) -> Callable[[str], str]:
+    """``get(name)``: the directory ``root/name``, made by ``make(name, path)`` the first time it
+    is asked for (producer runs take seconds; a module's tests share them)."""
+    done: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in done:
+            path = os.path.join(str(root), name)
+            make(name, path)
+            done[name] = path
+        return done[name]
+
+    return get

@@ -49,6 +49,13 @@ def full_state(engine, gather: bool = False) -> dict:
     return truth
 
 
+def save_with_rank_truths(engine, outdir: str) -> None:
+    """The checkpoint, and beside it ``truth_rank<r>.pt``: each rank's own slices of the truth
+    (tensor- and pipeline-parallel runs, where no rank holds everything)."""
+    engine.save_checkpoint(outdir, tag="global_step3", client_state={"my_extra": 42})
+    torch.save(full_state(engine), f"{outdir}/truth_rank{torch.distributed.get_rank()}.pt")
+
+
 def main():
     stage, outdir, precision = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     deepspeed.init_distributed(dist_backend="gloo")
