@@ -31,6 +31,7 @@ SOURCES = {"torch": torch_save.read, "dcp": dcp.read, "safetensors": safetensors
            "deepspeed": deepspeed.read, "megatron": megatron.read}
 TARGETS = ("safetensors", "torch", "dcp")
 IN_PLACE_SOURCES = ("safetensors",)  # sources whose tensors convert(copy=False) can link (writer.InFile)
+NOTING_SOURCES = ("deepspeed", "megatron")  # sources whose read(src, notes) merges replicas by a derived spec
 
 
 @dataclass
@@ -87,7 +88,8 @@ def convert(src, dst, source: str | None = None, spec: Any = None, *, overwrite:
                               "so it is copied: use copy=True")
     ops = load_spec(spec)  # a bad spec fails before a large source is read
     notes: list[str] = []
-    values = apply_spec(ops, SOURCES[source](src), notes=notes)
+    read = SOURCES[source]
+    values = apply_spec(ops, read(src, notes) if source in NOTING_SOURCES else read(src), notes=notes)
     meta = {"converted_from": {"source": source, "path": os.path.abspath(src), "ops": ops}}
     info = write_checkpoint(values, dst, meta=meta, overwrite=overwrite, allow_pickle=allow_pickle,
                             storage_options=storage_options, copy=copy, progress=progress)

@@ -67,10 +67,12 @@ def is_deepspeed(src: str) -> bool:
     return os.path.isfile(os.path.join(src, LATEST)) or any(n.endswith("model_states.pt") for n in os.listdir(src))
 
 
-def read(src: str) -> dict[str, Any]:
-    """``{name: Lazy tensor or plain value}`` of the DeepSpeed checkpoint ``src``, TP slices merged."""
+def read(src: str, notes: list[str] | None = None) -> dict[str, Any]:
+    """``{name: Lazy tensor or plain value}`` of the DeepSpeed checkpoint ``src``, TP slices merged.
+
+    What merging noticed without refusing (TP replicas that drifted) is appended to ``notes``."""
     ckpt = _Checkpoint(tag_dir(src))
-    return apply_spec(load_spec(_spec(ckpt)), ckpt.values())
+    return apply_spec(load_spec(_spec(ckpt)), ckpt.values(), notes=notes)
 
 
 def derive_spec(src: str) -> dict:

@@ -96,13 +96,15 @@ def is_megatron(src: str) -> bool:
         (_ITERATION.fullmatch(n) or _RANK_DIR.fullmatch(n)) and os.path.isdir(os.path.join(src, n)) for n in names)
 
 
-def read(src: str) -> dict[str, Any]:
-    """``{name: tensor or plain value}`` of the Megatron checkpoint ``src``, in one model's names."""
+def read(src: str, notes: list[str] | None = None) -> dict[str, Any]:
+    """``{name: tensor or plain value}`` of the Megatron checkpoint ``src``, in one model's names.
+
+    What merging noticed without refusing (replicas that drifted) is appended to ``notes``."""
     if not os.path.isdir(src):
         raise CheckpointError(f"{src} is not a directory; a Megatron checkpoint is a run directory, an iter_* "
                               "directory or a dist_checkpointing directory")
     folder = src if is_dist_checkpoint(src) else iteration_dir(src)
-    return read_dist(folder) if is_dist_checkpoint(folder) else read_classic(folder)
+    return read_dist(folder, notes) if is_dist_checkpoint(folder) else read_classic(folder, notes)
 
 
 def iteration_dir(src: str) -> str:
@@ -127,7 +129,7 @@ def iteration_dir(src: str) -> str:
 # ---------------------------------------------------------------------------------------------------
 # torch_dist (dist_checkpointing)
 
-def read_dist(folder: str) -> dict[str, Any]:
+def read_dist(folder: str, notes: list[str] | None = None) -> dict[str, Any]:
     with open(os.path.join(folder, METADATA_JSON), encoding="utf-8") as f:
         backend = json.load(f).get("sharded_backend")
     if backend != "torch_dist":
@@ -151,7 +153,7 @@ def read_dist(folder: str) -> dict[str, Any]:
            {"unstack": r"(?P<head>(?:model|fp32|optim\.state)\.(?:.*\.)?decoder\.layers\.)(?P<tail>[^\d].*)",
             "to": r"\g<head>{index}.\g<tail>", "dim": 0, "optional": True},
            *NORM_RENAMES]
-    values = apply_spec(load_spec({"ops": ops}), values)
+    values = apply_spec(load_spec({"ops": ops}), values, notes=notes)
     inner = optimizer.get("optimizer", {})
     if not isinstance(inner, dict):
         raise CheckpointError(f"{os.path.join(folder, COMMON)}: 'optimizer.optimizer' holds a {type(inner).__name__}, "
@@ -162,7 +164,7 @@ def read_dist(folder: str) -> dict[str, Any]:
         inner = sharded_object(distributed, folder, "optimizer")
         groups = inner.get("param_groups") if isinstance(inner, dict) else None
         values.update(bucket_values(distributed, parameter_order(values), folder))
-    values = apply_spec(load_spec({"ops": _vocab_ops(common.get("args"))}), values)
+    values = apply_spec(load_spec({"ops": _vocab_ops(common.get("args"))}), values, notes=notes)
     if groups is not None:
         values.update(_param_groups(groups, folder))
     values.update(flatten_tree(common, os.path.join(folder, COMMON)))
@@ -238,7 +240,7 @@ def _vocab_ops(args: Any) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------
 # classic per-rank files
 
-def read_classic(folder: str) -> dict[str, Any]:
+def read_classic(folder: str, notes: list[str] | None = None) -> dict[str, Any]:
     ranks = {}
     for name in sorted(os.listdir(folder)):
         m = _RANK_DIR.fullmatch(name)
@@ -290,7 +292,7 @@ def read_classic(folder: str) -> dict[str, Any]:
     skipped = sorted({k for content in files.values() for k in content if k in _CLASSIC_SKIPPED})
     if skipped:
         log.warning("%s: not imported from the classic files: %s", folder, ", ".join(skipped))
-    values = apply_spec(load_spec(classic_spec(values, tp_size, tied, args)), values)
+    values = apply_spec(load_spec(classic_spec(values, tp_size, tied, args)), values, notes=notes)
     common = {k: v for k, v in first.items() if k != "model" and k not in _CLASSIC_SKIPPED}
     values.update(flatten_tree(common, ranks[(0, 0)]))
     return values
