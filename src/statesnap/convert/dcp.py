@@ -1,8 +1,9 @@
 """PyTorch Distributed Checkpoint (DCP) directories in and out, through DCP's public API only.
 
 Reading builds a target from the checkpoint's own metadata (every tensor at its full global
-shape) and lets ``torch.distributed.checkpoint.load`` assemble the shards, in one process with no
-process group, one large tensor at a time (``read`` returns them as :class:`Lazy` values). The
+shape), one large tensor at a time (``read`` returns them as :class:`Lazy` values); its chunks are
+read straight into place by :mod:`.dcp_chunks`, or, for what that does not read, assembled by
+``torch.distributed.checkpoint.load`` in one process with no process group. The
 nesting DCP flattened away is rebuilt from ``planner_data``, so an optimizer's ``param_groups``
 comes back as one list, as ``ss.save`` would have stored it.
 
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ..errors import CheckpointError
 from ..format.dtypes import itemsize
 from ..format.plaindata import MAX_INLINE_TENSOR_BYTES
+from .dcp_chunks import read_tensor
 from .transform import Lazy, materialize
 from .tree import flatten_tree, nest_paths
 
@@ -35,6 +37,9 @@ METADATA_NAME = ".metadata"
 # RNG state), which the statesnap checkpoint keeps as one value, and one call per tiny tensor
 # would cost more than it saves.
 EAGER_BYTES = MAX_INLINE_TENSOR_BYTES
+# What dcp.load raises: its CheckpointException derives from BaseException, not Exception.
+DCP_FAILURES = (Exception, dcp.CheckpointException)
+SHOWN = 5  # names shown in an error
 
 
 def read(src: str) -> dict[str, Any]:
@@ -58,14 +63,27 @@ def read(src: str) -> dict[str, Any]:
             else:
                 flat[key] = Lazy(md.properties.dtype, tuple(md.size), partial(_load_one, reader, src, key, md))
         if now:
-            _load(reader, now)
+            try:
+                _load(reader, now)
+            except DCP_FAILURES as exc:
+                files = sorted({info.relative_path for index, info in metadata.storage_data.items()
+                                if index.fqn in now})
+                raise CheckpointError(f"reading {', '.join(files)} of DCP checkpoint {src} (small values "
+                                      f"{', '.join(list(now)[:SHOWN])}{', ...' if len(now) > SHOWN else ''}) "
+                                      f"failed: {_cause(exc)}") from None
             flat.update(now)
         nested = nest_paths(flat, metadata.planner_data or {})
     except CheckpointError:
         raise
-    except Exception as exc:
-        raise CheckpointError(f"reading DCP checkpoint {src} failed: {type(exc).__name__}: {exc}") from None
+    except DCP_FAILURES as exc:
+        raise CheckpointError(f"reading DCP checkpoint {src} failed: {_cause(exc)}") from None
     return flatten_tree(nested, src)
+
+
+def _cause(exc: BaseException) -> str:
+    """What went wrong, in one line: DCP's CheckpointException carries each rank's whole traceback."""
+    lines = str(exc).strip().splitlines() or [""]
+    return f"{type(exc).__name__}: {lines[-1] if isinstance(exc, dcp.CheckpointException) else lines[0]}"
 
 
 class _MetadataOnce(FileSystemReader):
@@ -84,12 +102,17 @@ def _load(reader: FileSystemReader, state: dict[str, Any]) -> None:
 
 
 def _load_one(reader: FileSystemReader, src: str, key: str, md: TensorStorageMetadata) -> torch.Tensor:
+    in_place = read_tensor(src, key, md, reader.read_metadata().storage_data)
+    if in_place is not None:
+        return in_place
     state = {key: torch.empty(md.size, dtype=md.properties.dtype)}
     try:
         _load(reader, state)
-    except Exception as exc:
-        raise CheckpointError(f"reading {key!r} from DCP checkpoint {src} failed: "
-                              f"{type(exc).__name__}: {exc}") from None
+    except DCP_FAILURES as exc:
+        files = sorted({info.relative_path for index, info in reader.read_metadata().storage_data.items()
+                        if index.fqn == key})
+        raise CheckpointError(f"reading {key!r} from {', '.join(files)} of DCP checkpoint {src} failed: "
+                              f"{_cause(exc)}") from None
     return state[key]
 
 
