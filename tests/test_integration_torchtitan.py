@@ -128,7 +128,7 @@ class Trainer:
         self.train_state = TrainState()
         states = {"model": ModelParts(self.model), "optimizer": self.optimizers, "lr_scheduler": self.lr_schedulers,
                   "dataloader": self.dataloader, "train_state": self.train_state}
-        self.checkpointer = TorchtitanCheckpointer(folder, states, interval=INTERVAL, host_memory_gb=0.05,
+        self.checkpointer = TorchtitanCheckpointer(folder, states, interval=INTERVAL, host_memory_gb=0.05, eager_copy_mb=0,
                                                    last_save_model_only=False, **policy)
 
     def train_step(self) -> float:
