@@ -245,6 +245,9 @@ def _manager_class():
         def _close(self) -> None:
             self.checkpointer.close()
 
+    StatesnapCheckpointManager.__module__ = StatesnapCheckpointManager.Config.__module__ = __name__
+    StatesnapCheckpointManager.__qualname__ = "StatesnapCheckpointManager"
+    StatesnapCheckpointManager.Config.__qualname__ = "StatesnapCheckpointManager.Config"
     return StatesnapCheckpointManager
 
 
