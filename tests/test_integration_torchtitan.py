@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict,
@@ -128,7 +127,8 @@ class Trainer:
         self.train_state = TrainState()
         states = {"model": ModelParts(self.model), "optimizer": self.optimizers, "lr_scheduler": self.lr_schedulers,
                   "dataloader": self.dataloader, "train_state": self.train_state}
-        self.checkpointer = TorchtitanCheckpointer(folder, states, interval=INTERVAL, host_memory_gb=0.05, eager_copy_mb=0,
+        self.checkpointer = TorchtitanCheckpointer(folder, states, interval=INTERVAL, host_memory_gb=0.05,
+                                                   eager_copy_mb=0,
                                                    last_save_model_only=False, **policy)
 
     def train_step(self) -> float:

@@ -216,7 +216,8 @@ def _manager_class():
             states.update({MODEL: ModelWrapper(model_parts), OPTIMIZER: optimizers,
                            DATALOADER: dataloader, LR_SCHEDULER: lr_schedulers})
             self.checkpointer = TorchtitanCheckpointer(
-                filesystem.join(base_folder, config.folder), states, interval=config.interval, keep_latest_k=config.keep_latest_k,
+                filesystem.join(base_folder, config.folder), states, interval=config.interval,
+                keep_latest_k=config.keep_latest_k,
                 async_mode=config.async_mode, load_only=config.load_only,
                 exclude_from_loading=config.exclude_from_loading,
                 enable_first_step_checkpoint=config.enable_first_step_checkpoint,
