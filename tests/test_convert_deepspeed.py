@@ -29,6 +29,7 @@ PRODUCERS = {
     "z1": ("ds_train.py", ["1"], ["fp32"]), "z2": ("ds_train.py", ["2"], ["fp32"]),
     "z3": ("ds_train.py", ["3"], ["fp32"]), "z1_bf16": ("ds_train.py", ["1"], ["bf16"]),
     "z3_bf16": ("ds_train.py", ["3"], ["bf16"]), "pipe": ("ds_pipe.py", [], []), "autotp": ("ds_autotp.py", [], []),
+    "autotp_phi3": ("ds_autotp.py", [], ["phi3"]),
 }
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -266,6 +267,53 @@ def test_autotp_llama_exports_to_safetensors_that_from_pretrained_loads(produced
         assert bits_equal(tensor, reader.read(f"model.{name}")), name
 
 
+def test_autotp_sub_parameters_of_uneven_sizes_merge_as_deepspeed_gathers_them(produced, converted, tmp_path):
+    """Phi-3 under GQA: qkv_proj's q, k and v have 32, 16 and 16 rows, each cut over the 2 ranks
+    (``parameter_with_sub_params`` with ``sub_param_shard_widths``); gate_up_proj is [gate | up]."""
+    run = produced("autotp_phi3")
+    states = unpickler.load(os.path.join(run, "global_step3", "mp_rank_00_model_states.pt"))
+    widths = states["universal_checkpoint_info"]["sub_param_shard_widths"]
+    assert widths[r"^model\.layers\.0\.self_attn\.qkv_proj\.weight$"] == [[16, 16], [8, 8], [8, 8]]
+    reader = ss.open(converted("autotp_phi3"))
+    reader.verify()
+    gathered = torch.load(os.path.join(run, "gathered_model.pt"))
+    assert "model.layers.0.self_attn.qkv_proj.weight" in gathered
+    for param, value in gathered.items():  # DeepSpeed's own gather of the slices
+        assert bits_equal(reader.read(f"model.{param}"), value), param
+    folder = universal(run, tmp_path, inject=False)
+    for param in gathered:
+        for state, ours in (("fp32", f"fp32.{param}"), *((m, f"optim.state.{param}.{m}") for m in MOMENTS)):
+            assert bits_equal(reader.read(ours), universal_tensor(folder, param, state)), (param, state)
+    ss.convert(folder, str(tmp_path / "from_ucp"), source="ucp")
+    from_ucp = ss.open(str(tmp_path / "from_ucp"))
+    assert sorted(from_ucp.keys()) == sorted(reader.keys())
+    for key in reader.keys():
+        ours = reader.read(key)
+        if isinstance(ours, torch.Tensor):
+            assert bits_equal(from_ucp.read(key), ours), key
+
+
+def _legacy_sub_params(states: dict) -> None:
+    """universal_checkpoint_info as written before version 0.4: sub-parameter sizes, no per-rank widths."""
+    info = states["universal_checkpoint_info"]
+    info["universal_checkpoint_version"] = 0.3
+    del info["sub_param_shard_widths"]
+
+
+def test_sub_parameters_without_widths_before_version_0_4_are_cut_evenly(damaged, converted, tmp_path):
+    tag = damaged("autotp_phi3")
+    for rank in (0, 1):
+        _edit(os.path.join(tag, f"mp_rank_{rank:02d}_model_states.pt"), _legacy_sub_params)
+    ss.convert(tag, str(tmp_path / "out"), source="deepspeed")
+    legacy, reader = ss.open(str(tmp_path / "out")), ss.open(converted("autotp_phi3"))
+    compared = 0
+    for key in reader.keys():
+        if key.startswith(("model.", "fp32.", "optim.state.")) and isinstance(reader.read(key), torch.Tensor):
+            assert bits_equal(legacy.read(key), reader.read(key)), key
+            compared += 1
+    assert compared == 9 * 4  # model, fp32 and two moments of each parameter
+
+
 # --- damaged input -------------------------------------------------------------------------
 
 @pytest.fixture
@@ -379,6 +427,7 @@ def _shift_fragment(optim: dict) -> None:
     mapping[name] = type(mapping[name])(numel=mapping[name].numel, start=0)  # on top of the first
 
 
+QKV = r"^model\.layers\.0\.self_attn\.qkv_proj\.weight$"
 GARBAGE = {  # name -> (run, file, change, what the error names)
     "shape of text": ("z1", "mp_rank_00_model_states.pt",
                       lambda o: o["param_shapes"][0].__setitem__("fc1.weight", "abc"), "fc1.weight"),
@@ -398,6 +447,17 @@ GARBAGE = {  # name -> (run, file, change, what the error names)
                           lambda o: o.update(dp_world_size=4, global_steps=7), "dp_world_size"),
     "no inner optimizer": ("z3", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                            lambda o: o["optimizer_state_dict"].pop("optimizer_state_dict"), "param_groups"),
+    "sub-parameter widths that do not add up": (
+        "autotp_phi3", "mp_rank_00_model_states.pt",
+        lambda o: o["universal_checkpoint_info"]["sub_param_shard_widths"][QKV].__setitem__(0, [16, 8]),
+        "sub_param_shard_widths of"),
+    "sub-parameters without widths at version 0.4": (
+        "autotp_phi3", "mp_rank_00_model_states.pt",
+        lambda o: o["universal_checkpoint_info"].pop("sub_param_shard_widths"), "no sub_param_shard_widths"),
+    "sub-parameter sizes 2 ranks do not divide": (
+        "autotp_phi3", "mp_rank_00_model_states.pt",
+        lambda o: (_legacy_sub_params(o), o["universal_checkpoint_info"]["parameter_with_sub_params"][0].__setitem__(
+            "shape", [(31, 17, 16), -1])), "do not divide"),
 }
 
 

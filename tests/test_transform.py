@@ -159,6 +159,23 @@ def test_gqa_qkv_megatron_layout_under_tp2_fuses_and_splits_into_q_k_v_and_back(
     assert back.keys() == ranks.keys() and all(same_bits(back[n], ranks[n]) for n in ranks)
 
 
+def test_sub_parameters_of_uneven_widths_fuse_sub_parameter_by_sub_parameter():
+    """DeepSpeed AutoTP's GQA qkv: rank r holds [q_r; k_r; v_r], q wider than k and v, and a rank's
+    share of a sub-parameter may differ from another's (``sub_param_shard_widths``)."""
+    q, k, v = randn(6, 3, seed=1), randn(2, 3, seed=2), randn(2, 3, seed=3)
+    widths = [[4, 2], [1, 1], [1, 1]]  # q: 4 rows on rank 0, 2 on rank 1
+    ranks = {"tp_rank_0.qkv": torch.cat([q[:4], k[:1], v[:1]]), "tp_rank_1.qkv": torch.cat([q[4:], k[1:], v[1:]])}
+    fused = run([{"fuse": TP_REPLICA, "to": r"\g<name>", "cat": 0, "widths": widths}], ranks)
+    assert same_bits(fused["qkv"], torch.cat([q, k, v]))
+    parts = {"tp_rank_0.x": randn(2, 4, seed=4), "tp_rank_1.x": randn(2, 4, seed=5)}  # equal widths are groups
+    assert same_bits(run([{"fuse": TP_REPLICA, "to": r"\g<name>", "cat": 1, "widths": [[2, 2], [2, 2]]}], parts)["x"],
+                     run([{"fuse": TP_REPLICA, "to": r"\g<name>", "cat": 1, "groups": 2}], parts)["x"])
+    with pytest.raises(TransformError, match=r"qkv: sub-parameter widths .* do not give the 2 parts' dimension 0"):
+        run([{"fuse": TP_REPLICA, "to": r"\g<name>", "cat": 0, "widths": [[4, 2], [1, 1], [1, 2]]}], ranks)
+    with pytest.raises(TransformError, match=r"qkv: sub-parameter widths"):
+        run([{"fuse": TP_REPLICA, "to": r"\g<name>", "cat": 0, "widths": [[8], [1], [1]]}], ranks)
+
+
 def test_cat_groups_and_split_sizes_that_do_not_add_up_are_errors():
     with pytest.raises(TransformError, match=r"fc1: dimension 0 of a part does not divide into 2 groups"):
         run([{"fuse": TP_REPLICA, "to": r"\g<name>", "cat": 0, "groups": 2}],
@@ -256,7 +273,11 @@ def test_malformed_ops_are_refused_before_any_value_is_read():
                {"expect": "("}, {"expect": "x", "to": "y"}, {"split": "x", "to": ["a", "b"], "dim": 0, "sizes": [1]},
                {"split": "x", "to": ["a"], "dim": 0, "groups": 0},
                {"rename": "x", "to": 5}, {"fuse": TP_REPLICA, "to": 3, "cat": 0}, {"split": "x", "to": [1, 2], "dim": 0},
-               {"drop": "x", "optional": "no"}):
+               {"drop": "x", "optional": "no"}, {"fuse": TP_REPLICA, "to": "x", "cat": 0, "widths": [[1, 2], [3]]},
+               {"fuse": TP_REPLICA, "to": "x", "cat": 0, "groups": 2, "widths": [[1], [1]]},
+               {"fuse": TP_REPLICA, "to": "x", "same": True, "widths": [[1]]},
+               {"fuse": TP_REPLICA, "to": "x", "cat": 0, "widths": [[1, -1]]},
+               {"fuse": TP_REPLICA, "to": "x", "cat": 0, "widths": []}):
         with pytest.raises(TransformError, match="op #0"):
             load_spec({"ops": [op]})
 

@@ -93,6 +93,8 @@ class _Checkpoint:
         # model-parallel ranks with one model-states file per DP rank (ZeRO-3)
         self.per_dp = {int(m["mp"]) for n in names for m in [MODEL_FILE.fullmatch(n)] if m and m["dp"] is not None}
         self.first = self.states[min(self.states)]
+        first_mp, first_dp = min(self.states)
+        self.first_path = model_path(folder, first_mp, first_dp if first_mp in self.per_dp else None)
         self.mp = positive_int(self.first, "mp_world_size", folder)
         self.dp = positive_int(self.first, "dp_world_size", folder)
         dims = self.first.get("checkpoint_parallel_dimensions") or {}
@@ -378,12 +380,11 @@ def _spec(ckpt: _Checkpoint) -> dict:
     vocab = info.get("vocabulary_parameter_patterns") or []
     # [gate; up] fused per rank: each rank's dim 0 is [gate_r; up_r] (Megatron's SwiGLU fc1).
     two_sub = info.get("parameter_with_2_sub_params_cat_dim_0") or []
-    if info.get("parameter_with_sub_params"):
-        raise CheckpointError(f"{ckpt.folder}: universal_checkpoint_info lists sub-parameters of uneven sizes "
-                              "(parameter_with_sub_params), which this importer does not derive a spec for; "
-                              "convert with ds_to_universal and source='ucp'")
+    sub_params = [(pattern, how) for entry in info.get("parameter_with_sub_params") or []
+                  for pattern, how in _sub_param_fusions(ckpt, info, entry)]
     for patterns, how in ((replicated, {"same": True}), (average, {"cat": 0, "average": True}),
-                          (two_sub, {"cat": 0, "groups": 2}), (row, {"cat": 1}), (vocab, {"cat": 0})):
+                          (two_sub, {"cat": 0, "groups": 2}), *(([p], how) for p, how in sub_params),
+                          (row, {"cat": 1}), (vocab, {"cat": 0})):
         if patterns:
             op = {"fuse": rank + f"(?P<name>{names(patterns)})", "to": r"\g<name>", **how, "optional": True}
             if "average" in how:
@@ -394,3 +395,58 @@ def _spec(ckpt: _Checkpoint) -> dict:
     if vocab and size and _padded(ckpt, vocab, int(size)):
         ops.append({"vocab": f"^(?:{names(vocab)})$", "size": int(size), "dim": 0})
     return {"ops": ops}
+
+
+def _sub_param_fusions(ckpt: _Checkpoint, info: dict, entry: Any) -> list[tuple[str, dict]]:
+    """``(pattern, fuse mode)`` for one ``parameter_with_sub_params`` entry, as ``ds_to_universal``
+    merges it: each rank's slice along ``partition_dim`` is [its piece of sub-parameter 0 | of 1 |
+    ...]; the parameter is sub-parameter 0 of every rank, then 1, ... Version 0.4 records each
+    rank's width of each sub-parameter (``sub_param_shard_widths``, uneven GQA heads included);
+    before it, ``shape[partition_dim]`` was a count of equal sub-parameters or their sizes, each cut
+    evenly over the ranks."""
+    where = f"{ckpt.first_path}: universal_checkpoint_info's parameter_with_sub_params entry {str(entry)[:200]}"
+    patterns = entry.get("patterns") if isinstance(entry, dict) else None
+    shape, dim = (entry.get("shape"), entry.get("partition_dim")) if isinstance(entry, dict) else (None, None)
+    if (not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) for p in patterns)
+            or not isinstance(shape, (list, tuple)) or type(dim) is not int or not 0 <= dim < len(shape)):
+        raise CheckpointError(f"{where} is not {{patterns: [regex], shape: [...], partition_dim: int < len(shape)}}")
+    sizes = shape[dim]
+    recorded = info.get("sub_param_shard_widths") or {}
+    out = []
+    for pattern in patterns:
+        for name, held in _shapes_matching(ckpt, pattern).items():
+            if len(held) != len(shape):  # a view spec that reshapes, e.g. experts (E, -1, H) of a 2-D weight
+                raise CheckpointError(f"{where}: {name} has shape {tuple(held)}, which the sub-parameter shape "
+                                      f"{list(shape)} reshapes; this importer does not derive a spec for that, "
+                                      "convert with ds_to_universal and source='ucp'")
+        if pattern in recorded:
+            widths = recorded[pattern]
+        elif float(info.get("universal_checkpoint_version", 0) or 0) >= 0.4:
+            raise CheckpointError(f"{where}: universal_checkpoint_version 0.4 and no sub_param_shard_widths for "
+                                  f"{pattern}")
+        elif type(sizes) is int and sizes > 0:
+            out.append((pattern, {"cat": dim, "groups": sizes}))
+            continue
+        elif (isinstance(sizes, (list, tuple)) and all(type(n) is int and n >= 0 and n % ckpt.tp == 0 for n in sizes)):
+            widths = [[n // ckpt.tp] * ckpt.tp for n in sizes]
+        else:
+            raise CheckpointError(f"{where}: sub-parameter sizes {sizes!r} that {ckpt.tp} ranks do not divide, "
+                                  "and no sub_param_shard_widths saying how they were cut")
+        if (not isinstance(widths, (list, tuple)) or not widths
+                or not all(isinstance(w, (list, tuple)) and len(w) == ckpt.tp and all(type(n) is int and n >= 0
+                                                                                    for n in w) for w in widths)
+                or (isinstance(sizes, (list, tuple)) and [sum(w) for w in widths] != list(sizes))):
+            raise CheckpointError(f"{where}: sub_param_shard_widths of {pattern} is {str(widths)[:200]}, not one "
+                                  f"width per rank ({ckpt.tp}) for each sub-parameter {sizes!r}")
+        out.append((pattern, {"cat": dim, "widths": [list(w) for w in widths]}))
+    return out
+
+
+def _shapes_matching(ckpt: _Checkpoint, pattern: str) -> dict[str, torch.Size]:
+    """The per-rank shapes of the parameters ``pattern`` (a UCP regex) matches, from param_shapes."""
+    try:
+        compiled = re.compile(pattern)
+    except re.error as exc:
+        raise CheckpointError(f"{ckpt.first_path}: universal_checkpoint_info pattern {pattern!r}: {exc}") from None
+    shapes = param_shapes(ckpt.first, ckpt.first_path)
+    return {name: shape for group in shapes for name, shape in group.items() if compiled.match(name)}

@@ -12,6 +12,8 @@ research/ucp_bytecheckpoint.md) made explicit and strict::
       {"rename": "^module\\.", "to": "model."},
       {"fuse": "tp_rank_(?P<index>\\d+)\\.(?P<name>.*qkv\\.weight)", "to": "\\g<name>", "cat": 0},
       {"fuse": "tp_rank_(?P<index>\\d+)\\.(?P<name>.*fc1\\.weight)", "to": "\\g<name>", "cat": 0, "groups": 2},
+      {"fuse": "tp_rank_(?P<index>\\d+)\\.(?P<name>.*qkv_proj\\.weight)", "to": "\\g<name>", "cat": 0,
+       "widths": [[16, 16], [8, 8], [8, 8]]},
       {"fuse": "tp_rank_(?P<index>\\d+)\\.(?P<name>.*norm\\.weight)", "to": "\\g<name>", "average": true},
       {"fuse": "stage_(?P<index>\\d+)\\.(?P<name>.*embed\\.weight)", "to": "\\g<name>", "take": 0},
       {"vocab": "embed\\.weight$", "size": 50257, "dim": 0},
@@ -75,7 +77,7 @@ _OPS = {
     "drop": ((), ()),
     "keep": ((), ()),
     "rename": (("to",), ()),
-    "fuse": (("to",), (*_FUSE_MODES, "groups", "atol")),
+    "fuse": (("to",), (*_FUSE_MODES, "groups", "widths", "atol")),
     "split": (("to", "dim"), ("sizes", "groups")),
     "vocab": ((), ("size", "multiple", "dim", "padded")),
     "unstack": (("to",), ("dim",)),
@@ -144,6 +146,12 @@ def _check_fuse(op: dict, pattern: re.Pattern) -> str | None:
         return '"take" must be the index of the part to keep'
     if "groups" in op and (modes[0] != "cat" or not _count(op["groups"])):
         return '"groups" (a positive count) goes with "cat" only'
+    widths = op.get("widths")
+    if "widths" in op and (modes[0] != "cat" or "groups" in op or not isinstance(widths, list) or not widths
+                           or not all(isinstance(w, list) and w and len(w) == len(widths[0]) for w in widths)
+                           or not all(_count(n, 0) for w in widths for n in w)):
+        return ('"widths" (per sub-parameter, its width in each part: a list of equally long lists of integers '
+                '>= 0) goes with "cat" only, instead of "groups"')
     atol = op.get("atol", 0)
     if "atol" in op and (modes[0] not in ("average", "take") or isinstance(atol, bool)
                          or not isinstance(atol, (int, float)) or not atol >= 0):
@@ -319,18 +327,27 @@ def _fused(step: _Step, target: str, parts: dict[int, str], values: dict) -> Laz
     dim = _dim(step, op["cat"], len(shapes[0]), target)
     step.require(all(len(s) == len(shapes[0]) and s[:dim] + s[dim + 1:] == shapes[0][:dim] + shapes[0][dim + 1:]
                      for s in shapes), target, f"parts differ outside dimension {dim}", shapes)
-    groups = op.get("groups", 1)
-    step.require(all(s[dim] % groups == 0 for s in shapes), target,
-                 f"dimension {dim} of a part does not divide into {groups} groups", shapes)
+    if "widths" in op:
+        widths = op["widths"]
+        step.require(all(len(w) == len(shapes) for w in widths) and all(
+            sum(w[r] for w in widths) == s[dim] for r, s in enumerate(shapes)), target,
+            f"sub-parameter widths {widths} do not give the {len(shapes)} parts' dimension {dim}", shapes)
+    else:
+        groups = op.get("groups", 1)
+        step.require(all(s[dim] % groups == 0 for s in shapes), target,
+                     f"dimension {dim} of a part does not divide into {groups} groups", shapes)
+        widths = [[s[dim] // groups for s in shapes]] * groups
     shape = shapes[0][:dim] + (sum(s[dim] for s in shapes),) + shapes[0][dim + 1:]
-    return Lazy(first.dtype, shape, lambda: _cat_groups([materialize(t) for t in tensors], dim, groups))
+    return Lazy(first.dtype, shape, lambda: _cat_groups([materialize(t) for t in tensors], dim, widths))
 
 
-def _cat_groups(tensors: list[torch.Tensor], dim: int, groups: int) -> torch.Tensor:
-    """Chunk 0 of every part, then chunk 1 of every part, ...: the inverse of ``split`` with
-    ``groups``. Megatron's SwiGLU fc1 under TP holds [gate_r; up_r] on rank r, the model [gate; up]."""
-    chunks = [t.tensor_split(groups, dim) for t in tensors]
-    return torch.cat([c[g] for g in range(groups) for c in chunks], dim)
+def _cat_groups(tensors: list[torch.Tensor], dim: int, widths: list[list[int]]) -> torch.Tensor:
+    """Sub-parameter 0 of every part, then sub-parameter 1 of every part, ...: the inverse of
+    ``split`` with ``groups``; ``widths[g][r]`` is the width of sub-parameter g in part r. Megatron's
+    SwiGLU fc1 under TP holds [gate_r; up_r] on rank r, the model [gate; up]; DeepSpeed AutoTP's
+    GQA qkv holds [q_r; k_r; v_r] with q wider than k and v (its ``sub_param_shard_widths``)."""
+    pieces = [t.split([w[r] for w in widths], dim) for r, t in enumerate(tensors)]
+    return torch.cat([part[g] for g in range(len(widths)) for part in pieces], dim)
 
 
 def _one_replica(step: _Step, target: str, names: list[str], tensors: list) -> torch.Tensor:
