@@ -61,6 +61,11 @@ class CheckpointerConfig:
     them (see docs/checkpointer.md, "One job per root"); ``lease_s``: how long a claim on an
     object store lasts without renewal. ``replica_check_mb``: replicated pieces up to this size are
     compared across their holders before a commit (0: none; see docs/resharding.md).
+    ``local_root``/``local_every``/``local_keep_last``: the node-local level (an NVMe path or
+    ``shm://NAME``, per node) that receives every ``local_every``-th step; ``node_id`` says which
+    node this rank is on (default: torchrun's ``GROUP_RANK``). ``peer_replicas=1`` also sends each
+    rank's snapshot to a partner rank on another node, which keeps it in its node-local level
+    (see docs/checkpointer.md, "Levels").
     """
 
     root: str
@@ -86,9 +91,17 @@ class CheckpointerConfig:
     take_over: bool = False
     lease_s: float = 60.0
     replica_check_mb: float = REPLICA_CHECK_MB
+    local_root: str | None = None
+    local_every: int = 1
+    local_keep_last: int = 2
+    peer_replicas: int = 0
+    node_id: int | None = None
 
     def __post_init__(self):
         self.root = str(self.root)
+        self.local_root = None if self.local_root is None else str(self.local_root)
+        if self.node_id is None:
+            self.node_id = int(os.environ.get("GROUP_RANK", "0"))
         if self.host_memory_gb is None:
             self.host_memory_gb = default_host_memory_gb()
         checks = [
@@ -110,6 +123,11 @@ class CheckpointerConfig:
             (self.commit_timeout_s > 0, "commit_timeout_s must be positive"),
             (self.lease_s >= 3, f"lease_s must be at least 3 seconds (got {self.lease_s})"),
             (self.replica_check_mb >= 0, f"replica_check_mb must not be negative (got {self.replica_check_mb})"),
+            (self.local_every >= 1, f"local_every must be at least 1 (got {self.local_every})"),
+            (self.local_keep_last >= 1, f"local_keep_last must be at least 1 (got {self.local_keep_last})"),
+            (self.peer_replicas in (0, 1), f"peer_replicas must be 0 or 1 (got {self.peer_replicas})"),
+            (self.peer_replicas == 0 or self.local_root is not None,
+             "peer_replicas needs local_root: the partner writes the replica into its node-local level"),
             (self.block_bytes >= 4096 and self.block_bytes % 4096 == 0,
              f"block_bytes must be a positive multiple of 4096 (got {self.block_bytes}): checksum blocks are "
              "written whole, and pieces start on 64-byte boundaries"),

@@ -23,7 +23,7 @@ from ..engine.load import load
 from ..engine.replicas import limit_bytes, object_digests
 from ..engine.save import encode_objects, per_rank_names, shared_names
 from ..engine.write import default_threads
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StateMismatchError
 from ..format.dtypes import dtype_name
 from ..monitor.events import EventLog, now
 from ..plan.save_plan import ALIGN, SavePlan, plan_save
@@ -34,6 +34,8 @@ from .config import CheckpointerConfig
 from .gpu import CudaCopier, mark_devices
 from .hooks import StepGuard, find_writers, owners_of, version_of
 from .levels import MemoryLevel, StorageLevel, copy_checkpoint, matching_target, restore_from_memory
+from .local import LocalFlusher, Topology, peer_buffer_bytes
+from .recovery import LocalRecovery, complete_steps, inventory
 from .pipeline import Flusher, FlushTarget, Snapshot, Stager, as_checkpoint_error
 from .staging import MAX_SEGMENT_BYTES, REGION_ALIGN, Arena, align_up
 
@@ -73,6 +75,11 @@ class Checkpointer:
             further_root = normalize(cfg.further_root)
             self.further = StorageLevel("further", further_root, backend_for(further_root, cfg.storage_options),
                                         cfg.further_keep_last)
+        self.local = None
+        if cfg.local_root is not None:
+            local_root = normalize(cfg.local_root)
+            self.local = StorageLevel("local", local_root, backend_for(local_root, cfg.storage_options),
+                                      cfg.local_keep_last)
         self.memory = MemoryLevel()
         self.loaded_from: str | None = None  # the level the last load_latest restored from
         # the trainer's group: only on the training thread
@@ -82,6 +89,9 @@ class Checkpointer:
             ranks = None if cfg.process_group is None else dist.get_process_group_ranks(cfg.process_group)
             self._group = timed_group(ranks, cfg.commit_timeout_s, f"the Checkpointer of {root}", self._comm.rank)
         self.rank = self._comm.rank
+        self._local_group = self._recovery = None
+        if self.local is not None:
+            self._start_local_level()
         # shared plain values are compared across ranks at each commit (engine/replicas.py)
         self._compares_objects = self._comm.world_size > 1 and cfg.replica_check_mb > 0
         events_path = None
@@ -121,6 +131,12 @@ class Checkpointer:
         self._flusher = Flusher(target, lambda: self._arena, self.events, self._flushed)
         self._further_pool = ThreadPoolExecutor(1, thread_name_prefix="statesnap-further") \
             if self.further is not None and self.rank == 0 else None
+        self._local_flusher = None
+        if self.local is not None:
+            self._local_flusher = LocalFlusher(
+                self.local, self._recovery.comm, self._recovery.topology, cfg.peer_replicas > 0,
+                lambda: self._arena, lambda: self._block_bytes, cfg.durable, cfg.threads or default_threads(),
+                peer_buffer_bytes(cfg.host_memory_bytes), self.events, self._local_done)
 
     # ----------------------------------------------------------------- training-thread API
 
@@ -148,6 +164,8 @@ class Checkpointer:
         self._stager.submit(snap)
         if snap.persist:
             self._flusher.submit(snap)
+        if snap.local:
+            self._local_flusher.submit(snap)
         self.events.add("save", step, started, now(), sum(m.nbytes for m in snap.metas))
         return SaveHandle(snap.step, snap.staged, snap.durable, snap)
 
@@ -195,25 +213,29 @@ class Checkpointer:
             levels = [level for level in (self.persistent, self.further) if level is not None]
             stored = self._comm.broadcast([(level.committed_steps() or [None])[-1] for level in levels]
                                           if self.rank == 0 else None)
-            choices = [(memory_step, 0, "memory")] + [(s, i + 1, lv.name) for i, (s, lv) in
-                                                      enumerate(zip(stored, levels))]
-            choices = [c for c in choices if c[0] is not None]
+            inventories = self._comm.all_gather(inventory(self.local)) if self.local is not None else []
+            local_step = (complete_steps(inventories) or [None])[0] if inventories else None
+            choices = [(memory_step, 0, "memory"), (local_step, 1, "local")] + [
+                (s, i + 2, lv.name) for i, (s, lv) in enumerate(zip(stored, levels))]
+            choices = sorted((c for c in choices if c[0] is not None), key=lambda c: (-c[0], c[1]))
             if not choices:
                 return None
-            step, _, name = max(choices, key=lambda c: (c[0], -c[1]))
-            if name == "memory":
-                error, nbytes = None, 0
+            for index, (step, _, name) in enumerate(choices):  # the newest step first, from the fastest level holding it
+                if name == "memory":
+                    error, nbytes = None, 0
+                    try:
+                        nbytes = restore_from_memory(snap, flat, self._arena.buffer, self.config.allow_pickle)
+                    except Exception as exc:  # noqa: BLE001 (all ranks raise together below)
+                        error = exc
+                    self._comm.agree(error, f"restoring step {step} from host memory")
+                    break
                 try:
-                    nbytes = restore_from_memory(snap, flat, self._arena.buffer, self.config.allow_pickle)
-                except Exception as exc:  # noqa: BLE001 (all ranks raise together below)
-                    error = exc
-                self._comm.agree(error, f"restoring step {step} from host memory")
-            else:
-                level = self.persistent if name == "persistent" else self.further
-                nbytes = load(state, level.path(step), allow_pickle=self.config.allow_pickle,
-                              storage_options=self.config.storage_options,
-                              process_group=self.config.process_group,
-                              timeout_s=self.config.commit_timeout_s, cast=cast).bytes
+                    nbytes, name = self._restore_stored(state, step, name, inventories, cast)
+                    break
+                except CheckpointError as exc:
+                    self._fall_back_or_raise(exc, step, name, index == len(choices) - 1)
+            if self._recovery is not None:
+                self._recovery.prune_after(step)
         finally:
             if borrowed:
                 self._arena.hold(snap.region, lambda: self.memory.drop(snap))
@@ -222,6 +244,32 @@ class Checkpointer:
         self.events.flush()
         log.info("statesnap: restored step %d from the %s level", step, name)
         return step
+
+    def _restore_stored(self, state: dict, step: int, name: str, inventories: list, cast: bool) -> tuple[int, str]:
+        """Load ``step`` from a storage level; return the bytes read and the level's name
+        (``"local"`` becomes ``"peer"`` when some node fetched files from another)."""
+        options = dict(allow_pickle=self.config.allow_pickle, storage_options=self.config.storage_options,
+                       process_group=self.config.process_group, timeout_s=self.config.commit_timeout_s, cast=cast)
+        if name == "local":
+            try:
+                nbytes, fetched = self._recovery.restore(state, step, inventories, **options)
+            except CheckpointError:
+                self._recovery.prune_after(step - 1)  # a damaged copy is not tried again at the next restart
+                raise
+            return nbytes, "peer" if fetched else "local"
+        level = self.persistent if name == "persistent" else self.further
+        return load(state, level.path(step), **options).bytes, name
+
+    def _fall_back_or_raise(self, error: CheckpointError, step: int, name: str, last: bool) -> None:
+        """A copy that is missing or damaged sends every rank on to the next level; a state that
+        does not match the checkpoint (the same on every level) is raised, on every rank alike."""
+        mismatch = any(self._comm.all_gather(isinstance(error, StateMismatchError)))
+        if mismatch or last:
+            raise error
+        where = "the node-local level and peer replicas" if name == "local" else f"the {name} level"
+        message = f"statesnap: step {step} could not be restored from {where} ({error}); trying the next level"
+        log.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def stats(self) -> dict:
         """Sums of the events so far: stall, background time, throughput, back-pressure, ..."""
@@ -248,11 +296,14 @@ class Checkpointer:
             self._flusher.close()
             if self._further_pool is not None:
                 self._further_pool.shutdown(wait=True)
+            if self._local_flusher is not None:
+                self._local_flusher.close()
             self._guard.close()
             self.events.flush()
             self._release_roots()
-            if self._group is not None:
-                dist.destroy_process_group(self._group)
+            for group in (self._group, self._local_group):
+                if group is not None:
+                    dist.destroy_process_group(group)
         self._raise_pending()
 
     def __enter__(self):
@@ -298,6 +349,24 @@ class Checkpointer:
         if problem is not None:
             raise problem
 
+    def _start_local_level(self) -> None:
+        """Learn which node every rank is on, make the group the node-local level talks on, and
+        let each node's leader clear what crashed saves left in its node's level."""
+        cfg = self.config
+        topology = Topology(self._comm.all_gather(cfg.node_id), self.rank)
+        if cfg.peer_replicas and len(set(topology.nodes)) < 2:
+            raise CheckpointError(f"peer_replicas={cfg.peer_replicas} needs ranks on at least two nodes, but every "
+                                  f"rank is on node {cfg.node_id} (set GROUP_RANK or node_id=)")
+        what = f"node-local checkpoints under {self.local.root}"
+        if self._comm.active and self._comm.world_size > 1:
+            ranks = None if cfg.process_group is None else dist.get_process_group_ranks(cfg.process_group)
+            self._local_group = timed_group(ranks, cfg.commit_timeout_s, what, self.rank)
+        comm = Comm(self._local_group or cfg.process_group, what, cfg.commit_timeout_s,
+                    dedicated=self._local_group is not None)
+        self._recovery = LocalRecovery(self.local, comm, topology, cfg.durable)
+        if topology.is_leader:
+            self.local.remove_leftovers()
+
     def _release_roots(self) -> None:
         for level in (self.persistent, self.further):
             if level is not None:
@@ -334,7 +403,8 @@ class Checkpointer:
             versions=[version_of(t) for t in locals_], owners=owners,
             objects=objects, blobs=blobs, per_rank=per_rank_names(flat), cuda_ready=cuda_ready,
             object_digests=object_digests(flat, objects) if persist and self._compares_objects else {},
-            rank=self.rank, path=self.persistent.path(step))
+            rank=self.rank, path=self.persistent.path(step),
+            local=self.local is not None and step % self.config.local_every == 0)
 
     def _copy_unguarded_now(self, flat, owners: list) -> None:
         """No optimizer hook holds back a change to a tensor no optimizer writes, and some change
@@ -361,6 +431,8 @@ class Checkpointer:
         """Allocate the arena once: room for two snapshots (one written while the next is copied)
         within the budget. Only a layout that outgrows it makes a new one, after the work in flight."""
         reserved = self.config.max_in_flight * self.config.eager_copy_bytes  # see _copy_unguarded_now
+        if self.config.peer_replicas:  # the replica receiver's bounce buffer (local.py)
+            reserved += peer_buffer_bytes(self.config.host_memory_bytes)
         limit = (self.config.host_memory_bytes - reserved) // REGION_ALIGN * REGION_ALIGN
         want = max(min(limit, 2 * align_up(snapshot_bytes, REGION_ALIGN)), REGION_ALIGN)
         if self._arena is not None and self._arena.capacity >= want:
@@ -401,7 +473,13 @@ class Checkpointer:
             return [(s.step, s.gates[optimizer_id]) for s in self._inflight if optimizer_id in s.gates]
 
     def _copies_done(self, snap: Snapshot) -> None:
-        if not snap.persist:
+        if not snap.persist and not snap.local:
+            self._finish(snap)
+
+    def _local_done(self, snap: Snapshot, error: BaseException | None) -> None:
+        if error is not None:
+            self._record_failure(None, as_checkpoint_error(error, snap.step, self.local.path(snap.step)))
+        if snap.stage_ended():
             self._finish(snap)
 
     def _flushed(self, snap: Snapshot, committed: int | None) -> None:
@@ -412,9 +490,10 @@ class Checkpointer:
                     if self.rank == 0:
                         self._after_commit(snap.step)
                 finally:
-                    snap.mark_durable(snap.path)
+                    snap.committed = True
         finally:
-            self._finish(snap)  # whatever happens after the commit, nobody waits for this forever
+            if snap.stage_ended():  # the node-local flush may still read the arena
+                self._finish(snap)  # whatever happens after the commit, nobody waits for this forever
 
     def _after_commit(self, step: int) -> None:
         """Rank 0: start the further-level copy, then apply retention on the persistent level."""
@@ -456,8 +535,8 @@ class Checkpointer:
                 self._arena.hold(snap.region, lambda: self.memory.drop(snap))
             else:
                 self._arena.release(snap.region)
-        if snap.mark_durable(None):  # a step kept in memory only
-            self._count("memory_only")
+        if snap.mark_durable(snap.path if snap.committed else None) and not snap.committed:
+            self._count("memory_only")  # a step kept in memory (and maybe node-local storage) only
         if snap.error is not None:
             self._count("failed")
             self._record_failure(snap, snap.error)

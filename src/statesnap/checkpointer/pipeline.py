@@ -48,6 +48,8 @@ class Snapshot:
     object_digests: dict  # fqn -> hash of each shared value the commit compares across ranks
     cuda_ready: dict
     rank: int = 0
+    local: bool = False  # also goes to the node-local level (checkpointer/local.py)
+    committed: bool = False  # committed on the persistent level
     staged: Future = field(default_factory=Future)
     durable: Future = field(default_factory=Future)
     batches: queue.Queue = field(default_factory=queue.Queue)
@@ -59,7 +61,16 @@ class Snapshot:
     reported: bool = False
     path: str = ""
     finished: threading.Event = field(default_factory=threading.Event)  # nothing of it runs any more
+    _stages_left: int | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def stage_ended(self) -> bool:
+        """A writing stage (persistent flush or node-local flush) is done with this snapshot;
+        True for the last of them: then nothing reads its arena region any more."""
+        with self._lock:
+            self._stages_left = (int(self.persist) + int(self.local) if self._stages_left is None
+                                 else self._stages_left) - 1
+            return self._stages_left <= 0
 
     def fail(self, exc: BaseException) -> None:
         """Record the first failure and open every gate: nobody waits for a dropped checkpoint."""

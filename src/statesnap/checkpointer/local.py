@@ -1,0 +1,250 @@
+"""The node-local level and its peer replicas.
+
+Every ``local_every``-th step is also written to node-local storage (an NVMe path or ``shm://``),
+as a committed statesnap checkpoint per node: ``<local_root>/step-N`` holds the job's whole
+manifest and the data files of that node's ranks. With ``peer_replicas=1`` each rank also sends
+its data file, straight from the staging arena, to a partner rank on the next node, which writes it
+into its own node's ``step-N`` before that node commits. Losing any one node then leaves every file
+on some other node, and a restart reads them from there (``recovery.py``) instead of from ``root``.
+
+Collectives and transfers run on a dedicated gloo group, on this stage's own thread, never on the
+trainer's groups. A receiver takes the bytes through one bounce buffer whose size the arena gives
+up (``peer_buffer_bytes``): the replica counts against the host budget, and the arena keeps the
+snapshot itself until this stage is done with it, as it does for the persistent flush.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..engine.dist import Comm
+from ..engine.save import RankOutput, build_manifest, data_file_name, own_objects, write_rank
+from ..errors import CheckpointError
+from ..format.manifest import MANIFEST_NAME
+from ..monitor.events import EventLog, now
+from .levels import StorageLevel
+from .pipeline import Snapshot, _Stage
+
+PEER_CHUNK_BYTES = 16 << 20  # the receiver's bounce buffer; transfers go in pieces of this size
+
+
+def peer_buffer_bytes(host_memory_bytes: int) -> int:
+    """The bounce buffer taken out of the host budget: 16 MiB, or an eighth of a small budget."""
+    return max(4096, min(PEER_CHUNK_BYTES, host_memory_bytes // 8))
+
+
+@dataclass
+class Topology:
+    """Which node each rank of the group is on (from torchrun's ``GROUP_RANK`` or ``node_id``)."""
+
+    nodes: list[int]
+    rank: int
+
+    def leader(self, rank: int) -> int:
+        """The lowest rank on ``rank``'s node: it creates, commits and prunes that node's steps."""
+        return min(r for r, n in enumerate(self.nodes) if n == self.nodes[rank])
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leader(self.rank) == self.rank
+
+    def partners(self) -> list[int | None]:
+        """Each rank's partner: the rank of the same index on the next node (cyclically), so a
+        rank's replica is never on its own node; None for all when there is one node."""
+        distinct = sorted(set(self.nodes))
+        if len(distinct) < 2:
+            return [None] * len(self.nodes)
+        members = {n: [r for r, m in enumerate(self.nodes) if m == n] for n in distinct}
+        out = []
+        for rank, node in enumerate(self.nodes):
+            following = members[distinct[(distinct.index(node) + 1) % len(distinct)]]
+            out.append(following[members[node].index(rank) % len(following)])
+        return out
+
+
+# ----------------------------------------------------------------- byte streams between two ranks
+
+
+def _global(group, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def send_stream(group, dst: int, ranges: list[tuple[int, int]], read) -> None:
+    """Send byte ranges ``(offset, nbytes)`` of a file; ``read(offset, nbytes)`` gives a uint8
+    tensor of at most a chunk. ``ranges`` None says the sender has nothing (it failed)."""
+    dst = _global(group, dst)
+    if ranges is None:
+        dist.send(torch.tensor([-1], dtype=torch.int64), dst, group)
+        return
+    dist.send(torch.tensor([len(ranges)], dtype=torch.int64), dst, group)
+    if ranges:
+        dist.send(torch.tensor(ranges, dtype=torch.int64), dst, group)
+    for offset, nbytes in ranges:
+        for k in range(0, nbytes, PEER_CHUNK_BYTES):
+            dist.send(read(offset + k, min(PEER_CHUNK_BYTES, nbytes - k)), dst, group)
+
+
+def recv_stream(group, src: int, buffer: torch.Tensor, write) -> bool:
+    """Receive what :func:`send_stream` sends; ``write(offset, uint8 tensor)`` takes each chunk
+    (None: receive and drop). False if the sender had nothing to send."""
+    src = _global(group, src)
+    count = torch.empty(1, dtype=torch.int64)
+    dist.recv(count, src, group)
+    if int(count) < 0:
+        return False
+    table = torch.empty((int(count), 2), dtype=torch.int64)
+    if int(count):
+        dist.recv(table, src, group)
+    chunk = min(PEER_CHUNK_BYTES, buffer.numel())
+    for offset, nbytes in table.tolist():
+        for k in range(0, nbytes, PEER_CHUNK_BYTES):
+            n = min(PEER_CHUNK_BYTES, nbytes - k)
+            view = buffer[:n] if n <= chunk else torch.empty(n, dtype=torch.uint8)
+            dist.recv(view, src, group)
+            if write is not None:
+                write(offset + k, view)
+    return True
+
+
+def pwriter(writer):
+    """``write(offset, tensor)`` for :func:`recv_stream` onto a storage ``FileWriter``."""
+    return lambda offset, view: writer.pwrite(offset, [memoryview(view.numpy())])
+
+
+# ----------------------------------------------------------------- the stage
+
+
+class LocalFlusher(_Stage):
+    """Writes node-local snapshots in order: own file, replica exchange, manifest, per-node commit."""
+
+    def __init__(self, level: StorageLevel, comm: Comm, topology: Topology, peers: bool, arena_of,
+                 block_bytes_of, durable: bool, threads: int, buffer_bytes: int, events: EventLog, on_done):
+        self.level, self.comm, self.topology = level, comm, topology
+        self._partners = topology.partners() if peers else [None] * len(topology.nodes)
+        self._arena_of, self._block_bytes_of = arena_of, block_bytes_of
+        self._durable, self._threads, self._events, self._on_done = durable, threads, events, on_done
+        self._buffer = torch.empty(buffer_bytes, dtype=torch.uint8) if peers else None
+        super().__init__("local", 1)
+
+    def _handle(self, snap: Snapshot) -> None:
+        error = None
+        start = now()
+        try:
+            nbytes = self._flush(snap)
+            self._events.add("local", snap.step, start, now(), nbytes)
+        except BaseException as exc:  # noqa: BLE001 (reported at the next call, not through the snapshot:
+            error = exc               # the persistent flush of the same step goes on)
+        self._on_done(snap, error)
+
+    def _flush(self, snap: Snapshot) -> int:
+        comm, backend, topo = self.comm, self.level.backend, self.topology
+        final = self.level.path(snap.step)
+        token = comm.broadcast(uuid.uuid4().hex[:12] if comm.rank == 0 else None)
+        staging, problem = None, None
+        if topo.is_leader:
+            try:
+                staging = backend.begin(final, token)
+            except Exception as exc:  # noqa: BLE001 (every rank learns it below)
+                problem = f"rank {comm.rank}: cannot start {final}: {type(exc).__name__}: {exc}"
+        starts = comm.all_gather((staging, problem))
+        staging = starts[topo.leader(comm.rank)][0]
+        error, output = None, None
+        try:
+            problems = [p for _, p in starts if p is not None]
+            if problems:
+                raise CheckpointError("; ".join(problems))
+            snap.copied.wait()
+            if snap.error is not None:
+                raise snap.error
+            if not snap.resident:
+                raise CheckpointError(f"step {snap.step} does not fit in host memory whole, which the "
+                                      "node-local level copies from; raise host_memory_gb")
+            output = self._write_own(snap, staging, token)
+        except BaseException as exc:  # noqa: BLE001 (every rank must reach the exchange and the gather)
+            error = exc
+        try:
+            self._exchange(snap, staging, token, output if error is None else None)
+        except BaseException as exc:  # noqa: BLE001
+            error = error or exc
+        outputs = comm.gather((output, None if error is None else f"{type(error).__name__}: {error}"))
+        result = self._manifest(snap, outputs) if comm.rank == 0 else None
+        result = comm.broadcast(result)
+        if topo.is_leader and staging is not None:
+            if isinstance(result, bytes):
+                backend.write_bytes(backend.join(staging, MANIFEST_NAME), result, self._durable)
+                backend.commit(staging, final, True, self._durable, keep=backend.listdir(staging))
+                self.level.retain(set())
+            else:
+                backend.abort(staging, final)
+        if error is not None:
+            raise error
+        if not isinstance(result, bytes):
+            raise CheckpointError(result)
+        return output.file_bytes if output is not None else 0
+
+    def _manifest(self, snap: Snapshot, outputs: list) -> bytes | str:
+        failures = [f"rank {r}: {err}" for r, (_, err) in enumerate(outputs) if err is not None]
+        if failures:
+            return (f"node-local checkpoint of step {snap.step} under {self.level.root} failed and was not "
+                    "committed: " + "; ".join(failures))
+        manifest = build_manifest(snap.plan, [out for out, _ in outputs], self.comm.world_size,
+                                  self._block_bytes_of(), {"step": snap.step})
+        return manifest.to_bytes()
+
+    def _write_own(self, snap: Snapshot, staging: str, token: str) -> RankOutput:
+        """This rank's data file, as the persistent flush writes it, from the resident snapshot."""
+        arena, base, rank = self._arena_of(), snap.region.start, self.comm.rank
+        tensors = [arena.view(base + offset, meta.nbytes) for offset, meta in zip(snap.item_offsets, snap.metas)]
+        entries, blobs = own_objects(snap.objects, snap.blobs, snap.per_rank, rank, snap.plan.object_writers)
+        return write_rank(self.level.backend, staging, token, rank, snap.plan, tensors, entries, blobs,
+                          snap.per_rank, self._durable, self._threads, self._block_bytes_of())
+
+    def _exchange(self, snap: Snapshot, staging: str, token: str, output: RankOutput | None) -> None:
+        """Every rank sends its file to its partner, transfer after transfer in rank order: a
+        rank's sends and receives come in the same global order on every rank, so none waits on
+        a peer that waits on it."""
+        group, rank = self.comm.transport() if self.comm.world_size > 1 else None, self.comm.rank
+        for src, dst in enumerate(self._partners):
+            if dst is None or rank not in (src, dst):
+                continue
+            if rank == src:
+                send_stream(group, dst, *self._own_ranges(snap, staging, output))
+                continue
+            path = self.level.backend.join(staging, data_file_name(token, src)) if staging else None
+            writer = self.level.backend.open_write(path, self._durable) if path else None
+            try:
+                recv_stream(group, src, self._buffer, pwriter(writer) if writer else None)
+            finally:
+                if writer is not None:
+                    writer.close(self._durable)
+
+    def _own_ranges(self, snap: Snapshot, staging: str, output: RankOutput | None):
+        """What this rank's file holds, as ranges, and a reader: tensors from the arena, pickled
+        values (after them in the file) from the file just written."""
+        if output is None:
+            return None, None
+        if output.file is None:
+            return [], None
+        arena, base, plan, rank = self._arena_of(), snap.region.start, snap.plan, self.comm.rank
+        where = {offset: snap.item_offsets[index] for index, offset in plan.writes[rank]}
+        ranges = [(offset, snap.metas[index].nbytes) for index, offset in plan.writes[rank]]
+        tail = output.file_bytes - plan.file_bytes[rank]
+        if tail > 0:
+            ranges.append((plan.file_bytes[rank], tail))
+        starts = sorted(where)
+
+        def read(offset: int, nbytes: int) -> torch.Tensor:
+            if offset >= plan.file_bytes[rank]:  # pickled values: back from the file
+                out = torch.empty(nbytes, dtype=torch.uint8)
+                reader = self.level.backend.open_read(self.level.backend.join(staging, output.file))
+                try:
+                    reader.readinto(offset, [memoryview(out.numpy())])
+                finally:
+                    reader.close()
+                return out
+            item_start = max(s for s in starts if s <= offset)
+            return arena.view(base + where[item_start] + offset - item_start, nbytes)
+        return ranges, read

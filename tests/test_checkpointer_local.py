@@ -1,0 +1,169 @@
+"""The node-local level and peer replicas: 4 gloo ranks as 2 simulated nodes (different
+``GROUP_RANK`` and local roots) train and checkpoint, are SIGKILLed, node 1's level is wiped, and
+restarts on 4 and on 3 ranks restore the newest step from the partner's replica, bit for bit; a
+damaged replica sends the restart to ``root``."""
+import os
+import shutil
+import signal
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import statesnap as ss
+from dist_utils import run_ranks
+from statesnap.storage import SHM_ROOT
+from test_checkpointer import assert_state_equals, make_training, reference, train_step
+
+STEPS, PERSIST_EVERY, GLOBAL_ROWS = 13, 10, 24
+
+
+def _node(rank: int, world: int) -> int:
+    return 0 if rank < (world + 1) // 2 else 1
+
+
+def _state(rank: int, world: int, seed: int = 0):
+    model, optim = make_training(seed)  # same seed on every rank: replicated, as DDP's
+    rows = GLOBAL_ROWS // world
+    shard = torch.zeros(rows, 4) + seed
+    return {"model": model, "optim": optim, "shard": ss.Sharded(shard, (GLOBAL_ROWS, 4), (rows * rank, 0))}
+
+
+def _train(state, rank, step):
+    model, optim = state["model"], state["optim"]
+    optim.zero_grad()
+    g = torch.Generator().manual_seed(step * 10 + rank)
+    model(torch.randn(4, 32, generator=g)).pow(2).sum().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+    optim.step()
+    with torch.no_grad():
+        state["shard"].local.add_(torch.randn(state["shard"].local.shape, generator=g))
+
+
+def _checkpointer(dirs, rank, world):
+    os.environ["GROUP_RANK"] = str(_node(rank, world))
+    return ss.Checkpointer(dirs["root"], local_root=dirs["local"][_node(rank, world)], local_every=1,
+                           peer_replicas=1, persist_every=PERSIST_EVERY, host_memory_gb=0.02)
+
+
+def _train_then_die(rank, world, dirs, out):
+    state = _state(rank, world)
+    ckpt = _checkpointer(dirs, rank, world)
+    for step in range(1, STEPS + 1):
+        _train(state, rank, step)
+        if step in (PERSIST_EVERY, STEPS):
+            torch.save(state["shard"].local.clone(), os.path.join(out, f"shard-{step}-{rank}.pt"))
+            if rank == 0:
+                torch.save(reference({"model": state["model"], "optim": state["optim"]}),
+                           os.path.join(out, f"ref-{step}.pt"))
+        handle = ckpt.save(step, state)
+    handle.wait()  # resolves once step 13 is also committed in the node-local levels
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)  # no close(): every rank dies with its Checkpointer open
+
+
+def _restore(rank, world, dirs, out):
+    state = _state(rank, world, seed=7)
+    ckpt = _checkpointer(dirs, rank, world)
+    with pytest.warns(RuntimeWarning) if dirs.get("expect_warning") else _nothing():
+        step = ckpt.load_latest(state)
+    loaded_from = ckpt.loaded_from
+    ckpt.close()
+    ref = torch.load(os.path.join(out, f"ref-{step}.pt"))
+    assert_state_equals({"model": state["model"], "optim": state["optim"]}, ref)
+    shards = [torch.load(os.path.join(out, f"shard-{step}-{r}.pt")) for r in range(4)]
+    rows = GLOBAL_ROWS // world
+    assert torch.equal(state["shard"].local, torch.cat(shards)[rows * rank:rows * (rank + 1)])
+    return step, loaded_from
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.fixture(scope="module")
+def killed_job(tmp_path_factory):
+    """Directories of a 4-rank job SIGKILLed after step 13, with node 1's level (in shm) wiped;
+    trained once for the module, each restart works on its own copy."""
+    tmp_path = tmp_path_factory.mktemp("killed")
+    shm_name = f"statesnap-test-{uuid.uuid4().hex[:8]}"
+    dirs = {"root": str(tmp_path / "root"), "local": [str(tmp_path / "node0"), f"shm://{shm_name}"]}
+    out = str(tmp_path / "refs")
+    os.makedirs(out)
+    try:
+        with pytest.raises(AssertionError) as killed:
+            run_ranks(4, _train_then_die, dirs, out)
+        assert str(killed.value).count("exited with code -9") == 4
+        node1 = os.path.join(SHM_ROOT, shm_name)
+        assert f"step-{STEPS}" in os.listdir(node1)
+        shutil.rmtree(node1)  # node 1 is lost: its local level and its shared memory with it
+        yield tmp_path, dirs, out
+    finally:
+        shutil.rmtree(os.path.join(SHM_ROOT, shm_name), ignore_errors=True)
+
+
+def _copy(tmp_path, dirs, name):
+    """A fresh copy of the killed job's directories for one restart (restarts change them)."""
+    base = tmp_path / name
+    shutil.copytree(dirs["root"], base / "root")
+    shutil.copytree(dirs["local"][0], base / "node0")
+    shm_name = f"{dirs['local'][1][len('shm://'):]}-{name}"
+    return {"root": str(base / "root"), "local": [str(base / "node0"), f"shm://{shm_name}"]}, shm_name
+
+
+@pytest.mark.parametrize("world", [4, 3])
+def test_restart_after_node_loss_restores_from_the_peer_replica(killed_job, world):
+    tmp_path, dirs, out = killed_job
+    copy, shm_name = _copy(tmp_path, dirs, f"restart{world}")
+    try:
+        results = run_ranks(world, _restore, copy, out)
+    finally:
+        shutil.rmtree(os.path.join(SHM_ROOT, shm_name), ignore_errors=True)
+    assert results == [(STEPS, "peer")] * world
+
+
+def test_a_damaged_replica_falls_back_to_root(killed_job):
+    tmp_path, dirs, out = killed_job
+    copy, shm_name = _copy(tmp_path, dirs, "damaged")
+    step_dir = os.path.join(copy["local"][0], f"step-{STEPS}")
+    replica = next(n for n in os.listdir(step_dir) if n.endswith("-r00002.bin"))  # rank 2's, kept by rank 0
+    data = bytearray(open(os.path.join(step_dir, replica), "rb").read())
+    with open(os.path.join(step_dir, replica), "wb") as f:
+        f.write(bytes(b ^ 0xFF for b in data))
+    copy["expect_warning"] = True
+    try:
+        results = run_ranks(4, _restore, copy, out)
+    finally:
+        shutil.rmtree(os.path.join(SHM_ROOT, shm_name), ignore_errors=True)
+    assert results == [(PERSIST_EVERY, "persistent")] * 4
+    assert not any(n.startswith(f"step-{STEPS}") for n in os.listdir(copy["local"][0]))  # not tried again
+
+
+def test_one_process_restores_from_the_local_level_before_root(tmp_path):
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    with ss.Checkpointer(tmp_path / "root", local_root=tmp_path / "local", host_memory_gb=0.01) as ckpt:
+        for step in (1, 2):
+            train_step(model, optim, step)
+            ckpt.save(step, state)
+        ref = reference(state)
+    assert sorted(os.listdir(tmp_path / "local")) == ["step-1", "step-2"]
+    fresh = {"model": make_training(seed=5)[0], "optim": None}
+    fresh["optim"] = torch.optim.AdamW(fresh["model"].parameters(), lr=1e-2)
+    with ss.Checkpointer(tmp_path / "root", local_root=tmp_path / "local", host_memory_gb=0.01) as ckpt:
+        assert ckpt.load_latest(fresh) == 2 and ckpt.loaded_from == "local"
+    assert_state_equals(fresh, ref)
+
+
+def test_peer_replicas_need_two_nodes(tmp_path):
+    with pytest.raises(ss.CheckpointError, match="at least two nodes"):
+        ss.Checkpointer(tmp_path / "root", local_root=tmp_path / "local", peer_replicas=1, node_id=0)
+    with pytest.raises(ss.CheckpointError, match="needs local_root"):
+        ss.Checkpointer(tmp_path / "root", peer_replicas=1)
