@@ -10,6 +10,7 @@ Suites (each a module with ``main(argv)`` that parses its own options):
 * ``planning``: save/load planning and manifest size at 1024 simulated ranks (:mod:`.planning`);
 * ``chaos``: kills, full disks, I/O errors, damage, dying ranks and concurrent owners, with the
   outcome of every trial counted (:mod:`.chaos`, docs/reliability.md);
+* ``recovery``: restart after a node loss from the peer replica against from ``root`` (:mod:`.recovery`);
 * ``all``: every suite in turn with its default options.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import argparse
 import importlib
 import sys
 
-SUITES = ("io", "training", "reshard", "convert", "planning", "chaos")
+SUITES = ("io", "training", "reshard", "convert", "planning", "chaos", "recovery")
 
 
 def main(argv: list[str] | None = None) -> int:
