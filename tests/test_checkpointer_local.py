@@ -167,3 +167,11 @@ def test_peer_replicas_need_two_nodes(tmp_path):
         ss.Checkpointer(tmp_path / "root", local_root=tmp_path / "local", peer_replicas=1, node_id=0)
     with pytest.raises(ss.CheckpointError, match="needs local_root"):
         ss.Checkpointer(tmp_path / "root", peer_replicas=1)
+
+
+def test_recovery_bench_runs_and_checks_both_sources(tmp_path):
+    from statesnap.bench import recovery
+
+    result = recovery.run(ranks=2, mb_per_rank=0.1, repeat=1, out=str(tmp_path))
+    assert set(result["seconds"]) == {"peer", "root"} and result["root_vs_peer"] > 0
+    assert not (tmp_path / "recovery").exists(), "the scratch checkpoints must be removed"

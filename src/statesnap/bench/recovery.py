@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .common import DEFAULT_OUT, add_output_arguments, format_table, fresh_dir, median, write_json
-from .reshard import _barrier_timed, remote_url
+from .reshard import _barrier_timed, _worker, remote_url
 
 SOURCES = ("peer", "root")
 
@@ -72,19 +72,6 @@ def measure(rank: int, world: int, mb_per_rank: float, repeat: int, out: str, re
     return times
 
 
-def _worker(rank: int, world: int, port: int, args: dict, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        queue.put((rank, measure(rank, world, **args)))
-    except BaseException as exc:
-        queue.put((rank, f"{type(exc).__name__}: {exc}"))
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
 def run(ranks: int = 4, mb_per_rank: float = 64.0, repeat: int = 3, out: str = DEFAULT_OUT,
         remote_mb_per_s: float = 100.0, remote_latency_ms: float = 10.0) -> dict:
     """Spawn the job; return median seconds per source (slowest rank) and root / peer."""
@@ -99,7 +86,7 @@ def run(ranks: int = 4, mb_per_rank: float = 64.0, repeat: int = 3, out: str = D
     queue = ctx.Queue()
     args = dict(mb_per_rank=mb_per_rank, repeat=repeat, out=scratch, remote_mb_per_s=remote_mb_per_s,
                 remote_latency_ms=remote_latency_ms)
-    procs = [ctx.Process(target=_worker, args=(r, ranks, port, args, queue)) for r in range(ranks)]
+    procs = [ctx.Process(target=_worker, args=(r, ranks, port, args, queue, measure)) for r in range(ranks)]
     for p in procs:
         p.start()
     try:

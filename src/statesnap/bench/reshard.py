@@ -120,12 +120,13 @@ def _dcp_load(model, optim, path: str) -> None:
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def _worker(rank: int, world: int, port: int, args: dict, queue) -> None:
+def _worker(rank: int, world: int, port: int, args: dict, queue, measure_of_suite=None) -> None:
+    """One rank of a suite's job: ``measure_of_suite`` (default: this suite's) with ``args``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        queue.put((rank, measure(rank, world, **args)))
+        queue.put((rank, (measure_of_suite or measure)(rank, world, **args)))
     except BaseException as exc:
         queue.put((rank, f"{type(exc).__name__}: {exc}"))
         raise
