@@ -29,8 +29,9 @@ PRODUCERS = {
     "z1": ("ds_train.py", ["1"], ["fp32"]), "z2": ("ds_train.py", ["2"], ["fp32"]),
     "z3": ("ds_train.py", ["3"], ["fp32"]), "z1_bf16": ("ds_train.py", ["1"], ["bf16"]),
     "z3_bf16": ("ds_train.py", ["3"], ["bf16"]), "pipe": ("ds_pipe.py", [], []), "autotp": ("ds_autotp.py", [], []),
-    "autotp_phi3": ("ds_autotp.py", [], ["phi3"]),
+    "autotp_phi3": ("ds_autotp.py", [], ["phi3"]), "pipe_tp": ("ds_pipe_tp.py", [], []),
 }
+RANKS = {"pipe_tp": 4}  # gloo ranks of a producer, 2 unless named
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -39,7 +40,7 @@ def produced(tmp_path_factory):
     """A function giving the run directory of one producer, each run at most once per module."""
     def make(name: str, out: str) -> None:
         script, before, after = PRODUCERS[name]
-        run_producer(script, *before, out, *after)
+        run_producer(script, *before, out, *after, nproc=RANKS.get(name, 2))
 
     return once_each(tmp_path_factory.mktemp("ds"), make)
 
@@ -225,6 +226,36 @@ def test_pipeline_stages_merge_into_one_name_space(produced, converted):
                                                               "4.weight", "4.bias"]
 
 
+def test_pipeline_of_tensor_parallel_stages_merges_stages_and_slices(produced, converted, tmp_path):
+    """PP=2 x TP=2 (rank = stage x 2 + TP rank): each rank's truth is its slice, joined here by hand:
+    column-parallel weights and biases along dim 0, row-parallel weights along dim 1, the row-parallel
+    bias whole on both TP ranks."""
+    run = produced("pipe_tp")
+    files = os.listdir(os.path.join(run, "global_step3"))
+    assert {"layer_03-model_01-model_states.pt", "mp_rank_03_model_states.pt",
+            "bf16_zero_pp_rank_0_mp_rank_03_optim_states.pt"} <= set(files)
+    reader = ss.open(converted("pipe_tp"))
+    reader.verify()
+    folder = universal(run, tmp_path, inject=False)
+    truths = [torch.load(os.path.join(run, f"truth_rank{r}.pt")) for r in range(4)]
+    cat_dims = {"0.weight": 0, "0.bias": 0, "1.weight": 1, "1.bias": None,
+                "2.weight": 0, "2.bias": 0, "3.weight": 1, "3.bias": None}
+    for param, dim in cat_dims.items():
+        stage = int(param[0]) // 2
+        for state in ("model", "fp32", *MOMENTS):
+            slices = [truths[2 * stage + tp][state][param] for tp in (0, 1)]
+            if dim is None:
+                assert bits_equal(slices[0], slices[1]), (param, state)
+            expected = slices[0] if dim is None else torch.cat(slices, dim)
+            ours = reader.read(f"{state}.{param}" if state in ("model", "fp32") else f"optim.state.{param}.{state}")
+            assert bits_equal(ours, expected), (param, state)
+            if state != "model":
+                assert bits_equal(ours, universal_tensor(folder, param, state)), (param, state)
+    assert reader.read("model.0.weight").dtype == torch.bfloat16 and reader.read("optim.state.3.bias.step") == 3
+    assert reader.read("optim.param_groups")[0]["params"] == list(cat_dims)
+    assert reader.read("my_extra") == 42 and not any(k.startswith("tp_rank_") for k in reader.keys())
+
+
 def test_autotp_slices_merge_by_the_derived_spec(produced, converted, tmp_path):
     run = produced("autotp")
     spec = ds_import.derive_spec(run)
@@ -357,6 +388,14 @@ def test_partition_that_disagrees_with_param_shapes(damaged, tmp_path):
         ss.convert(tag, str(tmp_path / "out"), source="deepspeed")
 
 
+def test_missing_layer_file_of_one_tp_rank(damaged, tmp_path):
+    """Without it the stage's other TP rank alone would pass for the whole layer."""
+    tag = damaged("pipe_tp")
+    os.remove(os.path.join(tag, "layer_02-model_01-model_states.pt"))
+    with pytest.raises(CheckpointError, match="layer_02-model_01-model_states.pt"):
+        ss.convert(tag, str(tmp_path / "out"), source="deepspeed")
+
+
 def test_foreign_global_in_a_rank_file(damaged, tmp_path):
     tag = damaged("z1")
     path = os.path.join(tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
@@ -454,6 +493,10 @@ GARBAGE = {  # name -> (run, file, change, what the error names)
     "sub-parameters without widths at version 0.4": (
         "autotp_phi3", "mp_rank_00_model_states.pt",
         lambda o: o["universal_checkpoint_info"].pop("sub_param_shard_widths"), "no sub_param_shard_widths"),
+    "sub-parameter shape that reshapes": (
+        "autotp_phi3", "mp_rank_00_model_states.pt",
+        lambda o: o["universal_checkpoint_info"]["parameter_with_sub_params"][0].__setitem__(
+            "shape", [(32, 16, 16), 4, -1]), "reshapes"),
     "sub-parameter sizes 2 ranks do not divide": (
         "autotp_phi3", "mp_rank_00_model_states.pt",
         lambda o: (_legacy_sub_params(o), o["universal_checkpoint_info"]["parameter_with_sub_params"][0].__setitem__(

@@ -49,10 +49,11 @@ def full_state(engine, gather: bool = False) -> dict:
     return truth
 
 
-def save_with_rank_truths(engine, outdir: str) -> None:
-    """The checkpoint, and beside it ``truth_rank<r>.pt``: each rank's own slices of the truth
-    (tensor- and pipeline-parallel runs, where no rank holds everything)."""
-    engine.save_checkpoint(outdir, tag="global_step3", client_state={"my_extra": 42})
+def save_with_rank_truths(engine, outdir: str, client_state: dict | None = None) -> None:
+    """The checkpoint (``client_state`` added to the client state), and beside it
+    ``truth_rank<r>.pt``: each rank's own slices of the truth (tensor- and pipeline-parallel runs,
+    where no rank holds everything)."""
+    engine.save_checkpoint(outdir, tag="global_step3", client_state={"my_extra": 42, **(client_state or {})})
     torch.save(full_state(engine), f"{outdir}/truth_rank{torch.distributed.get_rank()}.pt")
 
 

@@ -1,4 +1,4 @@
-"""``source="deepspeed"``: DeepSpeed ``save_checkpoint`` directories (ZeRO 1-3, pipeline, AutoTP).
+"""``source="deepspeed"``: DeepSpeed ``save_checkpoint`` directories (ZeRO 1-3, pipeline, TP, both).
 
 A DeepSpeed checkpoint is one ``*_model_states.pt`` per model-parallel rank (per data-parallel
 rank too under ZeRO-3) and one ``*_optim_states.pt`` per rank, in which the fp32 master weights
@@ -21,11 +21,13 @@ same state:
   attributes) and ``ds_zero_stage``.
 
 Pipeline stages write their layers to ``layer_XX-model_states.pt`` and are merged into one name
-space (``PipelineModule`` names parameters ``<layer index>.<name>``). AutoTP's tensor-parallel
-slices are kept per rank as ``tp_rank_XX.<name>`` and merged by a transform spec derived from the
-``universal_checkpoint_info`` DeepSpeed saved (:func:`derive_spec`), the same rules
-``ds_to_universal`` applies. Tensors stay :class:`Lazy`: the files are memory-mapped and a tensor
-is cut out of its partitions only when it is written.
+space (``PipelineModule`` names parameters ``<layer index>.<name>``). Tensor-parallel slices
+(AutoTP's, or a pipeline's ``layer_XX-model_YY-model_states.pt`` with model-parallel rank =
+stage x TP + TP rank) are kept per TP rank as ``tp_rank_XX.<name>`` and merged by a transform
+spec derived from the ``universal_checkpoint_info`` DeepSpeed saved (:func:`derive_spec`), the
+same rules ``ds_to_universal`` applies, sub-parameters of uneven sizes included. Tensors stay
+:class:`Lazy`: the files are memory-mapped and a tensor is cut out of its partitions only when it
+is written.
 """
 from __future__ import annotations
 
@@ -95,17 +97,26 @@ class _Checkpoint:
         self.first = self.states[min(self.states)]
         first_mp, first_dp = min(self.states)
         self.first_path = model_path(folder, first_mp, first_dp if first_mp in self.per_dp else None)
+        # every rank's parameter shapes (its slices under TP), for the spec derived from patterns
+        self.shapes = {name: shape for (mp, dp), states in self.states.items()
+                       for group in param_shapes(states, model_path(folder, mp, dp if mp in self.per_dp else None))
+                       for name, shape in group.items()}
         self.mp = positive_int(self.first, "mp_world_size", folder)
         self.dp = positive_int(self.first, "dp_world_size", folder)
-        dims = self.first.get("checkpoint_parallel_dimensions") or {}
-        self.tp, self.pp = int(dims.get("tp_degree", 1)), int(dims.get("pp_degree", 1))
-        if self.tp > 1 and self.pp > 1:
-            raise CheckpointError(f"{folder}: pipeline and tensor parallelism together (pp={self.pp}, tp={self.tp}) "
-                                  "are not supported yet; convert with ds_to_universal and source='ucp'")
         self.optim_files = {(int(m["mp"]), int(m["dp"])): os.path.join(folder, n)
                             for n in names for m in [_OPTIM.fullmatch(n)] if m}
         self.layer_files = {(int(m["layer"]), int(m["mp"] or 0)): os.path.join(folder, n)
                             for n in names for m in [_LAYER.fullmatch(n)] if m}
+        # Model-parallel rank = stage x tp + TP rank (DeepSpeed's grid: pipe outer, model inner).
+        # Checkpoints older than checkpoint_parallel_dimensions give TP only in layer file names.
+        dims = self.first.get("checkpoint_parallel_dimensions") or {
+            "tp_degree": 1 + max((tp for _, tp in self.layer_files), default=0)}
+        self.tp = dims.get("tp_degree", 1)
+        self.pp = dims.get("pp_degree", self.mp // self.tp if type(self.tp) is int and self.tp > 0 else 1)
+        if type(self.tp) is not int or type(self.pp) is not int or self.tp < 1 or self.pp < 1 or (
+                self.tp * self.pp != self.mp and self.tp > 1):
+            raise CheckpointError(f"{self.first_path}: checkpoint_parallel_dimensions {dims!r} do not multiply "
+                                  f"to mp_world_size {self.mp}")
 
     def values(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -113,8 +124,9 @@ class _Checkpoint:
         for mp in range(self.mp):
             values = self._rank(mp)
             rank_groups = values.pop("optim.param_groups")
-            groups = _merge_groups(groups, rank_groups) if self.tp == 1 else groups or rank_groups
-            prefix = TP_PREFIX.format(mp) if self.tp > 1 else ""
+            if mp % self.tp == 0:  # one TP rank of each stage: the others have the same groups
+                groups = _merge_groups(groups, rank_groups)
+            prefix = TP_PREFIX.format(mp % self.tp) if self.tp > 1 else ""
             for name, value in values.items():
                 key = prefix + name if is_tensor(value) else name
                 if key in out and is_tensor(value):
@@ -124,7 +136,8 @@ class _Checkpoint:
         return out
 
     def _rank(self, mp: int) -> dict[str, Any]:
-        """The values of one model-parallel rank (a pipeline stage or a TP rank), DP partitions merged."""
+        """The values of one model-parallel rank (a pipeline stage, a TP rank, or a TP rank of a
+        stage), DP partitions merged."""
         states = self._dp_states(mp)
         first = states[(mp, 0)]
         shapes = param_shapes(first, model_path(self.folder, mp, 0 if mp in self.per_dp else None))
@@ -175,15 +188,22 @@ class _Checkpoint:
         return path, loaded
 
     def _layers(self, mp: int) -> dict[str, torch.Tensor]:
-        """A pipeline stage's module, from the layer files (global layer numbers) its param_shapes name."""
+        """A pipeline stage's module, from the layer files (global layer numbers) its param_shapes name,
+        those of its TP rank where the layers are tensor-parallel."""
         wanted = {name.split(".", 1)[0] for group in self.states[(mp, 0)]["param_shapes"] for name in group}
         module = {}
         for (layer, tp), path in sorted(self.layer_files.items()):
-            if str(layer) in wanted and tp == 0:
+            if str(layer) in wanted and tp == mp % self.tp:
+                wanted.discard(str(layer))
                 loaded = unpickler.load(path)
                 if not isinstance(loaded, dict):
                     raise CheckpointError(f"{path} holds a {type(loaded).__name__}, not a layer's state dict")
                 module.update({f"{layer}.{key}": value for key, value in loaded.items()})
+        if wanted:
+            layer = min(wanted, key=lambda n: (len(n), n))
+            name = f"layer_{layer.zfill(2)}{f'-model_{mp % self.tp:02d}' if self.tp > 1 else ''}-model_states.pt"
+            raise CheckpointError(f"missing DeepSpeed layer file {os.path.join(self.folder, name)} (the parameters of "
+                                  f"{model_path(self.folder, mp)} name layer {layer}); the checkpoint is incomplete")
         return module
 
     def _zero12(self, mp: int, shapes: list[dict], optims: list) -> tuple[dict, dict, dict]:
@@ -352,9 +372,8 @@ def _merge_groups(groups: list[dict], more: list[dict]) -> list[dict]:
 
 def _padded(ckpt: _Checkpoint, patterns: list[str], size: int) -> bool:
     """Whether a vocabulary tensor has more rows than ``size`` once its TP slices are joined."""
-    module = ckpt.first.get("module") or {}
-    return any(any(re.match(p, name) for p in patterns) and value.dim() > 0 and value.shape[0] * ckpt.tp > size
-               for name, value in module.items() if isinstance(value, torch.Tensor))
+    return any(any(re.match(p, name) for p in patterns) and len(shape) > 0 and shape[0] * ckpt.tp > size
+               for name, shape in ckpt.shapes.items())
 
 
 def _spec(ckpt: _Checkpoint) -> dict:
@@ -412,6 +431,10 @@ def _sub_param_fusions(ckpt: _Checkpoint, info: dict, entry: Any) -> list[tuple[
         raise CheckpointError(f"{where} is not {{patterns: [regex], shape: [...], partition_dim: int < len(shape)}}")
     sizes = shape[dim]
     recorded = info.get("sub_param_shard_widths") or {}
+    version = info.get("universal_checkpoint_version") or 0
+    if isinstance(version, bool) or not isinstance(version, (int, float)) or not isinstance(recorded, dict):
+        raise CheckpointError(f"{ckpt.first_path}: universal_checkpoint_version {version!r} is not a number, or "
+                              "sub_param_shard_widths not a {pattern: widths} dict")
     out = []
     for pattern in patterns:
         for name, held in _shapes_matching(ckpt, pattern).items():
@@ -421,7 +444,7 @@ def _sub_param_fusions(ckpt: _Checkpoint, info: dict, entry: Any) -> list[tuple[
                                       "convert with ds_to_universal and source='ucp'")
         if pattern in recorded:
             widths = recorded[pattern]
-        elif float(info.get("universal_checkpoint_version", 0) or 0) >= 0.4:
+        elif version >= 0.4:
             raise CheckpointError(f"{where}: universal_checkpoint_version 0.4 and no sub_param_shard_widths for "
                                   f"{pattern}")
         elif type(sizes) is int and sizes > 0:
@@ -448,5 +471,4 @@ def _shapes_matching(ckpt: _Checkpoint, pattern: str) -> dict[str, torch.Size]:
         compiled = re.compile(pattern)
     except re.error as exc:
         raise CheckpointError(f"{ckpt.first_path}: universal_checkpoint_info pattern {pattern!r}: {exc}") from None
-    shapes = param_shapes(ckpt.first, ckpt.first_path)
-    return {name: shape for group in shapes for name, shape in group.items() if compiled.match(name)}
+    return {name: shape for name, shape in ckpt.shapes.items() if compiled.match(name)}
