@@ -396,6 +396,20 @@ def test_missing_layer_file_of_one_tp_rank(damaged, tmp_path):
         ss.convert(tag, str(tmp_path / "out"), source="deepspeed")
 
 
+def test_pipeline_with_tp_from_before_checkpoint_parallel_dimensions(damaged, converted, tmp_path):
+    """DeepSpeed before checkpoint_parallel_dimensions: TP is read from the layer files' names."""
+    tag = damaged("pipe_tp")
+    for rank in range(4):
+        _edit(os.path.join(tag, f"mp_rank_{rank:02d}_model_states.pt"),
+              lambda states: states.pop("checkpoint_parallel_dimensions"))
+    ss.convert(tag, str(tmp_path / "out"), source="deepspeed")
+    older, reader = ss.open(str(tmp_path / "out")), ss.open(converted("pipe_tp"))
+    assert sorted(older.keys()) == sorted(reader.keys())
+    for key in reader.keys():
+        if isinstance(reader.read(key), torch.Tensor):
+            assert bits_equal(older.read(key), reader.read(key)), key
+
+
 def test_foreign_global_in_a_rank_file(damaged, tmp_path):
     tag = damaged("z1")
     path = os.path.join(tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
