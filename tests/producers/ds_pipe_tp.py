@@ -1,4 +1,5 @@
-"""A DeepSpeed pipeline of tensor-parallel layers (PP=2 x TP=2, ZeRO-1, bf16): ``ds_pipe_tp.py <outdir>`` on 4 gloo ranks.
+"""A DeepSpeed pipeline of tensor-parallel layers (PP=2 x TP=2, ZeRO-1, bf16): ``ds_pipe_tp.py <outdir>``
+on 4 gloo ranks.
 
 ``PipelineModule`` on a ``PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)``, as
 Megatron-DeepSpeed builds GPT: each stage holds a column-parallel linear (``weight``/``bias`` cut
