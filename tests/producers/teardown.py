@@ -6,9 +6,13 @@ threads abort the process ('terminate called without an active exception', exit 
 run whose checkpoint was complete (seen in test runs of ds_train.py and of ds_autotp.py's Phi-3,
 the latter even after a barrier and ``destroy_process_group``: DeepSpeed keeps threads and groups
 of its own). So the ranks meet at a barrier once every file is written and closed, destroy the
-groups, flush the output and leave with ``os._exit(0)``, which runs no destructors. A rank that
-failed before this point still exits non-zero through its exception.
+groups, flush the output and leave with ``os._exit(0)``, which runs no destructors. That also
+skips multiprocessing's exit handler, which stops the helper processes a library started
+(dist_checkpointing's writers): they are stopped here first, or they would live on holding the
+run's output pipes open. A rank that failed before this point still exits non-zero through its
+exception.
 """
+import multiprocessing
 import os
 import sys
 
@@ -19,6 +23,9 @@ def leave_together() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
