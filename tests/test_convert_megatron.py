@@ -29,6 +29,9 @@ PRODUCERS = {
     "gpt_pp2": ("mcore_gpt.py", ["gpt", 1, 2], 2, {}),
     "train_dp2": ("mcore_train.py", ["dp_reshardable"], 2, {"MCORE_BUCKET_ELEMENTS": "5000"}),  # 4 buckets
     "train_tp2dp2": ("mcore_train.py", ["fully_reshardable"], 4, {"MCORE_TP": "2"}),
+    "train_pp2dp2": ("mcore_train.py", ["fully_reshardable"], 4, {"MCORE_PP": "2"}),
+    "train_tp2pp2": ("mcore_train.py", ["fully_reshardable"], 4, {"MCORE_TP": "2", "MCORE_PP": "2"}),
+    "train_pp2dp2_dp_reshardable": ("mcore_train.py", ["dp_reshardable"], 4, {"MCORE_PP": "2"}),
 }
 VOCAB = 250  # mcore_gpt.py's true vocabulary, padded to 256
 LAYERS_PER_STAGE = 2  # mcore_gpt.py: 4 layers on 2 stages
@@ -143,12 +146,19 @@ def test_dist_tensors_equal_dcp_to_torch_save(produced, tmp_path):
     assert torch.equal(values["model.output_layer.weight"], full["model.output_layer.weight"][:VOCAB])
 
 
-@pytest.mark.parametrize("name", ["train_dp2", "train_tp2dp2"])
+@pytest.mark.parametrize("name", ["train_dp2", "train_tp2dp2", "train_pp2dp2", "train_tp2pp2"])
 def test_distributed_optimizer_state_equals_ground_truth(produced, name):
-    """dp_reshardable (flat buckets cut back into parameters) and fully_reshardable (TP=2 DP=2):
-    fp32 masters and both Adam moments of every parameter, bit for bit, and the step."""
+    """dp_reshardable (flat buckets cut back into parameters) and fully_reshardable (TP=2 DP=2,
+    PP=2 DP=2, TP=2 PP=2): fp32 masters and both Adam moments of every parameter, bit for bit,
+    and the step."""
     out = produced(name)
     truth = truths(out)  # DP replicas hold the same values, so merging all ranks is merging the TP ranks
+    for rank in truth:  # the last stage's tied output layer is the first stage's embedding, stored once
+        if rank["pp"] == 1:
+            for key in ("params", "master", "exp_avg", "exp_avg_sq"):
+                tied = rank[key].pop("output_layer.weight")
+                first = next(t for t in truth if t["pp"] == 0 and t["tp"] == rank["tp"])
+                assert torch.equal(tied, first[key]["embedding.word_embeddings.weight"]), key
     values = materialized(megatron.read(f"{out}/dist"))
     assert_same_bits(values, merged(truth), prefix="model.")
     assert_same_bits(values, merged(truth, "master"), prefix="fp32.")
@@ -156,6 +166,15 @@ def test_distributed_optimizer_state_equals_ground_truth(produced, name):
         assert_same_bits(values, merged(truth, moment), prefix="optim.state.", suffix=f".{moment}")
     assert values["optim.step"] == 2 and [g["step"] for g in values["optim.param_groups"]] == [2.0, 2.0]
     assert values["optimizer.param_state_sharding_type"] == PRODUCERS[name][1][0]
+
+
+def test_dp_reshardable_under_pipeline_parallelism_is_refused_by_name(produced):
+    """dp_reshardable keeps one set of flat buckets per model-parallel rank, laid out by that rank's
+    optimizer; megatron-core itself reshards it along DP only. Refused, pointing at the format that
+    reshards (fully_reshardable), rather than guessed."""
+    out = produced("train_pp2dp2_dp_reshardable")
+    with pytest.raises(CheckpointError, match=r"dp_group_idx_0\..*dp_group_idx_1\..*fully_reshardable"):
+        materialized(megatron.read(f"{out}/dist"))
 
 
 def test_convert_detects_each_layout_and_round_trips(produced, tmp_path):
@@ -309,3 +328,24 @@ def test_dp_reshardable_refuses_a_model_that_does_not_fill_the_buckets(produced,
         megatron.bucket_values(distributed, order[1:], f"{out}/dist")
     with pytest.raises(CheckpointError, match="does not match the optimizer's parameters"):
         megatron.bucket_values(distributed, order + [("model.extra.weight", (64, 64))], f"{out}/dist")
+
+
+def test_tied_copies_that_drifted_are_noted_in_the_conversion_result(produced, tmp_path):
+    """The last stage's copy of the tied embedding is not stored: the first stage's is taken, and
+    how far the copies were apart reaches ``SaveInfo.notes`` (not only the log)."""
+    out = produced("gpt_pp2")
+    classic = tmp_path / "classic"
+    shutil.copytree(f"{out}/classic", classic)
+    path = classic / "iter_0000007" / "mp_rank_00_001" / "model_optim_rng.pt"
+    content = torch.load(path, weights_only=False)
+    content["model"]["output_layer.weight"][3, 5] += 0.25
+    torch.save(content, path)
+    info = ss.convert(classic, tmp_path / "ck", source="megatron")
+    assert any("output_layer.weight" in note or "word_embeddings" in note for note in info.notes), info.notes
+    assert any("0.25" in note for note in info.notes), info.notes
+    first = materialized(megatron.read(f"{out}/classic"))["model.embedding.word_embeddings.weight"]
+    assert same_bits_as(ss.open(tmp_path / "ck").read("model.embedding.word_embeddings.weight"), first)
+
+
+def same_bits_as(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -1,6 +1,12 @@
 """Megatron DDP + distributed optimizer training, model and optimizer saved with dist_checkpointing:
 ``mcore_train.py <outdir> <sharding type>`` on 2 gloo ranks (TP=1, DP=2), or 4 ranks with TP=2 DP=2
-(``MCORE_TP=2``).
+(``MCORE_TP=2``), PP=2 DP=2 (``MCORE_PP=2``) or TP=2 PP=2 (both).
+
+Under pipeline parallelism (4 layers, 2 per stage) each stage holds only its layers, the first the
+embeddings and the last the output layer tied to them. A pipeline schedule needs CUDA streams for
+its point-to-point transfers, so there the steps take gradients the script sets itself, the same
+for both tied copies (as Megatron's embedding-group all-reduce makes them): the optimizer's state is
+still what megatron-core's distributed optimizer computes and saves.
 
 A GPT model (LayerNorm, GELU, biases, tied embeddings) trains 2 Adam steps (gradients in buckets
 of about ``$MCORE_BUCKET_ELEMENTS`` elements if set) through
@@ -25,7 +31,8 @@ VOCAB = 128
 
 
 def main():
-    outdir, sharding, tp = sys.argv[1], sys.argv[2], int(os.environ.get("MCORE_TP", "1"))
+    outdir, sharding = sys.argv[1], sys.argv[2]
+    tp, pp = int(os.environ.get("MCORE_TP", "1")), int(os.environ.get("MCORE_PP", "1"))
     dist.init_process_group("gloo")
     cpu_shim.install_megatron_rng()
     from megatron.core import dist_checkpointing
@@ -35,15 +42,17 @@ def main():
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     torch.manual_seed(0)
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                            tensor_model_parallel_size=tp, params_dtype=torch.float32, hidden_dropout=0.0,
+    cfg = TransformerConfig(num_layers=2 * pp, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            pipeline_dtype=torch.float32, params_dtype=torch.float32, hidden_dropout=0.0,
                             attention_dropout=0.0, masked_softmax_fusion=False, bias_activation_fusion=False,
                             bias_dropout_fusion=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
                             persist_layer_norm=False)
     gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
-                   max_sequence_length=16, share_embeddings_and_output_weights=True)
+                   max_sequence_length=16, share_embeddings_and_output_weights=True,
+                   pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     # MCORE_BUCKET_ELEMENTS: small buckets (megatron-core buckets only with overlap_grad_reduce), each
     # padded to a multiple of lcm(DP, 128) elements; unset: one bucket
     bucket = int(os.environ.get("MCORE_BUCKET_ELEMENTS", "0")) or None
@@ -58,8 +67,10 @@ def main():
     for _ in range(2):
         model.zero_grad_buffer()
         opt.zero_grad()
-        loss = model(ids, positions, mask, labels=ids).float().mean()
-        loss.backward()
+        if pp == 1:
+            model(ids, positions, mask, labels=ids).float().mean().backward()
+        else:
+            set_gradients(gpt, generator)
         model.finish_grad_sync()
         ok, _, _ = opt.step()
         assert ok
@@ -72,11 +83,28 @@ def main():
     dist.barrier()
 
 
+def set_gradients(gpt, generator) -> None:
+    """Gradients into megatron-core's grad buffers (``main_grad``): drawn per parameter from the DP
+    rank's generator, keyed by the parameter's place, so that the tied output layer gets the
+    embedding's and TP replicas get the same."""
+    from megatron.core import parallel_state as ps
+    for name, param in gpt.named_parameters():
+        tied = name in ("output_layer.weight", "embedding.word_embeddings.weight")
+        stage = 0 if tied else ps.get_pipeline_model_parallel_rank()  # local layer names repeat across stages
+        # a TP-replicated parameter (norms, position embeddings, row-parallel biases) gets the same
+        # gradient on every TP rank, as the replicated computation gives it
+        tp_rank = ps.get_tensor_model_parallel_rank() if getattr(param, "tensor_model_parallel", False) else 0
+        seed = sum(map(ord, f"{'tied' if tied else name}|{tp_rank}|{stage}"))
+        g = torch.Generator().manual_seed(seed * 1000 + int(generator.initial_seed()))
+        param.main_grad.copy_(torch.randn(param.shape, generator=g) * 1e-2)
+
+
 def truth(gpt, dist_opt) -> dict:
     """The rank's parameters and each one's whole fp32 master and Adam moments: every DP rank fills
     its own range of a zero tensor and a sum over DP assembles the parameter."""
     from megatron.core import parallel_state as ps
-    out = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}, "master": {}, "tp": ps.get_tensor_model_parallel_rank()}
+    out = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}, "master": {}, "tp": ps.get_tensor_model_parallel_rank(),
+           "pp": ps.get_pipeline_model_parallel_rank()}
     group = ps.get_data_parallel_group()
     for name, param in gpt.named_parameters():
         out["params"][name] = param.detach().clone()
