@@ -1,6 +1,7 @@
 """The Checkpointer: consistent lazy snapshots, levels, retention, errors, monitoring."""
 import errno
 import json
+import logging
 import os
 import random
 import threading
@@ -464,3 +465,31 @@ def test_stats_and_trace(tmp_path):
     events = json.loads(out.read_text())["traceEvents"]
     assert {e["name"] for e in events if e["ph"] == "X"} >= {"save", "copy", "write", "commit"}
     assert (tmp_path / "trace.png").stat().st_size > 0
+
+
+def test_each_commit_logs_one_info_line_and_calls_on_commit_whose_failure_costs_nothing(tmp_path, caplog):
+    records = []
+
+    def on_commit(record):
+        records.append(record)
+        if record.step == 2:
+            raise RuntimeError("metrics backend down")
+
+    model = torch.nn.Linear(64, 32)
+    caplog.set_level(logging.INFO, logger="statesnap")
+    with ss.Checkpointer(tmp_path / "run", host_memory_gb=0.05, on_commit=on_commit, persist_every=2) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save(step, {"model": model}).wait()
+    assert [r.step for r in records] == [2, 4]  # step 1 and 3 stayed in memory: no commit
+    for record in records:
+        assert isinstance(record, ss.CommitRecord) and record.rank == 0
+        assert record.path.endswith(f"step-{record.step}")
+        assert record.bytes >= (64 * 32 + 32) * 4 and record.write_s > 0 and record.stall_s >= 0
+        assert record.throughput_gbps == record.bytes / record.write_s / 1e9
+    lines = [r.getMessage() for r in caplog.records if r.name == "statesnap" and r.levelno == logging.INFO
+             and "committed step" in r.getMessage()]
+    assert len(lines) == 2 and "committed step 2" in lines[0] and "bytes" in lines[0] and "stall" in lines[0]
+    assert any("on_commit raised for step 2" in r.getMessage() for r in caplog.records)
+    assert ss.open(tmp_path / "run" / "step-2").verify() > 0  # the failing hook cost nothing
+    with pytest.raises(ss.CheckpointError, match="on_commit must be a callable"):
+        ss.Checkpointer(tmp_path / "other", on_commit="print")

@@ -7,7 +7,7 @@ Public API (see DESIGN.md)::
     ss.convert(src, dst, ...)       ss.export(path, dst, to=...)
 """
 from .convert import ExportInfo, convert, export
-from .checkpointer import Checkpointer
+from .checkpointer import Checkpointer, CommitRecord
 from .engine.load import LoadInfo, load
 from .engine.save import SaveInfo, save
 from .errors import (
@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "save", "load", "open", "Reader", "SaveInfo", "LoadInfo", "convert", "export", "ExportInfo",
+    "Checkpointer", "CommitRecord",
     "Sharded", "PerRank", "Replicated", "flat_partition",
     "CheckpointError", "CorruptCheckpointError", "MissingFileError", "ManifestError", "StateMismatchError",
     "CheckpointExistsError", "UnsafeCheckpointError", "ConsistencyError", "ReshardError",

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ..engine.replicas import REPLICA_CHECK_MB
 from ..errors import CheckpointError
 from ..format.checksum import DEFAULT_BLOCK_BYTES
+from ..monitor.events import CommitRecord
 from ..storage.base import StorageBackend
 
 GB = 1e9
@@ -96,6 +97,7 @@ class CheckpointerConfig:
     local_keep_last: int = 2
     peer_replicas: int = 0
     node_id: int | None = None
+    on_commit: Callable[[CommitRecord], None] | None = None
 
     def __post_init__(self):
         self.root = str(self.root)
@@ -125,6 +127,8 @@ class CheckpointerConfig:
             (self.replica_check_mb >= 0, f"replica_check_mb must not be negative (got {self.replica_check_mb})"),
             (self.local_every >= 1, f"local_every must be at least 1 (got {self.local_every})"),
             (self.local_keep_last >= 1, f"local_keep_last must be at least 1 (got {self.local_keep_last})"),
+            (self.on_commit is None or callable(self.on_commit),
+             f"on_commit must be a callable taking a CommitRecord (got {type(self.on_commit).__name__})"),
             (self.peer_replicas in (0, 1), f"peer_replicas must be 0 or 1 (got {self.peer_replicas})"),
             (self.peer_replicas == 0 or self.local_root is not None,
              "peer_replicas needs local_root: the partner writes the replica into its node-local level"),

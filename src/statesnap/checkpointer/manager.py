@@ -491,9 +491,23 @@ class Checkpointer:
                         self._after_commit(snap.step)
                 finally:
                     snap.committed = True
+                    self._report_commit(snap.step)
         finally:
             if snap.stage_ended():  # the node-local flush may still read the arena
                 self._finish(snap)  # whatever happens after the commit, nobody waits for this forever
+
+    def _report_commit(self, step: int) -> None:
+        """One INFO line per commit (rank 0) and the user's ``on_commit``, whose failure is logged:
+        a metrics hook must never cost a checkpoint."""
+        record = self.events.commit_record(step, self.persistent.path(step))
+        if self.rank == 0:
+            log.info("statesnap: committed step %d to %s: %d bytes, stall %.4f s, written in %.3f s (%.2f GB/s)",
+                     step, record.path, record.bytes, record.stall_s, record.write_s, record.throughput_gbps)
+        if self.config.on_commit is not None:
+            try:
+                self.config.on_commit(record)
+            except Exception:  # noqa: BLE001 (logged; the checkpoint is committed)
+                log.exception("statesnap: on_commit raised for step %d; the checkpoint is committed", step)
 
     def _after_commit(self, step: int) -> None:
         """Rank 0: start the further-level copy, then apply retention on the persistent level."""

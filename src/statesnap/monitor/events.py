@@ -47,6 +47,30 @@ class Event:
         return self.end - self.start
 
 
+@dataclass(frozen=True)
+class CommitRecord:
+    """One committed checkpoint, as ``Checkpointer(on_commit=...)`` receives it (stable fields).
+
+    ``bytes`` and the times are this rank's: what it wrote, how long its ``save`` calls for the
+    step blocked training (``stall_s``), and how long it spent checksumming, writing, syncing and
+    committing in the background (``write_s``)."""
+
+    step: int
+    path: str
+    rank: int
+    bytes: int
+    stall_s: float
+    write_s: float
+
+    @property
+    def throughput_gbps(self) -> float:
+        return self.bytes / self.write_s / 1e9 if self.write_s > 0 else 0.0
+
+
+# Background phases whose bytes and seconds make a checkpoint's write figures.
+WRITE_PHASES = ("checksum", "write", "fsync", "commit")
+
+
 class EventLog:
     """Thread-safe event sink; ``path`` (a local JSON-lines file) is appended on :meth:`flush`."""
 
@@ -57,6 +81,7 @@ class EventLog:
         self._saved_steps: list[int] = []  # one entry per save() call, in order
         self._stall_by_step: dict[int, float] = {}
         self._hook_by_step: dict[int, float] = {}
+        self._writes_by_step: dict[int, list] = {}  # [seconds, bytes] until the step's commit record is taken
         self._unwritten: list[Event] = []
         self._lock = threading.Lock()
         self._file_lock = threading.Lock()  # whole lines from concurrent flushes
@@ -73,6 +98,10 @@ class EventLog:
             agg["count"] += 1
             if phase in STALL_PHASES:
                 self._stall_by_step[step] = self._stall_by_step.get(step, 0.0) + event.seconds
+            if phase in WRITE_PHASES:
+                writes = self._writes_by_step.setdefault(step, [0.0, 0])
+                writes[0] += event.seconds
+                writes[1] += nbytes if phase == "write" else 0
             if phase == "wait-in-hook":
                 self._hook_by_step[step] = self._hook_by_step.get(step, 0.0) + event.seconds
             if phase == "save":
@@ -80,6 +109,14 @@ class EventLog:
             if self.path:
                 self._unwritten.append(event)
         return event
+
+    def commit_record(self, step: int, path: str) -> CommitRecord:
+        """The figures of the committed ``step`` (its write figures are dropped here: a run that
+        checkpoints every step for days must not grow in memory)."""
+        with self._lock:
+            seconds, nbytes = self._writes_by_step.pop(step, (0.0, 0))
+            stall = self._stall_by_step.get(step, 0.0)
+        return CommitRecord(step, path, self.rank, nbytes, stall, seconds)
 
     @contextmanager
     def timed(self, phase: str, step: int, nbytes: int = 0, **info):
