@@ -441,7 +441,7 @@ def test_leftovers_of_an_interrupted_save_are_removed(tmp_path):
 
 # ----------------------------------------------------------------------------- monitoring
 
-def test_stats_and_trace(tmp_path):
+def test_stats_and_trace(tmp_path, monkeypatch, capsys):
     model, optim = make_training()
     state = {"model": model, "optim": optim}
     ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, persist_every=2)
@@ -465,6 +465,13 @@ def test_stats_and_trace(tmp_path):
     events = json.loads(out.read_text())["traceEvents"]
     assert {e["name"] for e in events if e["ph"] == "X"} >= {"save", "copy", "write", "commit"}
     assert (tmp_path / "trace.png").stat().st_size > 0
+
+    # without the optional matplotlib: the JSON trace still, and a word on how to get the PNG
+    (tmp_path / "trace.png").unlink()
+    monkeypatch.setattr(trace.importlib.util, "find_spec", lambda name: None if name == "matplotlib" else True)
+    assert trace.main([str(tmp_path), "-o", str(out)]) == 0
+    assert "statesnap[plot]" in capsys.readouterr().err
+    assert out.stat().st_size > 0 and not (tmp_path / "trace.png").exists()
 
 
 def test_each_commit_logs_one_info_line_and_calls_on_commit_whose_failure_costs_nothing(tmp_path, caplog):

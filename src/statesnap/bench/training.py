@@ -24,6 +24,7 @@ import warnings
 import torch
 
 from ..demo import gpt
+from ..monitor.trace import NO_PLOT, can_plot
 from .common import (
     DEFAULT_OUT, add_output_arguments, format_table, median, parse_choices, peak_rss_bytes, run_child, write_json,
 )
@@ -175,7 +176,8 @@ def run(size_gb: float = 1.0, steps: int = 20, runs: int = 3, modes=DEFAULT_MODE
               "runs": runs, "threads": threads, "summary": summary, "aims": aims(summary), "sweep": rows,
               "raw": results}
     if rows:
-        result["plot"] = plot_sweep(rows, os.path.join(out, "training-sweep.png"))
+        result["plot"] = plot_sweep(rows, os.path.join(out, "training-sweep.png")) if can_plot() else \
+            f"not drawn: {NO_PLOT}"
     return result
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import json
 import os
 import sys
@@ -62,6 +63,14 @@ def chrome_trace(events: list[dict]) -> dict:
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 
+NO_PLOT = "matplotlib is not installed (pip install 'statesnap[plot]')"
+
+
+def can_plot() -> bool:
+    """matplotlib is an optional extra: plots are skipped, with :data:`NO_PLOT` said, without it."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def plot_timeline(events: list[dict], path: str) -> None:
     """One row per (rank, thread), one coloured bar per event."""
     import matplotlib
@@ -110,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(chrome_trace(events), f)
     print(f"wrote {output} ({len(events)} events from {len(files)} rank file(s))")
     if not args.no_png:
+        if not can_plot():
+            print(f"statesnap trace: no PNG timeline: {NO_PLOT}; open the JSON trace in https://ui.perfetto.dev",
+                  file=sys.stderr)
+            return 0
         png = args.png or os.path.splitext(output)[0] + ".png"
         plot_timeline(events, png)
         print(f"wrote {png}")
