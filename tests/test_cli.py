@@ -140,3 +140,37 @@ def test_console_command_in_a_subprocess(ckpt):
     assert run("diff", str(ckpt), str(ckpt)).returncode == 0
     unknown = run("frobnicate")
     assert unknown.returncode == 2 and "unknown command" in unknown.stderr
+
+
+def test_verify_and_diff_json_documents_with_the_same_exit_status(ckpt, tmp_path, capsys):
+    save_training(tmp_path / "b", bump=0.25, step=2)
+    assert main(["verify", "--json", str(ckpt), str(tmp_path / "b")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [c["ok"] for c in doc["checkpoints"]] == [True, True]
+    assert doc["checkpoints"][0]["tensors"] == len(ss.open(ckpt).manifest.tensors)
+    assert doc["checkpoints"][0]["bytes_verified"] > 0
+    assert main(["verify", "--json", str(tmp_path / "nowhere"), str(ckpt)]) == 1
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert [c["ok"] for c in doc["checkpoints"]] == [False, True] and "nowhere" in doc["checkpoints"][0]["error"]
+    assert captured.err == ""
+
+    assert main(["diff", "--json", str(ckpt), str(tmp_path / "b")]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["match"] is False and "extra.step: 1 vs 2" in doc["differences"]
+    assert any(d.startswith("model.weight: max abs diff 0.25") for d in doc["differences"])
+    assert main(["diff", "--json", str(ckpt), str(ckpt)]) == 0
+    assert json.loads(capsys.readouterr().out) == {"left": str(ckpt), "right": str(ckpt), "match": True,
+                                                    "differences": []}
+    assert main(["diff", "--json", str(ckpt), str(tmp_path / "nowhere")]) == 2
+    assert "error" in json.loads(capsys.readouterr().out)
+
+
+def test_bench_json_to_stdout_is_one_document(tmp_path):
+    """``--json -``: stdout is the JSON document alone, the report goes to stderr."""
+    out = subprocess.run([sys.executable, "-m", "statesnap.cli", "bench", "--suite", "planning", "--layers", "2",
+                          "--tp", "2", "--dp", "2", "--reshard-tp", "1", "--reshard-dp", "2", "--sample-ranks", "1",
+                          "--dcp-layers", "1", "--json", "-"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout)
+    assert isinstance(figures, dict) and figures and all(key in out.stderr for key in figures)

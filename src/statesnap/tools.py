@@ -41,6 +41,11 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def json_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document on stdout instead of text (same exit status)")
+
+
 def progress_flags(parser: argparse.ArgumentParser) -> None:
     """``--progress``/``--no-progress``: force the bar on or off (default: only on a terminal)."""
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -107,7 +112,7 @@ def print_description(doc: dict, show_files: bool) -> None:
 def inspect_main(argv: list[str]) -> int:
     parser = _parser("inspect", "list a checkpoint's tensors, dtypes, shapes, bytes, pieces and totals")
     parser.add_argument("path", help="checkpoint directory or URL")
-    parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    json_flag(parser)
     parser.add_argument("--files", action="store_true", help="also list the data files")
     args = parser.parse_args(argv)
     try:
@@ -126,19 +131,25 @@ def inspect_main(argv: list[str]) -> int:
 def verify_main(argv: list[str]) -> int:
     parser = _parser("verify", "read every stored byte of each checkpoint and check its checksums")
     parser.add_argument("paths", nargs="+", metavar="path", help="checkpoint directories or URLs")
+    json_flag(parser)
     progress_flags(parser)
     args = parser.parse_args(argv)
-    status = OK
+    results = []
     for path in args.paths:
         try:
             reader = _open(path, args)
             checked = reader.verify(progress=args.progress)
         except CheckpointError as exc:
-            print(f"DAMAGED {path}: {exc}", file=sys.stderr)
-            status = FOUND
+            results.append({"path": path, "ok": False, "error": str(exc)})
+            if not args.json:
+                print(f"DAMAGED {path}: {exc}", file=sys.stderr)
             continue
-        print(f"ok {path}: {len(reader.manifest.tensors)} tensors, {human_bytes(checked)} verified")
-    return status
+        results.append({"path": path, "ok": True, "tensors": len(reader.manifest.tensors), "bytes_verified": checked})
+        if not args.json:
+            print(f"ok {path}: {len(reader.manifest.tensors)} tensors, {human_bytes(checked)} verified")
+    if args.json:
+        print(json.dumps({"checkpoints": results}, indent=2))
+    return OK if all(r["ok"] for r in results) else FOUND
 
 
 # -- diff ---------------------------------------------------------------------------------------
@@ -214,12 +225,19 @@ def diff_main(argv: list[str]) -> int:
     parser.add_argument("right")
     parser.add_argument("--atol", type=float, default=0.0,
                         help="ignore tensors whose max abs difference is at most this (default 0: bit-exact)")
+    json_flag(parser)
     args = parser.parse_args(argv)
     try:
         lines = diff(_open(args.left, args), _open(args.right, args), args.atol)
     except CheckpointError as exc:
-        print(f"statesnap diff: {exc}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"left": args.left, "right": args.right, "error": str(exc)}, indent=2))
+        else:
+            print(f"statesnap diff: {exc}", file=sys.stderr)
         return TROUBLE
+    if args.json:
+        print(json.dumps({"left": args.left, "right": args.right, "match": not lines, "differences": lines}, indent=2))
+        return FOUND if lines else OK
     for line in lines:
         print(line)
     if lines:

@@ -165,8 +165,11 @@ def parse_choices(parser, text: str, choices, what: str) -> tuple[str, ...]:
     return chosen
 
 
-def write_json(result: dict, path: str | None) -> None:
-    """Write ``result`` to ``path`` (``-`` is stdout); nothing when ``path`` is None."""
+def publish(result: dict, report: str, path: str | None) -> None:
+    """The report for people on stdout and, with ``--json PATH``, ``result`` as JSON there. With
+    ``--json -`` stdout carries the JSON document alone (the report goes to stderr), so a script
+    can parse it."""
+    print(report, file=sys.stderr if path == "-" else sys.stdout)
     if path is None:
         return
     text = json.dumps(result, indent=2, default=str)

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 
-from .common import DEFAULT_OUT, format_table, fresh_dir, median, tree_bytes, write_json
+from .common import DEFAULT_OUT, format_table, fresh_dir, median, tree_bytes, publish
 
 PARTS = ("deepspeed", "safetensors")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -288,8 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             result["safetensors"] = safetensors_part(os.path.join(scratch, "safetensors"), args.gb, args.repeat)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(report(result))
-    write_json(result, args.json)
+    publish(result, report(result), args.json)
     return 0
 
 

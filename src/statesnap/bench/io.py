@@ -31,7 +31,7 @@ from .. import save as ss_save
 from ..demo.gpt import GPT, config_for_state_gb
 from .common import (
     DEFAULT_OUT, add_output_arguments, drop_page_cache, format_table, gbps, machine_description, median,
-    parse_choices, settle_disk, timed, write_json,
+    parse_choices, settle_disk, timed, publish,
 )
 
 SYSTEMS = ("raw", "raw_parallel", "torch", "dcp", "statesnap")
@@ -295,6 +295,5 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     systems = parse_choices(parser, args.systems, SYSTEMS, "systems")
     result = run(args.size_gb, args.repeat, args.out, systems, args.settle_s)
-    print(report(result))
-    write_json(result, args.json)
+    publish(result, report(result), args.json)
     return 0

@@ -17,7 +17,6 @@ tensor, which is the ``_StridedShard`` layout). We measure
 from __future__ import annotations
 
 import argparse
-import json
 import pickle
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from ..format.dtypes import dtype_from_name, itemsize
 from ..format.manifest import BOX, Manifest
 from ..plan.load_plan import plan_target
 from ..plan.save_plan import plan_save
+from .common import publish
 from ..state.items import ItemMeta
 from ..state.placement import chunk_bounds
 
@@ -203,12 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reshard-dp", type=int, default=256)
     parser.add_argument("--sample-ranks", type=int, default=4, help="ranks whose load planning is timed")
     parser.add_argument("--dcp-layers", type=int, default=2, help="layers in DCP's metadata sample")
-    parser.add_argument("--json", help="also write the figures to this JSON file")
+    parser.add_argument("--json", help="also write the figures as JSON here ('-' = stdout)")
     args = parser.parse_args(argv)
     figures = run(args.layers, args.tp, args.dp, args.reshard_tp, args.reshard_dp, args.sample_ranks, args.dcp_layers)
-    for key, value in figures.items():
-        print(f"{key:32} {value:.3f}" if isinstance(value, float) else f"{key:32} {value}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(figures, fh, indent=2)
+    publish(figures, "\n".join(f"{key:32} {value:.3f}" if isinstance(value, float) else f"{key:32} {value}"
+                               for key, value in figures.items()), args.json)
     return 0

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .common import DEFAULT_OUT, add_output_arguments, format_table, fresh_dir, median, write_json
+from .common import DEFAULT_OUT, add_output_arguments, format_table, fresh_dir, median, publish
 from .reshard import _barrier_timed, _worker, remote_url
 
 SOURCES = ("peer", "root")
@@ -126,6 +126,5 @@ def main(argv: list[str] | None = None) -> int:
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     result = run(args.ranks, args.mb_per_rank, args.repeat, args.out, args.remote_mbps, args.remote_latency_ms)
-    print(report(result))
-    write_json(result, args.json)
+    publish(result, report(result), args.json)
     return 0

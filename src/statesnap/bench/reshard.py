@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 from fsspec.implementations.local import LocalFileSystem
 from torch import nn
 
-from .common import DEFAULT_OUT, drop_page_cache, format_table, fresh_dir, median, write_json
+from .common import DEFAULT_OUT, drop_page_cache, format_table, fresh_dir, median, publish
 
 LAYOUTS = ("same", "2d")
 REMOTE = "throttled"
@@ -224,6 +224,5 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the figures here ('-' for stdout)")
     args = parser.parse_args(argv)
     result = run(args.dim, args.layers, args.ranks, args.repeat, args.out, args.remote_mbps, args.remote_latency_ms)
-    print(report(result))
-    write_json(result, args.json)
+    publish(result, report(result), args.json)
     return 0

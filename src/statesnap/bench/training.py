@@ -26,7 +26,7 @@ import torch
 from ..demo import gpt
 from ..monitor.trace import NO_PLOT, can_plot
 from .common import (
-    DEFAULT_OUT, add_output_arguments, format_table, median, parse_choices, peak_rss_bytes, run_child, write_json,
+    DEFAULT_OUT, add_output_arguments, format_table, median, parse_choices, peak_rss_bytes, run_child, publish,
 )
 from .modes import MODES, make_mode
 
@@ -226,8 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [float(x) for x in args.sweep_gb.split(",") if x]
     result = run(args.size_gb, args.steps, args.runs, modes, sizes, args.sweep_steps, args.out, args.warmup, config,
                  args.threads, args.batch)
-    print(report(result))
-    write_json(result, args.json)
+    publish(result, report(result), args.json)
     return 0
 
 

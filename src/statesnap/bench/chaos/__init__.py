@@ -26,7 +26,7 @@ import sys
 import time
 
 from ..common import (
-    DEFAULT_OUT, add_output_arguments, format_table, fresh_dir, machine_description, parse_choices, write_json,
+    DEFAULT_OUT, add_output_arguments, format_table, fresh_dir, machine_description, parse_choices, publish,
 )
 from . import damage, kills, owners, ranks, storage
 from .processes import ForkServer
@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     families = parse_choices(parser, args.only, FAMILIES, "family")
     result = run(args.profile, args.seed, args.out, families)
-    print(report_text(result))
-    write_json(result, args.json)
+    publish(result, report_text(result), args.json)
     return 1 if result["unexpected"] else 0
 
 
