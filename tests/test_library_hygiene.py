@@ -30,3 +30,24 @@ def test_public_names_resolve_and_convert_stays_the_function_after_its_subpackag
             "from statesnap import Checkpointer, CheckpointError, open, save, load, CommitRecord\n"
             "assert issubclass(ss.ReshardError, CheckpointError) and 'save' in dir(ss)")
     loaded_after(code)
+
+
+def test_blocking_save_and_load_show_a_bar_when_asked_and_stay_quiet_otherwise(tmp_path, capsys, monkeypatch):
+    import torch
+
+    import statesnap as ss
+    from statesnap import progress
+
+    state = {"w": torch.arange(300_000, dtype=torch.float32)}
+    ss.save(state, tmp_path / "quiet")  # not a terminal: nothing
+    ss.load({"w": torch.empty(300_000)}, tmp_path / "quiet")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(progress.sys.stderr, "isatty", lambda: True, raising=False)
+    ss.save(state, tmp_path / "short")  # a terminal, but done before the bar's delay: nothing
+    assert capsys.readouterr().err == ""
+    ss.save(state, tmp_path / "shown", progress=True)
+    target = {"w": torch.empty(300_000)}
+    ss.load(target, tmp_path / "shown", progress=True)
+    err = capsys.readouterr().err
+    assert "save -> shown" in err and "load <- shown" in err and "1.14M" in err  # 1.2 MB = 1.14 MiB, both ways
+    assert torch.equal(target["w"], state["w"])

@@ -1,9 +1,11 @@
-"""Progress bars (in bytes) for the long one-shot commands: ``convert``, ``export`` and ``verify``.
+"""Progress bars (in bytes) for long blocking work: ``convert``, ``export``, ``verify``, ``ss.save``
+and ``ss.load``.
 
 Converting or checking a 70B-parameter checkpoint takes minutes; without a bar a user cannot tell
 a slow disk from a hang. A bar belongs on a terminal only: in a training job's log or a CI
 capture it is noise (carriage returns and partial lines), so by default it is shown only when
-``sys.stderr`` is a terminal, and ``progress=True``/``False`` forces it on or off.
+``sys.stderr`` is a terminal and only once the work has taken :data:`AUTO_DELAY_S`;
+``progress=True``/``False`` forces it on (at once) or off.
 """
 from __future__ import annotations
 
@@ -11,6 +13,11 @@ import sys
 import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
+
+
+# Shown by default (on a terminal) only once an operation has run this long: a quick save or load
+# draws nothing, a long one shows it is alive.
+AUTO_DELAY_S = 3.0
 
 
 def wanted(progress: bool | None) -> bool:
@@ -33,7 +40,7 @@ def bar(total_bytes: int, what: str, progress: bool | None = None) -> Iterator[C
 
     lock = threading.Lock()
     with tqdm(total=total_bytes, desc=what, unit="B", unit_scale=True, unit_divisor=1024,
-              file=sys.stderr, dynamic_ncols=True, leave=True) as shown:
+              file=sys.stderr, dynamic_ncols=True, leave=True, delay=AUTO_DELAY_S if progress is None else 0) as shown:
         def advance(nbytes: int) -> None:
             with lock:
                 shown.update(nbytes)

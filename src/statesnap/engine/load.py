@@ -6,8 +6,10 @@ the planner finds the stored bytes for exactly that part, whatever layout wrote 
 from __future__ import annotations
 
 import bisect
+import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -15,6 +17,7 @@ from ..errors import CheckpointError, CorruptCheckpointError, ManifestError, Mis
 from ..format.checksum import checksum_whole
 from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from ..plan.load_plan import TargetPlan, plan_target
+from ..progress import bar
 from ..state.flatten import flatten_for_load
 from ..state.items import Flattened
 from ..storage import LocalBackend, backend_for, normalize
@@ -139,13 +142,21 @@ def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: 
 
 
 def fill_tensors(flat: Flattened, manifest: Manifest, backend: StorageBackend, path: str, skip: set[str],
-                 verify: bool, threads: int | None, strict: bool, received: set[int] = frozenset()) -> int:
-    """Read every item not in ``skip`` (by name) or ``received`` (by index: another rank sends it)."""
-    executor = ReadExecutor(backend, path, manifest, verify, threads)
+                 verify: bool, threads: int | None, strict: bool, received: set[int] = frozenset(),
+                 progress: bool | None = False) -> int:
+    """Read every item not in ``skip`` (by name) or ``received`` (by index: another rank sends it),
+    with a progress bar as ``progress`` asks (see statesnap/progress.py)."""
+    wanted = [(index, item) for index, item in enumerate(flat.tensors) if item.fqn not in skip and index not in received]
+    total = sum(item.local.numel() * manifest.tensors[item.fqn].dtype.itemsize for _, item in wanted)
+    with bar(total, f"load <- {os.path.basename(path.rstrip('/'))}", progress) as advance:
+        return _fill_wanted(wanted, manifest, backend, path, verify, threads, strict, advance)
+
+
+def _fill_wanted(wanted: list, manifest: Manifest, backend: StorageBackend, path: str, verify: bool,
+                 threads: int | None, strict: bool, advance: Callable[[int], None]) -> int:
+    executor = ReadExecutor(backend, path, manifest, verify, threads, advance)
     copy_back, casts = [], []
-    for index, item in enumerate(flat.tensors):
-        if item.fqn in skip or index in received:
-            continue
+    for _, item in wanted:
         entry = manifest.tensors[item.fqn]
         plan = plan_target(entry, item.layout, item.start, item.size)
         if plan.covered != item.local.numel() and strict:
@@ -165,16 +176,18 @@ def fill_tensors(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
     with torch.no_grad():
         for local, buffer in copy_back:
             local.copy_(buffer)
-    return executor.bytes_read + sum(_fill_cast(backend, path, manifest, verify, threads, *cast) for cast in casts)
+    return executor.bytes_read + sum(_fill_cast(backend, path, manifest, verify, threads, advance, *cast)
+                                     for cast in casts)
 
 
 def _fill_cast(backend: StorageBackend, path: str, manifest: Manifest, verify: bool, threads: int | None,
-               fqn: str, entry: TensorEntry, local: torch.Tensor, plan: TargetPlan) -> int:
+               advance: Callable[[int], None], fqn: str, entry: TensorEntry, local: torch.Tensor,
+               plan: TargetPlan) -> int:
     """Read one tensor's stored bytes into a buffer of the stored dtype (so checksums verify what
     was written), then convert them into the target with ``copy_``. One tensor at a time: the
     extra memory a cast costs is this rank's part of one tensor, not a copy of the whole state."""
     buffer = torch.empty(local.shape, dtype=entry.dtype)
-    executor = ReadExecutor(backend, path, manifest, verify, threads)
+    executor = ReadExecutor(backend, path, manifest, verify, threads, advance)
     executor.add(fqn, entry, buffer, plan)
     executor.run()
     with torch.no_grad():
@@ -203,8 +216,12 @@ def fill_objects(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
 
 def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_pickle: bool = False,
          storage_options: dict | None = None, process_group=None, threads: int | None = None,
-         shared_reads: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, cast: bool = False) -> LoadInfo:
+         shared_reads: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, cast: bool = False,
+         progress: bool | None = None) -> LoadInfo:
     """Load the checkpoint at ``path`` into ``state`` in place, resharding into its current layout.
+
+    ``progress``: a bar on stderr for the bytes this rank reads; by default only on a terminal and
+    once the load has taken a few seconds (True: at once, False: never).
 
     ``cast=True`` lets a target tensor of another floating dtype than the stored one take its
     values converted (fp32 master weights into a bf16 model, as UCP's precision-agnostic resume
@@ -235,7 +252,8 @@ def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_p
     comm.agree(error, f"loading {path}")
     exchange = plan_shared_reads(comm, flat, skip, should_share(shared_reads, comm, isinstance(backend, LocalBackend)))
     try:
-        nbytes = fill_tensors(flat, manifest, backend, path, skip, verify, threads, strict, exchange.received)
+        nbytes = fill_tensors(flat, manifest, backend, path, skip, verify, threads, strict, exchange.received,
+                              progress)
     except Exception as exc:
         error = exc
     comm.agree(error, f"loading {path}")

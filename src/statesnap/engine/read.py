@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -51,9 +52,9 @@ class _Job:
 
 class ReadExecutor:
     def __init__(self, backend: StorageBackend, directory: str, manifest: Manifest, verify: bool = True,
-                 threads: int | None = None):
+                 threads: int | None = None, advance: Callable[[int], None] = lambda nbytes: None):
         self.backend, self.directory, self.manifest = backend, directory, manifest
-        self.verify = verify
+        self.verify, self.advance = verify, advance  # advance(nbytes): told of every read (a progress bar)
         self.threads = threads or read_threads()
         self.jobs: list[_Job] = []
         self._files: dict[int, FileReader] = {}
@@ -151,6 +152,7 @@ class ReadExecutor:
         want = sum(len(v) for v in views)
         got = self._reader(job).readinto(offset, views)
         self.bytes_read += got
+        self.advance(got)
         if got != want:
             name = self.manifest.files[job.file]
             raise CorruptCheckpointError(
@@ -174,6 +176,7 @@ class ReadExecutor:
         if raw is not None:  # pick the parts straight out of the page cache: no copy of the span
             scratch = torch.frombuffer(raw, dtype=torch.uint8)
             self.bytes_read += hi - lo
+            self.advance(hi - lo)
         else:
             scratch = torch.empty(hi - lo, dtype=torch.uint8)
             raw = byte_view(scratch)

@@ -6,11 +6,12 @@ stores, the manifest itself) makes the whole checkpoint visible at once.
 """
 from __future__ import annotations
 
+import os
 import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from ..format.checksum import DEFAULT_BLOCK_BYTES, checksum_whole
 from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry
 from ..plan.save_plan import SavePlan, align_up, plan_save
+from ..progress import bar
 from ..state.flatten import flatten_for_save
 from ..state.items import Flattened
 from ..storage import backend_for, normalize
@@ -96,8 +98,10 @@ def per_rank_names(flat: Flattened) -> set[str]:
 
 def write_rank(backend: StorageBackend, staging: str, token: str, rank: int, plan: SavePlan,
                tensors: list, entries: dict[str, ObjectEntry], blobs: list[tuple[str, bytes]],
-               per_rank: set[str], durable: bool, threads: int | None, block_bytes: int) -> RankOutput:
-    """Write this rank's planned pieces (``tensors[i]`` are contiguous host tensors) and blobs."""
+               per_rank: set[str], durable: bool, threads: int | None, block_bytes: int,
+               advance: Callable[[int], None] = lambda nbytes: None) -> RankOutput:
+    """Write this rank's planned pieces (``tensors[i]`` are contiguous host tensors) and blobs;
+    ``advance(nbytes)`` is told of every chunk written."""
     jobs = [(offset, byte_view(tensors[index])) for index, offset in plan.writes[rank]]
     end = plan.file_bytes[rank]
     for fqn, blob in blobs:
@@ -108,7 +112,7 @@ def write_rank(backend: StorageBackend, staging: str, token: str, rank: int, pla
     if not jobs:
         return RankOutput(None, 0, {}, entries, per_rank)
     name = data_file_name(token, rank)
-    sums = write_file(backend, backend.join(staging, name), jobs, block_bytes, durable, threads)
+    sums = write_file(backend, backend.join(staging, name), jobs, block_bytes, durable, threads, advance)
     checksums = {index: s for (index, _), s in zip(plan.writes[rank], sums)}
     return RankOutput(name, end, checksums, entries, per_rank)
 
@@ -152,8 +156,12 @@ def _merge_objects(outputs: list[RankOutput], index_of: dict[int, int]) -> dict[
 def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, allow_pickle: bool = False,
          storage_options: dict | None = None, process_group=None, threads: int | None = None,
          meta: dict | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
-         replica_check_mb: float = REPLICA_CHECK_MB, timeout_s: float = DEFAULT_TIMEOUT_S) -> SaveInfo:
+         replica_check_mb: float = REPLICA_CHECK_MB, timeout_s: float = DEFAULT_TIMEOUT_S,
+         progress: bool | None = None) -> SaveInfo:
     """Save ``state`` to ``path`` and return once it is committed (durable unless ``durable=False``).
+
+    ``progress``: a bar on stderr for the bytes this rank writes; by default only on a terminal
+    and once the save has taken a few seconds (True: at once, False: never).
 
     Every collective waits at most ``timeout_s`` for the other ranks; a rank that vanishes or
     hangs makes the save raise a ``CheckpointError`` on the others, and nothing is committed.
@@ -191,8 +199,10 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
     output, error = None, None
     try:
         tensors = {index: host_contiguous(flat.tensors[index].local) for index, _ in plan.writes[comm.rank]}
-        output = write_rank(backend, staging, token, comm.rank, plan, tensors, entries, blobs,
-                            per_rank_names(flat), durable, threads, block_bytes)
+        total = sum(t.numel() * t.element_size() for t in tensors.values()) + sum(len(b) for _, b in blobs)
+        with bar(total, f"save -> {os.path.basename(path.rstrip('/'))}", progress) as advance:
+            output = write_rank(backend, staging, token, comm.rank, plan, tensors, entries, blobs,
+                                per_rank_names(flat), durable, threads, block_bytes, advance)
         targets = replicas_to_check(plan, metas, [item.replicated for item in flat.tensors], comm.rank,
                                     limit_bytes(replica_check_mb))
         output.replicas = hash_tensors(targets, [item.local for item in flat.tensors], block_bytes)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..format.checksum import checksum_blocks
 from ..plan.save_plan import ALIGN
@@ -23,8 +23,10 @@ def default_threads() -> int:
 
 
 def write_file(backend: StorageBackend, path: str, jobs: Sequence[tuple[int, memoryview]],
-               block_bytes: int, durable: bool, threads: int | None = None) -> list[list[int]]:
-    """Write ``(offset, bytes)`` jobs into ``path``; return each job's block checksums."""
+               block_bytes: int, durable: bool, threads: int | None = None,
+               advance: Callable[[int], None] = lambda nbytes: None) -> list[list[int]]:
+    """Write ``(offset, bytes)`` jobs into ``path``; return each job's block checksums.
+    ``advance(nbytes)`` is told of every chunk written (a progress bar)."""
     writer = backend.open_write(path, durable)
     # Whole blocks (each chunk checksums its own), starting on ALIGN like the pieces: a streaming
     # writer then knows a stream that ends off ALIGN ends a piece (see storage/fsspec_backend).
@@ -40,7 +42,9 @@ def write_file(backend: StorageBackend, path: str, jobs: Sequence[tuple[int, mem
             writer.pwrite_bulk(offset, view)
         else:  # done once the bytes are in the page cache
             writer.pwrite(offset, [view])
-        return checksum_blocks([view], block_bytes)
+        sums = checksum_blocks([view], block_bytes)
+        advance(len(view))
+        return sums
 
     try:
         if threads == 1 or len(tasks) <= 1:
