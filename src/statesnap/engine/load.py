@@ -146,8 +146,8 @@ def fill_tensors(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
                  progress: bool | None = False) -> int:
     """Read every item not in ``skip`` (by name) or ``received`` (by index: another rank sends it),
     with a progress bar as ``progress`` asks (see statesnap/progress.py)."""
-    wanted = [(index, item) for index, item in enumerate(flat.tensors) if item.fqn not in skip and index not in received]
-    total = sum(item.local.numel() * manifest.tensors[item.fqn].dtype.itemsize for _, item in wanted)
+    wanted = [item for index, item in enumerate(flat.tensors) if item.fqn not in skip and index not in received]
+    total = sum(item.local.numel() * manifest.tensors[item.fqn].dtype.itemsize for item in wanted)
     with bar(total, f"load <- {os.path.basename(path.rstrip('/'))}", progress) as advance:
         return _fill_wanted(wanted, manifest, backend, path, verify, threads, strict, advance)
 
@@ -156,7 +156,7 @@ def _fill_wanted(wanted: list, manifest: Manifest, backend: StorageBackend, path
                  threads: int | None, strict: bool, advance: Callable[[int], None]) -> int:
     executor = ReadExecutor(backend, path, manifest, verify, threads, advance)
     copy_back, casts = [], []
-    for _, item in wanted:
+    for item in wanted:
         entry = manifest.tensors[item.fqn]
         plan = plan_target(entry, item.layout, item.start, item.size)
         if plan.covered != item.local.numel() and strict:
