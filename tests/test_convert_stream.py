@@ -54,6 +54,7 @@ import os, sys, threading, time
 import torch
 torch.set_num_threads(1)
 import statesnap as ss
+import statesnap.convert.api  # imported before the baseline (import statesnap is lazy): the peak is what converting holds
 
 page = os.sysconf("SC_PAGE_SIZE")
 def rss():
@@ -84,8 +85,9 @@ def test_dcp_source_streams_with_peak_memory_of_one_tensor_plus_buffers(big_dcp,
     # glibc serves large blocks from its heap once one was freed, and may keep up to twice that
     # unreturned; a fixed mmap threshold returns each freed tensor to the system at once, so the
     # peak measures what the converter holds, not what the allocator keeps. Measured: 84 MiB (the
-    # tensor + 20 MiB of modules imported and buffers); through dcp.load, which deserializes each
-    # chunk and copies it, 2 tensors + the same; 405 MiB when every tensor is materialized first.
+    # tensor + 20 MiB of buffers and what the first conversion allocates); through dcp.load, which
+    # deserializes each chunk and copies it, 2 tensors + the same; 405 MiB when every tensor is
+    # materialized first.
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(1 << 20))
     out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(big_dcp), str(dst)], env=env,
                          capture_output=True, text=True, timeout=300)
