@@ -54,7 +54,7 @@ import os, sys, threading, time
 import torch
 torch.set_num_threads(1)
 import statesnap as ss
-import statesnap.convert.api  # imported before the baseline (import statesnap is lazy): the peak is what converting holds
+import statesnap.convert.api  # before the baseline (import statesnap is lazy): the peak is what converting holds
 
 page = os.sysconf("SC_PAGE_SIZE")
 def rss():
