@@ -227,3 +227,33 @@ def test_resume_is_bit_exact_and_reshards_from_two_ranks_to_one(tmp_path):
     assert exported.keys() == model.keys()
     for key, value in model.items():
         assert torch.equal(exported[key].view(torch.int16), value.to(torch.bfloat16).view(torch.int16)), key
+
+
+def test_the_optimizer_containers_step_waits_for_the_snapshot_copy(tmp_path, monkeypatch):
+    """Deterministic, one process: every staging copy is held until something waits for the
+    snapshot (test_guard's gate), so an unguarded step would always change the parameters before
+    they are copied. The container's step must wait, and the checkpoint hold the pre-step values."""
+    from test_guard import CopiesWaitForAWaiter
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 9), nn.Tanh(), nn.Linear(9, 5))
+    optimizers = OptimizersContainer(model)
+    train_state = TrainState()
+    checkpointer = TorchtitanCheckpointer(str(tmp_path / "ckpt"), {"model": ModelParts(model), "optimizer": optimizers,
+                                                                   "train_state": train_state},
+                                          interval=1, host_memory_gb=0.05, eager_copy_mb=0, last_save_model_only=False)
+    x, y = torch.randn(4, 12), torch.randn(4, 5)
+    ((model(x) - y) ** 2).mean().backward()
+    optimizers.step()  # AdamW state exists from here on
+    train_state.step = 1
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    gate = CopiesWaitForAWaiter(monkeypatch)
+    assert checkpointer.save(1)
+    ((model(x) - y) ** 2).mean().backward()
+    optimizers.step()  # no wait_for_staging first: only the guard stands between this and the copy
+    gate.open()
+    checkpointer.close()
+    saved = ss.open(tmp_path / "ckpt" / "step-1")
+    for name, value in before.items():
+        assert torch.equal(saved.read(f"model.{name}"), value), name
+    assert not torch.equal(model[0].weight, before["0.weight"])
