@@ -16,7 +16,7 @@ import uuid
 import torch
 
 from ..engine.dist import Comm
-from ..engine.load import _prefix_lookup, load
+from ..engine.load import prefix_lookup, load
 from ..errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..plan import plan_target
@@ -56,7 +56,7 @@ def files_needed(manifest: Manifest, state: dict) -> set[str]:
     """The data files this rank's load of ``manifest`` into ``state`` reads (all, if the state
     does not match: the load then reports the mismatch itself)."""
     try:
-        flat = flatten_for_load(state, _prefix_lookup(manifest))
+        flat = flatten_for_load(state, prefix_lookup(manifest))
         needed = set()
         for item in flat.tensors:
             entry = manifest.tensors[item.fqn]

@@ -87,7 +87,9 @@ def blob_reader(backend: StorageBackend, path: str, manifest: Manifest):
     return read
 
 
-def _prefix_lookup(manifest: Manifest):
+def prefix_lookup(manifest: Manifest):
+    """``has_prefix(prefix)``: whether any stored name starts with ``prefix`` (what flattening a
+    state for a load asks, to tell a nested dict from a leaf); shared with recovery's fetch."""
     keys = manifest.keys()
 
     def has_prefix(prefix: str) -> bool:
@@ -241,7 +243,7 @@ def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_p
     error, nbytes = None, 0
     try:
         manifest = read_manifest(backend, path)
-        flat = flatten_for_load(state, _prefix_lookup(manifest))
+        flat = flatten_for_load(state, prefix_lookup(manifest))
     except Exception as exc:
         error = exc
     comm.agree(error, f"loading {path}")
