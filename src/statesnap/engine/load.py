@@ -88,8 +88,9 @@ def blob_reader(backend: StorageBackend, path: str, manifest: Manifest):
 
 
 def prefix_lookup(manifest: Manifest):
-    """``has_prefix(prefix)``: whether any stored name starts with ``prefix`` (what flattening a
-    state for a load asks, to tell a nested dict from a leaf); shared with recovery's fetch."""
+    """``has_prefix(prefix)``: whether any stored name starts with ``prefix``. Flattening a state
+    for a load asks it whether the checkpoint brings a fresh optimizer's state (else the state a
+    dummy step made is dropped again); recovery's fetch flattens the same way."""
     keys = manifest.keys()
 
     def has_prefix(prefix: str) -> bool:
