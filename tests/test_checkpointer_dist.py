@@ -1,12 +1,14 @@
 """The Checkpointer on two real gloo ranks: DDP-style replicas, sharded and per-rank state,
 gradient all-reduces on the trainer's group while commits run on the Checkpointer's own group."""
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
 
 import statesnap as ss
 from dist_utils import run_ranks
+from statesnap.storage.local import LocalBackend
 from test_checkpointer import SlowBackend, assert_state_equals, make_training, reference
 
 
@@ -66,3 +68,61 @@ def test_two_ranks_save_commit_and_restore(tmp_path):
     expected = torch.cat([torch.arange(8.0) + 4, torch.arange(8.0) + 104])
     assert torch.equal(results[0][3], expected)
     assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-2", "step-4"]
+
+
+class OwnFilesOnly(LocalBackend):
+    """A persistent level on which a rank can read only the data files it wrote, as on node-local
+    disks; ``fail_step`` makes this rank's reads of that step fail (a lost disk)."""
+
+    def __init__(self, rank, fail_step=None):
+        self.rank, self.fail_step = rank, fail_step
+
+    def open_read(self, path):
+        name = os.path.basename(path)
+        if name.endswith(".bin") and not name.endswith(f"-r{self.rank:05d}.bin"):
+            raise PermissionError(f"rank {self.rank} read another rank's file {path}")
+        if self.fail_step is not None and f"step-{self.fail_step}" in path:
+            raise OSError(f"rank {self.rank}: the disk under {path} is gone")
+        return super().open_read(path)
+
+
+def _copy_to_further(rank, world, root, further, fail_step):
+    state = _state(rank)
+    model, optim = state["model"], state["optim"]
+    refs = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt = ss.Checkpointer(root, keep_last=1, further_root=further, further_every=2, further_keep_last=2,
+                               host_memory_gb=0.01, on_error="warn",
+                               backend=OwnFilesOnly(rank, fail_step if rank == 1 else None))
+        for step in range(1, 7):
+            _train(model, optim, step, rank)
+            with torch.no_grad():
+                state["shard"].local.add_(1)
+            refs[step] = reference(state)
+            ckpt.save(step, state).wait()
+        ckpt.close()
+    steps = sorted(n for n in os.listdir(further) if n.startswith("step-"))
+    for name in steps:
+        fresh = _state(rank, seed=7)
+        ss.load(fresh, os.path.join(further, name))
+        assert_state_equals(fresh, refs[int(name[5:])])
+    return steps, [str(w.message) for w in caught if "further" in str(w.message) or "copy" in str(w.message)]
+
+
+def test_every_rank_copies_its_own_files_to_the_further_level(tmp_path):
+    """No rank reads another's files (OwnFilesOnly refuses it), and the copy is one commit."""
+    root, further = str(tmp_path / "ckpt"), str(tmp_path / "further")
+    for steps, warned in run_ranks(2, _copy_to_further, root, further, None):
+        assert steps == ["step-4", "step-6"] and warned == []
+    files = sorted(f for f in os.listdir(os.path.join(further, "step-6")) if f.endswith(".bin"))
+    assert [f[-10:] for f in files] == ["r00000.bin", "r00001.bin"]
+
+
+def test_a_rank_failing_its_further_copy_leaves_no_partial_copy(tmp_path):
+    """Rank 1 cannot read step 4: neither rank commits it, both hear why, the other copies stay."""
+    root, further = str(tmp_path / "ckpt"), str(tmp_path / "further")
+    for steps, warned in run_ranks(2, _copy_to_further, root, further, 4):
+        assert steps == ["step-2", "step-6"]
+        assert len(warned) == 1 and "step 4" in warned[0] and "rank 1" in warned[0], warned
+    assert not [n for n in os.listdir(further) if n.startswith(".step-")]  # no staging left behind

@@ -15,11 +15,9 @@ touching storage.
 from __future__ import annotations
 
 import threading
-import uuid
 
 import torch
 
-from ..engine.load import read_manifest
 from ..engine.objects import decode_value
 from ..format.dtypes import dtype_name
 from ..format.manifest import MANIFEST_NAME
@@ -30,7 +28,6 @@ from ..storage.lock import ClaimedBackend, claim_root
 from .staging import item_bytes_view
 
 STEP_PREFIX = "step-"
-COPY_CHUNK = 64 << 20
 
 
 def parse_step(name: str) -> int | None:
@@ -84,36 +81,6 @@ class StorageLevel:
             hidden = name.startswith(f".{STEP_PREFIX}") and (".tmp-" in name or RETIRED_MARK in name)
             if hidden or (step is not None and not self.is_committed(step)):
                 self.backend.remove(self.backend.join(self.root, name))
-
-
-def copy_checkpoint(src: StorageLevel, dst: StorageLevel, step: int, durable: bool) -> int:
-    """Copy committed checkpoint ``step`` from ``src`` to ``dst`` with the same atomic commit."""
-    source, target = src.path(step), dst.path(step)
-    manifest = read_manifest(src.backend, source)
-    raw = src.backend.read_bytes(src.backend.join(source, MANIFEST_NAME))
-    staging = dst.backend.begin(target, uuid.uuid4().hex[:12])
-    buffer = torch.empty(COPY_CHUNK, dtype=torch.uint8).numpy()
-    try:
-        for name in manifest.files:
-            reader = src.backend.open_read(src.backend.join(source, name))
-            writer = dst.backend.open_write(dst.backend.join(staging, name), durable)
-            try:
-                offset = 0
-                while True:
-                    got = reader.readinto(offset, [memoryview(buffer)])
-                    if not got:
-                        break
-                    writer.pwrite(offset, [memoryview(buffer)[:got]])
-                    offset += got
-            finally:
-                reader.close()
-                writer.close(durable)
-        dst.backend.write_bytes(dst.backend.join(staging, MANIFEST_NAME), raw, durable)
-        dst.backend.commit(staging, target, True, durable, keep=[*manifest.files, MANIFEST_NAME])
-    except BaseException:
-        dst.backend.abort(staging, target, manifest.files)
-        raise
-    return manifest.total_bytes
 
 
 class MemoryLevel:

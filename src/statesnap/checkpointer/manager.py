@@ -13,7 +13,7 @@ import logging
 import threading
 import warnings
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,8 @@ from ..storage.base import DIRECT_ALIGN
 from .config import CheckpointerConfig
 from .gpu import CudaCopier, mark_devices
 from .hooks import StepGuard, find_writers, owners_of, version_of
-from .levels import MemoryLevel, StorageLevel, copy_checkpoint, matching_target, restore_from_memory
+from .further import FurtherCopier
+from .levels import MemoryLevel, StorageLevel, matching_target, restore_from_memory
 from .local import LocalFlusher, Topology, peer_buffer_bytes
 from .recovery import LocalRecovery, complete_steps, inventory
 from .pipeline import Flusher, FlushTarget, Snapshot, Stager, as_checkpoint_error
@@ -84,10 +85,7 @@ class Checkpointer:
         self.loaded_from: str | None = None  # the level the last load_latest restored from
         # the trainer's group: only on the training thread
         self._comm = Comm(cfg.process_group, f"the Checkpointer of {root}", cfg.commit_timeout_s)
-        self._group = None
-        if self._comm.active and self._comm.world_size > 1:
-            ranks = None if cfg.process_group is None else dist.get_process_group_ranks(cfg.process_group)
-            self._group = timed_group(ranks, cfg.commit_timeout_s, f"the Checkpointer of {root}", self._comm.rank)
+        self._group, flush_comm = self._side_comm(f"committing to {root}")
         self.rank = self._comm.rank
         self._local_group = self._recovery = None
         if self.local is not None:
@@ -124,13 +122,15 @@ class Checkpointer:
         self._guard = StepGuard(self._gates_for, lambda step, s, e: self.events.add("wait-in-hook", step, s, e))
         self._stager = Stager(lambda: self._arena, cfg.copy_threads, lambda: self._segment_bytes, self.events,
                               self._copies_done, lambda: self._cuda, file_order=is_url(root))
-        flush_comm = Comm(self._group or cfg.process_group, f"committing to {root}", cfg.commit_timeout_s,
-                          dedicated=self._group is not None)
         target = FlushTarget(self.persistent.backend, flush_comm, cfg.durable, cfg.threads or default_threads(),
                              lambda: self._block_bytes, limit_bytes(cfg.replica_check_mb))
         self._flusher = Flusher(target, lambda: self._arena, self.events, self._flushed)
-        self._further_pool = ThreadPoolExecutor(1, thread_name_prefix="statesnap-further") \
-            if self.further is not None and self.rank == 0 else None
+        self._further_group = self._further_copier = None
+        if self.further is not None:
+            what = f"copies to {self.further.root}"
+            self._further_group, comm = self._side_comm(what)
+            self._further_copier = FurtherCopier(self.persistent, self.further, comm, cfg.durable, self.events,
+                                                 self._further_done)
         self._local_flusher = None
         if self.local is not None:
             self._local_flusher = LocalFlusher(
@@ -294,14 +294,14 @@ class Checkpointer:
             self._closed = True
             self._stager.close()
             self._flusher.close()
-            if self._further_pool is not None:
-                self._further_pool.shutdown(wait=True)
+            if self._further_copier is not None:
+                self._further_copier.close()
             if self._local_flusher is not None:
                 self._local_flusher.close()
             self._guard.close()
             self.events.flush()
             self._release_roots()
-            for group in (self._group, self._local_group):
+            for group in (self._group, self._local_group, self._further_group):
                 if group is not None:
                     dist.destroy_process_group(group)
         self._raise_pending()
@@ -357,15 +357,20 @@ class Checkpointer:
         if cfg.peer_replicas and len(set(topology.nodes)) < 2:
             raise CheckpointError(f"peer_replicas={cfg.peer_replicas} needs ranks on at least two nodes, but every "
                                   f"rank is on node {cfg.node_id} (set GROUP_RANK or node_id=)")
-        what = f"node-local checkpoints under {self.local.root}"
-        if self._comm.active and self._comm.world_size > 1:
-            ranks = None if cfg.process_group is None else dist.get_process_group_ranks(cfg.process_group)
-            self._local_group = timed_group(ranks, cfg.commit_timeout_s, what, self.rank)
-        comm = Comm(self._local_group or cfg.process_group, what, cfg.commit_timeout_s,
-                    dedicated=self._local_group is not None)
+        self._local_group, comm = self._side_comm(f"node-local checkpoints under {self.local.root}")
         self._recovery = LocalRecovery(self.local, comm, topology, cfg.durable)
         if topology.is_leader:
             self.local.remove_leftovers()
+
+    def _side_comm(self, what: str) -> tuple:
+        """A group of the Checkpointer's ranks for one background stage alone (None on one rank)
+        and the Comm over it: stages that talk on one group from different threads would mix up
+        the order of their collectives."""
+        cfg, group = self.config, None
+        if self._comm.active and self._comm.world_size > 1:
+            ranks = None if cfg.process_group is None else dist.get_process_group_ranks(cfg.process_group)
+            group = timed_group(ranks, cfg.commit_timeout_s, what, self._comm.rank)
+        return group, Comm(group or cfg.process_group, what, cfg.commit_timeout_s, dedicated=group is not None)
 
     def _release_roots(self) -> None:
         for level in (self.persistent, self.further):
@@ -487,8 +492,7 @@ class Checkpointer:
             if committed is not None:
                 self._count("committed")
                 try:
-                    if self.rank == 0:
-                        self._after_commit(snap.step)
+                    self._after_commit(snap.step)
                 finally:
                     snap.committed = True
                     self._report_commit(snap.step)
@@ -510,12 +514,14 @@ class Checkpointer:
                 log.exception("statesnap: on_commit raised for step %d; the checkpoint is committed", step)
 
     def _after_commit(self, step: int) -> None:
-        """Rank 0: start the further-level copy, then apply retention on the persistent level."""
-        if self._further_pool is not None and step % self.config.further_every == 0:
+        """Start the further-level copy (every rank copies its own files), then rank 0 applies
+        retention on the persistent level."""
+        if self._further_copier is not None and step % self.config.further_every == 0:
             with self._lock:
                 self._copying_further.add(step)
-            self._further_pool.submit(self._copy_further, step)
-        self._retain_persistent(step)
+            self._further_copier.submit(step)
+        if self.rank == 0:
+            self._retain_persistent(step)
 
     def _retain_persistent(self, newest: int | None) -> None:
         """Retention on the persistent level, sparing the newest commit and the further copies."""
@@ -528,18 +534,15 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001 (surfaces at the next call)
             self._record_failure(None, CheckpointError(f"retention in {self.persistent.root} failed: {exc}"))
 
-    def _copy_further(self, step: int) -> None:
-        start = now()
-        try:
-            nbytes = copy_checkpoint(self.persistent, self.further, step, self.config.durable)
-            self.further.retain(set())
-            self.events.add("further", step, start, now(), nbytes)
-        except Exception as exc:  # noqa: BLE001 (surfaces at the next call)
-            self._record_failure(None, as_checkpoint_error(exc, step, self.further.path(step)))
-        finally:
-            with self._lock:
-                self._copying_further.discard(step)
-            self._retain_persistent(None)  # what the copy kept alive may go now
+    def _further_done(self, step: int, error: CheckpointError | None) -> None:
+        """A further copy ended, with the same outcome on every rank: what it kept alive on the
+        persistent level may go now (rank 0 waited in its commit for every rank's files)."""
+        if error is not None:
+            self._record_failure(None, error)
+        with self._lock:
+            self._copying_further.discard(step)
+        if self.rank == 0:
+            self._retain_persistent(None)
 
     def _finish(self, snap: Snapshot) -> None:
         """The snapshot is done: keep it as the memory level (or free its space) and report."""

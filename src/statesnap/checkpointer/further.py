@@ -1,0 +1,148 @@
+"""The further level's copy: every rank copies its own files, rank 0 commits.
+
+A copy that funnels through one rank reads every other rank's files, so the persistent root
+would have to be one file system that rank 0 sees whole, and the copy would move the whole
+checkpoint through one node's network link. Here each rank reads only the data files it wrote
+(``data-<token>-r<rank>.bin``) and writes them into a staging location that rank 0 opened, and
+rank 0 writes the manifest and commits only once every rank says its files are in place, with
+the same atomic commit as a save. The collectives run on a group made for this copy alone, one
+step after another, so they never interleave with the commit's or the trainer's.
+"""
+from __future__ import annotations
+
+import re
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from ..engine.dist import Comm
+from ..errors import CheckpointError
+from ..format.manifest import MANIFEST_NAME, Manifest
+from ..monitor.events import EventLog, now
+from .levels import StorageLevel
+
+COPY_CHUNK = 64 << 20
+_RANK_OF_FILE = re.compile(r"-r([0-9]{5,})\.bin$")
+
+
+def files_of_rank(files: list[str], rank: int, world_size: int) -> list[str]:
+    """The data files ``rank`` copies: those it wrote; rank 0 also takes any file no rank of
+    this world wrote (none in a checkpoint the Checkpointer made, but a copy must be whole)."""
+    def owner(name: str) -> int:
+        match = _RANK_OF_FILE.search(name)
+        return int(match.group(1)) if match and int(match.group(1)) < world_size else 0
+    return [name for name in files if owner(name) == rank]
+
+
+def copy_file(src: StorageLevel, source: str, dst: StorageLevel, target: str, durable: bool, buffer) -> int:
+    """Stream one file from ``src`` to ``dst`` through ``buffer``; return its size."""
+    reader = src.backend.open_read(source)
+    writer = dst.backend.open_write(target, durable)
+    offset = 0
+    try:
+        while True:
+            got = reader.readinto(offset, [memoryview(buffer)])
+            if not got:
+                return offset
+            writer.pwrite(offset, [memoryview(buffer)[:got]])
+            offset += got
+    finally:
+        reader.close()
+        writer.close(durable)
+
+
+class FurtherCopier:
+    """Copies committed persistent checkpoints to the further level in the background, on every
+    rank; ``done(step, error)`` runs on every rank after each copy, with the same outcome."""
+
+    def __init__(self, src: StorageLevel, dst: StorageLevel, comm: Comm, durable: bool, events: EventLog,
+                 done: Callable[[int, CheckpointError | None], None]):
+        self._src, self._dst, self._comm, self._durable = src, dst, comm, durable
+        self._events, self._done = events, done
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="statesnap-further")
+        self._broken: BaseException | None = None
+
+    def submit(self, step: int) -> None:
+        self._pool.submit(self._run, step)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _run(self, step: int) -> None:
+        start, error = now(), None
+        try:
+            nbytes = self._copy(step)
+            self._events.add("further", step, start, now(), nbytes)
+        except BaseException as exc:  # noqa: BLE001 (reported through done)
+            error = exc if isinstance(exc, CheckpointError) else CheckpointError(
+                f"copying step {step} to {self._dst.path(step)} failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+        self._done(step, error)
+
+    def _copy(self, step: int) -> int:
+        if self._broken is not None:
+            raise CheckpointError(f"step {step} was not copied to {self._dst.root}: an earlier copy could not "
+                                  f"reach the other ranks ({self._broken})")
+        comm = self._comm
+        try:
+            staging, raw, problem = comm.broadcast(self._open(step) if comm.rank == 0 else None)
+        except BaseException as exc:
+            self._broken = exc
+            raise
+        copied, error = 0, problem
+        if problem is None:
+            try:
+                copied = self._copy_own_files(step, staging, Manifest.from_bytes(raw).files)
+            except Exception as exc:  # noqa: BLE001 (every rank must reach the gather below)
+                error = f"{type(exc).__name__}: {exc}"
+        try:
+            outcomes = comm.gather(error)
+            result = self._commit_or_abort(step, staging, raw, outcomes) if comm.rank == 0 else None
+            result = comm.broadcast(result)
+        except BaseException as exc:
+            self._broken = exc
+            raise
+        if not isinstance(result, int):
+            raise CheckpointError(result)
+        return copied
+
+    def _open(self, step: int) -> tuple[str | None, bytes | None, str | None]:
+        """Rank 0: (staging location, the source manifest's bytes, problem). Never raises: the
+        other ranks wait in the broadcast of this outcome."""
+        try:
+            raw = self._src.backend.read_bytes(self._src.backend.join(self._src.path(step), MANIFEST_NAME))
+            return self._dst.backend.begin(self._dst.path(step), uuid.uuid4().hex[:12]), raw, None
+        except Exception as exc:  # noqa: BLE001 (reported on every rank)
+            return None, None, f"could not start the copy of step {step}: {type(exc).__name__}: {exc}"
+
+    def _commit_or_abort(self, step: int, staging: str | None, raw: bytes | None, outcomes: list) -> int | str:
+        """Rank 0: commit the copy if every rank copied its files; else remove what was written.
+        Returns the checkpoint's bytes or the error text every rank reports."""
+        target = self._dst.path(step)
+        failures = "; ".join(f"rank {r}: {e}" for r, e in enumerate(outcomes) if e is not None)
+        if staging is None:
+            return f"step {step} was not copied to {target}: {failures}"
+        manifest = Manifest.from_bytes(raw)
+        backend = self._dst.backend
+        try:
+            if failures:
+                raise CheckpointError(failures)
+            backend.write_bytes(backend.join(staging, MANIFEST_NAME), raw, self._durable)
+            backend.commit(staging, target, True, self._durable, keep=[*manifest.files, MANIFEST_NAME])
+        except Exception as exc:  # noqa: BLE001 (reported on every rank)
+            backend.abort(staging, target, manifest.files)
+            return f"step {step} was not copied to {target}: {exc}"
+        try:
+            self._dst.retain(set())
+        except Exception as exc:  # noqa: BLE001 (the copy is committed; retention is retried next time)
+            return f"retention in {self._dst.root} after copying step {step} failed: {exc}"
+        return manifest.total_bytes
+
+    def _copy_own_files(self, step: int, staging: str, files: list[str]) -> int:
+        source = self._src.path(step)
+        buffer = torch.empty(COPY_CHUNK, dtype=torch.uint8).numpy()
+        return sum(copy_file(self._src, self._src.backend.join(source, name), self._dst,
+                             self._dst.backend.join(staging, name), self._durable, buffer)
+                   for name in files_of_rank(files, self._comm.rank, self._comm.world_size))
