@@ -175,3 +175,47 @@ def test_recovery_bench_runs_and_checks_both_sources(tmp_path):
     result = recovery.run(ranks=2, mb_per_rank=0.1, repeat=1, out=str(tmp_path))
     assert set(result["seconds"]) == {"peer", "root"} and result["root_vs_peer"] > 0
     assert not (tmp_path / "recovery").exists(), "the scratch checkpoints must be removed"
+
+
+def _replica_faults(rank, world, root, local_roots):
+    """Step 2: rank 1 cannot write rank 0's replica (its disk fails mid-stream). Step 3: rank 0
+    cannot produce what it sends. Neither may leave its partner waiting: both steps fail on the
+    node-local level at once, on both ranks, and steps 1 and 4 commit there."""
+    from statesnap.checkpointer import local as local_stage
+    from statesnap.storage.local import LocalBackend
+
+    real_open_write, real_ranges = LocalBackend.open_write, local_stage.LocalFlusher._own_ranges
+
+    def open_write(self, path, durable=False):
+        writer = real_open_write(self, path, durable)
+        if rank == 1 and "step-2" in path and path.endswith("-r00000.bin"):
+            def fail(offset, views):
+                raise OSError(28, "No space left on device", path)
+            writer.pwrite = fail
+        return writer
+
+    def own_ranges(self, snap, staging, output):
+        if rank == 0 and snap.step == 3:
+            raise OSError(5, "Input/output error", staging)
+        return real_ranges(self, snap, staging, output)
+
+    LocalBackend.open_write, local_stage.LocalFlusher._own_ranges = open_write, own_ranges
+    os.environ["GROUP_RANK"] = str(rank)
+    state = _state(rank, world)
+    with pytest.warns(RuntimeWarning) as caught:
+        ckpt = ss.Checkpointer(root, local_root=local_roots[rank], peer_replicas=1, persist_every=10,
+                               host_memory_gb=0.02, on_error="warn", commit_timeout_s=60)
+        for step in range(1, 5):
+            _train(state, rank, step)
+            ckpt.save(step, state).wait()
+        ckpt.close()
+    steps = sorted(n for n in os.listdir(local_roots[rank]) if n.startswith("step-"))
+    return steps, [str(w.message) for w in caught]
+
+
+def test_a_replica_transfer_failing_on_either_side_fails_that_step_without_a_hang(tmp_path):
+    roots = [str(tmp_path / f"node{n}") for n in range(2)]
+    for steps, warned in run_ranks(2, _replica_faults, str(tmp_path / "root"), roots):
+        assert steps == ["step-1", "step-4"], steps
+        assert any("step 2" in w and "No space left" in w for w in warned), warned
+        assert any("step 3" in w and "Input/output error" in w for w in warned), warned

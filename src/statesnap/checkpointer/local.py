@@ -89,8 +89,11 @@ def send_stream(group, dst: int, ranges: list[tuple[int, int]], read) -> None:
 
 def recv_stream(group, src: int, buffer: torch.Tensor, write) -> bool:
     """Receive what :func:`send_stream` sends; ``write(offset, uint8 tensor)`` takes each chunk
-    (None: receive and drop). False if the sender had nothing to send."""
+    (None: receive and drop). False if the sender had nothing to send. A ``write`` that fails
+    does not stop the receiving: the sender would wait for it until the group's timeout, so the
+    rest is received and dropped, and the failure is raised at the end."""
     src = _global(group, src)
+    failure = None
     count = torch.empty(1, dtype=torch.int64)
     dist.recv(count, src, group)
     if int(count) < 0:
@@ -104,8 +107,13 @@ def recv_stream(group, src: int, buffer: torch.Tensor, write) -> bool:
             n = min(PEER_CHUNK_BYTES, nbytes - k)
             view = buffer[:n] if n <= chunk else torch.empty(n, dtype=torch.uint8)
             dist.recv(view, src, group)
-            if write is not None:
-                write(offset + k, view)
+            if write is not None and failure is None:
+                try:
+                    write(offset + k, view)
+                except Exception as exc:  # noqa: BLE001 (raised once the stream is drained)
+                    failure = exc
+    if failure is not None:
+        raise failure
     return True
 
 
@@ -205,25 +213,49 @@ class LocalFlusher(_Stage):
     def _exchange(self, snap: Snapshot, staging: str, token: str, output: RankOutput | None) -> None:
         """Every rank sends its file to its partner, transfer after transfer in rank order: a
         rank's sends and receives come in the same global order on every rank, so none waits on
-        a peer that waits on it."""
+        a peer that waits on it. Whatever fails on one side, every transfer is still sent and
+        received whole (or as "nothing"), and the first failure is raised at the end: a side
+        that stopped halfway would leave the other waiting until the group's timeout, with the
+        snapshot's arena space held all that while."""
         group, rank = self.comm.transport() if self.comm.world_size > 1 else None, self.comm.rank
+        failures = []
         for src, dst in enumerate(self._partners):
             if dst is None or rank not in (src, dst):
                 continue
             if rank == src:
-                send_stream(group, dst, *self._own_ranges(snap, staging, output))
-                continue
-            path = self.level.backend.join(staging, data_file_name(token, src)) if staging else None
-            writer = self.level.backend.open_write(path, self._durable) if path else None
-            try:
-                recv_stream(group, src, self._buffer, pwriter(writer) if writer else None)
-            finally:
-                if writer is not None:
-                    writer.close(self._durable)
+                try:
+                    ranges, read = self._own_ranges(snap, staging, output)
+                except Exception as exc:  # noqa: BLE001 (the partner is told there is nothing)
+                    failures.append(exc)
+                    ranges, read = None, None
+                send_stream(group, dst, ranges, read)
+            else:
+                self._receive(group, src, staging, token, failures)
+        if failures:
+            raise failures[0]
+
+    def _receive(self, group, src: int, staging: str | None, token: str, failures: list) -> None:
+        """Write ``src``'s replica into this node's staging; a failed open or write is recorded
+        in ``failures`` while the stream is still received to its end."""
+        writer = None
+        try:
+            if staging:
+                writer = self.level.backend.open_write(
+                    self.level.backend.join(staging, data_file_name(token, src)), self._durable)
+        except Exception as exc:  # noqa: BLE001
+            failures.append(exc)
+        try:
+            recv_stream(group, src, self._buffer, pwriter(writer) if writer else None)
+        except Exception as exc:  # noqa: BLE001 (a failed write; a broken transport fails the gather next)
+            failures.append(exc)
+        finally:
+            if writer is not None:
+                writer.close(self._durable)
 
     def _own_ranges(self, snap: Snapshot, staging: str, output: RankOutput | None):
         """What this rank's file holds, as ranges, and a reader: tensors from the arena, pickled
-        values (after them in the file) from the file just written."""
+        values (after them in the file) from the file just written, read before anything is sent
+        so that no read can fail halfway through the stream."""
         if output is None:
             return None, None
         if output.file is None:
@@ -231,20 +263,21 @@ class LocalFlusher(_Stage):
         arena, base, plan, rank = self._arena_of(), snap.region.start, snap.plan, self.comm.rank
         where = {offset: snap.item_offsets[index] for index, offset in plan.writes[rank]}
         ranges = [(offset, snap.metas[index].nbytes) for index, offset in plan.writes[rank]]
-        tail = output.file_bytes - plan.file_bytes[rank]
-        if tail > 0:
-            ranges.append((plan.file_bytes[rank], tail))
+        tail_start = plan.file_bytes[rank]
+        tail = torch.empty(output.file_bytes - tail_start, dtype=torch.uint8)
+        if tail.numel():
+            ranges.append((tail_start, tail.numel()))
+            reader = self.level.backend.open_read(self.level.backend.join(staging, output.file))
+            try:
+                if reader.readinto(tail_start, [memoryview(tail.numpy())]) != tail.numel():
+                    raise CheckpointError(f"{output.file} under {staging} is shorter than it was written")
+            finally:
+                reader.close()
         starts = sorted(where)
 
         def read(offset: int, nbytes: int) -> torch.Tensor:
-            if offset >= plan.file_bytes[rank]:  # pickled values: back from the file
-                out = torch.empty(nbytes, dtype=torch.uint8)
-                reader = self.level.backend.open_read(self.level.backend.join(staging, output.file))
-                try:
-                    reader.readinto(offset, [memoryview(out.numpy())])
-                finally:
-                    reader.close()
-                return out
+            if offset >= tail_start:  # pickled values
+                return tail[offset - tail_start:offset - tail_start + nbytes]
             item_start = max(s for s in starts if s <= offset)
             return arena.view(base + where[item_start] + offset - item_start, nbytes)
         return ranges, read
