@@ -129,14 +129,17 @@ def test_restart_after_node_loss_restores_from_the_peer_replica(killed_job, worl
     assert results == [(STEPS, "peer")] * world
 
 
-def test_a_damaged_replica_falls_back_to_root(killed_job):
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_a_damaged_replica_falls_back_to_root(killed_job, damage):
+    """Flipped bits and a truncated file, sent to the replaced node, fail the verified load there:
+    every rank falls back to root together."""
     tmp_path, dirs, out = killed_job
-    copy, shm_name = _copy(tmp_path, dirs, "damaged")
+    copy, shm_name = _copy(tmp_path, dirs, f"damaged-{damage}")
     step_dir = os.path.join(copy["local"][0], f"step-{STEPS}")
     replica = next(n for n in os.listdir(step_dir) if n.endswith("-r00002.bin"))  # rank 2's, kept by rank 0
     data = bytearray(open(os.path.join(step_dir, replica), "rb").read())
     with open(os.path.join(step_dir, replica), "wb") as f:
-        f.write(bytes(b ^ 0xFF for b in data))
+        f.write(bytes(b ^ 0xFF for b in data) if damage == "flipped" else data[:len(data) // 2])
     copy["expect_warning"] = True
     try:
         results = run_ranks(4, _restore, copy, out)
@@ -219,3 +222,42 @@ def test_a_replica_transfer_failing_on_either_side_fails_that_step_without_a_han
         assert steps == ["step-1", "step-4"], steps
         assert any("step 2" in w and "No space left" in w for w in warned), warned
         assert any("step 3" in w and "Input/output error" in w for w in warned), warned
+
+
+def _stream_with_a_failure(rank, world, failing):
+    """Rank 0 streams 4 chunks to rank 1; ``failing`` says which side fails at the second chunk.
+    Both sides must get through the whole stream (the next message arrives in order) and only
+    the failing side raises."""
+    from statesnap.checkpointer import local as local_stage
+
+    local_stage.PEER_CHUNK_BYTES = 1024
+    data = torch.arange(4096, dtype=torch.int64).to(torch.uint8)
+    raised = None
+    try:
+        if rank == 0:
+            def read(offset, nbytes):
+                if failing == "sender" and offset >= 1024:
+                    raise OSError(5, "Input/output error")
+                return data[offset:offset + nbytes]
+            local_stage.send_stream(None, 1, [(0, 4096)], read)
+        else:
+            received = torch.zeros(4096, dtype=torch.uint8)
+
+            def write(offset, view):
+                if failing == "receiver" and offset >= 1024:
+                    raise OSError(28, "No space left on device")
+                received[offset:offset + view.numel()] = view
+            local_stage.recv_stream(None, 0, torch.empty(1024, dtype=torch.uint8), write)
+    except OSError as exc:
+        raised = exc.strerror
+    marker = torch.tensor([7 + rank])
+    dist.all_reduce(marker)  # the streams are drained: the next collective pairs up
+    return raised, int(marker)
+
+
+@pytest.mark.parametrize("failing", ["sender", "receiver"])
+def test_a_stream_that_fails_halfway_is_still_drained(failing):
+    results = run_ranks(2, _stream_with_a_failure, failing)
+    expected = {"sender": ["Input/output error", None], "receiver": [None, "No space left on device"]}[failing]
+    assert [raised for raised, _ in results] == expected
+    assert [marker for _, marker in results] == [15, 15]

@@ -74,7 +74,10 @@ def _global(group, rank: int) -> int:
 
 def send_stream(group, dst: int, ranges: list[tuple[int, int]], read) -> None:
     """Send byte ranges ``(offset, nbytes)`` of a file; ``read(offset, nbytes)`` gives a uint8
-    tensor of at most a chunk. ``ranges`` None says the sender has nothing (it failed)."""
+    tensor of at most a chunk. ``ranges`` None says the sender has nothing (it failed). A read
+    that fails halfway does not stop the stream, which would leave the receiver waiting until
+    the group's timeout: zeros stand in for the rest, and the failure is raised at the end (the
+    caller then fails the transfer on every rank, so the zeros are never used)."""
     dst = _global(group, dst)
     if ranges is None:
         dist.send(torch.tensor([-1], dtype=torch.int64), dst, group)
@@ -82,9 +85,19 @@ def send_stream(group, dst: int, ranges: list[tuple[int, int]], read) -> None:
     dist.send(torch.tensor([len(ranges)], dtype=torch.int64), dst, group)
     if ranges:
         dist.send(torch.tensor(ranges, dtype=torch.int64), dst, group)
+    failure = None
     for offset, nbytes in ranges:
         for k in range(0, nbytes, PEER_CHUNK_BYTES):
-            dist.send(read(offset + k, min(PEER_CHUNK_BYTES, nbytes - k)), dst, group)
+            n = min(PEER_CHUNK_BYTES, nbytes - k)
+            chunk = None
+            if failure is None:
+                try:
+                    chunk = read(offset + k, n)
+                except Exception as exc:  # noqa: BLE001 (raised once the stream is sent)
+                    failure = exc
+            dist.send(chunk if chunk is not None else torch.zeros(n, dtype=torch.uint8), dst, group)
+    if failure is not None:
+        raise failure
 
 
 def recv_stream(group, src: int, buffer: torch.Tensor, write) -> bool:

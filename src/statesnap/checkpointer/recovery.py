@@ -12,6 +12,7 @@ did.
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 
 import torch
 
@@ -80,7 +81,7 @@ class LocalRecovery:
 
     def restore(self, state: dict, step: int, inventories: list[dict], **load_options) -> tuple[int, bool]:
         """Load ``step`` into ``state``; return (bytes read, whether files came from other nodes)."""
-        comm, topo, backend = self.comm, self.topology, self.level.backend
+        comm, backend = self.comm, self.level.backend
         holders = [r for r, inv in enumerate(inventories) if step in inv]
         mine = inventories[comm.rank].get(step, ([], []))[0]
         raw = backend.read_bytes(backend.join(self.level.path(step), MANIFEST_NAME)) \
@@ -88,64 +89,105 @@ class LocalRecovery:
         raw = comm.all_gather(raw)[holders[0]]
         manifest = Manifest.from_bytes(raw, where=f"{self.level.path(step)} (node of rank {holders[0]})")
         lacking = sorted(files_needed(manifest, state) - set(mine))
-        wants = comm.all_gather(lacking)
-        transfers = sorted({(name, self._holder(name, step, inventories), topo.leader(r))
-                            for r, names in enumerate(wants) for name in names})
-        error = None
-        try:
-            self._fetch(step, raw, transfers, inventories)
-        except Exception as exc:  # noqa: BLE001 (every rank raises together below)
-            error = exc
-        comm.agree(error, f"fetching the files of step {step} from other nodes")
+        transfers = self._plan_transfers(step, comm.all_gather(lacking), inventories)
+        self._fetch(step, raw, transfers, inventories)
         info = load(state, self.level.path(step), shared_reads=False, **load_options)
         return info.bytes, bool(transfers)
 
-    def _holder(self, name: str, step: int, inventories: list[dict]) -> int:
-        for rank, inv in enumerate(inventories):
-            if step in inv and name in inv[step][0]:
-                return rank
-        raise CheckpointError(f"no node holds {name} of step {step}")  # complete_steps rules this out
+    def _plan_transfers(self, step: int, wants: list[list[str]], inventories: list[dict]) -> list[tuple]:
+        """(file, sending rank, receiving rank) for every file a node lacks, computed alike on every
+        rank: one receiver per node and file (the first of its ranks that wants it), and senders
+        spread over the ranks of the nodes that hold it, so that transfers between different
+        pairs of ranks run at once instead of through one rank of each node."""
+        sent: Counter = Counter()
+        transfers, receiving = [], set()
+        for dst, names in enumerate(wants):
+            for name in names:
+                if (self.topology.nodes[dst], name) in receiving:
+                    continue
+                receiving.add((self.topology.nodes[dst], name))
+                holders = [r for r, inv in enumerate(inventories) if step in inv and name in inv[step][0]]
+                if not holders:
+                    raise CheckpointError(f"no node holds {name} of step {step}")  # complete_steps rules it out
+                src = min(holders, key=lambda r: (sent[r], r))
+                sent[src] += 1
+                transfers.append((name, src, dst))
+        return transfers
 
     def _fetch(self, step: int, raw: bytes, transfers: list, inventories: list[dict]) -> None:
-        """Run the transfers in one global order (see ``LocalFlusher._exchange``); a node leader
-        that lacks the step creates it, with the manifest, and commits it once its files are in."""
-        comm, backend, rank = self.comm, self.level.backend, self.comm.rank
-        final, staging = self.level.path(step), None
-        receiving = any(dst == rank for _, _, dst in transfers)
-        if receiving and step not in inventories[rank]:
-            staging = backend.begin(final, uuid.uuid4().hex[:12])
-            backend.write_bytes(backend.join(staging, MANIFEST_NAME), raw, self.durable)
-        target = staging or final
+        """Run the transfers in one global order, each rank its own (see ``LocalFlusher._exchange``
+        for why that order cannot deadlock). A node that lacks the step gets it created by its
+        leader, with the manifest, and committed once every rank of the job has its files in.
+        Every rank takes part in every transfer of its own whatever failed, so none is left
+        waiting; failures are raised on every rank together."""
+        comm, topo, backend, rank = self.comm, self.topology, self.level.backend, self.comm.rank
+        final = self.level.path(step)
+        node_receives = any(topo.nodes[dst] == topo.nodes[rank] for _, _, dst in transfers)
+        opened = (None, None)
+        if topo.is_leader and node_receives and step not in inventories[rank]:
+            opened = self._open_staging(step, raw)
+        staging, problem = comm.all_gather(opened)[topo.leader(rank)]
+        failures = [CheckpointError(problem)] if problem else []
+        target = None if problem else staging or final
         group = comm.transport() if comm.world_size > 1 else None
-        buffer = torch.empty(PEER_CHUNK_BYTES if receiving else 0, dtype=torch.uint8)
+        for name, src, dst in transfers:
+            if rank == src:
+                self._send(group, dst, backend.join(final, name), failures)
+            elif rank == dst:
+                self._receive(group, src, name, step, None if target is None else backend.join(target, name),
+                              failures)
+        mine = staging if topo.is_leader else None
         try:
-            for name, src, dst in transfers:
-                if src == dst == rank:
-                    continue
-                if rank == src:
-                    self._send(group, dst, backend.join(final, name))
-                elif rank == dst:
-                    writer = backend.open_write(backend.join(target, name), self.durable)
-                    try:
-                        if not recv_stream(group, src, buffer, pwriter(writer)):
-                            raise CheckpointError(f"rank {src} could not send {name} of step {step}")
-                    finally:
-                        writer.close(self.durable)
-            if staging is not None:
-                backend.commit(staging, final, False, self.durable, keep=backend.listdir(staging))
+            comm.agree(failures[0] if failures else None, f"fetching the files of step {step} from other nodes")
+            error = None
+            if mine is not None:
+                try:
+                    backend.commit(mine, final, False, self.durable, keep=backend.listdir(mine))
+                except Exception as exc:  # noqa: BLE001 (every rank raises together below)
+                    error = exc
+            comm.agree(error, f"committing the files of step {step} fetched from other nodes")
         except BaseException:
-            if staging is not None:
-                backend.abort(staging, final)
+            if mine is not None:
+                backend.abort(mine, final)  # never touches the step once it is committed
             raise
 
-    def _send(self, group, dst: int, path: str) -> None:
-        backend = self.level.backend
+    def _open_staging(self, step: int, raw: bytes) -> tuple[str | None, str | None]:
+        """Leader of a node that lost the step: (its staging location with the manifest, problem)."""
+        backend, final = self.level.backend, self.level.path(step)
+        try:
+            staging = backend.begin(final, uuid.uuid4().hex[:12])
+            backend.write_bytes(backend.join(staging, MANIFEST_NAME), raw, self.durable)
+            return staging, None
+        except Exception as exc:  # noqa: BLE001 (every rank learns it)
+            return None, f"rank {self.comm.rank} cannot create {final}: {type(exc).__name__}: {exc}"
+
+    def _receive(self, group, src: int, name: str, step: int, path: str | None, failures: list) -> None:
+        """Receive ``name`` from ``src`` into ``path`` (None: receive and drop, something failed)."""
+        writer = None
+        try:
+            writer = self.level.backend.open_write(path, self.durable) if path is not None else None
+        except Exception as exc:  # noqa: BLE001 (the stream is still received)
+            failures.append(exc)
+        try:
+            if not recv_stream(group, src, self._buffer(), pwriter(writer) if writer else None):
+                failures.append(CheckpointError(f"rank {src} could not send {name} of step {step}"))
+        except Exception as exc:  # noqa: BLE001 (a failed write; the stream was received whole)
+            failures.append(exc)
+        finally:
+            if writer is not None:
+                writer.close(self.durable)
+
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(PEER_CHUNK_BYTES, dtype=torch.uint8)
+
+    def _send(self, group, dst: int, path: str, failures: list) -> None:
+        backend, reader, size = self.level.backend, None, None
         try:
             reader = backend.open_read(path)
-        except OSError:
-            send_stream(group, dst, None, None)
-            raise
-        buffer = torch.empty(PEER_CHUNK_BYTES, dtype=torch.uint8)
+            size = reader.size()
+        except OSError as exc:  # the receiver is told there is nothing
+            failures.append(exc)
+        buffer = self._buffer()
 
         def read(offset: int, nbytes: int) -> torch.Tensor:
             got = reader.readinto(offset, [memoryview(buffer[:nbytes].numpy())])
@@ -153,10 +195,12 @@ class LocalRecovery:
                 raise CheckpointError(f"{path} ended at byte {offset + got}, before its {offset + nbytes}")
             return buffer[:nbytes]
         try:
-            size = reader.size()
-            send_stream(group, dst, [(0, size)] if size else [], read)
+            send_stream(group, dst, None if size is None else [(0, size)] if size else [], read)
+        except Exception as exc:  # noqa: BLE001 (a failed read; the stream was sent whole)
+            failures.append(exc)
         finally:
-            reader.close()
+            if reader is not None:
+                reader.close()
 
     def prune_after(self, step: int | None) -> None:
         """Node leaders drop node-local steps newer than the one restored: a run restarted from an
