@@ -165,6 +165,54 @@ def test_one_process_restores_from_the_local_level_before_root(tmp_path):
     assert_state_equals(fresh, ref)
 
 
+def _fresh_training():
+    model = make_training(seed=5)[0]
+    return {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-2)}
+
+
+def test_an_unreachable_root_leaves_the_local_level_serving_until_it_is_back(tmp_path):
+    """Storage outage: a root that cannot be claimed (here a path under a file) is raised without
+    a local level; with one, the job starts, keeps its steps locally, restarts from them during
+    the outage, and claims the root again at the first step due there once it is back."""
+    blocked = tmp_path / "storage"
+    blocked.write_text("the mount is gone")
+    root, further, local = blocked / "root", blocked / "further", tmp_path / "local"
+    with pytest.raises(ss.CheckpointError, match="cannot keep checkpoints under"):
+        ss.Checkpointer(root, host_memory_gb=0.01)
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    settings = dict(local_root=local, persist_every=2, further_root=further, further_every=2, host_memory_gb=0.01)
+    refs = {}
+    with pytest.warns(RuntimeWarning, match="starting without the"):
+        ckpt = ss.Checkpointer(root, **settings)
+    with ckpt:
+        for step in (1, 2, 3):
+            train_step(model, optim, step)
+            refs[step] = reference(state)
+            ckpt.save(step, state).wait()
+        assert ckpt.stats()["committed"] == 0 and ckpt.stats()["failed"] == 0
+    assert sorted(n for n in os.listdir(local) if n.startswith("step-")) == ["step-2", "step-3"]
+
+    with pytest.warns(RuntimeWarning, match="starting without the"):
+        restarted = ss.Checkpointer(root, **settings)  # a restart while the storage is still out
+    fresh = _fresh_training()
+    with restarted:
+        assert restarted.load_latest(fresh) == 3 and restarted.loaded_from == "local"
+        assert_state_equals(fresh, refs[3])
+        blocked.unlink()
+        blocked.mkdir()  # the storage is back
+        for step in (4, 5, 6):
+            train_step(fresh["model"], fresh["optim"], step)
+            refs[step] = reference(fresh)
+            restarted.save(step, fresh).wait()
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-4", "step-6"]
+    assert sorted(n for n in os.listdir(further) if n.startswith("step-")) == ["step-4", "step-6"]
+    for name in ("root", "further"):
+        loaded = _fresh_training()
+        ss.load(loaded, blocked / name / "step-6")
+        assert_state_equals(loaded, refs[6])
+
+
 def test_peer_replicas_need_two_nodes(tmp_path):
     with pytest.raises(ss.CheckpointError, match="at least two nodes"):
         ss.Checkpointer(tmp_path / "root", local_root=tmp_path / "local", peer_replicas=1, node_id=0)

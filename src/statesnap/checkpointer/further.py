@@ -10,6 +10,7 @@ step after another, so they never interleave with the commit's or the trainer's.
 """
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from ..monitor.events import EventLog, now
 from .levels import StorageLevel
 
 COPY_CHUNK = 64 << 20
+log = logging.getLogger("statesnap")
 _RANK_OF_FILE = re.compile(r"-r([0-9]{5,})\.bin$")
 
 
@@ -58,9 +60,10 @@ class FurtherCopier:
     rank; ``done(step, error)`` runs on every rank after each copy, with the same outcome."""
 
     def __init__(self, src: StorageLevel, dst: StorageLevel, comm: Comm, durable: bool, events: EventLog,
-                 done: Callable[[int, CheckpointError | None], None]):
+                 done: Callable[[int, CheckpointError | None], None],
+                 claim_again: Callable[[StorageLevel], CheckpointError | None]):
         self._src, self._dst, self._comm, self._durable = src, dst, comm, durable
-        self._events, self._done = events, done
+        self._events, self._done, self._claim_again = events, done, claim_again
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="statesnap-further")
         self._broken: BaseException | None = None
 
@@ -87,10 +90,15 @@ class FurtherCopier:
                                   f"reach the other ranks ({self._broken})")
         comm = self._comm
         try:
-            staging, raw, problem = comm.broadcast(self._open(step) if comm.rank == 0 else None)
+            staging, raw, problem, outage = comm.broadcast(self._open(step) if comm.rank == 0 else None)
         except BaseException as exc:
             self._broken = exc
             raise
+        self._dst.unreachable = outage  # every rank keeps the same view of the level
+        if outage is not None and problem is None:
+            log.warning("statesnap: step %d was not copied to the further level: %s is unreachable (%s)",
+                        step, self._dst.root, outage)
+            return 0
         copied, error = 0, problem
         if problem is None:
             try:
@@ -108,14 +116,20 @@ class FurtherCopier:
             raise CheckpointError(result)
         return copied
 
-    def _open(self, step: int) -> tuple[str | None, bytes | None, str | None]:
-        """Rank 0: (staging location, the source manifest's bytes, problem). Never raises: the
-        other ranks wait in the broadcast of this outcome."""
+    def _open(self, step: int) -> tuple[str | None, bytes | None, str | None, str | None]:
+        """Rank 0: (staging location, the source manifest's bytes, problem, outage). An outage
+        (the level could not be claimed when the job started, and still cannot) skips the copy.
+        Never raises: the other ranks wait in the broadcast of this outcome."""
         try:
+            if self._dst.unreachable is not None:
+                outage = self._claim_again(self._dst)
+                if outage is not None:
+                    return None, None, None, str(outage)
             raw = self._src.backend.read_bytes(self._src.backend.join(self._src.path(step), MANIFEST_NAME))
-            return self._dst.backend.begin(self._dst.path(step), uuid.uuid4().hex[:12]), raw, None
+            return self._dst.backend.begin(self._dst.path(step), uuid.uuid4().hex[:12]), raw, None, None
         except Exception as exc:  # noqa: BLE001 (reported on every rank)
-            return None, None, f"could not start the copy of step {step}: {type(exc).__name__}: {exc}"
+            return None, None, f"could not start the copy of step {step}: {type(exc).__name__}: {exc}", \
+                self._dst.unreachable
 
     def _commit_or_abort(self, step: int, staging: str | None, raw: bytes | None, outcomes: list) -> int | str:
         """Rank 0: commit the copy if every rank copied its files; else remove what was written.

@@ -40,6 +40,7 @@ class StorageLevel:
     def __init__(self, name: str, root: str, backend: StorageBackend, keep_last: int):
         self.name, self.root, self.backend, self.keep_last = name, root, backend, keep_last
         self.claim = None
+        self.unreachable: str | None = None  # why the root could not be claimed, while it cannot
 
     def claim_root(self, take_over: bool, lease_s: float) -> None:
         """Own the root for this job; from then on every commit and deletion checks the claim."""

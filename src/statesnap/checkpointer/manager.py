@@ -92,20 +92,22 @@ class Checkpointer:
             self._start_local_level()
         # shared plain values are compared across ranks at each commit (engine/replicas.py)
         self._compares_objects = self._comm.world_size > 1 and cfg.replica_check_mb > 0
-        events_path = None
-        if cfg.events and not is_url(root):
-            events_path = backend.join(root, "events", f"rank-{self.rank:05d}.jsonl")
         try:
             self._claim_roots()
         except CheckpointError:
             if self._group is not None:
                 dist.destroy_process_group(self._group)
             raise
+        # the event log lives in the root; while that is out, in the node-local one
+        events_level = self.persistent if self.persistent.unreachable is None else self.local
+        events_path = None
+        if cfg.events and not is_url(events_level.root):
+            events_path = events_level.backend.join(events_level.root, "events", f"rank-{self.rank:05d}.jsonl")
         try:
             self.events = EventLog(self.rank, events_path)
         except OSError as exc:
             self._release_roots()
-            raise CheckpointError(f"cannot keep checkpoints under {root}: {exc}") from exc
+            raise CheckpointError(f"cannot keep checkpoints under {events_level.root}: {exc}") from exc
         self._arena: Arena | None = None
         self._segment_bytes = MAX_SEGMENT_BYTES
         self._block_bytes = cfg.block_bytes
@@ -130,7 +132,7 @@ class Checkpointer:
             what = f"copies to {self.further.root}"
             self._further_group, comm = self._side_comm(what)
             self._further_copier = FurtherCopier(self.persistent, self.further, comm, cfg.durable, self.events,
-                                                 self._further_done)
+                                                 self._further_done, self._try_claim)
         self._local_flusher = None
         if self.local is not None:
             self._local_flusher = LocalFlusher(
@@ -211,8 +213,7 @@ class Checkpointer:
             memory_steps = self._comm.all_gather(snap.step if borrowed else None)
             memory_step = memory_steps[0] if None not in memory_steps and len(set(memory_steps)) == 1 else None
             levels = [level for level in (self.persistent, self.further) if level is not None]
-            stored = self._comm.broadcast([(level.committed_steps() or [None])[-1] for level in levels]
-                                          if self.rank == 0 else None)
+            stored = self._comm.broadcast(self._newest_stored(levels) if self.rank == 0 else None)
             inventories = self._comm.all_gather(inventory(self.local)) if self.local is not None else []
             local_step = (complete_steps(inventories) or [None])[0] if inventories else None
             choices = [(memory_step, 0, "memory"), (local_step, 1, "local")] + [
@@ -244,6 +245,20 @@ class Checkpointer:
         self.events.flush()
         log.info("statesnap: restored step %d from the %s level", step, name)
         return step
+
+    def _newest_stored(self, levels: list[StorageLevel]) -> list[int | None]:
+        """Rank 0: the newest committed step of each storage level. A level it cannot list (the
+        storage is down) holds none for this restore, with a warning, rather than raising here
+        while the other ranks wait for the answer: the other levels may still serve the restart."""
+        newest = []
+        for level in levels:
+            try:
+                newest.append((level.committed_steps() or [None])[-1])
+            except Exception as exc:  # noqa: BLE001 (any storage library's error)
+                log.warning("statesnap: the %s level at %s cannot be listed (%s: %s); restoring without it",
+                            level.name, level.root, type(exc).__name__, exc)
+                newest.append(None)
+        return newest
 
     def _restore_stored(self, state: dict, step: int, name: str, inventories: list, cast: bool) -> tuple[int, str]:
         """Load ``step`` from a storage level; return the bytes read and the level's name
@@ -317,7 +332,10 @@ class Checkpointer:
     def _claim_roots(self) -> None:
         """Rank 0 claims the storage roots for this job and clears what crashed saves left there;
         every rank raises if it could not (another live job owns a root: its cleanup would delete
-        that job's saves in flight, its retention that job's checkpoints)."""
+        that job's saves in flight, its retention that job's checkpoints). Storage that cannot be
+        reached is raised too, unless a node-local level can hold the steps meanwhile: then the
+        job starts (or restarts from the local level) without that level, and claims it again
+        at each step due there (see docs/checkpointer.md, "Failure matrix")."""
         levels = [level for level in (self.persistent, self.further) if level is not None]
 
         def release() -> None:  # after a failed start, which raises its own error, not this one's
@@ -325,29 +343,79 @@ class Checkpointer:
                 self._release_roots()
             except Exception:  # noqa: BLE001
                 log.warning("statesnap: releasing the claimed roots after a failed start failed", exc_info=True)
-        problem = None
+        problem, unreachable = None, {}
         if self.rank == 0:
             # Whatever fails here must reach the broadcast: the other ranks wait in it.
-            try:
-                for level in levels:
-                    level.claim_root(self.config.take_over, self.config.lease_s)
-                    level.remove_leftovers()
-            except CheckpointError as exc:
-                problem = exc
-            except OSError as exc:  # a root that is a file, or a directory we may not write
-                problem = CheckpointError(f"cannot keep checkpoints under {level.root}: {exc}")
-            except Exception as exc:  # noqa: BLE001 - a bug or a storage library's own error
-                problem = CheckpointError(f"cannot claim {level.root} for this job: {type(exc).__name__}: {exc}")
-                problem.__cause__ = exc
+            for level in levels:
+                try:
+                    outage = self._try_claim(level)
+                except CheckpointError as exc:
+                    problem = exc
+                    break
+                if outage is not None and self.local is None:
+                    problem = outage
+                    break
+                if outage is not None:
+                    unreachable[level.name] = str(outage)
             if problem is not None:
                 release()
         try:
-            problem = self._comm.broadcast(problem)
+            problem, unreachable = self._comm.broadcast((problem, unreachable))
         except BaseException:  # a rank lost before it got the outcome (PeerLostError): no claim stays
             release()
             raise
         if problem is not None:
             raise problem
+        for level in levels:
+            level.unreachable = unreachable.get(level.name)
+            if level.unreachable is not None and self.rank == 0:
+                message = (f"statesnap: starting without the {level.name} level ({level.unreachable}); steps due "
+                           "there stay in memory and the node-local level until it can be claimed again")
+                log.warning(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def _try_claim(self, level: StorageLevel) -> CheckpointError | None:
+        """Rank 0: claim ``level``'s root and clear what crashed saves left there. Another job
+        holding it is raised; storage that cannot be reached or written is returned."""
+        try:
+            level.claim_root(self.config.take_over, self.config.lease_s)
+            level.remove_leftovers()
+            return None
+        except CheckpointError:
+            raise
+        except OSError as exc:  # a root that is a file, a directory we may not write, a lost mount
+            outage = CheckpointError(f"cannot keep checkpoints under {level.root}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a storage library's own error (connection refused, ...)
+            outage = CheckpointError(f"cannot claim {level.root} for this job: {type(exc).__name__}: {exc}")
+            outage.__cause__ = exc
+        try:
+            level.release()
+        except Exception:  # noqa: BLE001 (the storage is gone; its lease runs out by itself)
+            level.claim = None
+        return outage
+
+    def _reachable(self, level: StorageLevel, step: int) -> bool:
+        """Whether ``step`` can go to ``level``: yes unless it was unreachable, in which case rank
+        0 tries to claim it again now (collective: every rank saves the same steps)."""
+        if level.unreachable is None:
+            return True
+        outage = None
+        if self.rank == 0:
+            try:
+                outage = self._try_claim(level)
+            except CheckpointError as exc:  # taken by another job meanwhile: never ours again
+                outage = exc
+        outage = self._comm.broadcast(None if outage is None else str(outage))
+        if outage is None:
+            level.unreachable = None
+            if level is self.persistent:
+                self._flusher.target.backend = level.backend  # claimed now
+            log.warning("statesnap: the %s level at %s is back; step %d goes there", level.name, level.root, step)
+            return True
+        level.unreachable = outage
+        log.warning("statesnap: step %d stays in memory and the node-local level: the %s level is unreachable (%s)",
+                    step, level.name, outage)
+        return False
 
     def _start_local_level(self) -> None:
         """Learn which node every rank is on, make the group the node-local level talks on, and
@@ -389,7 +457,7 @@ class Checkpointer:
         snapshot_bytes = sum(align_up(m.nbytes, ALIGN) + DIRECT_ALIGN for m in metas)
         self._ensure_arena(snapshot_bytes, any(i.local.device.type == "cuda" for i in flat.tensors))
         resident = align_up(snapshot_bytes, REGION_ALIGN) <= self._arena.capacity
-        persist = step % self.config.persist_every == 0
+        persist = step % self.config.persist_every == 0 and self._reachable(self.persistent, step)
         if not resident and not persist:
             if not self._warned_streaming:
                 warnings.warn(f"the state ({snapshot_bytes / 1e9:.2f} GB on this rank) does not fit "
