@@ -374,3 +374,51 @@ def test_an_optimizer_subclass_that_takes_no_hooks(tmp_path, monkeypatch, throug
     assert not torch.equal(model[0].weight, ref["model.0.weight"])  # the step did run afterwards
     assert hook_waits(ckpt) == 1
     assert vars(AcceleratedOptimizer)["step"] is ACC_STEP  # close put the method back
+
+
+@pytest.mark.parametrize("passed", ["positional", "keyword"])
+def test_a_closure_step_waits_after_its_closure_not_before(tmp_path, monkeypatch, passed):
+    """``optimizer.step(closure)`` runs forward and backward inside the step (Lightning, LBFGS):
+    the hook lets the closure run while the copy is held, and the update waits for the copy."""
+    model, optim = make_training()
+    backward(model, 1)
+    optim.step()
+    state = {"model": model, "optim": optim}
+    ref = reference(state)
+    gate = CopiesWaitForAWaiter(monkeypatch)
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01)
+    handle = ckpt.save(1, state)
+    ran_before_the_copy = []
+
+    def closure():
+        optim.zero_grad()
+        backward(model, 2)
+        ran_before_the_copy.append(not handle.staged.done())
+        return torch.tensor(0.0)
+    optim.step(closure) if passed == "positional" else optim.step(closure=closure)
+    ckpt.close()
+    assert ran_before_the_copy == [True]
+    assert_checkpoint_equals(handle.wait(), ref)
+    assert not torch.equal(model[0].weight, ref["model.0.weight"])
+    assert hook_waits(ckpt) == 1
+
+
+def test_a_guarded_optimizer_owns_its_tensors_in_a_plain_state_dict(tmp_path, monkeypatch):
+    """A framework hands over plain state dicts (Lightning's checkpoint dict): with the optimizer
+    given to ``guard``, its parameters and moments are copied lazily and its step waits, while
+    eager_copy_mb=0 puts nothing else in the way of the write."""
+    model, optim = make_training()
+    backward(model, 1)
+    optim.step()
+    gate = CopiesWaitForAWaiter(monkeypatch)
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, eager_copy_mb=0)
+    ckpt.guard(optim)
+    state = {"state_dict": model.state_dict(), "optimizer_states": {"0": optim.state_dict()["state"]}}
+    ref = reference(state)
+    handle = ckpt.save(1, state)
+    backward(model, 2)
+    optim.step()  # waits in its hook: the copy runs, then the update
+    ckpt.close()
+    assert_checkpoint_equals(handle.wait(), ref)
+    assert not torch.equal(model[0].weight, ref["state_dict.0.weight"])
+    assert hook_waits(ckpt) == 1

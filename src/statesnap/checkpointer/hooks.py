@@ -248,9 +248,17 @@ class StepGuard:
                 warnings.warn(f"{exc}; its step is not held back until the snapshot copies are done: call "
                               "ckpt.wait_staged() before it", RuntimeWarning, stacklevel=3)
 
+    def watched(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers whose step is hooked now (those still alive)."""
+        return [optim for ref, _ in self._handles.values() if (optim := ref()) is not None]
+
     def guard(self, obj, name: str) -> None:
         """Make ``obj.<name>(...)`` wait first until every snapshot in flight is staged. Guarding
-        what is already guarded does nothing; :meth:`close` undoes it. Objects are held weakly."""
+        what is already guarded does nothing; :meth:`close` undoes it. Objects are held weakly.
+        A torch optimizer's ``step`` gets the pre-step hook instead (:meth:`watch`)."""
+        if name == "step" and isinstance(obj, torch.optim.Optimizer) and takes_step_hooks(obj):
+            self.watch([obj])
+            return
         known = self._guarded.get((id(obj), name))
         if known is not None and known[0]() is obj:
             return
@@ -281,8 +289,24 @@ class StepGuard:
     def wait_all(self) -> None:
         self._wait(None)
 
-    def _hook(self, optim, args, kwargs) -> None:
+    def _hook(self, optim, args, kwargs):
+        """Wait before the step changes this optimizer's tensors. A step given a closure runs
+        the forward and backward inside it (Lightning, LBFGS): wait when the closure returns,
+        not before it, so that they still overlap the copy."""
+        if kwargs.get("closure") is not None:
+            return args, {**kwargs, "closure": self._after(kwargs["closure"], id(optim))}
+        if len(args) > 1 and callable(args[1]):  # args[0] is the optimizer itself
+            return (args[0], self._after(args[1], id(optim)), *args[2:]), kwargs
         self._wait(id(optim))
+        return None
+
+    def _after(self, closure: Callable, optimizer_id: int) -> Callable:
+        def closure_then_wait():
+            try:
+                return closure()
+            finally:
+                self._wait(optimizer_id)
+        return closure_then_wait
 
     def _wait(self, optimizer_id: int | None) -> None:
         for step, gate in self._gates_for(optimizer_id):

@@ -149,6 +149,9 @@ class Checkpointer:
         started = now()
         self._wait_for_slot(step)
         optimizers, wrappers = find_writers(state)
+        # optimizers hooked before (found in an earlier state, or given to guard()) write what
+        # they own in this state too, and wait for it
+        optimizers += [optim for optim in self._guard.watched() if all(optim is not o for o in optimizers)]
         with self.events.timed("plan", step):
             snap = self._snapshot(int(step), state, optimizers)
         if snap is None:
@@ -194,7 +197,11 @@ class Checkpointer:
         by ``save`` already. The method is replaced on the object's class, where calls on other
         objects pass through; raises :class:`CheckpointError` if it cannot be (the object has its
         own attribute of that name). Guarding twice is guarding once; ``close`` undoes it. For a
-        plain function, call :meth:`wait_staged` at its start instead."""
+        plain function, call :meth:`wait_staged` at its start instead.
+
+        A torch optimizer's ``step`` gets the pre-step hook that optimizers in the state get:
+        its parameters and state are then copied lazily in every later snapshot, even of a state
+        that holds only their tensors (a framework's state dict), and its step waits for them."""
         self._check_open()
         self._guard.guard(obj, method)
 
