@@ -25,6 +25,7 @@ from ..engine.save import encode_objects, per_rank_names, shared_names
 from ..engine.write import default_threads
 from ..errors import CheckpointError, StateMismatchError
 from ..format.dtypes import dtype_name
+from ..format.manifest import MANIFEST_NAME
 from ..monitor.events import EventLog, now
 from ..plan.save_plan import ALIGN, SavePlan, plan_save
 from ..state.flatten import flatten_for_save
@@ -173,6 +174,19 @@ class Checkpointer:
             self._local_flusher.submit(snap)
         self.events.add("save", step, started, now(), sum(m.nbytes for m in snap.metas))
         return SaveHandle(snap.step, snap.staged, snap.durable, snap)
+
+    def remove(self, step: int) -> None:
+        """Delete step ``step`` from the persistent level, the way retention does (it leaves the
+        namespace in one rename, then its bytes go), after waiting for it if it is in flight.
+        For trainers that choose what to keep themselves (Lightning's top-k by a metric): give
+        such a Checkpointer a ``keep_last`` no run reaches. Rank 0 deletes; others only wait."""
+        self._check_open()
+        with self._lock:
+            pending = [snap for snap in self._inflight if snap.step == step]
+        for snap in pending:
+            snap.finished.wait()
+        if self.rank == 0:
+            self.persistent.backend.retire(self.persistent.path(step), MANIFEST_NAME)
 
     def wait_staged(self) -> None:
         """Block until every snapshot in flight is in host memory (for loops without an optimizer

@@ -1,0 +1,305 @@
+"""PyTorch Lightning: statesnap as the Trainer's ``CheckpointIO``, in one line.
+
+    trainer = Trainer(plugins=[StatesnapCheckpointIO()], callbacks=[ModelCheckpoint(...)])
+    trainer.fit(model, ckpt_path="last")
+
+Lightning names every checkpoint by a path it chooses (``epoch=1-step=400.ckpt``, ``last.ckpt``)
+and decides itself which to keep (top-k by a metric) and when to delete. statesnap keeps the
+checkpoints in a store beside them, ``<dirpath>/statesnap/step-N``, written by one
+:class:`statesnap.Checkpointer` per directory: ``save_checkpoint`` returns once the snapshot is
+planned, the tensors (the live parameters and optimizer state Lightning hands over, not copies)
+are copied while the next forward and backward run, and the optimizer's update waits for that
+copy (its step runs the forward and backward inside its closure, which keeps them overlapped).
+The path Lightning named becomes a small pointer file, written only once the checkpoint is
+committed: a crash at any moment leaves every pointer naming a whole checkpoint, so
+``ckpt_path="last"`` resumes from the newest one committed. ``remove_checkpoint`` deletes the
+pointer and, once no pointer names it, the checkpoint.
+
+What Lightning puts in its checkpoint besides tensors (loops, callbacks, hyper-parameters,
+schedulers) is stored as data, not pickle (``integrations/skeleton.py``); an object that is not
+plain data is refused by name unless ``allow_pickle=True``.
+
+Under DDP Lightning calls ``save_checkpoint`` on rank 0 alone; the Checkpointer then works on a
+group of that one rank, and every rank loads. Under ``ModelParallelStrategy`` Lightning writes
+DCP checkpoints itself and never calls a ``CheckpointIO``: use
+:class:`StatesnapModelParallelStrategy`, whose saves go through statesnap on every rank.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import uuid
+import weakref
+from typing import Any
+
+import fsspec
+import fsspec.implementations.local
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..checkpointer import Checkpointer
+from ..engine.load import load
+from ..errors import CheckpointError
+from ..reader import open as open_checkpoint
+from ..storage import is_url
+from . import skeleton
+
+try:
+    from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
+except ImportError:  # the older package name
+    from pytorch_lightning.plugins.io import CheckpointIO, TorchCheckpointIO
+
+POINTER_FORMAT = "statesnap-lightning-1"
+STORE_DIR = "statesnap"
+KEEP_ALL = 1 << 30  # Lightning chooses what to delete, through remove_checkpoint
+_POINTER_MAX_BYTES = 4096
+_TEMPORARY = re.compile(r"\.tmp-[0-9a-f]{8}$")
+_FIXED = ("keep_last", "persist_every", "on_commit", "process_group")
+
+
+class StatesnapCheckpointIO(CheckpointIO):
+    """``CheckpointIO`` that saves through :class:`statesnap.Checkpointer`.
+
+    ``checkpointer_settings`` go to each directory's Checkpointer (``host_memory_gb``,
+    ``durable``, ``threads``, ``further_root``, ...), except those this plugin sets:
+    ``keep_last`` (Lightning deletes), ``persist_every`` (each save persists), ``on_commit`` and
+    ``process_group``. ``allow_pickle``: store objects that are not plain data by pickling them.
+    """
+
+    def __init__(self, *, allow_pickle: bool = False, storage_options: dict | None = None, **checkpointer_settings):
+        fixed = sorted(set(checkpointer_settings) & set(_FIXED))
+        if fixed:
+            raise CheckpointError(f"StatesnapCheckpointIO sets {', '.join(fixed)} itself")
+        self.allow_pickle = allow_pickle
+        self.storage_options = storage_options
+        self.collective = False  # True: every rank saves (StatesnapModelParallelStrategy)
+        self._settings = checkpointer_settings
+        self._stores: dict[str, _Store] = {}
+        self._optimizers: weakref.WeakSet = weakref.WeakSet()
+        self._hook = None
+        self._watch_optimizers()  # made before training: it sees the first step too
+
+    # ----------------------------------------------------------------- CheckpointIO
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("StatesnapCheckpointIO takes storage options when it is made, not per save")
+        self._watch_optimizers()
+        path = _normal(path)
+        store = self._store_for(path)
+        for optimizer in list(self._optimizers):
+            store.ckpt.guard(optimizer)  # its tensors are copied lazily; its update waits
+        store.save(checkpoint, path, self.allow_pickle)
+
+    def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        path = _normal(path)
+        for store in self._stores.values():
+            store.wait_for(path)
+        target = _read_pointer(path, self.storage_options)
+        if target is None:  # a checkpoint Lightning wrote itself: read it the way Lightning does
+            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        return read_checkpoint(target, self.allow_pickle, self.storage_options)
+
+    def remove_checkpoint(self, path) -> None:
+        path = _normal(path)
+        self._store_for(path).remove(path)
+
+    def teardown(self) -> None:
+        """Finish every save in flight (their pointers are written when they commit)."""
+        stores, self._stores = list(self._stores.values()), {}
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        errors = []
+        for store in stores:
+            try:
+                store.close()
+            except CheckpointError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    # ----------------------------------------------------------------- helpers
+
+    def _watch_optimizers(self) -> None:
+        """Learn the optimizers as they step (Lightning's dict holds only their state): from the
+        next save on, the Checkpointer hooks them."""
+        if self._hook is None:
+            seen = self._optimizers
+            self._hook = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: seen.add(optimizer))
+
+    def _store_for(self, path: str) -> _Store:
+        directory = os.path.dirname(path.rstrip("/")) or "."
+        store = self._stores.get(directory)
+        if store is None:
+            store = self._stores[directory] = _Store(directory, self._settings, self.collective,
+                                                     self.storage_options)
+        return store
+
+
+class _Store:
+    """The Checkpointer of one directory, the pointers in it, and which step each names."""
+
+    def __init__(self, directory: str, settings: dict, collective: bool, storage_options: dict | None):
+        self.directory = directory
+        self.fs, _ = fsspec.core.url_to_fs(directory, **(storage_options or {}))
+        group = None
+        if not collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # Lightning saves from global rank 0 alone: a group of that rank, made by it alone
+            group = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+        self.ckpt = Checkpointer(_join(directory, STORE_DIR), keep_last=KEEP_ALL, persist_every=1,
+                                 process_group=group, on_commit=self._committed, storage_options=storage_options,
+                                 **settings)
+        self.rank = self.ckpt.rank
+        self._lock = threading.Lock()
+        self._named: dict[str, int] = {}  # pointer path -> step
+        self._waiting: dict[int, str] = {}  # step in flight -> the path to point at it
+        self._handles: dict[str, Any] = {}  # path -> its newest save's handle
+        self._storage_options = storage_options
+        for name in self._listdir(directory):
+            if _TEMPORARY.search(name) and self.rank == 0:  # a pointer whose write a crash cut short
+                self.fs.rm(name)
+                continue
+            step = _pointer_step(_read_pointer(name, storage_options))
+            if step is not None:
+                self._named[name] = step
+        stored = [_step_of(n) for n in self._listdir(_join(directory, STORE_DIR))]
+        stored = [s for s in stored if s is not None]
+        self._next_step = max(stored, default=0) + 1
+        for step in set(stored) - set(self._named.values()):  # committed, but its pointer never written
+            self.ckpt.remove(step)
+
+    def save(self, checkpoint: dict, path: str, allow_pickle: bool) -> None:
+        structure, tensors = skeleton.split(checkpoint, allow_pickle)
+        step, self._next_step = self._next_step, self._next_step + 1
+        with self._lock:
+            self._waiting[step] = path
+        try:
+            handle = self.ckpt.save(step, {"lightning": {"format": POINTER_FORMAT, "skeleton": structure},
+                                           "tensors": tensors})
+        except BaseException:
+            with self._lock:
+                self._waiting.pop(step, None)
+            raise
+        self._handles[path] = handle
+
+    def wait_for(self, path: str) -> None:
+        handle = self._handles.get(path)
+        if handle is not None:
+            handle.wait()
+
+    def remove(self, path: str) -> None:
+        handle = self._handles.pop(path, None)
+        if handle is not None:
+            try:
+                handle.wait()
+            except CheckpointError:
+                pass  # it never committed: nothing of it to remove
+        with self._lock:
+            step = self._named.pop(path, None)
+            orphaned = step is not None and step not in self._named.values()
+        if self.rank == 0 and self.fs.exists(path):
+            self.fs.rm(path)
+        if orphaned:
+            self.ckpt.remove(step)
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+    def _committed(self, record) -> None:
+        """On commit (the Checkpointer's flush thread): point the path at the step, and drop the
+        step it named before if no other path names that one."""
+        with self._lock:
+            path = self._waiting.pop(record.step, None)
+            if path is None:
+                return
+            before = self._named.get(path)
+            self._named[path] = record.step
+            orphaned = before is not None and before not in self._named.values()
+        if self.rank == 0:
+            relative = f"{STORE_DIR}/step-{record.step}"
+            _write_pointer(self.fs, path, json.dumps({"format": POINTER_FORMAT, "checkpoint": relative}).encode())
+        if orphaned:
+            self.ckpt.remove(before)
+
+    def _listdir(self, directory: str) -> list[str]:
+        try:
+            names = self.fs.ls(directory, detail=False)
+        except FileNotFoundError:
+            return []
+        if isinstance(self.fs, fsspec.implementations.local.LocalFileSystem):
+            return [str(name) for name in names]
+        return [self.fs.unstrip_protocol(name) for name in names]  # as Lightning names them: s3://...
+
+
+def read_checkpoint(path: str, allow_pickle: bool = False, storage_options: dict | None = None) -> dict[str, Any]:
+    """The Lightning checkpoint dict stored at statesnap checkpoint ``path``, verified as it is
+    read, on the CPU (Lightning moves it to the module's devices as it restores)."""
+    reader = open_checkpoint(path, storage_options=storage_options, allow_pickle=allow_pickle)
+    if "lightning.skeleton" not in reader:
+        raise CheckpointError(f"{path} is a statesnap checkpoint, but not one of a Lightning Trainer")
+    tensors = {}
+    for fqn in reader.keys():
+        if fqn.startswith("tensors."):
+            info = reader.info(fqn)
+            tensors[fqn[len("tensors."):]] = torch.empty(info.shape, dtype=info.dtype)
+    state = {"lightning": {"format": None, "skeleton": None}, "tensors": tensors}
+    load(state, path, storage_options=storage_options, allow_pickle=allow_pickle)
+    return skeleton.join(state["lightning"]["skeleton"], tensors, allow_pickle, where=path)
+
+
+def _normal(path) -> str:
+    """Paths as the directory listings give them back: absolute, for local files."""
+    return str(path) if is_url(str(path)) else os.path.abspath(path)
+
+
+def _join(directory: str, name: str) -> str:
+    return f"{directory.rstrip('/')}/{name}"
+
+
+def _step_of(name: str) -> int | None:
+    base = name.rstrip("/").rsplit("/", 1)[-1]
+    return int(base[5:]) if base.startswith("step-") and base[5:].isdigit() else None
+
+
+def _read_pointer(path: str, storage_options: dict | None) -> str | None:
+    """The statesnap checkpoint a pointer file names (None if ``path`` is no pointer)."""
+    fs, _ = fsspec.core.url_to_fs(path, **(storage_options or {}))
+    try:
+        if not fs.isfile(path) or fs.size(path) > _POINTER_MAX_BYTES:
+            return None
+        pointer = json.loads(fs.cat_file(path))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(pointer, dict) or pointer.get("format") != POINTER_FORMAT:
+        return None
+    relative = pointer.get("checkpoint")
+    if not isinstance(relative, str) or _step_of(relative) is None or ".." in relative.split("/"):
+        raise CheckpointError(f"{path} is a statesnap pointer with a malformed target {relative!r}")
+    return _join(os.path.dirname(path.rstrip("/")) or ".", relative)
+
+
+def _pointer_step(target: str | None) -> int | None:
+    return None if target is None else _step_of(target)
+
+
+def _write_pointer(fs, path: str, data: bytes) -> None:
+    """Replace the pointer at ``path`` atomically: a local file by rename (a reader sees the old
+    pointer or the new one), an object by one PUT."""
+    if not isinstance(fs, fsspec.implementations.local.LocalFileSystem):
+        fs.pipe_file(path, data)
+        return
+    temporary = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(temporary, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)

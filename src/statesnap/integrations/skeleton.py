@@ -1,0 +1,99 @@
+"""A framework's checkpoint dict as statesnap state: tensors by name, everything else as data.
+
+Trainers hand over one nested structure (Lightning's checkpoint dict, a Trainer's state) that
+mixes tensors with lists, tuples, dicts keyed by integers and plain values. statesnap stores
+tensors by dotted name, so the structure is kept apart as a *skeleton*: the same containers, each
+tensor replaced by a reference to its name, encoded as tagged JSON (``format/plaindata.py``:
+tuples, integer keys and non-finite floats come back as they were). Loading rebuilds the dict
+exactly. Objects that are not plain data are refused by name unless pickle is allowed.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+from ..format import plaindata
+
+_REF = "__statesnap_tensor__"  # {_REF: name} stands for a tensor in the skeleton
+_PICKLED = "__statesnap_pickled__"
+
+
+def split(tree: Any, allow_pickle: bool = False) -> tuple[str, dict[str, torch.Tensor]]:
+    """(skeleton as a JSON string, {name: tensor}); names join the keys and indices on the way
+    to each tensor with ``.``. The tensors are the tree's own (no copy)."""
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _strip(tree, "", tensors, allow_pickle)
+    try:
+        return json.dumps(plaindata.encode(skeleton)), tensors
+    except plaindata.NotPlainData as exc:  # _strip let nothing else through
+        raise CheckpointError(f"cannot store the checkpoint's structure: {exc}") from None
+
+
+def join(skeleton: str, tensors: dict[str, torch.Tensor], allow_pickle: bool = False, where: str = "") -> Any:
+    """The tree :func:`split` took apart, with ``tensors`` put back by name."""
+    return _fill(plaindata.decode(json.loads(skeleton), where), tensors, allow_pickle, where)
+
+
+def tensor_names(skeleton: str, where: str = "") -> list[str]:
+    names: list[str] = []
+    _walk_refs(plaindata.decode(json.loads(skeleton), where), names)
+    return names
+
+
+def _strip(value: Any, name: str, tensors: dict, allow_pickle: bool) -> Any:
+    if isinstance(value, torch.Tensor):
+        if name in tensors:
+            raise CheckpointError(f"two tensors of the checkpoint are both named {name!r} once keys are joined "
+                                  "with '.'")
+        tensors[name] = value.detach()
+        return {_REF: name}
+    if isinstance(value, dict):  # OrderedDict and AttributeDict come back as dict
+        return {k: _strip(v, f"{name}.{k}" if name else str(k), tensors, allow_pickle) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_strip(v, f"{name}.{i}" if name else str(i), tensors, allow_pickle)
+                           for i, v in enumerate(value))
+    try:
+        plaindata.encode(value)
+        return value
+    except plaindata.NotPlainData:
+        pass
+    if not allow_pickle:
+        raise CheckpointError(f"{name or 'the checkpoint'} holds a {type(value).__module__}.{type(value).__name__}, "
+                              "which is not plain data; statesnap stores it only with allow_pickle=True")
+    return {_PICKLED: base64.b64encode(pickle.dumps(value)).decode("ascii")}
+
+
+def _fill(value: Any, tensors: dict, allow_pickle: bool, where: str) -> Any:
+    if isinstance(value, dict):
+        if len(value) == 1 and _REF in value:
+            name = value[_REF]
+            if name not in tensors:
+                raise CheckpointError(f"{where}: the checkpoint's structure names tensor {name!r}, which it "
+                                      "does not hold")
+            return tensors[name]
+        if len(value) == 1 and _PICKLED in value:
+            if not allow_pickle:
+                raise CheckpointError(f"{where} holds a pickled value; load it only from a trusted source, "
+                                      "with allow_pickle=True")
+            return pickle.loads(base64.b64decode(value[_PICKLED]))  # noqa: S301 (allowed by name)
+        return {k: _fill(v, tensors, allow_pickle, where) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fill(v, tensors, allow_pickle, where) for v in value)
+    return value
+
+
+def _walk_refs(value: Any, names: list[str]) -> None:
+    if isinstance(value, dict):
+        if len(value) == 1 and _REF in value:
+            names.append(value[_REF])
+            return
+        for v in value.values():
+            _walk_refs(v, names)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _walk_refs(v, names)
