@@ -1,10 +1,12 @@
 """Lightning with ``StatesnapCheckpointIO``: real Trainers (one process, and DDP on 2 gloo ranks)
-run ``tests/integrations/lightning_train.py``: checkpoint every 2 steps (top-2 by the loss, plus
-``last``), get SIGKILLed at step 7 with saves in flight, resume with ``ckpt_path="last"``, and
-must then log the same losses and end with the same parameters as a run never killed, bit for
-bit (one thread, fixed data, no shuffle: Lightning is deterministic here)."""
+and ``StatesnapModelParallelStrategy`` with FSDP2 on 2) run ``tests/integrations/lightning_train.py``:
+checkpoint at each epoch's end (top-2 by the loss, plus ``last``), get SIGKILLed with a save in
+flight, resume with ``ckpt_path="last"``, and must then log the same losses and end with the same
+parameters as a run never killed, bit for bit (one thread, fixed data, no shuffle: Lightning is
+deterministic here). The FSDP2 checkpoint also resumes on one rank, resharded."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -39,26 +41,50 @@ def _assert_same_parameters(a, b, rank):
         assert torch.equal(first[name], second[name]), name
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_killed_run_resumes_from_last_bit_exact(tmp_path, devices):
+@pytest.mark.parametrize("mode", ["single", "ddp", "fsdp2"])
+def test_killed_run_resumes_from_last_bit_exact(tmp_path, mode):
+    """Killed at step 8 with that step's save in flight; resumed from whichever `last` had
+    committed (step 4 or 8, both at an epoch's end): the rest of the run is the same."""
+    args = {"single": [], "ddp": ["--devices", "2"], "fsdp2": ["--devices", "2", "--fsdp"]}[mode]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    _run(whole, "--devices", str(devices))
-    _run(killed, "--devices", str(devices), "--kill-at", "7", killed=True)
-    _run(killed, "--devices", str(devices), "--resume")
-    for rank in range(devices):
+    _run(whole, *args)
+    _run(killed, *args, "--kill-at", "8", killed=True)
+    resumed_from = _pointed_step(killed / "ckpt" / "last.ckpt")
+    if mode == "fsdp2":  # the same checkpoint resumed on one rank: resharded while it loads
+        shutil.copytree(killed, tmp_path / "resharded")
+    _run(killed, *args, "--resume")
+    for rank in range(1 if mode == "single" else 2):
         expected, resumed = _losses(whole, rank), _losses(killed, rank, resumed=True)
-        assert min(resumed) <= 7 and max(resumed) == max(expected)  # resumed from before the kill
+        assert min(resumed) in (4, 8) and max(resumed) == max(expected)
         assert resumed == {step: expected[step] for step in resumed}
         _assert_same_parameters(whole, killed, rank)
-    # ModelCheckpoint's top-2 and last: deletions went through statesnap, nothing left behind
     for out in (whole, killed):
-        with open(out / "checkpoints.json") as f:
-            kept = json.load(f)
-        assert sorted(kept["files"]) == sorted([*kept["kth"], "last.ckpt"]) and len(kept["kth"]) == 2
-        pointed = {json.loads((out / "ckpt" / name).read_text())["checkpoint"] for name in kept["files"]}
-        stored = {f"{STORE_DIR}/{n}" for n in os.listdir(out / "ckpt" / STORE_DIR) if n.startswith("step-")}
-        assert stored == pointed
-        assert not [n for n in os.listdir(out / "ckpt") if ".tmp-" in n]
+        _assert_only_kept_checkpoints_stored(out)
+    if mode == "fsdp2":
+        stored = read_checkpoint(str(tmp_path / "resharded" / "ckpt" / STORE_DIR / f"step-{resumed_from}"))
+        _run(tmp_path / "resharded", "--devices", "1", "--fsdp", "--resume")
+        start = torch.load(tmp_path / "resharded" / "start.pt")
+        moments = stored["optimizer_states"][0]["state"]
+        assert set(start) == {f"param.{n}" for n in stored["state_dict"]} | {f"exp_avg.{n}" for n in moments}
+        for name, value in stored["state_dict"].items():
+            assert torch.equal(start[f"param.{name}"], value), name
+        for name, value in moments.items():
+            assert torch.equal(start[f"exp_avg.{name}"], value["exp_avg"]), name
+
+
+def _pointed_step(pointer) -> int:
+    return int(json.loads(pointer.read_text())["checkpoint"].rsplit("-", 1)[1])
+
+
+def _assert_only_kept_checkpoints_stored(out):
+    """ModelCheckpoint's top-2 and last: its deletions went through statesnap, nothing is left."""
+    with open(out / "checkpoints.json") as f:
+        kept = json.load(f)
+    assert sorted(kept["files"]) == sorted({*kept["kth"], "last.ckpt"}) and len(kept["kth"]) == 2
+    pointed = {json.loads((out / "ckpt" / name).read_text())["checkpoint"] for name in kept["files"]}
+    stored = {f"{STORE_DIR}/{n}" for n in os.listdir(out / "ckpt" / STORE_DIR) if n.startswith("step-")}
+    assert stored == pointed
+    assert not [n for n in os.listdir(out / "ckpt") if ".tmp-" in n]
 
 
 def test_statesnap_checkpoints_leave_training_as_lightnings_own_do(tmp_path):

@@ -242,7 +242,8 @@ class Checkpointer:
             choices = sorted((c for c in choices if c[0] is not None), key=lambda c: (-c[0], c[1]))
             if not choices:
                 return None
-            for index, (step, _, name) in enumerate(choices):  # the newest step first, from the fastest level holding it
+            # the newest step first, from the fastest level holding it
+            for index, (step, _, name) in enumerate(choices):
                 if name == "memory":
                     error, nbytes = None, 0
                     try:

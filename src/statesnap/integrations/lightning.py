@@ -44,18 +44,22 @@ from ..checkpointer import Checkpointer
 from ..engine.load import load
 from ..errors import CheckpointError
 from ..reader import open as open_checkpoint
+from ..state.wrappers import Replicated
 from ..storage import is_url
 from . import skeleton
 
 try:
     from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
+    from lightning.pytorch.strategies import ModelParallelStrategy
 except ImportError:  # the older package name
     from pytorch_lightning.plugins.io import CheckpointIO, TorchCheckpointIO
+    from pytorch_lightning.strategies import ModelParallelStrategy
 
 POINTER_FORMAT = "statesnap-lightning-1"
 STORE_DIR = "statesnap"
 KEEP_ALL = 1 << 30  # Lightning chooses what to delete, through remove_checkpoint
 _POINTER_MAX_BYTES = 4096
+_SHARDED = ("state_dict.", "optimizer_states.")  # the rest of the checkpoint is one rank's
 _TEMPORARY = re.compile(r"\.tmp-[0-9a-f]{8}$")
 _FIXED = ("keep_last", "persist_every", "on_commit", "process_group")
 
@@ -140,6 +144,60 @@ class StatesnapCheckpointIO(CheckpointIO):
         return store
 
 
+class StatesnapModelParallelStrategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` (FSDP2 / tensor parallel) whose checkpoints go through statesnap.
+
+    Lightning's strategy writes DCP checkpoints itself, bypassing any ``CheckpointIO``. Here every
+    rank saves its shards of the model's and optimizers' DTensors through one collective
+    Checkpointer (``checkpoint_io``'s settings), stored with their global shapes; a resume loads
+    them in place, resharded into the current mesh (another data- or tensor-parallel size, or a
+    single process), then hands them to PyTorch's ``set_model_state_dict`` /
+    ``set_optimizer_state_dict``. Needs ``save_distributed_checkpoint=True`` (the default)."""
+
+    def __init__(self, *args, checkpoint_io: StatesnapCheckpointIO | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not self._save_distributed_checkpoint:
+            raise CheckpointError("StatesnapModelParallelStrategy saves sharded checkpoints: keep "
+                                  "save_distributed_checkpoint=True")
+        self._statesnap = checkpoint_io or StatesnapCheckpointIO()
+        self._statesnap.collective = True
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        self._statesnap.save_checkpoint(checkpoint, self.broadcast(str(filepath)), storage_options)
+
+    def remove_checkpoint(self, filepath) -> None:
+        self._statesnap.remove_checkpoint(self.broadcast(str(filepath)))  # every rank keeps its books
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, set_model_state_dict, set_optimizer_state_dict,
+        )
+        path = _normal(self.broadcast(str(checkpoint_path)))
+        for store in self._statesnap._stores.values():
+            store.wait_for(path)
+        target = _read_pointer(path, self._statesnap.storage_options)
+        if target is None:
+            raise CheckpointError(f"{path} is not a statesnap checkpoint of a Lightning run")
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        live = {"state_dict": self.lightning_module_state_dict(),
+                "optimizer_states": [self.optimizer_state(o) for o in optimizers]}
+        checkpoint = read_checkpoint(target, self._statesnap.allow_pickle, self._statesnap.storage_options,
+                                     into=live)
+        options = StateDictOptions(full_state_dict=False, cpu_offload=True)
+        strict = self.lightning_module.strict_loading
+        set_model_state_dict(self.model, checkpoint["state_dict"], options=StateDictOptions(
+            full_state_dict=False, cpu_offload=True, strict=strict))
+        for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
+        return checkpoint
+
+    def teardown(self) -> None:
+        try:
+            self._statesnap.teardown()
+        finally:
+            super().teardown()
+
+
 class _Store:
     """The Checkpointer of one directory, the pointers in it, and which step each names."""
 
@@ -174,11 +232,14 @@ class _Store:
 
     def save(self, checkpoint: dict, path: str, allow_pickle: bool) -> None:
         structure, tensors = skeleton.split(checkpoint, allow_pickle)
+        # Besides the model and the optimizers, ranks may hold different values (an unsynced
+        # logged metric in a callback's state): as Lightning does, one rank's copy is kept.
+        tensors = {name: t if name.startswith(_SHARDED) else Replicated(t) for name, t in tensors.items()}
         step, self._next_step = self._next_step, self._next_step + 1
         with self._lock:
             self._waiting[step] = path
         try:
-            handle = self.ckpt.save(step, {"lightning": {"format": POINTER_FORMAT, "skeleton": structure},
+            handle = self.ckpt.save(step, {"lightning": Replicated({"format": POINTER_FORMAT, "skeleton": structure}),
                                            "tensors": tensors})
         except BaseException:
             with self._lock:
@@ -235,17 +296,24 @@ class _Store:
         return [self.fs.unstrip_protocol(name) for name in names]  # as Lightning names them: s3://...
 
 
-def read_checkpoint(path: str, allow_pickle: bool = False, storage_options: dict | None = None) -> dict[str, Any]:
+def read_checkpoint(path: str, allow_pickle: bool = False, storage_options: dict | None = None,
+                    into: dict | None = None) -> dict[str, Any]:
     """The Lightning checkpoint dict stored at statesnap checkpoint ``path``, verified as it is
-    read, on the CPU (Lightning moves it to the module's devices as it restores)."""
+    read, on the CPU (Lightning moves it to the module's devices as it restores). ``into``: a
+    checkpoint-shaped dict whose tensors (DTensors: this rank's shards) receive the stored ones
+    in place, resharded; the others are read whole."""
     reader = open_checkpoint(path, storage_options=storage_options, allow_pickle=allow_pickle)
     if "lightning.skeleton" not in reader:
         raise CheckpointError(f"{path} is a statesnap checkpoint, but not one of a Lightning Trainer")
+    given = skeleton.split(into)[1] if into is not None else {}
     tensors = {}
     for fqn in reader.keys():
         if fqn.startswith("tensors."):
+            name = fqn[len("tensors."):]
             info = reader.info(fqn)
-            tensors[fqn[len("tensors."):]] = torch.empty(info.shape, dtype=info.dtype)
+            tensors[name] = given.get(name)
+            if tensors[name] is None:
+                tensors[name] = torch.empty(info.shape, dtype=info.dtype)
     state = {"lightning": {"format": None, "skeleton": None}, "tensors": tensors}
     load(state, path, storage_options=storage_options, allow_pickle=allow_pickle)
     return skeleton.join(state["lightning"]["skeleton"], tensors, allow_pickle, where=path)
