@@ -127,3 +127,17 @@ def test_format_table_aligns_columns():
     assert lines[0] == "| op   | GB/s |"
     assert lines[2] == "| save | 1.23 |" and lines[3] == "| load |    - |"
     assert len({len(line) for line in lines}) == 1
+
+
+def test_lightning_suite_reports_every_mode_and_checks_the_last_checkpoint(tmp_path, capsys):
+    out_json = tmp_path / "lightning.json"
+    assert cli.main(["bench", "--suite", "lightning", "--steps", "4", "--every", "2", "--width", "32",
+                     "--layers", "2", "--repeat", "1", "--out", str(tmp_path / "out"),
+                     "--json", str(out_json)]) == 0
+    result = json.loads(out_json.read_text())
+    assert set(result["fit_s"]) == {"none", "torch", "async", "statesnap"}
+    assert set(result["stall_s"]) == set(result["overhead_s"]) == {"torch", "async", "statesnap"}
+    assert all(value > 0 for value in result["stall_s"].values())
+    printed = capsys.readouterr().out
+    assert "StatesnapCheckpointIO" in printed and "aim <= 0.1" in printed
+    assert not (tmp_path / "out" / "lightning").exists()  # the scratch checkpoints are gone

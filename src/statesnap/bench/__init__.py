@@ -11,6 +11,8 @@ Suites (each a module with ``main(argv)`` that parses its own options):
 * ``chaos``: kills, full disks, I/O errors, damage, dying ranks and concurrent owners, with the
   outcome of every trial counted (:mod:`.chaos`, docs/reliability.md);
 * ``recovery``: restart after a node loss from the peer replica against from ``root`` (:mod:`.recovery`);
+* ``lightning``: stall and overhead of Lightning's checkpointing, statesnap's plugin against the
+  default and ``AsyncCheckpointIO`` (:mod:`.lightning`);
 * ``all``: every suite in turn with its default options.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ import argparse
 import importlib
 import sys
 
-SUITES = ("io", "training", "reshard", "convert", "planning", "chaos", "recovery")
+SUITES = ("io", "training", "reshard", "convert", "planning", "chaos", "recovery", "lightning")
 
 
 def main(argv: list[str] | None = None) -> int:
