@@ -26,11 +26,9 @@ DCP checkpoints itself and never calls a ``CheckpointIO``: use
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import threading
-import uuid
 import weakref
 from typing import Any
 
@@ -47,6 +45,7 @@ from ..reader import open as open_checkpoint
 from ..state.wrappers import Replicated
 from ..storage import is_url
 from . import skeleton
+from .pointers import POINTER_MAX_BYTES, parse_pointer, pointer_bytes, step_of, write_atomically
 
 try:
     from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
@@ -58,7 +57,6 @@ except ImportError:  # the older package name
 POINTER_FORMAT = "statesnap-lightning-1"
 STORE_DIR = "statesnap"
 KEEP_ALL = 1 << 30  # Lightning chooses what to delete, through remove_checkpoint
-_POINTER_MAX_BYTES = 4096
 _SHARDED = ("state_dict.", "optimizer_states.")  # the rest of the checkpoint is one rank's
 _TEMPORARY = re.compile(r"\.tmp-[0-9a-f]{8}$")
 _FIXED = ("keep_last", "persist_every", "on_commit", "process_group")
@@ -224,7 +222,7 @@ class _Store:
             step = _pointer_step(_read_pointer(name, storage_options))
             if step is not None:
                 self._named[name] = step
-        stored = [_step_of(n) for n in self._listdir(_join(directory, STORE_DIR))]
+        stored = [step_of(n) for n in self._listdir(_join(directory, STORE_DIR))]
         stored = [s for s in stored if s is not None]
         self._next_step = max(stored, default=0) + 1
         for step in set(stored) - set(self._named.values()):  # committed, but its pointer never written
@@ -281,8 +279,7 @@ class _Store:
             self._named[path] = record.step
             orphaned = before is not None and before not in self._named.values()
         if self.rank == 0:
-            relative = f"{STORE_DIR}/step-{record.step}"
-            _write_pointer(self.fs, path, json.dumps({"format": POINTER_FORMAT, "checkpoint": relative}).encode())
+            write_atomically(self.fs, path, pointer_bytes(POINTER_FORMAT, f"{STORE_DIR}/step-{record.step}"))
         if orphaned:
             self.ckpt.remove(before)
 
@@ -328,46 +325,19 @@ def _join(directory: str, name: str) -> str:
     return f"{directory.rstrip('/')}/{name}"
 
 
-def _step_of(name: str) -> int | None:
-    base = name.rstrip("/").rsplit("/", 1)[-1]
-    return int(base[5:]) if base.startswith("step-") and base[5:].isdigit() else None
-
-
 def _read_pointer(path: str, storage_options: dict | None) -> str | None:
     """The statesnap checkpoint a pointer file names (None if ``path`` is no pointer)."""
     fs, _ = fsspec.core.url_to_fs(path, **(storage_options or {}))
     try:
-        if not fs.isfile(path) or fs.size(path) > _POINTER_MAX_BYTES:
+        if not fs.isfile(path) or fs.size(path) > POINTER_MAX_BYTES:
             return None
-        pointer = json.loads(fs.cat_file(path))
-    except (OSError, ValueError):
+        relative = parse_pointer(fs.cat_file(path), POINTER_FORMAT, path)
+    except OSError:
         return None
-    if not isinstance(pointer, dict) or pointer.get("format") != POINTER_FORMAT:
+    if relative is None:
         return None
-    relative = pointer.get("checkpoint")
-    if not isinstance(relative, str) or _step_of(relative) is None or ".." in relative.split("/"):
-        raise CheckpointError(f"{path} is a statesnap pointer with a malformed target {relative!r}")
     return _join(os.path.dirname(path.rstrip("/")) or ".", relative)
 
 
 def _pointer_step(target: str | None) -> int | None:
-    return None if target is None else _step_of(target)
-
-
-def _write_pointer(fs, path: str, data: bytes) -> None:
-    """Replace the pointer at ``path`` atomically: a local file by rename (a reader sees the old
-    pointer or the new one), an object by one PUT."""
-    if not isinstance(fs, fsspec.implementations.local.LocalFileSystem):
-        fs.pipe_file(path, data)
-        return
-    temporary = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(temporary, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    return None if target is None else step_of(target)

@@ -1,0 +1,264 @@
+"""Hugging Face ``transformers.Trainer`` checkpoints through statesnap.
+
+    trainer = StatesnapTrainer(model=model, args=args, train_dataset=data)  # a Trainer in all else
+    trainer.train(resume_from_checkpoint=True)
+
+Each checkpoint the Trainer makes (``save_steps``, ``save_strategy``) is a lazy snapshot of the
+model, the optimizer, the LR scheduler, every rank's RNG states and the ``TrainerState`` (which
+holds the data position: epoch and step), taken by one :class:`statesnap.Checkpointer` per
+output directory into ``<output_dir>/statesnap/step-N``. ``save`` returns once the snapshot is
+planned; the copy runs while the next forward and backward run and the optimizer step waits for
+it. Once the step is committed, ``<output_dir>/checkpoint-N`` appears, holding the
+``trainer_state.json`` the Trainer reads on resume and a pointer to the statesnap checkpoint:
+the Trainer's own ``get_last_checkpoint`` and ``save_total_limit`` rotation work unchanged, a
+crash never leaves a ``checkpoint-N`` that names an incomplete checkpoint, and a statesnap step
+no ``checkpoint-N`` names any more is deleted. ``train(resume_from_checkpoint=...)`` restores
+everything in place, resharded if the world size changed (RNG states need the same world
+size: the Trainer's data order depends on it anyway). ``export_pretrained`` writes the model as
+``save_pretrained`` does (safetensors and ``config.json``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+import threading
+import uuid
+
+import numpy as np
+import torch
+from transformers import Trainer
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from ..checkpointer import Checkpointer
+from ..engine.load import load
+from ..errors import CheckpointError
+from ..reader import open as open_checkpoint
+from ..state.wrappers import PerRank
+from .pointers import fsync_directory, parse_pointer, pointer_bytes, step_of
+
+POINTER_FORMAT = "statesnap-transformers-1"
+POINTER_NAME = "statesnap.json"
+TRAINER_STATE_NAME = "trainer_state.json"
+STORE_DIR = "statesnap"
+KEEP_ALL = 1 << 30  # the Trainer's rotation decides what goes
+
+
+class RngStates:
+    """Python's, numpy's and torch's CPU generators, as the Trainer saves them, as plain data."""
+
+    def state_dict(self) -> dict:
+        kind, keys, position, has_gauss, gauss = np.random.get_state()
+        return {"python": random.getstate(), "cpu": torch.random.get_rng_state(),
+                "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, gauss)}
+
+    def load_state_dict(self, state: dict) -> None:
+        random.setstate(state["python"])
+        kind, keys, position, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
+        torch.random.set_rng_state(state["cpu"])
+
+
+class _Ignored:
+    def load_state_dict(self, state) -> None:
+        pass
+
+
+class StatesnapTrainer(Trainer):
+    """``transformers.Trainer`` whose checkpoints are statesnap checkpoints (see the module).
+
+    ``statesnap_settings``: settings of each output directory's :class:`statesnap.Checkpointer`
+    (``host_memory_gb``, ``durable``, ``further_root``, ...), except ``keep_last``,
+    ``persist_every`` and ``on_commit``, which the Trainer's settings decide."""
+
+    def __init__(self, *args, statesnap_settings: dict | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        fixed = sorted(set(statesnap_settings or {}) & {"keep_last", "persist_every", "on_commit"})
+        if fixed:
+            raise CheckpointError(f"StatesnapTrainer sets {', '.join(fixed)} itself")
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise CheckpointError("StatesnapTrainer does not take over DeepSpeed's or FSDP's checkpoints; use "
+                                  "the Trainer, or convert its checkpoints with ss.convert")
+        self._statesnap_settings = dict(statesnap_settings or {})
+        self._checkpointers: dict[str, Checkpointer] = {}
+        self._waiting: dict[int, tuple[str, str]] = {}  # step in flight -> (run dir, trainer state JSON)
+        self._waiting_lock = threading.Lock()
+
+    # ----------------------------------------------------------------- saving
+
+    def _save_checkpoint(self, model, trial) -> None:
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        step = self.state.global_step
+        self._record_callback_states()
+        trainer_state = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
+        state = {"model": self.accelerator.unwrap_model(self.model),
+                 "rng": PerRank(RngStates()), "trainer": {"state": trainer_state}}
+        if not self.args.save_only_model:
+            state.update(optimizer=_torch_optimizer(self.optimizer), scheduler=self.lr_scheduler)
+        with self._waiting_lock:
+            self._waiting[step] = (run_dir, trainer_state)
+        try:
+            self._checkpointer(run_dir).save(step, state)
+        except BaseException:
+            with self._waiting_lock:
+                self._waiting.pop(step, None)
+            raise
+
+    def _record_callback_states(self) -> None:
+        """The stateful callbacks' state into ``TrainerState``, as the Trainer does before saving."""
+        for callback in [*self.callback_handler.callbacks, self.control]:
+            if isinstance(callback, ExportableState):
+                name = callback.__class__.__name__
+                if isinstance(self.state.stateful_callbacks.get(name), list):
+                    self.state.stateful_callbacks[name].append(callback.state())
+                else:
+                    self.state.stateful_callbacks[name] = callback.state()
+
+    def _checkpointer(self, run_dir: str) -> Checkpointer:
+        ckpt = self._checkpointers.get(run_dir)
+        if ckpt is None:
+            ckpt = self._checkpointers[run_dir] = Checkpointer(
+                os.path.join(run_dir, STORE_DIR), keep_last=KEEP_ALL, persist_every=1,
+                on_commit=self._committed, **self._statesnap_settings)
+            if self.args.should_save:
+                self._clear_leftovers(run_dir, ckpt)
+        return ckpt
+
+    def _clear_leftovers(self, run_dir: str, ckpt: Checkpointer) -> None:
+        """What a crash left: a ``checkpoint-N`` being made, and committed steps it never named."""
+        for name in os.listdir(run_dir):
+            if name.startswith(f".{PREFIX_CHECKPOINT_DIR}-") and ".tmp-" in name:
+                shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+        named = {step_of(target) for target in map(pointer_target, _pointer_dirs(run_dir)) if target}
+        for step in set(_stored_steps(run_dir)) - named:
+            ckpt.remove(step)
+
+    def _committed(self, record) -> None:
+        """On commit (the Checkpointer's flush thread): make ``checkpoint-N``, rotate as the
+        Trainer does, and delete the statesnap steps no ``checkpoint-N`` names any more."""
+        with self._waiting_lock:
+            run_dir, trainer_state = self._waiting.pop(record.step)
+        if not self.args.should_save:  # the main process writes the directories
+            return
+        _make_pointer_dir(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{record.step}"), record.step,
+                          trainer_state)
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
+        named = {step_of(target) for target in map(pointer_target, _pointer_dirs(run_dir)) if target}
+        for step in _stored_steps(run_dir):
+            if step not in named and step != record.step:
+                self._checkpointers[run_dir].remove(step)
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.close_checkpoints()
+
+    def close_checkpoints(self) -> None:
+        """Finish every checkpoint in flight (``train`` does it when it returns)."""
+        try:
+            for ckpt in list(self._checkpointers.values()):
+                ckpt.close()  # its last commits still find it
+        finally:
+            self._checkpointers = {}
+
+    # ----------------------------------------------------------------- resuming
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        target = pointer_target(resume_from_checkpoint)
+        if target is None:  # a checkpoint the Trainer wrote itself
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        model = self.accelerator.unwrap_model(model if model is not None else self.model)
+        self._load_part(target, {"model": model})
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        target = pointer_target(checkpoint) if checkpoint else None
+        if target is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        # Optimizer state is stored by parameter name, which the model gives: it comes along. The
+        # RNG states are restored later, where the Trainer restores them (rng: a stand-in here),
+        # so this load is strict: anything of the checkpoint left unmatched is an error.
+        model = self.accelerator.unwrap_model(self.model)
+        load({"model": model, "optimizer": _torch_optimizer(self.optimizer), "scheduler": self.lr_scheduler,
+              "rng": PerRank(_Ignored(), on_resize="skip"), "trainer": {"state": None}}, target)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        target = pointer_target(checkpoint) if checkpoint else None
+        if target is None:
+            return super()._load_rng_state(checkpoint)
+        # another world size: the Trainer's data order changes too; it goes on, as the Trainer does
+        self._load_part(target, {"rng": PerRank(RngStates(), on_resize="skip")})
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if checkpoint and pointer_target(checkpoint) is None:
+            super()._load_scaler(checkpoint)
+
+    def _load_part(self, target: str, part: dict) -> None:
+        """Load ``part`` of the checkpoint at ``target`` in place, refusing a part it lacks."""
+        stored = set(open_checkpoint(target).keys())
+        for prefix in part:
+            if not any(name == prefix or name.startswith(prefix + ".") for name in stored):
+                raise CheckpointError(f"{target} holds no {prefix!r} (saved with save_only_model?)")
+        load(part, target, strict=False)
+
+
+def export_pretrained(trainer: Trainer, checkpoint: str, output_dir: str) -> None:
+    """Write the model of ``checkpoint`` (a ``checkpoint-N`` of a StatesnapTrainer) as
+    ``save_pretrained`` does: ``model.safetensors`` and ``config.json``, which
+    ``from_pretrained`` loads. The model is loaded into the trainer's model first."""
+    target = pointer_target(checkpoint)
+    if target is None:
+        raise CheckpointError(f"{checkpoint} is not a checkpoint of a StatesnapTrainer")
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    load({"model": model}, target, strict=False)
+    model.save_pretrained(output_dir, safe_serialization=True)
+
+
+def pointer_target(checkpoint_dir: str) -> str | None:
+    """The statesnap checkpoint a ``checkpoint-N`` directory names (None if it is the Trainer's own)."""
+    path = os.path.join(checkpoint_dir, POINTER_NAME)
+    try:
+        with open(path, "rb") as f:
+            relative = parse_pointer(f.read(), POINTER_FORMAT, path)
+    except FileNotFoundError:
+        return None
+    return None if relative is None else os.path.join(os.path.dirname(os.path.abspath(checkpoint_dir)), relative)
+
+
+def _torch_optimizer(optimizer):
+    """accelerate wraps the optimizer; the torch optimizer inside is what holds the state."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _make_pointer_dir(final: str, step: int, trainer_state: str) -> None:
+    """``checkpoint-N`` with the Trainer's state and the pointer, made whole, then renamed in."""
+    parent = os.path.dirname(final)
+    staging = os.path.join(parent, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:8]}")
+    os.makedirs(staging)
+    for name, data in ((TRAINER_STATE_NAME, trainer_state.encode()),
+                       (POINTER_NAME, pointer_bytes(POINTER_FORMAT, f"{STORE_DIR}/step-{step}"))):
+        with open(os.path.join(staging, name), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    if os.path.isdir(final):  # the step saved again (a resumed run): replace the old directory
+        shutil.rmtree(final)
+    os.rename(staging, final)
+    fsync_directory(parent)
+
+
+def _pointer_dirs(run_dir: str) -> list[str]:
+    prefix = f"{PREFIX_CHECKPOINT_DIR}-"
+    return [os.path.join(run_dir, n) for n in os.listdir(run_dir) if n.startswith(prefix)]
+
+
+def _stored_steps(run_dir: str) -> list[int]:
+    store = os.path.join(run_dir, STORE_DIR)
+    names = os.listdir(store) if os.path.isdir(store) else []
+    return [s for s in map(step_of, names) if s is not None]

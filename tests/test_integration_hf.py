@@ -1,0 +1,83 @@
+"""``StatesnapTrainer``: a real ``transformers.Trainer`` on a tiny LlamaForCausalLM built from a
+config (``tests/integrations/hf_train.py``) checkpoints every 3 steps, is SIGKILLed at step 6
+with that checkpoint in flight, resumes with ``resume_from_checkpoint=True``, and logs the same
+losses and ends with the same parameters as a run never killed, bit for bit, which is also the
+stock Trainer's run. The final model exports as ``save_pretrained`` does."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from statesnap.integrations.transformers import STORE_DIR, pointer_target
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "integrations", "hf_train.py")
+
+
+def _run(out, *args, killed=False):
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(SCRIPT), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, SCRIPT, str(out), *args], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == (-9 if killed else 0), done.stderr[-3000:]
+
+
+def _read(out, name):
+    with open(out / name) as f:
+        return {int(k): v for k, v in json.load(f).items()}
+
+
+def _assert_same_parameters(a, b):
+    first, second = torch.load(a / "final.pt"), torch.load(b / "final.pt")
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+def test_killed_trainer_resumes_bit_exact_and_keeps_what_save_total_limit_says(tmp_path):
+    ours, stock, killed = tmp_path / "ours", tmp_path / "stock", tmp_path / "killed"
+    _run(ours)
+    _run(stock, "--trainer", "hf")
+    assert _read(ours, "losses.json") == _read(stock, "losses.json")  # the snapshots change nothing
+    _assert_same_parameters(ours, stock)
+
+    _run(killed, "--kill-at", "6", killed=True)
+    _run(killed, "--resume")
+    expected, resumed = _read(ours, "losses.json"), _read(killed, "losses-resumed.json")
+    assert min(resumed) in (4, 7) and max(resumed) == max(expected)  # from step 3 or 6
+    assert resumed == {step: expected[step] for step in resumed}
+    _assert_same_parameters(ours, killed)
+
+    for out in (ours, killed):  # save_total_limit=2: two checkpoint-N, each naming a stored step
+        run = out / "run"
+        pointers = sorted(n for n in os.listdir(run) if n.startswith("checkpoint-"))
+        assert pointers == ["checkpoint-10", "checkpoint-9"]
+        targets = {os.path.basename(pointer_target(str(run / n))) for n in pointers}
+        assert targets == {n for n in os.listdir(run / STORE_DIR) if n.startswith("step-")} == {"step-9", "step-10"}
+        assert (run / "checkpoint-10" / "trainer_state.json").exists()
+        assert not [n for n in os.listdir(run) if ".tmp-" in n]
+
+
+def test_export_pretrained_loads_with_from_pretrained(tmp_path):
+    from transformers import LlamaForCausalLM, TrainingArguments
+
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    try:
+        import hf_train
+    finally:
+        sys.path.pop(0)
+    from statesnap.integrations.transformers import StatesnapTrainer, export_pretrained
+
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=2, save_steps=2, report_to=[],
+                             use_cpu=True, per_device_train_batch_size=4, disable_tqdm=True)
+    trainer = StatesnapTrainer(model=hf_train.model(), args=args, train_dataset=hf_train.Tokens(),
+                               statesnap_settings={"host_memory_gb": 0.05})
+    trainer.train()
+    export_pretrained(trainer, str(tmp_path / "run" / "checkpoint-2"), str(tmp_path / "export"))
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(tmp_path / "export"))
+    exported = LlamaForCausalLM.from_pretrained(tmp_path / "export")
+    tokens = hf_train.Tokens().ids[:2]
+    with torch.no_grad():
+        assert torch.equal(exported(tokens).logits, trainer.model(tokens).logits)
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(exported.state_dict()[name], value), name
