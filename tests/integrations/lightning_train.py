@@ -3,8 +3,9 @@
     python lightning_train.py OUT --devices 1|2 --io statesnap|torch [--fsdp] [--kill-at STEP] [--resume]
 
 Writes OUT/losses-<rank>.json (global step -> loss, for the steps this process ran), OUT/start.pt
-(the state the run started from) and, at the end, OUT/final-<rank>.pt (the parameters). ``--kill-at`` SIGKILLs the whole run (every rank)
-at that global step, with saves in flight; ``--resume`` fits with ``ckpt_path="last"``.
+(the state the run started from) and, at the end, OUT/final-<rank>.pt (the parameters).
+``--kill-at`` SIGKILLs the whole run (every rank) at that global step, with a save in flight;
+``--resume`` fits with ``ckpt_path="last"``.
 Deterministic: one thread, fixed data, no shuffle, no dropout.
 """
 import argparse

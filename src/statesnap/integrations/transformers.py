@@ -22,13 +22,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 import shutil
 import threading
 import uuid
 
-import numpy as np
-import torch
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
@@ -39,27 +36,13 @@ from ..errors import CheckpointError
 from ..reader import open as open_checkpoint
 from ..state.wrappers import PerRank
 from .pointers import fsync_directory, parse_pointer, pointer_bytes, step_of
+from .rng import RngStates
 
 POINTER_FORMAT = "statesnap-transformers-1"
 POINTER_NAME = "statesnap.json"
 TRAINER_STATE_NAME = "trainer_state.json"
 STORE_DIR = "statesnap"
 KEEP_ALL = 1 << 30  # the Trainer's rotation decides what goes
-
-
-class RngStates:
-    """Python's, numpy's and torch's CPU generators, as the Trainer saves them, as plain data."""
-
-    def state_dict(self) -> dict:
-        kind, keys, position, has_gauss, gauss = np.random.get_state()
-        return {"python": random.getstate(), "cpu": torch.random.get_rng_state(),
-                "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, gauss)}
-
-    def load_state_dict(self, state: dict) -> None:
-        random.setstate(state["python"])
-        kind, keys, position, has_gauss, gauss = state["numpy"]
-        np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
-        torch.random.set_rng_state(state["cpu"])
 
 
 class _Ignored:
