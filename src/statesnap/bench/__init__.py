@@ -13,6 +13,7 @@ Suites (each a module with ``main(argv)`` that parses its own options):
 * ``recovery``: restart after a node loss from the peer replica against from ``root`` (:mod:`.recovery`);
 * ``lightning``: stall and overhead of Lightning's checkpointing, statesnap's plugin against the
   default and ``AsyncCheckpointIO`` (:mod:`.lightning`);
+* ``restore``: loads into a fresh model and optimizer against torch.load and DCP (:mod:`.restore`);
 * ``all``: every suite in turn with its default options.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ import argparse
 import importlib
 import sys
 
-SUITES = ("io", "training", "reshard", "convert", "planning", "chaos", "recovery", "lightning")
+SUITES = ("io", "training", "reshard", "convert", "planning", "chaos", "recovery", "lightning", "restore")
 
 
 def main(argv: list[str] | None = None) -> int:
