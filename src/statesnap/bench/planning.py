@@ -1,13 +1,18 @@
-"""Planning at scale, simulated in one process: a Llama-70B-shaped model plus AdamW over 1024 ranks.
+"""Planning at scale, simulated in one process: Llama-shaped models plus AdamW over 1k-16k ranks.
 
 Planning is pure computation (``plan/``), so a whole job's worth of it runs here without any
 process: every simulated rank describes its pieces exactly as the state providers would for
 torchtitan's layout (a 2-D mesh, FSDP outer x TP inner; attention and MLP input projections and
 the embeddings and output ``ColwiseParallel``/row-sharded on dim 0, the output projections
 ``RowwiseParallel`` on dim 1, norms replicated over TP; FSDP then chunks dim 0 of the TP-local
-tensor, which is the ``_StridedShard`` layout). We measure
+tensor, which is the ``_StridedShard`` layout; with pipeline parallelism, the outermost mesh
+dimension, each stage holds a contiguous run of layers, the first the embeddings, the last the
+final norm and output). We measure
 
-* whole-job save planning: ``plan_save`` over every rank's items plus ``build_manifest``;
+* save planning as ``ss.save`` runs it (plan/owners.py), every simulated rank's phases timed on
+  their own: the slowest rank's total is what a job would wait for. With ``--whole`` also the
+  whole-job planner every rank ran before (``plan_save`` over every rank's items plus
+  ``build_manifest``), whose time is the same on every rank;
 * load planning for one rank: ``plan_target`` for each of its items, same layout and resharded
   into another mesh (TP 4 x FSDP 256 by default);
 * the manifest's size against DCP's metadata for the same layout. DCP's is estimated by building
@@ -21,6 +26,7 @@ import pickle
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
@@ -31,12 +37,15 @@ from ..format.checksum import DEFAULT_BLOCK_BYTES, piece_blocks
 from ..format.dtypes import dtype_from_name, itemsize
 from ..format.manifest import BOX, Manifest
 from ..plan.load_plan import plan_target
+from ..plan.owners import owner_of, place_writes, plan_owned, route
 from ..plan.save_plan import plan_save
 from .common import publish
 from ..state.items import ItemMeta
 from ..state.placement import chunk_bounds
 
 LLAMA_70B = dict(layers=80, dim=8192, ffn=28672, heads=64, kv_heads=8, vocab=128256)
+LLAMA_405B = dict(layers=126, dim=16384, ffn=53248, heads=128, kv_heads=8, vocab=128256)
+MODELS = {"70b": LLAMA_70B, "405b": LLAMA_405B}
 COL, ROW, REP = "colwise", "rowwise", "replicate"  # how TP splits a parameter
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
@@ -73,13 +82,31 @@ def item_names(params) -> list[tuple[str, ...]]:
             for name, _, _ in params]
 
 
-def rank_items(rank: int, params, names, tp_size: int, dp_size: int, dtype: str = "float32") -> list[ItemMeta]:
-    """What the state providers of ``rank`` describe: each parameter, its AdamW moments (same
-    box) and its step count (a replicated scalar). TP is the inner mesh dimension."""
-    tp, dp = rank % tp_size, rank // tp_size
+def stage_parameters(params, pp_size: int) -> list[list[int]]:
+    """Per pipeline stage, the indices of the parameters it holds: layers split as evenly as
+    ``chunk_bounds`` splits them, the embeddings on the first stage, the rest on the last."""
+    layers = sum(1 for name, _, _ in params if name.startswith("layers.") and name.endswith("attention.wq.weight"))
+    bounds = [chunk_bounds(layers, pp_size, s) for s in range(pp_size)]
+    out: list[list[int]] = [[] for _ in range(pp_size)]
+    for index, (name, _, _) in enumerate(params):
+        if name.startswith("layers."):
+            layer = int(name.split(".")[1])
+            out[next(s for s, (lo, n) in enumerate(bounds) if lo <= layer < lo + n)].append(index)
+        else:
+            out[0 if name.startswith("tok_embeddings") else pp_size - 1].append(index)
+    return out
+
+
+def rank_items(rank: int, params, names, tp_size: int, dp_size: int, dtype: str = "float32",
+               stages: list[list[int]] | None = None) -> list[ItemMeta]:
+    """What the state providers of ``rank`` describe: each parameter of its stage (``stages``
+    from ``stage_parameters``; None: no pipeline), its AdamW moments (same box) and its step
+    count (a replicated scalar). TP is the inner mesh dimension, pipeline stages the outer."""
+    tp, dp = rank % tp_size, rank // tp_size % dp_size
+    held = range(len(params)) if stages is None else stages[rank // (tp_size * dp_size)]
     isz = itemsize(dtype_from_name(dtype))
     items = []
-    for (_, shape, style), (*boxed, step) in zip(params, names):
+    for (_, shape, style), (*boxed, step) in ((params[i], names[i]) for i in held):
         start, size = rank_box(shape, style, tp, tp_size, dp, dp_size)
         nbytes = isz
         for s in size:
@@ -137,11 +164,62 @@ def plan_save_job(params, tp_size: int, dp_size: int, block_bytes: int = DEFAULT
     return manifest, (planned - started) + (done - built)
 
 
-def load_planning_seconds(manifest: Manifest, params, tp_size: int, dp_size: int, ranks) -> list[float]:
-    """Seconds to plan every read of each of ``ranks`` in a (tp_size x dp_size) target layout."""
+def simulate_owner_save(params, tp_size: int, dp_size: int, pp_size: int = 1,
+                        block_bytes: int = DEFAULT_BLOCK_BYTES) -> tuple[Manifest, np.ndarray]:
+    """(manifest, seconds per rank) of the save planning ``ss.save`` runs (plan/owners.py): each
+    simulated rank's own phases are timed alone, the exchanges between them are not (what they
+    move is O(own items) per rank). Checksums are made up, one per block."""
+    world, names = tp_size * dp_size * pp_size, item_names(params)
+    stages = stage_parameters(params, pp_size) if pp_size > 1 else None
+    per_rank = [rank_items(r, params, names, tp_size, dp_size, stages=stages) for r in range(world)]
+    seconds = np.zeros(world)
+    inboxes: dict[int, dict] = {}
+    for rank, metas in enumerate(per_rank):
+        started = time.perf_counter()
+        routed = route(metas, (), world)
+        seconds[rank] += time.perf_counter() - started
+        for owner, sent in routed.items():
+            inboxes.setdefault(owner, {})[rank] = sent
+    owned, answers = {}, [[] for _ in range(world)]
+    for owner, inbox in inboxes.items():
+        started = time.perf_counter()
+        owned[owner] = plan_owned(inbox)
+        seconds[owner] += time.perf_counter() - started
+        for rank, decision in owned[owner].decisions.items():
+            answers[rank].append(decision)
+    reports: dict[int, dict] = {}
+    for rank, metas in enumerate(per_rank):
+        started = time.perf_counter()
+        writes, _, _ = place_writes(metas, answers[rank], rank)
+        outgoing: dict[int, dict] = {}
+        for index, offset in writes:
+            sums = [0xFFFFFFFFFFFFFFFF] * piece_blocks(metas[index].nbytes, block_bytes)
+            outgoing.setdefault(owner_of(metas[index].fqn, world), {})[index] = (offset, sums)
+        seconds[rank] += time.perf_counter() - started
+        for owner, sent in outgoing.items():
+            reports.setdefault(owner, {})[rank] = sent
+    del per_rank, inboxes, answers
+    tensors, file_of_rank = {}, list(range(world))  # every rank writes pieces here
+    for owner, plan in owned.items():
+        started = time.perf_counter()
+        tensors.update(plan.entries(reports.get(owner, {}), file_of_rank))
+        seconds[owner] += time.perf_counter() - started
+    files = [f"data-0123456789ab-r{rank:05d}.bin" for rank in range(world)]
+    sizes = [0] * world
+    for entry in tensors.values():
+        for f, end in zip(entry.file.tolist(), (entry.offset + entry.nbytes).tolist()):
+            sizes[f] = max(sizes[f], end)
+    return Manifest(files=files, file_sizes=sizes, tensors=tensors, objects={}, world_size=world,
+                    block_bytes=block_bytes), seconds
+
+
+def load_planning_seconds(manifest: Manifest, params, tp_size: int, dp_size: int, ranks, pp_size: int = 1
+                          ) -> list[float]:
+    """Seconds to plan every read of each of ``ranks`` in a (pp_size x dp_size x tp_size) target layout."""
     out, names = [], item_names(params)
+    stages = stage_parameters(params, pp_size) if pp_size > 1 else None
     for rank in ranks:
-        items = rank_items(rank, params, names, tp_size, dp_size)
+        items = rank_items(rank, params, names, tp_size, dp_size, stages=stages)
         started = time.perf_counter()
         for item in items:
             plan_target(manifest.tensors[item.fqn], item.layout, item.start, item.size)
@@ -150,34 +228,39 @@ def load_planning_seconds(manifest: Manifest, params, tp_size: int, dp_size: int
 
 
 def run(layers: int = 80, tp: int = 8, dp: int = 128, reshard_tp: int = 4, reshard_dp: int = 256,
-        sample_ranks: int = 4, dcp_layers: int = 2) -> dict:
+        sample_ranks: int = 4, dcp_layers: int = 2, pp: int = 1, model: str = "70b", whole: bool = False) -> dict:
     """Simulate; return the figures (seconds and bytes) as a dict."""
-    cfg = dict(LLAMA_70B, layers=layers)
+    cfg = dict(MODELS[model], layers=layers)
     params = llama_parameters(**cfg)
-    manifest, save_s = plan_save_job(params, tp, dp)
+    world, target_world = tp * dp * pp, reshard_tp * reshard_dp * pp
+    figures: dict = {"model": cfg, "layout": f"TP {tp} x PP {pp} x FSDP {dp} ({world} ranks)"}
+    if whole:
+        _, figures["whole_job_save_planning_s"] = plan_save_job(params, tp, dp) if pp == 1 else (None, float("nan"))
+    manifest, per_rank = simulate_owner_save(params, tp, dp, pp)
     started = time.perf_counter()
     raw = manifest.to_bytes()
     encode_s = time.perf_counter() - started
     started = time.perf_counter()
     manifest = Manifest.from_bytes(raw)
     parse_s = time.perf_counter() - started
-    world, target_world = tp * dp, reshard_tp * reshard_dp
     step = max(1, world // sample_ranks)
-    same = load_planning_seconds(manifest, params, tp, dp, range(0, world, step)[:sample_ranks])
+    same = load_planning_seconds(manifest, params, tp, dp, range(0, world, step)[:sample_ranks], pp)
     tstep = max(1, target_world // sample_ranks)
     resharded = load_planning_seconds(manifest, params, reshard_tp, reshard_dp,
-                                      range(0, target_world, tstep)[:sample_ranks])
+                                      range(0, target_world, tstep)[:sample_ranks], pp)
     dcp_bytes, ours_sample = _dcp_estimate(cfg, params, tp, dp, min(dcp_layers, layers), layers)
     pieces = sum(e.num_pieces for e in manifest.tensors.values())
-    return {
-        "model": cfg, "layout": f"TP {tp} x FSDP {dp} ({world} ranks)", "tensors": len(manifest.tensors),
-        "pieces": pieces, "items_per_rank": len(params) * (2 + len(ADAM_STATES)),
-        "save_planning_s": save_s, "manifest_encode_s": encode_s, "manifest_parse_s": parse_s,
+    figures.update({
+        "tensors": len(manifest.tensors), "pieces": pieces,
+        "items_per_rank": max(len(s) for s in stage_parameters(params, pp)) * (2 + len(ADAM_STATES)),
+        "save_planning_s": float(per_rank.max()), "save_planning_s_median_rank": float(np.median(per_rank)),
+        "manifest_encode_s": encode_s, "manifest_parse_s": parse_s,
         "load_planning_s_same_layout": max(same),
         "load_planning_s_resharded": max(resharded), "reshard_target": f"TP {reshard_tp} x FSDP {reshard_dp}",
         "manifest_bytes": len(raw), "dcp_metadata_bytes_estimated": dcp_bytes,
         "manifest_vs_dcp": len(raw) / dcp_bytes, "sample_manifest_vs_dcp": ours_sample,
-    }
+    })
+    return figures
 
 
 def _dcp_estimate(cfg: dict, params, tp: int, dp: int, sample_layers: int, layers: int) -> tuple[int, float]:
@@ -196,16 +279,21 @@ def _dcp_estimate(cfg: dict, params, tp: int, dp: int, sample_layers: int, layer
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="statesnap bench --suite planning", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=80, help="transformer layers (Llama-70B: 80)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="70b", help="Llama shape (layers: --layers)")
+    parser.add_argument("--layers", type=int, help="transformer layers (default: the model's, 80 or 126)")
     parser.add_argument("--tp", type=int, default=8)
-    parser.add_argument("--dp", type=int, default=128, help="FSDP degree (world = tp * dp)")
+    parser.add_argument("--dp", type=int, default=128, help="FSDP degree (world = tp * dp * pp)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
     parser.add_argument("--reshard-tp", type=int, default=4)
     parser.add_argument("--reshard-dp", type=int, default=256)
     parser.add_argument("--sample-ranks", type=int, default=4, help="ranks whose load planning is timed")
     parser.add_argument("--dcp-layers", type=int, default=2, help="layers in DCP's metadata sample")
+    parser.add_argument("--whole", action="store_true", help="also time the whole-job planner (no pipeline only)")
     parser.add_argument("--json", help="also write the figures as JSON here ('-' = stdout)")
     args = parser.parse_args(argv)
-    figures = run(args.layers, args.tp, args.dp, args.reshard_tp, args.reshard_dp, args.sample_ranks, args.dcp_layers)
+    layers = args.layers if args.layers is not None else MODELS[args.model]["layers"]
+    figures = run(layers, args.tp, args.dp, args.reshard_tp, args.reshard_dp, args.sample_ranks, args.dcp_layers,
+                  args.pp, args.model, args.whole)
     publish(figures, "\n".join(f"{key:32} {value:.3f}" if isinstance(value, float) else f"{key:32} {value}"
                                for key, value in figures.items()), args.json)
     return 0

@@ -19,7 +19,8 @@ from ..errors import CheckpointError, CheckpointExistsError
 from ..format.checksum import DEFAULT_BLOCK_BYTES, checksum_whole
 from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry
-from ..plan.save_plan import SavePlan, align_up, plan_save
+from ..plan.owners import Decision, OwnedTensors, owner_of, place_writes, plan_owned, route
+from ..plan.save_plan import SavePlan, align_up
 from ..progress import bar
 from ..state.flatten import flatten_for_save
 from ..state.items import Flattened
@@ -27,8 +28,9 @@ from ..storage import backend_for, normalize
 from ..storage.base import StorageBackend
 from .buffers import byte_view, host_contiguous
 from .dist import DEFAULT_TIMEOUT_S, Comm, PeerLostError
+from .exchange import all_to_all
 from .objects import encode_value
-from .replicas import REPLICA_CHECK_MB, hash_tensors, limit_bytes, mismatches, object_digests, replicas_to_check
+from .replicas import REPLICA_CHECK_MB, hash_tensors, limit_bytes, mismatches, object_digests
 from .write import write_file
 
 
@@ -119,12 +121,7 @@ def write_rank(backend: StorageBackend, staging: str, token: str, rank: int, pla
 
 def build_manifest(plan: SavePlan, outputs: list[RankOutput], world_size: int, block_bytes: int,
                    meta: dict | None) -> Manifest:
-    files, sizes, index_of = [], [], {}
-    for rank, out in enumerate(outputs):
-        if out.file is not None:
-            index_of[rank] = len(files)
-            files.append(out.file)
-            sizes.append(out.file_bytes)
+    files, sizes, index_of = _file_table(outputs)
     file_of = np.full(len(outputs), -1, np.int64)
     file_of[list(index_of)] = list(index_of.values())
     tensors = {}
@@ -139,6 +136,26 @@ def build_manifest(plan: SavePlan, outputs: list[RankOutput], world_size: int, b
     objects = _merge_objects(outputs, index_of)
     return Manifest(files=files, file_sizes=sizes, tensors=tensors, objects=objects,
                     world_size=world_size, block_bytes=block_bytes, meta=dict(meta or {}))
+
+
+def assemble_manifest(tensors: dict[str, TensorEntry], outputs: list[RankOutput], world_size: int,
+                      block_bytes: int, meta: dict | None) -> Manifest:
+    """The manifest of a save planned by tensor owners (plan/owners.py): their entries, already
+    built, plus the file table and objects from every rank's output."""
+    files, sizes, index_of = _file_table(outputs)
+    return Manifest(files=files, file_sizes=sizes, tensors=tensors, objects=_merge_objects(outputs, index_of),
+                    world_size=world_size, block_bytes=block_bytes, meta=dict(meta or {}))
+
+
+def _file_table(outputs: list[RankOutput]) -> tuple[list[str], list[int], dict[int, int]]:
+    """(file names, sizes, rank -> file index) of the ranks that wrote a file, in rank order."""
+    files, sizes, index_of = [], [], {}
+    for rank, out in enumerate(outputs):
+        if out.file is not None:
+            index_of[rank] = len(files)
+            files.append(out.file)
+            sizes.append(out.file_bytes)
+    return files, sizes, index_of
 
 
 def _merge_objects(outputs: list[RankOutput], index_of: dict[int, int]) -> dict[str, ObjectEntry]:
@@ -183,8 +200,11 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
     except Exception as exc:
         error, metas, names = exc, [], []
     comm.agree(error, "preparing the save")
-    plan = plan_save(*zip(*comm.all_gather((metas, names))))
+    plan, elsewhere, owned = _plan_by_owners(comm, metas, names)
     entries, blobs = own_objects(all_entries, all_blobs, per_rank_names(flat), comm.rank, plan.object_writers)
+    # every rank learns which ranks write a file (one flag each), so owners can name files by index
+    has_file = comm.all_gather(bool(plan.writes[comm.rank] or blobs))
+    file_of_rank = np.cumsum(has_file) - 1
     opened = open_staging(backend, path, overwrite) if comm.rank == 0 else None
     try:
         staging, token, problem = comm.broadcast(opened)
@@ -203,27 +223,67 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
         with bar(total, f"save -> {os.path.basename(path.rstrip('/'))}", progress) as advance:
             output = write_rank(backend, staging, token, comm.rank, plan, tensors, entries, blobs,
                                 per_rank_names(flat), durable, threads, block_bytes, advance)
-        targets = replicas_to_check(plan, metas, [item.replicated for item in flat.tensors], comm.rank,
-                                    limit_bytes(replica_check_mb))
+        limit = limit_bytes(replica_check_mb) if replica_check_mb > 0 else -1
+        targets = [(index, metas[index].fqn, *writer) for index, writer in sorted(elsewhere.items())
+                   if not flat.tensors[index].replicated and metas[index].nbytes <= limit]
         output.replicas = hash_tensors(targets, [item.local for item in flat.tensors], block_bytes)
         output.object_digests = digests
     except Exception as exc:
         error = exc
+    owned_entries, error = _report_to_owners(comm, metas, plan, output, owned, file_of_rank, error)
     try:
-        outputs = comm.gather((output, None if error is None else f"{type(error).__name__}: {error}"))
+        gathered = comm.gather((output, None if error is None else f"{type(error).__name__}: {error}",
+                                owned_entries))
     except PeerLostError:
         if comm.rank == 0:  # the coordinator cleans up; other ranks' files are in its staging
             backend.abort(staging, path, [data_file_name(token, r) for r in range(comm.world_size)])
         raise
     result = None
     if comm.rank == 0:
-        result = commit_or_abort(backend, path, staging, plan, outputs, comm.world_size, overwrite, durable, block_bytes, meta)
+        outputs = [(out, err) for out, err, _ in gathered]
+        tables = {fqn: e for _, _, part in gathered for fqn, e in (part or {}).items()}
+        result = commit_manifest(backend, path, staging, outputs, overwrite, durable, lambda outs: assemble_manifest(
+            dict(sorted(tables.items())), outs, comm.world_size, block_bytes, meta))
     result = comm.broadcast(result)
     if error is not None:
         raise error if isinstance(error, CheckpointError) else CheckpointError(f"save to {path} failed: {error}") from error
     if isinstance(result, str):
         raise CheckpointError(result)
     return SaveInfo(path, result, time.perf_counter() - started)
+
+
+def _plan_by_owners(comm: Comm, metas: list, names: list[str]) -> tuple[SavePlan, dict, OwnedTensors | None]:
+    """Phases 1-3 of plan/owners.py: (this rank's part of the plan, item index -> its writer for
+    the items another rank writes, the plan of the tensors this rank owns)."""
+    routed = route(metas, names, comm.world_size)
+    inbox = all_to_all(comm, [routed.get(r) for r in range(comm.world_size)])
+    owned, error = None, None
+    try:
+        owned = plan_owned({rank: sent for rank, sent in enumerate(inbox) if sent is not None})
+    except Exception as exc:
+        error = exc
+    comm.agree(error, "planning the save")
+    answers = all_to_all(comm, [owned.decisions.get(r, Decision()) for r in range(comm.world_size)])
+    writes, pieces_end, elsewhere = place_writes(metas, answers, comm.rank)
+    writers = {fqn: comm.rank for answer in answers for fqn in answer.objects}
+    # this rank's view of the plan: what write_rank and own_objects read of it
+    plan = SavePlan(comm.world_size, {comm.rank: writes}, {comm.rank: pieces_end}, {}, writers)
+    return plan, elsewhere, owned
+
+
+def _report_to_owners(comm: Comm, metas: list, plan: SavePlan, output: RankOutput | None,
+                      owned: OwnedTensors, file_of_rank, error: Exception | None):
+    """Phase 4: offsets and checksums of the written pieces go to their tensors' owners, which
+    build the entries. Returns (this owner's entries or None, the first error here)."""
+    outgoing = [{} for _ in range(comm.world_size)]
+    if output is not None:
+        for index, offset in plan.writes[comm.rank]:
+            outgoing[owner_of(metas[index].fqn, comm.world_size)][index] = (offset, output.checksums[index])
+    reports = all_to_all(comm, outgoing)
+    try:
+        return owned.entries(dict(enumerate(reports)), file_of_rank.tolist()), error
+    except KeyError:  # a writer failed before reporting: it reports its own error to rank 0
+        return None, error
 
 
 def open_staging(backend: StorageBackend, path: str, overwrite: bool) -> tuple[str | None, str, str | None]:
@@ -245,7 +305,16 @@ def open_staging(backend: StorageBackend, path: str, overwrite: bool) -> tuple[s
 
 
 def commit_or_abort(backend, path, staging, plan, outputs, world_size, overwrite, durable, block_bytes, meta) -> Any:
-    """On rank 0: write the manifest and commit, or abort; return total bytes or an error text."""
+    """On rank 0: write the manifest of a whole-job ``plan`` and commit, or abort; return total
+    bytes or an error text."""
+    return commit_manifest(backend, path, staging, outputs, overwrite, durable,
+                           lambda outs: build_manifest(plan, outs, world_size, block_bytes, meta))
+
+
+def commit_manifest(backend, path, staging, outputs, overwrite, durable,
+                    build: Callable[[list[RankOutput]], Manifest]) -> Any:
+    """On rank 0: write the manifest ``build`` makes of the ranks' outputs and commit, or abort;
+    return total bytes or an error text."""
     failures = [f"rank {r}: {err}" for r, (_, err) in enumerate(outputs) if err is not None]
     written = [out.file for out, _ in outputs if out is not None and out.file]
     if failures:
@@ -256,7 +325,7 @@ def commit_or_abort(backend, path, staging, plan, outputs, world_size, overwrite
         backend.abort(staging, path, written)
         return f"{path} was not committed: {differ}"
     try:
-        manifest = build_manifest(plan, [out for out, _ in outputs], world_size, block_bytes, meta)
+        manifest = build([out for out, _ in outputs])
         backend.write_bytes(backend.join(staging, MANIFEST_NAME), manifest.to_bytes(), durable)
         backend.commit(staging, path, overwrite, durable, keep=[*manifest.files, MANIFEST_NAME])
     except Exception as exc:

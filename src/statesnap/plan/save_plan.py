@@ -149,11 +149,11 @@ def _tensor_tables(metas: list[ItemMeta], rank: np.ndarray, item: np.ndarray, of
         where = first_int[sel][:, None] + np.arange(dims[fid])
         tables[fqn] = TensorPieces(head.dtype, tuple(head.shape), head.layout, rank[sel], item[sel], offset[sel],
                                    nbytes[sel], starts[where], sizes[where])
-        _check_tiling(fqn, tables[fqn])
+        check_tiling(fqn, tables[fqn])
     return tables
 
 
-def _check_tiling(fqn: str, pieces: TensorPieces) -> None:
+def check_tiling(fqn: str, pieces: TensorPieces) -> None:
     """The distinct pieces of one tensor must lie inside it and cover it exactly once
     (docs/format.md §4). A piece outside, two that overlap or a hole mean the ranks disagree
     about how the tensor is sharded: a load would be ambiguous or would leave elements stale."""
