@@ -87,6 +87,18 @@ def blob_reader(backend: StorageBackend, path: str, manifest: Manifest):
     return read
 
 
+def zero_unfilled(created: list[torch.Tensor], only: list[torch.Tensor] | None = None) -> None:
+    """Zero the tensors of ``created`` (fresh optimizer state made with ``torch.empty``) that the
+    load does not fill: those sharing memory with ``only``, or all of them."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's local shard
+    pointers = None if only is None else {t.data_ptr() for t in only if t.numel()}
+    with torch.no_grad():
+        for tensor in created:
+            if pointers is None or local(tensor).data_ptr() in pointers:
+                local(tensor).zero_()
+
+
 def prefix_lookup(manifest: Manifest):
     """``has_prefix(prefix)``: whether any stored name starts with ``prefix``. Flattening a state
     for a load asks it whether the checkpoint brings a fresh optimizer's state (else the state a
@@ -241,31 +253,38 @@ def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_p
     path = normalize(path)
     comm = Comm(process_group, f"loading {path}", timeout_s)
     backend = backend_for(path, storage_options)
-    error, nbytes = None, 0
+    created: list[torch.Tensor] = []  # a fresh optimizer's state, created unfilled (state/flatten.py)
     try:
-        manifest = read_manifest(backend, path)
-        flat = flatten_for_load(state, prefix_lookup(manifest))
-    except Exception as exc:
-        error = exc
-    comm.agree(error, f"loading {path}")
-    try:
-        skip = _match(flat, manifest, comm, strict, path, cast)
-    except Exception as exc:
-        error = exc
-    comm.agree(error, f"loading {path}")
-    exchange = plan_shared_reads(comm, flat, skip, should_share(shared_reads, comm, isinstance(backend, LocalBackend)))
-    try:
-        nbytes = fill_tensors(flat, manifest, backend, path, skip, verify, threads, strict, exchange.received,
-                              progress)
-    except Exception as exc:
-        error = exc
-    comm.agree(error, f"loading {path}")
-    try:
-        exchange.run(flat)
-        fill_objects(flat, manifest, backend, path, skip, allow_pickle, comm)
-        for finalize in flat.finalizers:
-            finalize()
-    except Exception as exc:
-        error = exc
-    comm.agree(error, f"loading {path}")
+        error, nbytes = None, 0
+        try:
+            manifest = read_manifest(backend, path)
+            flat = flatten_for_load(state, prefix_lookup(manifest), created)
+        except Exception as exc:
+            error = exc
+        comm.agree(error, f"loading {path}")
+        try:
+            skip = _match(flat, manifest, comm, strict, path, cast)
+            zero_unfilled(created, [item.local for item in flat.tensors if item.fqn in skip])
+        except Exception as exc:
+            error = exc
+        comm.agree(error, f"loading {path}")
+        local = isinstance(backend, LocalBackend)
+        exchange = plan_shared_reads(comm, flat, skip, should_share(shared_reads, comm, local))
+        try:
+            nbytes = fill_tensors(flat, manifest, backend, path, skip, verify, threads, strict, exchange.received,
+                                  progress)
+        except Exception as exc:
+            error = exc
+        comm.agree(error, f"loading {path}")
+        try:
+            exchange.run(flat)
+            fill_objects(flat, manifest, backend, path, skip, allow_pickle, comm)
+            for finalize in flat.finalizers:
+                finalize()
+        except Exception as exc:
+            error = exc
+        comm.agree(error, f"loading {path}")
+    except BaseException:
+        zero_unfilled(created)  # a failed load leaves a fresh optimizer's state zero, not garbage
+        raise
     return LoadInfo(path, nbytes, time.perf_counter() - started)

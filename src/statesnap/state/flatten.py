@@ -34,10 +34,12 @@ def _is_stateful(value) -> bool:
 
 
 class _Walker:
-    def __init__(self, for_load: bool, stored_prefixes: Callable[[str], bool] | None):
+    def __init__(self, for_load: bool, stored_prefixes: Callable[[str], bool] | None,
+                 created: list[torch.Tensor] | None = None):
         self.for_load = for_load
         # For loads: does the checkpoint hold any key under this prefix? (optimizer state init)
         self.stored_prefixes = stored_prefixes or (lambda prefix: False)
+        self.created = created  # where a fresh optimizer's state goes when it is created unfilled
         self.out = Flattened([], [], [])
         self.seen: set[str] = set()
         self.modules: list[nn.Module] = []
@@ -134,8 +136,10 @@ class _Walker:
                 self.out.finalizers.append(lambda: optim.load_state_dict(sd))
             return
         fresh = not optim.state
-        # The helper initialises a fresh optimizer's state with a zero-lr step, which would shift
-        # Adam's step count; undo that unless the loaded checkpoint brings state to fill in.
+        if fresh and self.for_load and self.stored_prefixes(join(fqn, "state") + SEP):
+            _create_adam_state(optim, self.created)
+        # Otherwise the helper initialises a fresh optimizer's state with a zero-lr step, which
+        # would shift Adam's step count; undo that unless the checkpoint brings state to fill in.
         sd = get_optimizer_state_dict(model, optim)
         if fresh and not (self.for_load and self.stored_prefixes(join(fqn, "state") + SEP)):
             optim.state.clear()
@@ -150,6 +154,31 @@ class _Walker:
             if wanted <= {id(p) for p in module.parameters()}:
                 return module
         return None
+
+
+def _create_adam_state(optim: torch.optim.Optimizer, created: list[torch.Tensor] | None) -> None:
+    """Give a fresh Adam/AdamW the state its first step would create (as ``Adam._init_group``
+    does: same dtypes, devices and memory formats), without running a step: the zero-lr step
+    PyTorch's helper takes instead costs a pass over every parameter and three zeroed copies of
+    them, only for the load to overwrite them. The moments are left unfilled when the caller
+    collects them in ``created`` (it fills them from the checkpoint, and zeroes what it does not
+    fill), zeroed otherwise. Other optimizers keep the helper's step."""
+    if type(optim) not in (torch.optim.Adam, torch.optim.AdamW):
+        return
+    new = torch.empty_like if created is not None else torch.zeros_like
+    for group in optim.param_groups:
+        device_step = group.get("capturable") or group.get("fused")
+        scalar = torch.float32 if group.get("fused") or torch.get_default_dtype() != torch.float64 else torch.float64
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            state = optim.state[p]
+            state["step"] = torch.zeros((), dtype=scalar, device=p.device if device_step else "cpu")
+            moments = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group.get("amsgrad") else ("exp_avg", "exp_avg_sq")
+            for key in moments:
+                state[key] = new(p, memory_format=torch.preserve_format)
+                if created is not None:
+                    created.append(state[key])
 
 
 def _load_optimizer(model: nn.Module, optim: torch.optim.Optimizer, sd: dict) -> None:
@@ -172,5 +201,8 @@ def flatten_for_save(state: dict) -> Flattened:
     return _Walker(for_load=False, stored_prefixes=None).run(state)
 
 
-def flatten_for_load(state: dict, stored_prefixes: Callable[[str], bool]) -> Flattened:
-    return _Walker(for_load=True, stored_prefixes=stored_prefixes).run(state)
+def flatten_for_load(state: dict, stored_prefixes: Callable[[str], bool],
+                     created: list[torch.Tensor] | None = None) -> Flattened:
+    """``created``: a list that takes the tensors of fresh optimizer state created unfilled
+    (``torch.empty``); the caller must fill or zero each. Without it they are zeroed."""
+    return _Walker(for_load=True, stored_prefixes=stored_prefixes, created=created).run(state)

@@ -1,0 +1,115 @@
+"""Restoring into a fresh model and optimizer (issue 15): a fresh Adam/AdamW gets its state
+created in place, unfilled, instead of by a zero-lr step; the load fills it bit for bit, and
+what it does not fill (strict=False, a failed load) is zero, never leftover memory."""
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import statesnap as ss
+from statesnap.errors import CorruptCheckpointError
+from statesnap.format.manifest import MANIFEST_NAME
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape, device and bytes (so NaN payloads and -0.0 count too)."""
+    return (a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and
+            torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+def model_of(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+def trained(optimizer_class, steps: int = 3, only_first_layer: bool = False, **options):
+    """A model and an optimizer after ``steps`` steps (grads on the first layer only, if asked)."""
+    model = model_of(0)
+    optim = optimizer_class(model.parameters(), lr=1e-2, **options)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        model(torch.randn(4, 16, generator=gen)).square().sum().backward()
+        if only_first_layer:
+            model[2].weight.grad = model[2].bias.grad = None
+        optim.step()
+        optim.zero_grad()
+    return model, optim
+
+
+def assert_same_optimizer(a_model, a_optim, b_model, b_optim):
+    for (name, pa), (_, pb) in zip(a_model.named_parameters(), b_model.named_parameters(), strict=True):
+        assert same_bits(pa.detach(), pb.detach()), name
+        sa, sb = a_optim.state[pa], b_optim.state[pb]
+        assert sa.keys() == sb.keys(), name
+        for key in sa:
+            assert same_bits(sa[key], sb[key]), (name, key)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in a_optim.param_groups] == \
+        [{k: v for k, v in g.items() if k != "params"} for g in b_optim.param_groups]
+
+
+@pytest.mark.parametrize("optimizer_class, options", [
+    (torch.optim.AdamW, {}), (torch.optim.Adam, {"amsgrad": True}), (torch.optim.SGD, {"momentum": 0.9}),
+])
+def test_fresh_optimizer_restores_bit_exact_and_steps_like_the_source(tmp_path, optimizer_class, options):
+    model, optim = trained(optimizer_class, **options)
+    ss.save({"model": model, "optim": optim}, tmp_path / "ck")
+    fresh_model = model_of(5)
+    fresh_optim = optimizer_class(fresh_model.parameters(), lr=0.5, **options)
+    before = [p.detach().clone() for p in fresh_model.parameters()]
+    ss.load({"model": fresh_model, "optim": fresh_optim}, tmp_path / "ck")
+    assert_same_optimizer(model, optim, fresh_model, fresh_optim)
+    assert not torch.equal(before[0], model[0].weight)  # the load did change the fresh model
+    batch = torch.randn(4, 16, generator=torch.Generator().manual_seed(9))
+    for m, o in ((model, optim), (fresh_model, fresh_optim)):
+        m(batch).square().sum().backward()
+        o.step()
+    assert_same_optimizer(model, optim, fresh_model, fresh_optim)
+
+
+def test_fresh_adam_state_has_the_dtypes_its_first_step_would_give(tmp_path):
+    model, optim = trained(torch.optim.AdamW)
+    ss.save({"model": model, "optim": optim}, tmp_path / "ck")
+    stepped_model = model_of(5)
+    stepped_optim = torch.optim.AdamW(stepped_model.parameters())
+    stepped_model(torch.ones(1, 16)).sum().backward()
+    stepped_optim.step()
+    fresh_model = model_of(5)
+    fresh_optim = torch.optim.AdamW(fresh_model.parameters())
+    ss.load({"model": fresh_model, "optim": fresh_optim}, tmp_path / "ck")
+    for p, q in zip(stepped_model.parameters(), fresh_model.parameters()):
+        for key, value in stepped_optim.state[p].items():
+            loaded = fresh_optim.state[q][key]
+            assert (loaded.dtype, loaded.shape, loaded.device) == (value.dtype, value.shape, value.device), key
+
+
+def test_state_the_checkpoint_lacks_is_zero_with_strict_false(tmp_path):
+    model, optim = trained(torch.optim.AdamW, only_first_layer=True)
+    assert model[2].weight not in optim.state
+    ss.save({"model": model, "optim": optim}, tmp_path / "ck")
+    fresh_model = model_of(5)
+    fresh_optim = torch.optim.AdamW(fresh_model.parameters())
+    ss.load({"model": fresh_model, "optim": fresh_optim}, tmp_path / "ck", strict=False)
+    assert same_bits(fresh_optim.state[fresh_model[0].weight]["exp_avg"], optim.state[model[0].weight]["exp_avg"])
+    for p in (fresh_model[2].weight, fresh_model[2].bias):
+        state = fresh_optim.state.get(p, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                assert not state[key].any(), key
+
+
+def test_a_failed_load_leaves_a_fresh_optimizer_zero(tmp_path):
+    model, optim = trained(torch.optim.AdamW)
+    ss.save({"model": model, "optim": optim}, tmp_path / "ck")
+    doc = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_text())
+    entry = doc["tensors"]["optim.state.2.weight.exp_avg_sq"]
+    data = tmp_path / "ck" / doc["files"][entry["file"][0]]
+    raw = bytearray(data.read_bytes())
+    raw[entry["offset"][0]] ^= 0x40
+    data.write_bytes(bytes(raw))
+    fresh_model = model_of(5)
+    fresh_optim = torch.optim.AdamW(fresh_model.parameters())
+    with pytest.raises(CorruptCheckpointError, match="optim.state.2.weight.exp_avg_sq"):
+        ss.load({"model": fresh_model, "optim": fresh_optim}, tmp_path / "ck")
+    for state in fresh_optim.state.values():
+        assert not state["exp_avg"].any() and not state["exp_avg_sq"].any()
