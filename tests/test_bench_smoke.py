@@ -141,3 +141,14 @@ def test_lightning_suite_reports_every_mode_and_checks_the_last_checkpoint(tmp_p
     printed = capsys.readouterr().out
     assert "StatesnapCheckpointIO" in printed and "aim <= 0.1" in printed
     assert not (tmp_path / "out" / "lightning").exists()  # the scratch checkpoints are gone
+
+
+def test_hf_suite_reports_both_trainers_and_checks_the_last_checkpoint(tmp_path, capsys):
+    out_json = tmp_path / "hf.json"
+    assert cli.main(["bench", "--suite", "hf", "--steps", "2", "--every", "1", "--hidden", "64", "--layers", "1",
+                     "--repeat", "1", "--out", str(tmp_path / "out"), "--json", str(out_json)]) == 0
+    result = json.loads(out_json.read_text())
+    assert set(result["fit_s"]) == {"none", "hf", "statesnap"}
+    assert set(result["stall_s"]) == set(result["overhead_s"]) == {"hf", "statesnap"}
+    assert "StatesnapTrainer" in capsys.readouterr().out
+    assert not (tmp_path / "out" / "hf").exists()

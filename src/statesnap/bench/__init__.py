@@ -13,6 +13,7 @@ Suites (each a module with ``main(argv)`` that parses its own options):
 * ``recovery``: restart after a node loss from the peer replica against from ``root`` (:mod:`.recovery`);
 * ``lightning``: stall and overhead of Lightning's checkpointing, statesnap's plugin against the
   default and ``AsyncCheckpointIO`` (:mod:`.lightning`);
+* ``hf``: the same for the Hugging Face Trainer, ``StatesnapTrainer`` against the stock one (:mod:`.hf`);
 * ``restore``: loads into a fresh model and optimizer against torch.load and DCP (:mod:`.restore`);
 * ``all``: every suite in turn with its default options.
 """
@@ -22,7 +23,7 @@ import argparse
 import importlib
 import sys
 
-SUITES = ("io", "training", "reshard", "convert", "planning", "chaos", "recovery", "lightning", "restore")
+SUITES = ("io", "training", "reshard", "convert", "planning", "chaos", "recovery", "lightning", "hf", "restore")
 
 
 def main(argv: list[str] | None = None) -> int:

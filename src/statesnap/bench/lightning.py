@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from .common import DEFAULT_OUT, add_output_arguments, format_table, fresh_dir, median, publish
+from .common import DEFAULT_OUT, add_output_arguments, fresh_dir, publish
+from .trainer_runs import interleaved, summarize, table
 
 MODES = ("none", "torch", "async", "statesnap")
 
@@ -96,52 +97,29 @@ def _check_last(directory: str, model, plugins) -> None:
             raise RuntimeError(f"the last checkpoint differs from the model in {name}")
 
 
-def _stall(run: dict, baseline_step: float) -> float:
-    """Median over checkpoints of the save call plus the next step's time beyond the baseline."""
-    stalls = [seconds + max(0.0, run["steps"].get(step + 1, baseline_step) - baseline_step)
-              for step, seconds in run["saves"]]
-    return median(stalls) if stalls else 0.0
-
-
 def run(steps: int = 40, every: int = 5, width: int = 1024, layers: int = 8, repeat: int = 3,
         durable: bool = True, out: str = DEFAULT_OUT) -> dict:
     torch.set_num_threads(2)
+    import lightning.pytorch  # noqa: F401 (it sets its loggers' levels when imported)
+
     for name in ("lightning.pytorch", "lightning.fabric"):  # its banners would mix into the report
         logging.getLogger(name).setLevel(logging.WARNING)
     scratch = fresh_dir(os.path.join(out, "lightning"))
     args = argparse.Namespace(steps=steps, every=every, width=width, layers=layers, durable=durable)
-    runs = {mode: [] for mode in MODES}
     try:
-        _run("none", scratch, args)  # warm-up: imports, allocator, page cache
-        for _ in range(repeat):
-            for mode in MODES:
-                runs[mode].append(_run(mode, scratch, args))
+        runs = interleaved(MODES, lambda mode: _run(mode, scratch, args), repeat)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    baseline_step = median(s for r in runs["none"] for s in r["steps"].values())
-    fit = {mode: median(r["fit_s"] for r in runs[mode]) for mode in MODES}
-    stall = {mode: median(_stall(r, baseline_step) for r in runs[mode]) for mode in MODES if mode != "none"}
-    overhead = {mode: fit[mode] - fit["none"] for mode in MODES if mode != "none"}
     state_mb = 3 * layers * (width * width + width) * 4 / 1e6  # weights and two AdamW moments
     return {"steps": steps, "every": every, "checkpoints": steps // every, "state_mb": state_mb, "repeat": repeat,
-            "durable": durable, "fit_s": fit, "stall_s": stall, "overhead_s": overhead,
-            "step_s": baseline_step}
+            "durable": durable, **summarize(runs)}
 
 
 def report(result: dict) -> str:
-    fit, stall, overhead = result["fit_s"], result["stall_s"], result["overhead_s"]
-    rows = [("no checkpoints", fit["none"], "", "", "")]
-    for mode, label in (("torch", "TorchCheckpointIO (default)"), ("async", "AsyncCheckpointIO"),
-                        ("statesnap", "StatesnapCheckpointIO")):
-        rows.append((label, fit[mode], f"{overhead[mode]:+.3f}", f"{stall[mode] * 1e3:.1f}",
-                     f"{stall['torch'] / stall[mode]:.1f}x" if stall[mode] else "-"))
+    labels = {"torch": "TorchCheckpointIO (default)", "async": "AsyncCheckpointIO", "statesnap": "StatesnapCheckpointIO"}
     return (f"Lightning, 1 process: {result['steps']} steps of {result['step_s'] * 1e3:.1f} ms, a checkpoint every "
             f"{result['every']} ({result['checkpoints']} + last), {result['state_mb']:.0f} MB of weights and AdamW "
-            f"state, medians of {result['repeat']} interleaved rounds\n"
-            + format_table(["checkpointing", "fit (s)", "overhead (s)", "stall per checkpoint (ms)",
-                            "default / this stall"], rows)
-            + f"\n\nstatesnap overhead / default's: {overhead['statesnap'] / overhead['torch']:.2f} (aim <= 0.33); "
-              f"stall: {stall['statesnap'] / stall['torch']:.3f} (aim <= 0.1)")
+            f"state, medians of {result['repeat']} interleaved rounds\n" + table(result, labels, "torch"))
 
 
 def main(argv: list[str] | None = None) -> int:
