@@ -313,8 +313,9 @@ def measure_state(state: str, small: bool, rounds: int, scratch: str, systems, m
 def summarize(result: dict) -> dict:
     """Medians, spreads (min and max) and statesnap's ratios and aims per state."""
     for figures in result["states"].values():
-        figures["median"] = {mode: {s: median(v) for s, v in per.items()} for mode, per in figures["seconds"].items()}
-        figures["spread"] = {mode: {s: [min(v), max(v)] for s, v in per.items()} for mode, per in figures["seconds"].items()}
+        seconds = figures["seconds"]
+        figures["median"] = {mode: {s: median(v) for s, v in per.items()} for mode, per in seconds.items()}
+        figures["spread"] = {mode: {s: [min(v), max(v)] for s, v in per.items()} for mode, per in seconds.items()}
         med = figures["median"]
         figures["aims"] = [
             {"what": f"statesnap {mode} / {peer} {mode}", "ratio": med[mode]["statesnap"] / med[mode][peer],
@@ -351,13 +352,17 @@ def report(result: dict) -> str:
     for state, fig in result["states"].items():
         modes = list(fig["median"])
         systems = [s for s in SYSTEMS if any(s in fig["median"][m] for m in modes)]
-        cell = lambda m, s: (f"{fig['median'][m][s]:.3f} [{fig['spread'][m][s][0]:.3f}-{fig['spread'][m][s][1]:.3f}]"  # noqa: E731
-                             if s in fig["median"][m] else "-")
+        def cell(m, s, fig=fig):
+            if s not in fig["median"][m]:
+                return "-"
+            low, high = fig["spread"][m][s]
+            return f"{fig['median'][m][s]:.3f} [{low:.3f}-{high:.3f}]"
         lines += ["", f"{state}: {fig['bytes'] / 1e9:.3f} GB in {fig['tensors']} tensors", "",
                   format_table(["system", *modes], [[s, *(cell(m, s) for m in modes)] for s in systems])]
         if fig["first_step_phases"]:
+            phases = fig["first_step_phases"].items()
             lines += ["", "first step, phases (median s): " + "; ".join(
-                f"{s}: " + ", ".join(f"{k} {v:.2f}" for k, v in p.items()) for s, p in fig["first_step_phases"].items())]
+                f"{s}: " + ", ".join(f"{k} {v:.2f}" for k, v in p.items()) for s, p in phases)]
         if fig["aims"]:
             lines += ["", format_table(["aim (statesnap / peer, seconds)", "ratio", "at most", "met"],
                                        [[a["what"], a["ratio"], f"{a['at_most']:.2f}", "yes" if a["met"] else "NO"]

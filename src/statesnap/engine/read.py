@@ -123,15 +123,17 @@ class ReadExecutor:
     def _coalesce(self, jobs: list[_Job]) -> list[list[_Job]]:
         jobs = sorted(jobs, key=lambda j: (j.file, j.base + j.read.lo))
         groups: list[list[_Job]] = []
+        size = 0  # bytes of the last group
         for job in jobs:
             if groups:
                 last = groups[-1][-1]
-                size = sum(j.read.hi - j.read.lo for j in groups[-1])
                 if (last.file == job.file and last.base + last.read.hi == job.base + job.read.lo
                         and size < GROUP_BYTES):
                     groups[-1].append(job)
+                    size += job.read.hi - job.read.lo
                     continue
             groups.append([job])
+            size = job.read.hi - job.read.lo
         return groups
 
     # -- doing the I/O ----------------------------------------------------------------------
