@@ -7,7 +7,16 @@ until the new manifest is in place and are deleted only then.
 
 Object stores also cannot write at an offset: a file is one stream (fsspec's buffered files on
 s3/gcs upload a multipart part each time their block fills). :class:`_FsspecWriter` turns the
-positioned writes of several threads into that stream without holding the file in memory.
+positioned writes of several threads into that stream without holding the file in memory. On
+S3 the stream goes out as a multipart upload with its parts sent in parallel
+(:mod:`.s3_upload`); loads read byte ranges, several at once (the load's reader threads).
+
+Requests are retried with backoff on throttling, 5xx answers and dropped connections
+(:mod:`.retry`); on S3 this replaces s3fs's and botocore's own retries, so that the bound is one.
+``storage_options`` for ``s3://`` take, besides s3fs's own: ``retries`` (tries per request, 5),
+``retry_backoff_s`` (first wait, 0.2 s; it doubles), ``retry_max_backoff_s`` (10 s),
+``default_block_size`` (the upload's part size, 16 MiB here) and ``max_concurrency`` (parts in
+flight per file, 8 by default with 16 MiB parts).
 """
 from __future__ import annotations
 
@@ -22,6 +31,8 @@ from fsspec.spec import AbstractBufferedFile
 
 from ..errors import CheckpointError
 from .base import FileReader, FileWriter, StorageBackend
+from .retry import RetryPolicy, describe
+from .s3_upload import ParallelUpload
 
 # Out-of-order bytes one file may hold in host memory. It is outside the Checkpointer's
 # ``host_memory_gb`` budget, so it is small and fixed: about one write of a blocking save.
@@ -35,10 +46,15 @@ WRITE_SLICE = 8 << 20
 # multiple ends a piece: the gap up to the next multiple is padding, not bytes still to come. A
 # part that breaks this arrives behind the stream and fails the file rather than being lost.
 PAD_ALIGN = 64
+S3_PROTOCOLS = ("s3", "s3a")
+# Parts of an S3 upload, and the bytes of one file on the wire at once (parts in flight): a file
+# holds at most these plus REORDER_BYTES in host memory, outside the staging budget.
+S3_PART_BYTES = 16 << 20
+S3_UPLOAD_WINDOW = 128 << 20
 
 
 def _error(what: str, exc: BaseException) -> CheckpointError:
-    error = CheckpointError(f"{what}: {type(exc).__name__}: {exc}")
+    error = CheckpointError(f"{what}: {describe(exc)}")
     error.__cause__ = exc
     return error
 
@@ -80,7 +96,7 @@ class _FsspecWriter(FileWriter):
     deletes what was uploaded, so no complete-looking object is left (the manifest is the commit
     marker in any case)."""
 
-    def __init__(self, fs, path: str, name: str, reorder_bytes: int = REORDER_BYTES):
+    def __init__(self, fs, path: str, name: str, reorder_bytes: int = REORDER_BYTES, open_file=None):
         self.fs, self.path, self.name = fs, path, name
         self.reorder_bytes = reorder_bytes
         self.held = 0  # bytes of early parts held in memory
@@ -94,7 +110,7 @@ class _FsspecWriter(FileWriter):
         self._spill_end = 0
         self._cond = threading.Condition()
         try:
-            self._file = fs.open(path, "wb")
+            self._file = open_file() if open_file is not None else fs.open(path, "wb")
         except Exception as exc:
             raise _error(f"cannot create {name}", exc) from exc
 
@@ -242,7 +258,9 @@ class _FsspecWriter(FileWriter):
         """Best effort, on the way to raising the failure that matters: abort the upload (closing
         a buffered file would complete it with what it has) and delete whatever was stored."""
         try:
-            if isinstance(self._file, AbstractBufferedFile):
+            if isinstance(self._file, ParallelUpload):
+                self._file.abort()
+            elif isinstance(self._file, AbstractBufferedFile):
                 self._file.discard()
                 self._file.closed = True
             else:
@@ -256,10 +274,13 @@ class _FsspecWriter(FileWriter):
 
 
 class _FsspecReader(FileReader):
-    def __init__(self, fs, path: str, name: str):
-        self.fs, self.path, self.name = fs, path, name
+    """Ranged reads: each ``readinto`` is one request for its bytes (a ranged GET on S3), retried
+    on its own; the load's reader threads keep several in flight."""
+
+    def __init__(self, fs, path: str, name: str, retry: RetryPolicy):
+        self.fs, self.path, self.name, self.retry = fs, path, name, retry
         try:
-            self._size = fs.size(path)
+            self._size = retry.call(f"size of {name}", fs.size, path)
         except FileNotFoundError:
             raise
         except Exception as exc:
@@ -269,7 +290,8 @@ class _FsspecReader(FileReader):
         total = sum(len(v) for v in views)
         end = min(offset + total, self._size)
         try:
-            data = self.fs.cat_file(self.path, start=offset, end=end) if end > offset else b""
+            data = (self.retry.call(f"reading bytes [{offset}, {end}) of {self.name}", self.fs.cat_file, self.path,
+                                    start=offset, end=end) if end > offset else b"")
         except Exception as exc:
             raise _error(f"reading bytes [{offset}, {end}) of {self.name} failed", exc) from exc
         pos = 0
@@ -288,52 +310,74 @@ class _FsspecReader(FileReader):
 
 class FsspecBackend(StorageBackend):
     def __init__(self, url: str, storage_options: dict | None = None):
-        self.fs, _ = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.protocol = url.split("://", 1)[0]
+        options = dict(storage_options or {})
+        self.retry = RetryPolicy(options.pop("retries", 5), options.pop("retry_backoff_s", 0.2),
+                                 options.pop("retry_max_backoff_s", 10.0))
+        self.s3 = self.protocol in S3_PROTOCOLS
+        if self.s3:
+            options = _s3_options(options)
+        self.fs, _ = fsspec.core.url_to_fs(url, **options)
+        if self.s3:
+            # s3fs's own retries (a class attribute, not an option): one try. This instance is
+            # statesnap's (fsspec caches instances by options, and botocore's retries are off in these).
+            self.fs.retries = 1
+            self.part_bytes = self.fs.default_block_size
+            self.parts_in_flight = options.get("max_concurrency") or max(1, S3_UPLOAD_WINDOW // self.part_bytes)
 
     def _strip(self, path: str) -> str:
         return self.fs._strip_protocol(path)
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        return self.retry.call(what, fn, *args, **kwargs)
 
     def join(self, base: str, *names: str) -> str:
         return "/".join([base.rstrip("/"), *names])
 
     def exists(self, path: str) -> bool:
-        return self.fs.exists(self._strip(path))
+        return self._call(f"looking for {path}", self.fs.exists, self._strip(path))
 
     def listdir(self, path: str) -> list[str]:
         try:
-            return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self._strip(path), detail=False))
+            names = self._call(f"listing {path}", self.fs.ls, self._strip(path), detail=False, refresh=True)
         except FileNotFoundError:
             return []
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in names)
 
     def remove(self, path: str) -> None:
         try:
-            self.fs.rm(self._strip(path), recursive=True)
+            self._call(f"deleting {path}", self.fs.rm, self._strip(path), recursive=True)
         except FileNotFoundError:
             pass
 
     def open_write(self, path: str, durable: bool = False) -> FileWriter:
-        return _FsspecWriter(self.fs, self._strip(path), path, REORDER_BYTES)
+        stripped, open_file = self._strip(path), None
+        if self.s3:
+            open_file = lambda: ParallelUpload(self.fs, stripped, self.part_bytes, self.parts_in_flight,  # noqa: E731
+                                               self.retry)
+        return _FsspecWriter(self.fs, stripped, path, REORDER_BYTES, open_file)
 
     def open_read(self, path: str) -> FileReader:
-        return _FsspecReader(self.fs, self._strip(path), path)
+        return _FsspecReader(self.fs, self._strip(path), path, self.retry)
 
     def write_bytes(self, path: str, data: bytes, durable: bool) -> None:
+        # One PUT (up to 100 MiB on S3): the object appears whole or not at all, which is what
+        # makes the manifest, written last, the commit marker.
         try:
-            self.fs.pipe_file(self._strip(path), data)
+            self._call(f"writing {path}", self.fs.pipe_file, self._strip(path), data)
         except Exception as exc:
             raise _error(f"writing {path} failed", exc) from exc
 
     def read_bytes(self, path: str) -> bytes:
         try:
-            return self.fs.cat_file(self._strip(path))
+            return self._call(f"reading {path}", self.fs.cat_file, self._strip(path))
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise  # callers tell a missing file from a failing one
         except Exception as exc:
             raise _error(f"reading {path} failed", exc) from exc
 
     def begin(self, final: str, token: str) -> str:
-        self.fs.makedirs(self._strip(final), exist_ok=True)
+        self._call(f"creating {final}", self.fs.makedirs, self._strip(final), exist_ok=True)
         return final
 
     def commit(self, staging: str, final: str, overwrite: bool, durable: bool,
@@ -348,3 +392,13 @@ class FsspecBackend(StorageBackend):
         # Only this save's files go; their names are unique to it, so no manifest refers to them.
         for name in written:
             self.remove(self.join(staging, name))
+
+
+def _s3_options(options: dict) -> dict:
+    """s3fs's options with statesnap's defaults: botocore's retries off, since :class:`RetryPolicy`
+    retries every request, and the part size of uploads."""
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("retries", {"total_max_attempts": 1})
+    options["config_kwargs"] = config
+    options.setdefault("default_block_size", S3_PART_BYTES)
+    return options

@@ -1,0 +1,96 @@
+"""One S3 object written front to back as a multipart upload whose parts are sent in parallel.
+
+s3fs's buffered file sends the parts of an upload one after the other, each waiting for the
+previous one's answer: a checkpoint file then moves at one request's pace. Here every full part is
+handed to s3fs's event loop at once and the writer goes on filling the next, with up to
+``in_flight`` parts on the wire per file. Memory stays bounded by ``in_flight`` parts plus the one
+being filled: the writer waits for the oldest part when the window is full.
+
+Each part is retried on its own (:class:`.retry.RetryPolicy`); the object appears only when the
+upload is completed, after every part arrived. A file smaller than one part is sent in one PUT.
+A failed upload is aborted, so the store drops its parts.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+
+from fsspec.asyn import sync
+
+from .retry import RetryPolicy
+
+# S3 refuses parts under 5 MiB (the last one excepted) and uploads of more than 10,000 parts.
+MIN_PART_BYTES = 5 << 20
+
+
+class ParallelUpload:
+    """``write`` (from one thread at a time), then ``close`` to complete or ``abort``."""
+
+    def __init__(self, fs, path: str, part_bytes: int, in_flight: int, retry: RetryPolicy):
+        if part_bytes < MIN_PART_BYTES:
+            raise ValueError(f"S3 parts must have at least {MIN_PART_BYTES} bytes, got {part_bytes}")
+        self.fs, self.path = fs, path
+        self.bucket, self.key, _ = fs.split_path(path)
+        self.part_bytes, self.in_flight, self.retry = part_bytes, max(1, in_flight), retry
+        self._buffer = bytearray()
+        self._upload_id: str | None = None
+        self._sent: list[Future] = []  # by part number - 1; each gives the part's ETag entry
+        self._pending: deque[Future] = deque()
+
+    def write(self, data) -> int:
+        self._buffer += data
+        while len(self._buffer) >= self.part_bytes:
+            part = bytes(memoryview(self._buffer)[:self.part_bytes])
+            del self._buffer[:self.part_bytes]
+            self._send(part)
+        return len(data)
+
+    def _call(self, method: str, **kwargs):
+        what = f"S3 {method} of {self.path}"
+        return sync(self.fs.loop, self.retry.call_async, what, self.fs._call_s3, method,
+                    Bucket=self.bucket, Key=self.key, **kwargs)
+
+    def _send(self, part: bytes) -> None:
+        if self._upload_id is None:
+            self._upload_id = self._call("create_multipart_upload")["UploadId"]
+        while len(self._pending) >= self.in_flight:
+            done, _ = wait(self._pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                self._pending.remove(future)
+                future.result()  # a part that failed every retry fails the file now
+        number = len(self._sent) + 1
+        future = asyncio.run_coroutine_threadsafe(self._upload_part(number, part), self.fs.loop)
+        self._sent.append(future)
+        self._pending.append(future)
+
+    async def _upload_part(self, number: int, part: bytes) -> dict:
+        out = await self.retry.call_async(
+            f"S3 upload_part {number} of {self.path}", self.fs._call_s3, "upload_part", Bucket=self.bucket,
+            Key=self.key, UploadId=self._upload_id, PartNumber=number, Body=part)
+        entry = {"PartNumber": number, "ETag": out["ETag"]}
+        entry.update({k: out[k] for k in ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumSHA1", "ChecksumSHA256",
+                                          "ChecksumCRC64NVME") if k in out})
+        return entry
+
+    def close(self) -> None:
+        """Complete the upload: the object appears now, whole."""
+        if self._upload_id is None:
+            self._call("put_object", Body=bytes(self._buffer))
+        else:
+            if self._buffer:
+                self._send(bytes(self._buffer))
+            parts = [future.result() for future in self._sent]
+            self._call("complete_multipart_upload", UploadId=self._upload_id, MultipartUpload={"Parts": parts})
+        self._buffer = bytearray()
+        self.fs.invalidate_cache(self.path)
+
+    def abort(self) -> None:
+        """Stop the parts still on the wire and abort the upload (one try: the store's lifecycle
+        rules remove uploads left incomplete if the store cannot be reached now)."""
+        for future in self._pending:
+            future.cancel()
+        wait(self._pending)
+        if self._upload_id is not None:
+            sync(self.fs.loop, self.fs._call_s3, "abort_multipart_upload", Bucket=self.bucket, Key=self.key,
+                 UploadId=self._upload_id)
