@@ -16,6 +16,7 @@ from dist_utils import run_ranks
 from s3_server import FaultProxy
 from statesnap.bench.s3_server import CREDENTIALS, REGION, MotoServer
 from statesnap.cli import main as cli_main
+from statesnap.storage.lock import RootBusyError
 
 MiB = 1 << 20
 BUCKET = "statesnap-test"
@@ -134,12 +135,26 @@ def test_throttling_and_5xx_are_retried_with_backoff(proxy, caplog):
     assert len(manifest_puts) == 2  # the failed one and its retry
 
 
+def test_a_completion_whose_answer_was_lost_is_not_failed_by_its_retry(proxy, caplog):
+    """The store completed the upload but the answer never came (a read timeout): the retry finds
+    the upload gone, and the object, with the ETag of these parts, is taken as completed."""
+    url, state = fresh_url("lost"), make_state(5)
+    proxy.lose_answers(lambda r: r.method == "POST" and "uploadId" in r.query, times=1)
+    with caplog.at_level(logging.WARNING, logger="statesnap"):
+        ss.save(state, url, storage_options=options(proxy))
+    assert sum("complete_multipart_upload" in r.getMessage() for r in caplog.records) == 1  # one retry
+    loaded = zeros_like(state)
+    ss.load(loaded, url, storage_options=options(proxy))
+    assert_same(loaded, state)
+
+
 def test_retries_are_bounded(proxy):
     url = fresh_url("bounded")
     proxy.fail(lambda r: r.is_write, times=1000, code="SlowDown")
     with pytest.raises(ss.CheckpointError, match=r"data-.*SlowDown \(HTTP 503\)"):
         ss.save({"x": torch.arange(10)}, url, storage_options=options(proxy, retries=3))
-    assert [r.path.rsplit("/", 1)[-1][:5] for r in proxy.requests if r.method == "PUT"] == ["data-"] * 3  # tried 3 times
+    puts = [r.path.rsplit("/", 1)[-1][:5] for r in proxy.requests if r.method == "PUT"]
+    assert puts == ["data-"] * 3  # the data file's PUT, tried three times
 
 
 def test_server_dying_mid_upload_fails_cleanly_and_keeps_the_earlier_checkpoint(proxy, moto):
@@ -160,6 +175,26 @@ def test_server_dying_mid_upload_fails_cleanly_and_keeps_the_earlier_checkpoint(
     loaded = zeros_like(first)
     ss.load(loaded, f"{root}/step-1", storage_options=direct)
     assert_same(loaded, first)
+
+
+def test_storage_outage_during_a_checkpointer_run(proxy, moto):
+    """The step written while the store is gone fails (a CheckpointError naming the file, at
+    ``wait``), ``close`` returns, and the next job restores the step before it, bit exact; it
+    takes over the root, whose lease the dead store kept."""
+    root = fresh_url("outage")
+    ckpt = ss.Checkpointer(root, storage_options=options(proxy, retries=3))
+    ckpt.save(1, make_state(1, big=300_000)).wait()
+    proxy.die_at(lambda r: r.method == "PUT" and "/step-2/" in r.path)
+    handle = ckpt.save(2, make_state(2, big=300_000))
+    with pytest.raises(ss.CheckpointError, match=r"step-2/data-"):
+        handle.wait()
+    ckpt.close()
+    with pytest.raises(RootBusyError):
+        ss.Checkpointer(root, storage_options=options(moto))
+    with ss.Checkpointer(root, storage_options=options(moto), take_over=True) as ckpt:
+        loaded = zeros_like(make_state(1, big=300_000))
+        assert ckpt.load_latest(loaded) == 1
+    assert_same(loaded, make_state(1, big=300_000))
 
 
 ROWS, COLS = 12, 40_000  # 1.9 MB
