@@ -10,6 +10,9 @@ chosen time. The proxy sits between statesnap and moto and:
 * ``hold(match, count)``: keeps matching requests waiting until ``count`` of them are in flight
   at once, which proves they were sent in parallel (a client sending one at a time never gets
   there: the barrier breaks after ``timeout`` and ``broken`` says so);
+* ``lose_answers(match, times)``: passes the next ``times`` matching requests on but drops the
+  connection instead of returning the answer (a read timeout: the store did the work); it comes
+  before ``fail``, so a request can lose its answer and its retry fail;
 * ``die_at(match)``: the matching request kills the proxy: that request's connection drops
   without an answer, and every later request or connection is refused, as with a server gone.
 
@@ -48,6 +51,7 @@ class FaultProxy:
         self.requests: list[Request] = []
         self._failures: list[list] = []  # [match, times left, status, code]
         self._holds: list[list] = []  # [match, barrier, requests it still takes]
+        self._lost: list[list] = []  # [match, times left]
         self._die_at = None
         self.broken = False  # a hold's barrier timed out: the requests did not come in parallel
         self.dead = False
@@ -68,11 +72,15 @@ class FaultProxy:
     def hold(self, match, count: int = 2, timeout: float = 30.0) -> None:
         self._holds.append([match, threading.Barrier(count, timeout=timeout), count])
 
+    def lose_answers(self, match, times: int) -> None:
+        self._lost.append([match, times])
+
     def die_at(self, match) -> None:
         self._die_at = match
 
     def _decide(self, request: Request):
-        """What to do with ``request``: "drop", (status, code), or None to pass it on."""
+        """What to do with ``request``: "drop", (status, code), "lose" (pass it on, drop the
+        answer), or None to pass it on."""
         with self._lock:
             self.requests.append(request)
             if self.dead:
@@ -81,6 +89,10 @@ class FaultProxy:
                 self.dead = True
                 threading.Thread(target=self._shut, daemon=True).start()
                 return "drop"
+            for lost in self._lost:
+                if lost[1] > 0 and lost[0](request):
+                    lost[1] -= 1
+                    return "lose"
             for failure in self._failures:
                 if failure[1] > 0 and failure[0](request):
                     failure[1] -= 1
@@ -120,7 +132,7 @@ class _Handler(BaseHTTPRequestHandler):
         if action == "drop":
             self.close_connection = True
             return
-        if action is not None:
+        if action not in (None, "lose"):
             status, code = action
             payload = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
                        f'<Message>injected by the test proxy</Message><RequestId>proxy</RequestId></Error>').encode()
@@ -140,6 +152,9 @@ class _Handler(BaseHTTPRequestHandler):
         upstream.endheaders(body)
         response = upstream.getresponse()
         payload = response.read()
+        if action == "lose":
+            self.close_connection = True
+            return
         self.send_response(response.status)
         for name, value in response.getheaders():
             if name.lower() not in _HOP_HEADERS and name.lower() != "content-length":

@@ -15,6 +15,7 @@ Suites (each a module with ``main(argv)`` that parses its own options):
   default and ``AsyncCheckpointIO`` (:mod:`.lightning`);
 * ``hf``: the same for the Hugging Face Trainer, ``StatesnapTrainer`` against the stock one (:mod:`.hf`);
 * ``restore``: loads into a fresh model and optimizer against torch.load and DCP (:mod:`.restore`);
+* ``s3``: save/load throughput to an S3 API server (moto on loopback) against local disk (:mod:`.s3`);
 * ``all``: every suite in turn with its default options.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import argparse
 import importlib
 import sys
 
-SUITES = ("io", "training", "reshard", "convert", "planning", "chaos", "recovery", "lightning", "hf", "restore")
+SUITES = ("io", "training", "reshard", "convert", "planning", "chaos", "recovery", "lightning", "hf", "restore", "s3")
 
 
 def main(argv: list[str] | None = None) -> int:

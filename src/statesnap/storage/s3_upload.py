@@ -13,6 +13,7 @@ A failed upload is aborted, so the store drops its parts.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
@@ -81,9 +82,26 @@ class ParallelUpload:
             if self._buffer:
                 self._send(bytes(self._buffer))
             parts = [future.result() for future in self._sent]
-            self._call("complete_multipart_upload", UploadId=self._upload_id, MultipartUpload={"Parts": parts})
+            try:
+                self._call("complete_multipart_upload", UploadId=self._upload_id, MultipartUpload={"Parts": parts})
+            except Exception:
+                if not self._completed(parts):
+                    raise
         self._buffer = bytearray()
         self.fs.invalidate_cache(self.path)
+
+    def _completed(self, parts: list[dict]) -> bool:
+        """Did an earlier try of the completion succeed? A completion whose answer was lost (a
+        read timeout: the store assembles a large object slowly) has removed the upload, so its
+        retry fails although the object is there. It is the one this upload made if its ETag is
+        the multipart ETag of these parts: the MD5 of their MD5s, a dash, their count."""
+        try:
+            digests = b"".join(bytes.fromhex(part["ETag"].strip('"')) for part in parts)
+            expected = f'"{hashlib.md5(digests).hexdigest()}-{len(parts)}"'
+            head = sync(self.fs.loop, self.fs._call_s3, "head_object", Bucket=self.bucket, Key=self.key)
+        except Exception:  # noqa: BLE001 (ETags that are not MD5s, a failing HEAD: the completion's error is raised)
+            return False
+        return head.get("ETag") == expected
 
     def abort(self) -> None:
         """Stop the parts still on the wire and abort the upload (one try: the store's lifecycle
