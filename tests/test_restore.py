@@ -1,13 +1,16 @@
 """Restoring into a fresh model and optimizer (issue 15): a fresh Adam/AdamW gets its state
 created in place, unfilled, instead of by a zero-lr step; the load fills it bit for bit, and
-what it does not fill (strict=False, a failed load) is zero, never leftover memory."""
+what it does not fill (strict=False, a failed load) is zero, never leftover memory. Files that
+are not in the page cache come back with direct I/O, bit for bit and still verified."""
 import json
+import os
 
 import pytest
 import torch
 from torch import nn
 
 import statesnap as ss
+from statesnap.engine import cold_read
 from statesnap.errors import CorruptCheckpointError
 from statesnap.format.manifest import MANIFEST_NAME
 
@@ -113,3 +116,66 @@ def test_a_failed_load_leaves_a_fresh_optimizer_zero(tmp_path):
         ss.load({"model": fresh_model, "optim": fresh_optim}, tmp_path / "ck")
     for state in fresh_optim.state.values():
         assert not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+
+
+def evict(directory) -> None:
+    """Drop the checkpoint's files from the page cache (clean pages: the save fsynced them)."""
+    for name in directory.iterdir():
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def odd_state() -> dict:
+    """Tensors whose sizes are no multiple of a disk block, so pieces start at unaligned offsets."""
+    g = torch.Generator().manual_seed(3)
+    return {"model": {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate((1_000_003, 7, 700_001, 2_500_000))}}
+
+
+def test_cold_files_load_bit_exact_through_direct_reads(tmp_path, monkeypatch):
+    state = odd_state()
+    ss.save(state, tmp_path / "ck")
+    direct_reads = []
+    original = cold_read.ColdReads._direct
+    monkeypatch.setattr(cold_read.ColdReads, "_direct",
+                        lambda self, *args: direct_reads.append(original(self, *args)) or direct_reads[-1])
+    for cold in (True, False):
+        if cold:
+            evict(tmp_path / "ck")
+        target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+        ss.load(target, tmp_path / "ck")
+        for name, value in state["model"].items():
+            assert same_bits(target["model"][name], value), name
+        if cold:
+            assert sum(direct_reads) > 0  # what was evicted came back with direct I/O
+            direct_reads.clear()
+    assert not direct_reads  # warm: all from the page cache
+
+
+def test_damage_in_a_cold_file_is_named(tmp_path):
+    state = odd_state()
+    ss.save(state, tmp_path / "ck")
+    doc = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_text())
+    entry = doc["tensors"]["model.t3"]
+    data = tmp_path / "ck" / doc["files"][entry["file"][0]]
+    raw = bytearray(data.read_bytes())
+    raw[entry["offset"][0] + 5_000_000] ^= 0x40
+    data.write_bytes(bytes(raw))
+    os.sync()
+    evict(tmp_path / "ck")
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    with pytest.raises(CorruptCheckpointError, match=f"model.t3.*{data.name}|{data.name}.*model.t3"):
+        ss.load(target, tmp_path / "ck")
+
+
+def test_reads_fall_back_to_buffered_where_direct_io_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(cold_read, "_O_DIRECT", 0)  # as on tmpfs: no direct descriptor
+    state = odd_state()
+    ss.save(state, tmp_path / "ck")
+    evict(tmp_path / "ck")
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    ss.load(target, tmp_path / "ck")
+    for name, value in state["model"].items():
+        assert same_bits(target["model"][name], value), name
