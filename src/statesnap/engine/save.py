@@ -19,6 +19,7 @@ from ..errors import CheckpointError, CheckpointExistsError
 from ..format.checksum import DEFAULT_BLOCK_BYTES, checksum_whole
 from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry
+from ..format.split import TensorRow, encode_section, section_name
 from ..plan.owners import Decision, OwnedTensors, owner_of, place_writes, plan_owned, route
 from ..plan.save_plan import SavePlan, align_up
 from ..progress import bar
@@ -43,11 +44,17 @@ class SaveInfo:
     notes: list[str] = field(default_factory=list)
 
 
+# Jobs of this many ranks or more write a split manifest (format/split.py): every loading rank then
+# reads only its tensors' parts. Smaller jobs write the one-document manifest, small anyway, that
+# every statesnap tool and older reader reads.
+SPLIT_MIN_RANKS = 64
+
+
 def data_file_name(token: str, rank: int) -> str:
     return f"data-{token}-r{rank:05d}.bin"
 
 
-_DATA_FILE = re.compile(r"^data-[0-9a-f]{12}-r[0-9]{5,}\.bin$")
+_DATA_FILE = re.compile(r"^(data-[0-9a-f]{12}-r[0-9]{5,}\.bin|manifest-[0-9a-f]{12}-r[0-9]{5,}\.sec)$")
 
 
 def foreign_entries(backend: StorageBackend, path: str) -> list[str]:
@@ -67,6 +74,8 @@ class RankOutput:
     per_rank: set[str]  # which of ``objects`` are per-rank values
     replicas: list = field(default_factory=list)  # hashes of replicas other ranks write (engine.replicas)
     object_digests: dict = field(default_factory=dict)  # fqn -> hash of each compared shared value
+    # a split manifest's section this rank wrote for the tensors it owns: (file name, size, index rows)
+    section: tuple[str, int, dict[str, TensorRow]] | None = None
 
 
 def encode_objects(flat: Flattened, allow_pickle: bool) -> tuple[dict[str, ObjectEntry], dict[str, bytes]]:
@@ -138,13 +147,34 @@ def build_manifest(plan: SavePlan, outputs: list[RankOutput], world_size: int, b
                     world_size=world_size, block_bytes=block_bytes, meta=dict(meta or {}))
 
 
-def assemble_manifest(tensors: dict[str, TensorEntry], outputs: list[RankOutput], world_size: int,
-                      block_bytes: int, meta: dict | None) -> Manifest:
-    """The manifest of a save planned by tensor owners (plan/owners.py): their entries, already
-    built, plus the file table and objects from every rank's output."""
+def whole_manifest(tensors: dict[str, TensorEntry], outputs: list[RankOutput], world_size: int, block_bytes: int,
+                   meta: dict | None) -> tuple[Manifest, bytes]:
+    """The one-document manifest (version 1) of a save planned by tensor owners, from their
+    entries gathered on rank 0: for jobs under ``SPLIT_MIN_RANKS`` ranks, whose manifest is small."""
     files, sizes, index_of = _file_table(outputs)
-    return Manifest(files=files, file_sizes=sizes, tensors=tensors, objects=_merge_objects(outputs, index_of),
-                    world_size=world_size, block_bytes=block_bytes, meta=dict(meta or {}))
+    manifest = Manifest(files=files, file_sizes=sizes, tensors=dict(sorted(tensors.items())),
+                        objects=_merge_objects(outputs, index_of), world_size=world_size, block_bytes=block_bytes,
+                        meta=dict(meta or {}))
+    return manifest, manifest.to_bytes()
+
+
+def split_index(outputs: list[RankOutput], world_size: int, block_bytes: int, meta: dict | None
+                ) -> tuple[Manifest, bytes]:
+    """The index of a split manifest (format/split.py) of a save planned by tensor owners
+    (plan/owners.py): their sections, already written, plus the file table and objects from
+    every rank's output. O(ranks + tensors), never the pieces."""
+    files, sizes, index_of = _file_table(outputs)
+    manifest = Manifest(files=files, file_sizes=sizes, tensors={}, objects=_merge_objects(outputs, index_of),
+                        world_size=world_size, block_bytes=block_bytes, meta=dict(meta or {}), version=2)
+    rows = {}
+    for name, size, section_rows in (out.section for out in outputs if out.section is not None):
+        for row in section_rows.values():
+            row.section = len(manifest.sections)
+        manifest.sections.append(len(manifest.files))  # sections join the file table
+        manifest.files.append(name)
+        manifest.file_sizes.append(size)
+        rows.update(section_rows)
+    return manifest, manifest.index_bytes(dict(sorted(rows.items())))
 
 
 def _file_table(outputs: list[RankOutput]) -> tuple[list[str], list[int], dict[int, int]]:
@@ -231,25 +261,42 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
     except Exception as exc:
         error = exc
     owned_entries, error = _report_to_owners(comm, metas, plan, output, owned, file_of_rank, error)
+    split = comm.world_size >= SPLIT_MIN_RANKS
+    if split and owned_entries and error is None:
+        try:
+            output.section = write_section(backend, staging, token, comm.rank, owned_entries, durable)
+        except Exception as exc:
+            error = exc
     try:
         gathered = comm.gather((output, None if error is None else f"{type(error).__name__}: {error}",
-                                owned_entries))
+                                None if split else owned_entries))
     except PeerLostError:
         if comm.rank == 0:  # the coordinator cleans up; other ranks' files are in its staging
-            backend.abort(staging, path, [data_file_name(token, r) for r in range(comm.world_size)])
+            backend.abort(staging, path, [name(token, r) for r in range(comm.world_size)
+                                          for name in (data_file_name, section_name)])
         raise
     result = None
     if comm.rank == 0:
         outputs = [(out, err) for out, err, _ in gathered]
-        tables = {fqn: e for _, _, part in gathered for fqn, e in (part or {}).items()}
-        result = commit_manifest(backend, path, staging, outputs, overwrite, durable, lambda outs: assemble_manifest(
-            dict(sorted(tables.items())), outs, comm.world_size, block_bytes, meta))
+        tables = {fqn: entry for _, _, part in gathered for fqn, entry in (part or {}).items()}
+        result = commit_manifest(backend, path, staging, outputs, overwrite, durable,
+                                 (lambda outs: split_index(outs, comm.world_size, block_bytes, meta)) if split else
+                                 (lambda outs: whole_manifest(tables, outs, comm.world_size, block_bytes, meta)))
     result = comm.broadcast(result)
     if error is not None:
         raise error if isinstance(error, CheckpointError) else CheckpointError(f"save to {path} failed: {error}") from error
     if isinstance(result, str):
         raise CheckpointError(result)
     return SaveInfo(path, result, time.perf_counter() - started)
+
+
+def write_section(backend: StorageBackend, staging: str, token: str, rank: int, entries: dict[str, TensorEntry],
+                  durable: bool) -> tuple[str, int, dict[str, TensorRow]]:
+    """Write the split manifest's section of the tensors this rank owns; (name, size, index rows)."""
+    raw, rows = encode_section(entries)
+    name = section_name(token, rank)
+    backend.write_bytes(backend.join(staging, name), raw, durable)
+    return name, len(raw), rows
 
 
 def _plan_by_owners(comm: Comm, metas: list, names: list[str]) -> tuple[SavePlan, dict, OwnedTensors | None]:
@@ -307,16 +354,19 @@ def open_staging(backend: StorageBackend, path: str, overwrite: bool) -> tuple[s
 def commit_or_abort(backend, path, staging, plan, outputs, world_size, overwrite, durable, block_bytes, meta) -> Any:
     """On rank 0: write the manifest of a whole-job ``plan`` and commit, or abort; return total
     bytes or an error text."""
-    return commit_manifest(backend, path, staging, outputs, overwrite, durable,
-                           lambda outs: build_manifest(plan, outs, world_size, block_bytes, meta))
+    def whole(outs: list[RankOutput]) -> tuple[Manifest, bytes]:
+        manifest = build_manifest(plan, outs, world_size, block_bytes, meta)
+        return manifest, manifest.to_bytes()
+    return commit_manifest(backend, path, staging, outputs, overwrite, durable, whole)
 
 
 def commit_manifest(backend, path, staging, outputs, overwrite, durable,
-                    build: Callable[[list[RankOutput]], Manifest]) -> Any:
-    """On rank 0: write the manifest ``build`` makes of the ranks' outputs and commit, or abort;
-    return total bytes or an error text."""
+                    build: Callable[[list[RankOutput]], tuple[Manifest, bytes]]) -> Any:
+    """On rank 0: write the manifest ``build`` makes of the ranks' outputs (and its bytes) and
+    commit, or abort; return total bytes or an error text."""
     failures = [f"rank {r}: {err}" for r, (_, err) in enumerate(outputs) if err is not None]
-    written = [out.file for out, _ in outputs if out is not None and out.file]
+    written = [name for out, _ in outputs if out is not None
+               for name in (out.file, out.section and out.section[0]) if name]
     if failures:
         backend.abort(staging, path, written)
         return f"save to {path} failed and was not committed: " + "; ".join(failures)
@@ -325,8 +375,8 @@ def commit_manifest(backend, path, staging, outputs, overwrite, durable,
         backend.abort(staging, path, written)
         return f"{path} was not committed: {differ}"
     try:
-        manifest = build([out for out, _ in outputs])
-        backend.write_bytes(backend.join(staging, MANIFEST_NAME), manifest.to_bytes(), durable)
+        manifest, raw = build([out for out, _ in outputs])
+        backend.write_bytes(backend.join(staging, MANIFEST_NAME), raw, durable)
         backend.commit(staging, path, overwrite, durable, keep=[*manifest.files, MANIFEST_NAME])
     except Exception as exc:
         backend.abort(staging, path, written)

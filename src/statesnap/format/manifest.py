@@ -20,7 +20,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -32,9 +32,11 @@ from .boxes import first_outside, region, tiling_problem
 from .columns import (INT64_MAX, PACK_MIN_PIECES, PACK_ZLIB_MAX_DIMS, UINT64_MAX, InflationBudget, integer,
                       pack, unpack)
 from .dtypes import dtype_from_name, dtype_name
+from .split import (Fetch, SectionReader, TensorRow, pack_files, pack_json, parse_rows, region_problem, row_json,
+                    unpack_files, unpack_json)
 
 FORMAT_NAME = "statesnap"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this reads; a one-document manifest is still written as version 1
 MANIFEST_NAME = "manifest.json"
 _SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
 BOX, FLAT = "box", "flat"
@@ -146,9 +148,12 @@ class TensorEntry:
         entry._validate(where, files, file_sizes, block_bytes)
         return entry
 
-    def _validate(self, where: str, files: list[str], file_sizes: list[int] | np.ndarray, block_bytes: int) -> None:
+    def _validate(self, where: str, files: list[str], file_sizes: list[int] | np.ndarray, block_bytes: int,
+                  tiling: bool = True) -> None:
         """Rules 5 and 6 of docs/format.md §8, in an order where each check may rely on the ones
-        before it (all values non-negative and inside the shape before any sum or product)."""
+        before it (all values non-negative and inside the shape before any sum or product).
+        ``tiling=False``: the entry holds only some of the tensor's pieces (a split manifest read
+        in part), so rule 6 is checked by the reader for the region it reads instead."""
         def bad(msg):
             raise ManifestError(f"{where}: {msg}")
 
@@ -172,6 +177,8 @@ class TensorEntry:
         wrong = np.nonzero(np.diff(self.checksum_bounds) != expected)[0]
         if len(wrong):
             bad(f"piece {int(wrong[0])} has the wrong number of checksums: one per {block_bytes}-byte block expected")
+        if not tiling:
+            return
         problem = tiling_problem(self.shape if self.layout == BOX else (self.numel,), self.start, self.size,
                                  lambda i: f"piece {i} {region(self.start[i], self.start[i] + self.size[i])} "
                                            f"(in {files[self.file[i]]})")
@@ -238,44 +245,119 @@ class ObjectEntry:
         raise ManifestError(f"{where}: unknown kind {kind!r}")
 
 
+class SplitTensors(Mapping):
+    """The tensors of a split manifest (version 2, format/split.py), read from their sections
+    when asked for: one tensor whole (validated like a version 1 entry) or, through ``part``,
+    only the chunks of its pieces that a region needs."""
+
+    def __init__(self, rows: dict[str, TensorRow], reader: SectionReader | None, manifest: "Manifest"):
+        self.rows, self.reader, self.manifest = rows, reader, manifest
+        self._whole: dict[str, TensorEntry] = {}
+
+    def __getitem__(self, fqn: str) -> TensorEntry:
+        if fqn not in self._whole:
+            self._whole[fqn] = self._entry(fqn, None, None)
+        return self._whole[fqn]
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __contains__(self, fqn) -> bool:
+        return fqn in self.rows
+
+    def part(self, fqn: str, start: tuple, size: tuple) -> TensorEntry:
+        """The pieces of box tensor ``fqn`` that the region ``start``/``size`` may need (some
+        more: whole chunks are read), checked to hold each of the region's elements exactly once."""
+        if fqn in self._whole:
+            return self._whole[fqn]
+        entry = self._entry(fqn, start[0], start[0] + size[0])
+        problem = region_problem(entry.start, entry.size, start, size, fqn)
+        if problem:
+            raise ManifestError(f"{self.reader.where}: {problem}")
+        return entry
+
+    def _entry(self, fqn: str, lo: int | None, hi: int | None) -> TensorEntry:
+        if self.reader is None:
+            raise ManifestError(f"{fqn}: a split manifest (version 2) was parsed without access to its "
+                                "section files; read it with statesnap.engine.load.read_manifest")
+        row, m = self.rows[fqn], self.manifest
+        entry = TensorEntry(dtype=row.dtype, shape=row.shape, layout=row.layout, **self.reader.columns(fqn, row, lo, hi))
+        entry._validate(f"{self.reader.where}: tensor {fqn!r}", m.files, np.asarray(m.file_sizes, np.int64),
+                        m.block_bytes, tiling=lo is None)
+        return entry
+
+
 @dataclass
 class Manifest:
     files: list[str]
     file_sizes: list[int]
-    tensors: dict[str, TensorEntry]
+    tensors: Mapping[str, TensorEntry]
     objects: dict[str, ObjectEntry]
     world_size: int = 1
     block_bytes: int = DEFAULT_BLOCK_BYTES
     meta: dict = field(default_factory=dict)
-    version: int = FORMAT_VERSION
+    version: int = 1
+    # a split manifest (version 2): which files of ``files`` are its sections (format/split.py);
+    # ``tensors`` is then a SplitTensors
+    sections: list[int] = field(default_factory=list)
 
     def keys(self) -> list[str]:
         return sorted([*self.tensors, *self.objects])
 
     @property
     def total_bytes(self) -> int:
-        return sum(self.file_sizes)
+        """Bytes of the data files (a split manifest's sections are in the file table too)."""
+        return sum(self.file_sizes) - sum(self.file_sizes[i] for i in self.sections)
+
+    def header(self, fqn: str) -> TensorEntry | TensorRow | None:
+        """What tensor ``fqn`` is (``dtype``, ``shape``, ``layout``) without reading its pieces."""
+        if isinstance(self.tensors, SplitTensors):
+            return self.tensors.rows.get(fqn)
+        return self.tensors.get(fqn)
+
+    def tensor_part(self, fqn: str, layout: str, start: tuple, size: tuple) -> TensorEntry:
+        """An entry holding (at least) the pieces of ``fqn`` a target part needs: from a split
+        manifest only the chunks a box target's rows reach, else the whole entry."""
+        row = self.header(fqn)
+        if isinstance(self.tensors, SplitTensors) and layout == BOX and row.layout == BOX and row.shape:
+            return self.tensors.part(fqn, tuple(start), tuple(size))
+        return self.tensors[fqn]
+
+    def _head(self, version: int) -> dict:
+        return {"format": FORMAT_NAME, "version": version, "world_size": self.world_size,
+                "block_bytes": self.block_bytes, "created_unix": time.time(),
+                "torch_version": torch.__version__, "meta": self.meta}
 
     def to_bytes(self) -> bytes:
-        """The manifest's JSON, compact, ending in its checksum of itself (``SELF_CHECKSUM``)."""
+        """The manifest as one document (version 1), compact, ending in its checksum of itself."""
         doc = {
-            "format": FORMAT_NAME, "version": self.version, "world_size": self.world_size,
-            "block_bytes": self.block_bytes, "created_unix": time.time(),
-            "torch_version": torch.__version__, "meta": self.meta,
-            "files": self.files, "file_sizes": self.file_sizes,
+            **self._head(1), "files": self.files, "file_sizes": self.file_sizes,
             "tensors": {k: v.to_json() for k, v in self.tensors.items()},
             "objects": {k: v.to_json() for k, v in self.objects.items()},
         }
-        body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-        return b"%s%s%d}" % (body[:-1], _SELF_TAIL, xxhash.xxh3_64_intdigest(body))
+        return _with_self_checksum(doc)
+
+    def index_bytes(self, rows: dict[str, TensorRow]) -> bytes:
+        """The index of a split manifest (version 2): ``rows`` locate each tensor in ``sections``."""
+        doc = {
+            **self._head(2), "files": pack_files(self.files, len(self.sections)),
+            "file_sizes": pack_json(self.file_sizes), "sections": len(self.sections),
+            "tensors": pack_json([row_json(fqn, row) for fqn, row in rows.items()]),
+            "objects": {k: v.to_json() for k, v in self.objects.items()},
+        }
+        return _with_self_checksum(doc)
 
     @classmethod
-    def from_bytes(cls, raw: bytes, where: str = "manifest") -> "Manifest":
+    def from_bytes(cls, raw: bytes, where: str = "manifest", fetch: Fetch | None = None) -> "Manifest":
         """Parse and validate (docs/format.md section 8). The manifest's checksum of itself is
         checked after the rules that guard against a hostile manifest, which could recompute it:
         a manifest that breaks one of those raises their ``ManifestError`` (saying when the
         checksum fails too), one that breaks none but fails its checksum a
-        ``CorruptCheckpointError``."""
+        ``CorruptCheckpointError``. ``fetch(name, offset, nbytes)`` reads a split manifest's
+        section files (version 2); without it only its index is usable."""
         if not isinstance(raw, bytes):  # the checksum is of bytes
             raw = raw.encode() if isinstance(raw, str) else bytes(raw)
         try:
@@ -293,7 +375,7 @@ class Manifest:
                                 f"reads ({FORMAT_VERSION}); upgrade statesnap to load it")
         damage = _self_check(raw, doc, where)
         try:
-            manifest = cls._from_doc(doc, version, where, InflationBudget(len(raw)))
+            manifest = cls._from_doc(doc, version, where, InflationBudget(len(raw)), fetch)
         except ManifestError as exc:
             if damage is None:
                 raise
@@ -305,33 +387,57 @@ class Manifest:
         return manifest
 
     @classmethod
-    def _from_doc(cls, doc: dict, version: int, where: str, budget: InflationBudget) -> "Manifest":
-        files = _field(doc, "files", where, _names)
-        file_sizes = _field(doc, "file_sizes", where, lambda v: [integer(n) for n in v])
+    def _from_doc(cls, doc: dict, version: int, where: str, budget: InflationBudget,
+                  fetch: Fetch | None = None) -> "Manifest":
+        def packed(convert):  # version 2 may store a long list zlib'd (format/split.py)
+            return lambda v: convert(unpack_json(v, budget, where) if version >= 2 else v)
+
+        file_sizes = _field(doc, "file_sizes", where, packed(lambda v: [integer(n) for n in v]))
+        files = _field(doc, "files", where, lambda v: _names(
+            unpack_files(v, len(file_sizes), budget, where) if version >= 2 else v))
         block_bytes = _field(doc, "block_bytes", where, lambda v: integer(v, low=1))
         world_size = _field(doc, "world_size", where, lambda v: integer(v, low=1))
-        tensors_doc, objects_doc = (_field(doc, name, where, _json_object) for name in ("tensors", "objects"))
+        objects_doc = _field(doc, "objects", where, _json_object)
         meta = _field(doc, "meta", where, _json_object) if "meta" in doc else {}
+        sections = []
+        if len(file_sizes) != len(files):
+            raise ManifestError(f"{where} has an inconsistent file table ({len(files)} files, "
+                                f"{len(file_sizes)} sizes)")
+        if version >= 2:
+            count = _field(doc, "sections", where, lambda v: integer(v, high=len(files)))
+            sections = list(range(len(files) - count, len(files)))  # the last files of the table
+            tensors_doc = _field(doc, "tensors", where, packed(
+                lambda v: parse_rows(v, [file_sizes[i] for i in sections], world_size)))
+        else:
+            tensors_doc = _field(doc, "tensors", where, _json_object)
         for name in files:
             if not _SAFE_FILE.fullmatch(name) or name in (".", ".."):
                 raise ManifestError(f"{where} names data file {name!r}, which is not a plain file name "
                                     "inside the checkpoint directory; refusing to read it")
-        if len(file_sizes) != len(files):
-            raise ManifestError(f"{where} has an inconsistent file table ({len(files)} files, "
-                                f"{len(file_sizes)} sizes)")
         both = sorted(set(tensors_doc) & set(objects_doc))
         if both:
             raise ManifestError(f"{where} names {both[0]!r} both as a tensor and as an object")
-        sizes = np.asarray(file_sizes, dtype=np.int64)  # once, not per tensor
-        tensors = {k: TensorEntry.from_json(k, v, files, sizes, block_bytes, where, world_size, budget)
-                   for k, v in tensors_doc.items()}
         objects = {k: ObjectEntry.from_json(k, v, files, file_sizes, where) for k, v in objects_doc.items()}
         for fqn, entry in objects.items():
             if entry.kind == "per_rank" and len(entry.per_rank) != world_size:
                 raise ManifestError(f"{where}: object {fqn!r} has {len(entry.per_rank)} per-rank values "
                                     f"for a world of {world_size}")
-        return cls(files=files, file_sizes=file_sizes, tensors=tensors, objects=objects,
-                   world_size=world_size, block_bytes=block_bytes, meta=dict(meta), version=version)
+        manifest = cls(files=files, file_sizes=file_sizes, tensors={}, objects=objects, world_size=world_size,
+                       block_bytes=block_bytes, meta=dict(meta), version=version, sections=sections)
+        if version >= 2:
+            reader = None if fetch is None else SectionReader(fetch, [files[i] for i in sections], world_size, where)
+            manifest.tensors = SplitTensors(tensors_doc, reader, manifest)
+        else:
+            sizes = np.asarray(file_sizes, dtype=np.int64)  # once, not per tensor
+            manifest.tensors = {k: TensorEntry.from_json(k, v, files, sizes, block_bytes, where, world_size, budget)
+                                for k, v in tensors_doc.items()}
+        return manifest
+
+
+def _with_self_checksum(doc: dict) -> bytes:
+    """``doc`` as compact JSON ending in its checksum of itself (``SELF_CHECKSUM``)."""
+    body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    return b"%s%s%d}" % (body[:-1], _SELF_TAIL, xxhash.xxh3_64_intdigest(body))
 
 
 def _self_check(raw: bytes, doc: dict, where: str) -> str | None:

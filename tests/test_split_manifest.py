@@ -1,0 +1,112 @@
+"""The split manifest (format version 2, format/split.py): written by the ranks that plan the
+tensors, read in part by each loading rank, checked, and read whole by every tool; the
+one-document manifest (version 1) of older checkpoints and small jobs still loads."""
+import importlib
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import statesnap as ss
+from statesnap.bench import planning
+from statesnap.cli import main
+from statesnap.errors import CorruptCheckpointError
+from statesnap.format.manifest import MANIFEST_NAME, Manifest
+from statesnap.plan.load_plan import plan_target
+from tests.dist_utils import run_ranks
+
+ROWS, COLS = 101, 6
+save_module = importlib.import_module("statesnap.engine.save")  # the module (statesnap.engine.save is the function)
+
+
+def _full(seed: int = 0) -> torch.Tensor:
+    return torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(seed))
+
+
+def _rows(rank: int, world: int) -> tuple[int, int]:
+    step = -(-ROWS // world)
+    return rank * step, max(0, min(step, ROWS - rank * step))
+
+
+def _state(rank: int, world: int, values: torch.Tensor, bias: torch.Tensor) -> dict:
+    lo, n = _rows(rank, world)
+    return {"mp": {"w": ss.Sharded(values[lo:lo + n].clone(), values.shape, [lo, 0])}, "bias": bias.clone(),
+            "extra": {"step": 7}}
+
+
+def _save_then_load_resharded(rank, world, path):
+    save_module.SPLIT_MIN_RANKS = 1  # this small job writes the split manifest a large one writes
+    ss.save(_state(rank, world, _full(), torch.arange(5.0)), path)
+    # load into another layout: the ranks in reverse order, so each needs another rank's rows
+    target = _state(world - 1 - rank, world, torch.zeros(ROWS, COLS), torch.zeros(5))
+    ss.load(target, path)
+    lo, n = _rows(world - 1 - rank, world)
+    return (torch.equal(target["mp"]["w"].local, _full()[lo:lo + n]), torch.equal(target["bias"], torch.arange(5.0)),
+            target["extra"]["step"])
+
+
+def test_split_manifest_of_three_ranks_loads_resharded_and_every_tool_reads_it(tmp_path, capsys):
+    path = str(tmp_path / "ckpt")
+    assert run_ranks(3, _save_then_load_resharded, path) == [(True, True, 7)] * 3
+    doc = json.loads((tmp_path / "ckpt" / MANIFEST_NAME).read_bytes())
+    assert doc["version"] == 2 and isinstance(doc["tensors"], dict) and "zjson" in doc["tensors"]
+    reader = ss.open(path)
+    sections = [reader.manifest.files[i] for i in reader.manifest.sections]
+    assert sections and all(os.path.exists(os.path.join(path, name)) for name in sections)
+    assert torch.equal(reader.read("mp.w"), _full()) and reader.read("extra.step") == 7
+    assert reader.manifest.tensors["mp.w"].num_pieces == 3
+    single = str(tmp_path / "single")  # the same values saved by one process: a version 1 manifest
+    ss.save({"mp": {"w": _full()}, "bias": torch.arange(5.0), "extra": {"step": 7}}, single)
+    assert json.loads((tmp_path / "single" / MANIFEST_NAME).read_bytes())["version"] == 1
+    capsys.readouterr()
+    assert main(["verify", path]) == 0 and main(["inspect", path]) == 0 and main(["diff", path, single]) == 0
+    assert "mp.w" in capsys.readouterr().out
+
+
+def test_a_loading_rank_reads_only_the_chunks_its_rows_need():
+    """128 simulated ranks (TP 2 x FSDP 64): each sharded tensor has 128 pieces in 4 chunks. A
+    rank's reads come from the chunks its box reaches and plan exactly what the whole entry plans."""
+    params = planning.llama_parameters(layers=1, dim=64, ffn=128, heads=4, kv_heads=2, vocab=256)
+    index, sections, _, _ = planning.simulate_owner_save(params, 2, 64)
+    total = len(index) + sum(map(len, sections.values()))
+    fetch = lambda name, offset, n: sections[name][offset:offset + n]  # noqa: E731
+    names = planning.item_names(params)
+    for rank in (0, 77, 127):
+        part_of = Manifest.from_bytes(index, fetch=fetch)
+        whole = Manifest.from_bytes(index, fetch=fetch)
+        for item in planning.rank_items(rank, params, names, 2, 64):
+            mine = part_of.tensor_part(item.fqn, item.layout, item.start, item.size)
+            full = whole.tensors[item.fqn]
+            reads = [(tuple(mine.start[r.piece]), r.lo, r.hi) for r in plan_target(mine, item.layout, item.start,
+                                                                                   item.size).reads]
+            expected = [(tuple(full.start[r.piece]), r.lo, r.hi) for r in plan_target(full, item.layout, item.start,
+                                                                                     item.size).reads]
+            assert reads == expected and mine.num_pieces <= 2 * 32 < full.num_pieces or full.num_pieces <= 64
+        assert len(index) + part_of.tensors.reader.bytes_read < 0.5 * total
+
+
+def test_a_damaged_section_is_refused_naming_the_tensor(tmp_path, monkeypatch):
+    monkeypatch.setattr(save_module, "SPLIT_MIN_RANKS", 1)
+    path = tmp_path / "ckpt"
+    ss.save({"w": _full()}, path)
+    name = next(n for n in os.listdir(path) if n.endswith(".sec"))
+    raw = bytearray((path / name).read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    (path / name).write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match="'w'"):
+        ss.load({"w": torch.zeros(ROWS, COLS)}, path)
+    assert main(["verify", str(path)]) != 0
+
+
+def test_one_document_manifests_of_older_checkpoints_still_load(tmp_path):
+    """Version 1, as every statesnap before the split wrote it (and small jobs still do)."""
+    path = tmp_path / "old"
+    ss.save({"w": _full(), "extra": {"step": 3}}, path)
+    doc = json.loads((path / MANIFEST_NAME).read_bytes())
+    assert doc["version"] == 1 and doc["tensors"]["w"]["shape"] == [ROWS, COLS] and "sections" not in doc
+    state = {"w": torch.zeros(ROWS, COLS), "extra": {"step": 0}}
+    ss.load(state, path)
+    assert torch.equal(state["w"], _full()) and state["extra"]["step"] == 3
+    assert np.array_equal(ss.open(path).read("w").numpy(), _full().numpy())
