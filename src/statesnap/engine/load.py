@@ -49,7 +49,24 @@ def read_manifest(backend: StorageBackend, path: str) -> Manifest:
             raise CheckpointError(f"no checkpoint at {path}") from None
         raise ManifestError(f"{path} has no {MANIFEST_NAME}: it is not a committed statesnap checkpoint "
                             f"({_what_else(backend, path)})") from None
-    return Manifest.from_bytes(raw, where=where)
+    return Manifest.from_bytes(raw, where=where, fetch=section_fetcher(backend, path))
+
+
+def section_fetcher(backend: StorageBackend, path: str):
+    """``fetch(name, offset, nbytes)``: a byte range of a split manifest's section file (a load
+    reads only the parts of the tensors it needs, format/split.py)."""
+    def fetch(name: str, offset: int, nbytes: int) -> bytes:
+        try:
+            reader = backend.open_read(backend.join(path, name))
+        except FileNotFoundError:
+            raise MissingFileError(f"manifest section {name} of {path} is missing") from None
+        try:
+            buf = bytearray(nbytes)
+            got = reader.readinto(offset, [memoryview(buf)])
+            return bytes(buf[:got])
+        finally:
+            reader.close()
+    return fetch
 
 
 def _what_else(backend: StorageBackend, path: str) -> str:
@@ -128,7 +145,7 @@ def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: 
     """Check the target against the checkpoint; return the names to skip (non-strict)."""
     missing, mismatched, precision_only = [], [], False
     for item in flat.tensors:
-        entry = manifest.tensors.get(item.fqn)
+        entry = manifest.header(item.fqn)
         if entry is None:
             missing.append(item.fqn)
             continue
@@ -162,7 +179,7 @@ def fill_tensors(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
     """Read every item not in ``skip`` (by name) or ``received`` (by index: another rank sends it),
     with a progress bar as ``progress`` asks (see statesnap/progress.py)."""
     wanted = [item for index, item in enumerate(flat.tensors) if item.fqn not in skip and index not in received]
-    total = sum(item.local.numel() * manifest.tensors[item.fqn].dtype.itemsize for item in wanted)
+    total = sum(item.local.numel() * manifest.header(item.fqn).dtype.itemsize for item in wanted)
     with bar(total, f"load <- {os.path.basename(path.rstrip('/'))}", progress) as advance:
         return _fill_wanted(wanted, manifest, backend, path, verify, threads, strict, advance)
 
@@ -172,7 +189,7 @@ def _fill_wanted(wanted: list, manifest: Manifest, backend: StorageBackend, path
     executor = ReadExecutor(backend, path, manifest, verify, threads, advance)
     copy_back, casts = [], []
     for item in wanted:
-        entry = manifest.tensors[item.fqn]
+        entry = manifest.tensor_part(item.fqn, item.layout, item.start, item.size)
         plan = _plan(entry, item)
         if plan.covered != item.local.numel() and strict:
             raise CorruptCheckpointError(f"{item.fqn}: the checkpoint {path} stores only {plan.covered} of the "
