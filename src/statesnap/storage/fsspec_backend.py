@@ -396,7 +396,9 @@ class FsspecBackend(StorageBackend):
 
 def _s3_options(options: dict) -> dict:
     """s3fs's options with statesnap's defaults: botocore's retries off, since :class:`RetryPolicy`
-    retries every request, and the part size of uploads."""
+    retries every request; the part size of uploads; and no listings cache, whose entries other
+    ranks' and jobs' writes make stale (a cached listing without a manifest says "not committed")."""
+    options.setdefault("use_listings_cache", False)
     config = dict(options.get("config_kwargs") or {})
     config.setdefault("retries", {"total_max_attempts": 1})
     options["config_kwargs"] = config
