@@ -9,6 +9,7 @@ surface at the next ``save``, ``wait_staged``, ``load_latest`` or ``close``.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import warnings
@@ -24,22 +25,20 @@ from ..engine.replicas import limit_bytes, object_digests
 from ..engine.save import encode_objects, per_rank_names, shared_names
 from ..engine.write import default_threads
 from ..errors import CheckpointError, StateMismatchError
-from ..format.dtypes import dtype_name
 from ..format.manifest import MANIFEST_NAME
 from ..monitor.events import EventLog, now
-from ..plan.save_plan import ALIGN, SavePlan, plan_save
-from ..state.flatten import flatten_for_save
+from ..plan.save_plan import SavePlan, plan_save
 from ..storage import backend_for, is_url, normalize
-from ..storage.base import DIRECT_ALIGN
 from .config import CheckpointerConfig
 from .gpu import CudaCopier, mark_devices
-from .hooks import StepGuard, find_writers, owners_of, version_of
+from .hooks import StepGuard, find_writers
 from .further import FurtherCopier
 from .levels import MemoryLevel, StorageLevel, matching_target, restore_from_memory
 from .local import LocalFlusher, Topology, peer_buffer_bytes
 from .recovery import LocalRecovery, complete_steps, inventory
 from .pipeline import Flusher, FlushTarget, Snapshot, Stager, as_checkpoint_error
 from .staging import MAX_SEGMENT_BYTES, REGION_ALIGN, Arena, align_up
+from .state_cache import StateCache
 
 log = logging.getLogger("statesnap")
 
@@ -114,6 +113,7 @@ class Checkpointer:
         self._block_bytes = cfg.block_bytes
         self._cuda: CudaCopier | None = None
         self._plan_key, self._plan = None, None
+        self._state_cache = StateCache()  # the flattened state, reused while its layout stays
         self._inflight: deque[Snapshot] = deque()
         self._failed: list[tuple[Snapshot | None, CheckpointError]] = []
         self._copying_further: set[int] = set()
@@ -470,14 +470,13 @@ class Checkpointer:
     # ----------------------------------------------------------------- planning (training thread)
 
     def _snapshot(self, step: int, state: dict, optimizers: list) -> Snapshot | None:
-        flat = flatten_for_save(state)
-        metas = [item.meta(dtype_name(item.dtype)) for item in flat.tensors]
+        flat = self._state_cache.flatten(state)
+        layout = self._state_cache.layout(flat, optimizers)
+        metas = layout.metas
         objects, blobs = encode_objects(flat, self.config.allow_pickle)  # every object: memory restores all
         plan = self._plan_for(metas, shared_names(flat))
-        # Each item may sit up to a block further on in the arena, at its file offset's distance
-        # from a block boundary (direct I/O).
-        snapshot_bytes = sum(align_up(m.nbytes, ALIGN) + DIRECT_ALIGN for m in metas)
-        self._ensure_arena(snapshot_bytes, any(i.local.device.type == "cuda" for i in flat.tensors))
+        snapshot_bytes = layout.snapshot_bytes
+        self._ensure_arena(snapshot_bytes, layout.on_cuda)
         resident = align_up(snapshot_bytes, REGION_ALIGN) <= self._arena.capacity
         persist = step % self.config.persist_every == 0 and self._reachable(self.persistent, step)
         if not resident and not persist:
@@ -487,15 +486,15 @@ class Checkpointer:
                               "cannot be kept in memory and are skipped", RuntimeWarning, stacklevel=3)
                 self._warned_streaming = True
             return None
-        owners = owners_of([item.local for item in flat.tensors], optimizers)
+        owners = layout.owners
         self._copy_unguarded_now(flat, owners)
         locals_ = [item.local for item in flat.tensors]
-        cuda_ready = mark_devices(locals_)
+        cuda_ready = mark_devices(locals_) if layout.on_cuda else {}
         if cuda_ready and self._cuda is None:
             self._cuda = CudaCopier()
         return Snapshot(
             step=step, flat=flat, metas=metas, plan=plan, persist=persist, resident=resident,
-            versions=[version_of(t) for t in locals_], owners=owners,
+            versions=layout.versions(locals_), owners=owners,
             objects=objects, blobs=blobs, per_rank=per_rank_names(flat), cuda_ready=cuda_ready,
             object_digests=object_digests(flat, objects) if persist and self._compares_objects else {},
             rank=self.rank, path=self.persistent.path(step),
@@ -510,8 +509,10 @@ class Checkpointer:
         unguarded = [item for item, owner in zip(flat.tensors, owners) if owner is None]
         if not unguarded or sum(item.nbytes for item in unguarded) > self.config.eager_copy_bytes:
             return
-        for item in unguarded:
-            item.local = item.local.detach().clone()
+        for index, owner in enumerate(owners):  # new items: later saves reuse the unchanged ones
+            if owner is None:
+                item = flat.tensors[index]
+                flat.tensors[index] = dataclasses.replace(item, local=item.local.detach().clone())
 
     def _plan_for(self, metas: list, objects: list) -> SavePlan:
         """The save plan, reused while this rank's layout is unchanged (ranks change layout together:

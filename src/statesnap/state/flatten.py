@@ -20,6 +20,7 @@ from ..format.plaindata import inlinable
 from ..format.manifest import BOX
 from .items import Flattened, ObjectItem, TensorItem
 from .placement import dtensor_box, has_replicate, is_dtensor
+from .reuse import ProviderCache
 from .wrappers import PerRank, Replicated, Sharded
 
 SEP = "."
@@ -35,8 +36,9 @@ def _is_stateful(value) -> bool:
 
 class _Walker:
     def __init__(self, for_load: bool, stored_prefixes: Callable[[str], bool] | None,
-                 created: list[torch.Tensor] | None = None):
+                 created: list[torch.Tensor] | None = None, cache: ProviderCache | None = None):
         self.for_load = for_load
+        self.cache = cache  # saves only: items of modules and optimizers kept from the last save
         # For loads: does the checkpoint hold any key under this prefix? (optimizer state init)
         self.stored_prefixes = stored_prefixes or (lambda prefix: False)
         self.created = created  # where a fresh optimizer's state goes when it is created unfilled
@@ -53,8 +55,30 @@ class _Walker:
         if not isinstance(state, dict):
             raise CheckpointError(f"state must be a dict, not {type(state).__name__}")
         self.modules = [v for v in _values(state) if isinstance(v, nn.Module)]
-        self.walk_dict("", state)
+        if self.cache is None:
+            self.walk_dict("", state)
+            return self.out
+        self.cache.begin()
+        try:
+            self.walk_dict("", state)
+        finally:
+            self.cache.end()
         return self.out
+
+    def _reused(self, fqn: str, provider) -> bool:
+        """Add the cached items of ``provider`` if its check passes (saves only)."""
+        if self.cache is None:
+            return False
+        entry = self.cache.lookup(fqn, provider, tuple(map(id, self.modules)))
+        if entry is None:
+            return False
+        if not self.seen.isdisjoint(entry.names):
+            clash = sorted(self.seen & entry.names)[0]
+            raise CheckpointError(f"two entries of the state flatten to the same name {clash!r}; rename one")
+        self.seen.update(entry.names)
+        self.out.tensors.extend(entry.tensors)
+        self.out.objects.extend(entry.objects())
+        return True
 
     def walk_dict(self, prefix: str, mapping: dict) -> None:
         for key, value in list(mapping.items()):
@@ -104,6 +128,9 @@ class _Walker:
             self.out.tensors.append(TensorItem(fqn, value, tuple(value.shape)))
 
     def module(self, fqn: str, module: nn.Module) -> None:
+        if self._reused(fqn, module):
+            return
+        first_tensor, first_object = len(self.out.tensors), len(self.out.objects)
         sd = get_model_state_dict(module)
         # Buffers are not compared across ranks: unsynchronised BatchNorm statistics differ between
         # DDP, FSDP and TP ranks by design, and one copy is what DDP (which broadcasts rank 0's at
@@ -113,6 +140,9 @@ class _Walker:
         self.declare_replicated(lambda: self.walk_dict(fqn, sd), buffers)
         if self.for_load:
             self.out.finalizers.append(lambda: set_model_state_dict(module, sd))
+        elif self.cache is not None:
+            self.cache.store_module(fqn, module, self.out.tensors[first_tensor:], self.out.objects[first_object:],
+                                    tuple(map(id, self.modules)))
 
     def declare_replicated(self, walk: Callable[[], None], names: set[str] | None = None) -> None:
         """Run ``walk`` and mark the items it adds (those in ``names``, if given) as declared
@@ -127,6 +157,8 @@ class _Walker:
         # Pipeline stages list different parameters in their param groups; the groups are kept
         # from rank 0 (docs/resharding.md), so they are not compared across ranks.
         groups = {join(fqn, "param_groups")}
+        if self._reused(fqn, optim):
+            return
         model = self._owner_of(optim)
         if model is None:
             # No module in the state owns these parameters: fall back to positional state.
@@ -144,9 +176,13 @@ class _Walker:
         if fresh and not (self.for_load and self.stored_prefixes(join(fqn, "state") + SEP)):
             optim.state.clear()
             sd["state"] = {}
+        first_tensor, first_object = len(self.out.tensors), len(self.out.objects)
         self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
         if self.for_load:
             self.out.finalizers.append(lambda: _load_optimizer(model, optim, sd))
+        elif self.cache is not None:
+            self.cache.store_optimizer(fqn, optim, model, sd, self.out.tensors[first_tensor:],
+                                       self.out.objects[first_object:], join, tuple(map(id, self.modules)))
 
     def _owner_of(self, optim: torch.optim.Optimizer) -> nn.Module | None:
         wanted = {id(p) for group in optim.param_groups for p in group["params"]}
@@ -197,8 +233,10 @@ def _values(state: dict):
             yield from _values(value)
 
 
-def flatten_for_save(state: dict) -> Flattened:
-    return _Walker(for_load=False, stored_prefixes=None).run(state)
+def flatten_for_save(state: dict, cache: ProviderCache | None = None) -> Flattened:
+    """``cache``: kept by a caller that saves the same state repeatedly; the items of its modules
+    and optimizers are then reused while their tensors are the same (``reuse.py``)."""
+    return _Walker(for_load=False, stored_prefixes=None, cache=cache).run(state)
 
 
 def flatten_for_load(state: dict, stored_prefixes: Callable[[str], bool],
