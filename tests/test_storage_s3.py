@@ -16,6 +16,7 @@ from dist_utils import run_ranks
 from s3_server import FaultProxy
 from statesnap.bench.s3_server import CREDENTIALS, REGION, MotoServer
 from statesnap.cli import main as cli_main
+from statesnap.storage import s3_upload
 from statesnap.storage.lock import RootBusyError
 
 MiB = 1 << 20
@@ -93,6 +94,20 @@ def test_save_load_multipart_parts_in_parallel_ranged_reads_in_parallel(proxy):
     assert not proxy.broken
     ranges = [r.headers["Range"] for r in proxy.requests[before:] if r.method == "GET" and r.path in data]
     assert len(ranges) > 1 and len(set(ranges)) == len(ranges)  # the file read by ranges, each once
+
+
+def test_parts_grow_so_that_large_files_stay_within_the_part_limit(proxy, monkeypatch):
+    """Parts double every PARTS_PER_SIZE parts (S3 takes at most 10,000 per upload); here every 2."""
+    monkeypatch.setattr(s3_upload, "PARTS_PER_SIZE", 2)
+    url, state = fresh_url("grow"), make_state(6, big=6 * MiB)  # 24 MiB
+    ss.save(state, url, storage_options=options(proxy))
+    parts = sorted((int(r.query["partNumber"][0]), int(r.headers["Content-Length"]))
+                   for r in proxy.requests if r.is_part)
+    sizes = [size for _, size in parts]
+    assert sizes[:3] == [PART, PART, 2 * PART] and sum(sizes) >= 24 * MiB and len(sizes) == 4
+    loaded = zeros_like(state)
+    ss.load(loaded, url, storage_options=options(proxy))
+    assert_same(loaded, state)
 
 
 def test_checkpointer_steps_on_s3_load_latest_and_verify_cli(proxy, moto, monkeypatch, capsys):

@@ -4,7 +4,8 @@ s3fs's buffered file sends the parts of an upload one after the other, each wait
 previous one's answer: a checkpoint file then moves at one request's pace. Here every full part is
 handed to s3fs's event loop at once and the writer goes on filling the next, with up to
 ``in_flight`` parts on the wire per file. Memory stays bounded by ``in_flight`` parts plus the one
-being filled: the writer waits for the oldest part when the window is full.
+being filled: the writer waits for the oldest part when the window is full. Parts grow with the
+file (see ``PARTS_PER_SIZE``), fewer in flight as they do.
 
 Each part is retried on its own (:class:`.retry.RetryPolicy`); the object appears only when the
 upload is completed, after every part arrived. A file smaller than one part is sent in one PUT.
@@ -21,8 +22,12 @@ from fsspec.asyn import sync
 
 from .retry import RetryPolicy
 
-# S3 refuses parts under 5 MiB (the last one excepted) and uploads of more than 10,000 parts.
+# S3 refuses parts under 5 MiB (the last one excepted) or over 5 GiB, and uploads of more than
+# 10,000 parts. The stream's length is not known up front, so parts double in size every
+# PARTS_PER_SIZE parts (16 MiB parts reach S3's largest object, 5 TiB, within the limit).
 MIN_PART_BYTES = 5 << 20
+MAX_PART_BYTES = 5 << 30
+PARTS_PER_SIZE = 1000
 
 
 class ParallelUpload:
@@ -39,11 +44,14 @@ class ParallelUpload:
         self._sent: list[Future] = []  # by part number - 1; each gives the part's ETag entry
         self._pending: deque[Future] = deque()
 
+    def _next_part_bytes(self) -> int:
+        return min(MAX_PART_BYTES, self.part_bytes << (len(self._sent) // PARTS_PER_SIZE))
+
     def write(self, data) -> int:
         self._buffer += data
-        while len(self._buffer) >= self.part_bytes:
-            part = bytes(memoryview(self._buffer)[:self.part_bytes])
-            del self._buffer[:self.part_bytes]
+        while len(self._buffer) >= (size := self._next_part_bytes()):
+            part = bytes(memoryview(self._buffer)[:size])
+            del self._buffer[:size]
             self._send(part)
         return len(data)
 
@@ -55,7 +63,8 @@ class ParallelUpload:
     def _send(self, part: bytes) -> None:
         if self._upload_id is None:
             self._upload_id = self._call("create_multipart_upload")["UploadId"]
-        while len(self._pending) >= self.in_flight:
+        # as parts grow, fewer are in flight: the bytes on the wire stay about the same
+        while len(self._pending) >= max(1, self.in_flight * self.part_bytes // len(part)):
             done, _ = wait(self._pending, return_when=FIRST_COMPLETED)
             for future in done:
                 self._pending.remove(future)
