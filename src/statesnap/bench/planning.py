@@ -42,6 +42,7 @@ from ..plan.load_plan import plan_target
 from ..plan.owners import owner_of, place_writes, plan_owned, route
 from ..plan.save_plan import plan_save
 from .common import publish
+from ..monitor.trace import can_plot
 from ..state.items import ItemMeta
 from ..state.placement import chunk_bounds
 
@@ -313,6 +314,47 @@ def _dcp_estimate(cfg: dict, params, tp: int, dp: int, sample_layers: int, layer
     return int(dcp0 + per_layer * layers), ours_n / dcp_n
 
 
+SCALING_DP = (8, 32, 128)  # TP 8 x PP 16 x FSDP 8, 32, 128: 1024, 4096 and 16,384 ranks
+
+
+def scaling(png: str | None, sample_ranks: int = 4) -> list[dict]:
+    """The 405B-shaped model over TP 8 x PP 16 x FSDP 8/32/128; figures per point, and a plot
+    of the per-rank times and the manifest's bytes against the ranks when ``png`` is given."""
+    points = [run(LLAMA_405B["layers"], 8, dp, 4, 2 * dp, sample_ranks, 2, 16, "405b") for dp in SCALING_DP]
+    if png and can_plot():
+        _plot_scaling(points, png)
+    return points
+
+
+def _plot_scaling(points: list[dict], png: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = [8 * 16 * dp for dp in SCALING_DP]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (("save_planning_s", "save planning, slowest rank"),
+                       ("load_planning_s_same_layout", "load planning per rank, same layout"),
+                       ("load_planning_s_resharded", "load planning per rank, resharded (TP 4)")):
+        left.plot(ranks, [p[key] for p in points], "o-", label=label)
+    left.axhline(2.0, color="grey", ls=":", lw=1)
+    left.axhline(0.5, color="grey", ls="--", lw=1)
+    left.set(xscale="log", xlabel="ranks (TP 8 x PP 16 x FSDP)", ylabel="seconds", title="planning time")
+    for key, label in (("dcp_metadata_bytes_estimated", "DCP metadata (estimated)"),
+                       ("manifest_bytes", "statesnap manifest (index + sections)")):
+        right.plot(ranks, [p[key] / 1e6 for p in points], "o-", label=label)
+    right.plot(ranks, [p["load_manifest_read_same_layout"] * p["manifest_bytes"] / 1e6 for p in points],
+               "o-", label="manifest bytes one loading rank reads")
+    right.set(xscale="log", yscale="log", xlabel="ranks (TP 8 x PP 16 x FSDP)", ylabel="MB",
+              title="manifest size (405B-shaped + AdamW)")
+    for ax in (left, right):
+        ax.set_xticks(ranks, [f"{r:,}" for r in ranks])
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="statesnap bench --suite planning", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="70b", help="Llama shape (layers: --layers)")
@@ -325,8 +367,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-ranks", type=int, default=4, help="ranks whose load planning is timed")
     parser.add_argument("--dcp-layers", type=int, default=2, help="layers in DCP's metadata sample")
     parser.add_argument("--whole", action="store_true", help="also time the whole-job planner (no pipeline only)")
+    parser.add_argument("--scaling", metavar="PNG", help="instead: the 405B-shaped model over TP 8 x PP 16 x "
+                        "FSDP 8/32/128 (1k, 4k, 16k ranks), plotted here ('' for no plot)")
     parser.add_argument("--json", help="also write the figures as JSON here ('-' = stdout)")
     args = parser.parse_args(argv)
+    if args.scaling is not None:
+        points = scaling(args.scaling, args.sample_ranks)
+        publish({"scaling": points}, "\n".join(
+            f"{p['layout']:40} save {p['save_planning_s']:.3f} s, load {p['load_planning_s_same_layout']:.3f} s "
+            f"(resharded {p['load_planning_s_resharded']:.3f} s) reading {100 * p['load_manifest_read_same_layout']:.2f} %"
+            f" of {p['manifest_bytes'] / 1e6:.1f} MB, DCP {p['dcp_metadata_bytes_estimated'] / 1e6:.0f} MB"
+            for p in points), args.json)
+        return 0
     layers = args.layers if args.layers is not None else MODELS[args.model]["layers"]
     figures = run(layers, args.tp, args.dp, args.reshard_tp, args.reshard_dp, args.sample_ranks, args.dcp_layers,
                   args.pp, args.model, args.whole)
