@@ -110,3 +110,32 @@ def test_one_document_manifests_of_older_checkpoints_still_load(tmp_path):
     ss.load(state, path)
     assert torch.equal(state["w"], _full()) and state["extra"]["step"] == 3
     assert np.array_equal(ss.open(path).read("w").numpy(), _full().numpy())
+
+
+def test_pieces_overlapping_in_the_region_read_are_refused():
+    """A reader of part of a tensor cannot check the whole tiling: it checks its own region."""
+    from statesnap.errors import ManifestError
+    from statesnap.format.manifest import TensorEntry
+    from statesnap.format.split import encode_section, section_name
+
+    rows_0_3, rows_1_4 = [0, 0], [1, 0]  # rows 1 and 2 are in both pieces
+    entry = TensorEntry(dtype=torch.float32, shape=(4, 2), layout="box", file=np.array([0, 0]),
+                        offset=np.array([0, 0]), nbytes=np.array([24, 24]), start=np.array([rows_0_3, rows_1_4]),
+                        size=np.array([[3, 2], [3, 2]]), checksum=np.zeros(2, np.uint64),
+                        checksum_bounds=np.array([0, 1, 2]))
+    raw, rows = encode_section({"w": entry})
+    index = Manifest(files=["data-0123456789ab-r00000.bin", section_name("0123456789ab", 0)],
+                     file_sizes=[64, len(raw)], tensors={}, objects={}, world_size=2, sections=[1]).index_bytes(rows)
+    parsed = Manifest.from_bytes(index, fetch=lambda name, offset, n: raw[offset:offset + n])
+    assert parsed.header("w").shape == (4, 2)
+    with pytest.raises(ManifestError, match="'w'.*exactly once"):
+        parsed.tensor_part("w", "box", (0, 0), (2, 2))
+    with pytest.raises(ManifestError, match="'w'.*exactly once"):
+        parsed.tensors["w"]
+
+
+def test_the_scaling_plot_is_written(tmp_path):
+    point = {"save_planning_s": 0.3, "load_planning_s_same_layout": 0.4, "load_planning_s_resharded": 0.4,
+             "dcp_metadata_bytes_estimated": 4e8, "manifest_bytes": 2e7, "load_manifest_read_same_layout": 0.009}
+    planning._plot_scaling([point] * len(planning.SCALING_DP), str(tmp_path / "scaling.png"))
+    assert (tmp_path / "scaling.png").stat().st_size > 1000
