@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from .common import (
-    DEFAULT_OUT, add_output_arguments, drop_page_cache, format_table, fresh_dir, machine_description, median,
-    parse_choices, publish, timed,
+    DEFAULT_OUT, add_output_arguments, drop_page_cache, files_under, format_table, fresh_dir, machine_description,
+    median, parse_choices, publish, timed,
 )
 
 SYSTEMS = ("torch", "torch_mmap", "dcp", "statesnap", "raw_parallel")
@@ -265,6 +265,15 @@ def time_first_step(system: str, path: str, small: bool) -> tuple[float, dict]:
     return seconds, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def warm_up(path: str) -> None:
+    """Read every file under ``path`` through the page cache: a cold load that read with direct
+    I/O (statesnap's) leaves its files out of it, and warm loads are measured with them in."""
+    for name in files_under(path):
+        with open(name, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
 # -- the run ------------------------------------------------------------------------------------
 def measure_state(state: str, small: bool, rounds: int, scratch: str, systems, modes) -> dict:
     directory = fresh_dir(os.path.join(scratch, state))
@@ -294,6 +303,7 @@ def measure_state(state: str, small: bool, rounds: int, scratch: str, systems, m
                     if not first_step or system not in FIRST_STEP_SYSTEMS:
                         continue
                     where = os.path.join(directory, "statesnap-root") if system == "statesnap" else paths[system]
+                    warm_up(where)
                     seconds, parts = time_first_step(system, where, small)
                     phases.setdefault(system, []).append(parts)
                 else:
@@ -301,6 +311,8 @@ def measure_state(state: str, small: bool, rounds: int, scratch: str, systems, m
                     target = build(state, small, source=False)
                     if mode == "cold":
                         drop_page_cache([path])
+                    else:
+                        warm_up(path)
                     seconds = timed(lambda: LOAD[system](*target, path))
                     if rnd == 0 and system != "raw_parallel":
                         check_same(source, target, f"{system} {mode} load of {state}")
