@@ -14,7 +14,10 @@ The same state (the GPT-like model and AdamW moments of the io suite) is saved a
 moto keeps objects in its process's memory and answers on loopback, so this measures the client
 path (request building, checksums, HTTP on loopback, the server's own parsing), not a network or
 a real store's disks: real S3 adds per-request latency and per-connection bandwidth limits, which
-make parallel requests matter more, not less. The first round's loads are checked bit for bit.
+make parallel requests matter more, not less. ``--link-mb-s`` puts a :class:`.s3_server.ShapedLink`
+between client and server that caps each connection (a connection slower than the store, as on a
+real one) to show what requests in flight together buy. The first round's loads are checked bit
+for bit.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from .. import load as ss_load
 from .. import save as ss_save
 from .common import add_output_arguments, format_table, fresh_dir, gbps, machine_description, median, publish, timed
 from .io import build_state, same_values, tensors_of, zeros_like_state
-from .s3_server import MotoServer
+from .s3_server import MotoServer, ShapedLink
 
 SYSTEMS = ("local", "s3", "s3_serial", "s3fs_raw")
 RAW_PART = 16 << 20
@@ -34,19 +37,18 @@ OPS = ("save", "load")
 BUCKET = "statesnap-bench"
 
 
-def _targets(server: MotoServer, scratch: str) -> dict:
+def _targets(options: dict, scratch: str) -> dict:
     """Per system: (path, storage_options, reader threads)."""
-    serial = server.storage_options(max_concurrency=1)
     return {"local": (os.path.join(scratch, "local.ckpt"), None, None),
-            "s3": (f"s3://{BUCKET}/bench", server.storage_options(), None),
-            "s3_serial": (f"s3://{BUCKET}/bench-serial", serial, 1)}
+            "s3": (f"s3://{BUCKET}/bench", options, None),
+            "s3_serial": (f"s3://{BUCKET}/bench-serial", {**options, "max_concurrency": 1}, 1)}
 
 
-def _measure_raw(server: MotoServer, blob: bytes, check: bool) -> dict[str, float]:
+def _measure_raw(options: dict, blob: bytes, check: bool) -> dict[str, float]:
     """Seconds to write ``blob`` as one object and read it back through s3fs alone."""
     import s3fs
 
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options())
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
     path, got = f"{BUCKET}/raw.bin", []
     seconds = {"save": timed(lambda: fs.pipe_file(path, blob, chunksize=RAW_PART)),
                "load": timed(lambda: got.append(fs.cat_file(path)))}
@@ -55,7 +57,7 @@ def _measure_raw(server: MotoServer, blob: bytes, check: bool) -> dict[str, floa
     return seconds
 
 
-def run(size_gb: float, repeat: int, out: str) -> dict:
+def run(size_gb: float, repeat: int, out: str, link_mb_s: float = 0.0) -> dict:
     state = build_state(size_gb)
     target = zeros_like_state(state)
     nbytes = sum(t.numel() * t.element_size() for t in tensors_of(state))
@@ -63,29 +65,34 @@ def run(size_gb: float, repeat: int, out: str) -> dict:
     samples = {s: {op: [] for op in OPS} for s in SYSTEMS}
     with MotoServer() as server:
         server.create_bucket(BUCKET)
+        link = ShapedLink(server.port, link_mb_s) if link_mb_s else None
+        options = {**server.storage_options(), **({"endpoint_url": link.endpoint} if link else {})}
         blob = b"".join(t.numpy().tobytes() for t in tensors_of(state))
         for rep in range(repeat):
-            for op, sec in _measure_raw(server, blob, rep == 0).items():
+            for op, sec in _measure_raw(options, blob, rep == 0).items():
                 samples["s3fs_raw"][op].append(sec)
-            for system, (path, options, threads) in _targets(server, scratch).items():
+            for system, (path, options_of, threads) in _targets(options, scratch).items():
                 samples[system]["save"].append(
-                    timed(lambda: ss_save(state, path, overwrite=True, storage_options=options, progress=False)))
+                    timed(lambda: ss_save(state, path, overwrite=True, storage_options=options_of, progress=False)))
                 for t in tensors_of(target):
                     t.zero_()
                 samples[system]["load"].append(
-                    timed(lambda: ss_load(target, path, storage_options=options, threads=threads, progress=False)))
+                    timed(lambda: ss_load(target, path, storage_options=options_of, threads=threads, progress=False)))
                 if rep == 0 and not same_values(state, target):
                     raise RuntimeError(f"{system}: the loaded state differs from the saved one")
+        if link:
+            link.close()
     shutil.rmtree(scratch, ignore_errors=True)
     throughput = {s: {op: gbps(nbytes, median(samples[s][op])) for op in OPS} for s in SYSTEMS}
-    return {"suite": "s3", "bytes": nbytes, "tensors": len(tensors_of(state)), "repeat": repeat,
+    return {"suite": "s3", "bytes": nbytes, "link_mb_s": link_mb_s, "tensors": len(tensors_of(state)), "repeat": repeat,
             "machine": machine_description(out), "seconds": samples, "gb_per_s": throughput}
 
 
 def report(result: dict) -> str:
     tp = result["gb_per_s"]
     lines = [f"S3 suite: {result['bytes'] / 1e9:.2f} GB in {result['tensors']} tensors, median of "
-             f"{result['repeat']} interleaved repeats (GB/s); S3 is moto on loopback (the client path, not a network)",
+             f"{result['repeat']} interleaved repeats (GB/s); S3 is moto on loopback (the client path, not a network)"
+             + (f", each connection capped at {result['link_mb_s']:g} MB/s" if result["link_mb_s"] else ""),
              "", format_table(["op", *SYSTEMS], [[op, *(tp[s][op] for s in SYSTEMS)] for op in OPS]), "",
              format_table(["op", "s3 / local", "s3 / s3_serial", "s3 / s3fs_raw"],
                           [[op, tp["s3"][op] / tp["local"][op], tp["s3"][op] / tp["s3_serial"][op],
@@ -97,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="statesnap bench --suite s3", description=__doc__.split("\n")[0])
     parser.add_argument("--size-gb", type=float, default=0.5, help="state size in GB (default 0.5)")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved repeats; medians are reported")
+    parser.add_argument("--link-mb-s", type=float, default=0.0,
+                        help="cap every connection to the S3 server at this many MB/s (default 0: no cap)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
-    result = run(args.size_gb, args.repeat, args.out)
+    result = run(args.size_gb, args.repeat, args.out, args.link_mb_s)
     publish(result, report(result), args.json)
     return 0

@@ -8,8 +8,11 @@ reports the port the kernel gave it, so no other process can take that port in b
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 # The child binds, prints its port, and serves until its stdin closes (so it ends with its parent).
 _LAUNCH = ("import logging, sys\nfrom moto.server import ThreadedMotoServer\n"
@@ -66,3 +69,55 @@ class MotoServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class ShapedLink:
+    """A TCP proxy on loopback whose every connection carries at most ``mb_per_s`` MB/s each way.
+
+    A real object store gives each connection a fraction of its bandwidth (tens of MB/s on S3) and
+    serves many at once; moto on loopback gives one connection all of its (small) throughput. So a
+    client that keeps several requests in flight gains nothing against moto alone. Behind this
+    link, a connection is slower than the server, as against a real store, scaled down to what
+    moto can serve: then requests in flight together add up, up to moto's own limit. Pacing is a
+    leaky bucket per connection and direction: no credit builds up while a connection is idle."""
+
+    def __init__(self, upstream_port: int, mb_per_s: float, chunk: int = 64 << 10):
+        self.upstream_port, self.rate, self.chunk = upstream_port, mb_per_s * 1e6, chunk
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        free_at = time.monotonic()
+        try:
+            while data := src.recv(self.chunk):
+                free_at = max(free_at, time.monotonic()) + len(data) / self.rate
+                dst.sendall(data)
+                time.sleep(max(0.0, free_at - time.monotonic()))
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._closed = True
+        self.server.close()
