@@ -14,7 +14,7 @@ import torch
 import statesnap as ss
 from dist_utils import run_ranks
 from s3_server import FaultProxy
-from statesnap.bench.s3_server import CREDENTIALS, REGION, MotoServer
+from statesnap.bench.s3_server import CREDENTIALS, REGION, MotoServer, ShapedLink
 from statesnap.cli import main as cli_main
 from statesnap.storage import s3_upload
 from statesnap.storage.lock import RootBusyError
@@ -213,6 +213,19 @@ def test_storage_outage_during_a_checkpointer_run(proxy, moto):
         loaded = zeros_like(make_state(1, big=300_000))
         assert ckpt.load_latest(loaded) == 1
     assert_same(loaded, make_state(1, big=300_000))
+
+
+def test_the_bench_shaped_link_carries_requests_unchanged(moto):
+    """bench --suite s3 --link-mb-s sends its requests through this TCP proxy (no timing checked)."""
+    link = ShapedLink(moto.port, mb_per_s=1000)
+    try:
+        url, state = fresh_url("link"), make_state(7, big=300_000)
+        ss.save(state, url, storage_options=options(link))
+        loaded = zeros_like(state)
+        ss.load(loaded, url, storage_options=options(link))
+    finally:
+        link.close()
+    assert_same(loaded, state)
 
 
 ROWS, COLS = 12, 40_000  # 1.9 MB
