@@ -28,6 +28,7 @@ from ..monitor.trace import NO_PLOT, can_plot
 from .common import (
     DEFAULT_OUT, add_output_arguments, format_table, median, parse_choices, peak_rss_bytes, run_child, publish,
 )
+from . import save_call
 from .modes import MODES, make_mode
 
 DEFAULT_MODES = ("none", "torch_save", "dcp_save", "dcp_async", "statesnap_p10", "statesnap_p1")
@@ -219,8 +220,15 @@ def main(argv: list[str] | None = None) -> int:
                              "hides more of the snapshot copy")
     parser.add_argument("--sweep-gb", default="0.25,1,4", help="state sizes for the stall sweep ('' = skip)")
     parser.add_argument("--sweep-steps", type=int, default=5)
+    parser.add_argument("--save-call", action="store_true",
+                        help="time only the ckpt.save() call (issue 13's GPT and a 1,300-tensor state), with the "
+                             "state reused across saves and rebuilt at each, interleaved --runs times")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
+    if args.save_call:
+        result = save_call.run(args.steps, args.runs, args.threads, args.out)
+        publish(result, "\n".join(save_call.report(result)), args.json)
+        return 0
     modes = parse_choices(parser, args.modes, tuple(MODES), "modes")
     config = gpt.GPTConfig(**json.loads(args.config)) if args.config else None
     sizes = [float(x) for x in args.sweep_gb.split(",") if x]

@@ -57,8 +57,9 @@ def _optimizers_key(optimizers: list) -> tuple:
 class StateCache:
     """The flattened state and its layout, rebuilt only where the state changed."""
 
-    def __init__(self):
-        self._providers = ProviderCache()
+    def __init__(self, reuse: bool = True):
+        """``reuse=False`` flattens and derives everything anew at each save (the bench's baseline)."""
+        self._providers = ProviderCache() if reuse else None
         self._layout: Layout | None = None
 
     def flatten(self, state: dict) -> Flattened:
@@ -66,8 +67,8 @@ class StateCache:
 
     def layout(self, flat: Flattened, optimizers: list) -> Layout:
         items, key, cached = flat.tensors, _optimizers_key(optimizers), self._layout
-        if cached is not None and cached.optimizers == key and len(cached.items) == len(items) and \
-                all(map(operator.is_, cached.items, items)):
+        if self._providers is not None and cached is not None and cached.optimizers == key and \
+                len(cached.items) == len(items) and all(map(operator.is_, cached.items, items)):
             return cached
         metas = [item.meta(dtype_name(item.dtype)) for item in items]
         # Each item may sit up to a block further on in the arena, at its file offset's distance
