@@ -260,14 +260,14 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
         output.object_digests = digests
     except Exception as exc:
         error = exc
-    owned_entries, error = _report_to_owners(comm, metas, plan, output, owned, file_of_rank, error)
     split = comm.world_size >= SPLIT_MIN_RANKS
-    if split and owned_entries and error is None:
-        try:
-            output.section = write_section(backend, staging, token, comm.rank, owned_entries, durable)
-        except Exception as exc:
-            error = exc
-    try:
+    try:  # a rank lost in either collective below: nothing is committed, the staging goes
+        owned_entries, error = _report_to_owners(comm, metas, plan, output, owned, file_of_rank, error)
+        if split and owned_entries and error is None:
+            try:
+                output.section = write_section(backend, staging, token, comm.rank, owned_entries, durable)
+            except Exception as exc:
+                error = exc
         gathered = comm.gather((output, None if error is None else f"{type(error).__name__}: {error}",
                                 None if split else owned_entries))
     except PeerLostError:
