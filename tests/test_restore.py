@@ -1,7 +1,7 @@
 """Restoring into a fresh model and optimizer (issue 15): a fresh Adam/AdamW gets its state
 created in place, unfilled, instead of by a zero-lr step; the load fills it bit for bit, and
 what it does not fill (strict=False, a failed load) is zero, never leftover memory. Files that
-are not in the page cache come back with direct I/O, bit for bit and still verified."""
+are not in the page cache come back bit for bit and still verified."""
 import json
 import os
 import subprocess
@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 import statesnap as ss
-from statesnap.engine import cold_read
 from statesnap.errors import CorruptCheckpointError
 from statesnap.format.manifest import MANIFEST_NAME
 
@@ -138,27 +137,14 @@ def odd_state() -> dict:
     return {"model": {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate((1_000_003, 7, 700_001, 2_500_000))}}
 
 
-def test_cold_files_load_bit_exact_through_direct_reads(tmp_path, monkeypatch):
+def test_cold_files_load_bit_exact(tmp_path):
     state = odd_state()
     ss.save(state, tmp_path / "ck")
-    direct_reads = []
-    original = cold_read.ColdReads._direct
-    monkeypatch.setattr(cold_read.ColdReads, "_direct",
-                        lambda self, *args: direct_reads.append(original(self, *args)) or direct_reads[-1])
-    for cold in (True, False):
-        if cold:
-            evict(tmp_path / "ck")
-        else:  # direct reads bypassed the page cache: read the files through it
-            for name in (tmp_path / "ck").iterdir():
-                name.read_bytes()
-        target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
-        ss.load(target, tmp_path / "ck")
-        for name, value in state["model"].items():
-            assert same_bits(target["model"][name], value), name
-        if cold:
-            assert sum(direct_reads) > 0  # what was evicted came back with direct I/O
-            direct_reads.clear()
-    assert not direct_reads  # warm: all from the page cache
+    evict(tmp_path / "ck")
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    ss.load(target, tmp_path / "ck")
+    for name, value in state["model"].items():
+        assert same_bits(target["model"][name], value), name
 
 
 def test_damage_in_a_cold_file_is_named(tmp_path):
@@ -175,17 +161,6 @@ def test_damage_in_a_cold_file_is_named(tmp_path):
     target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
     with pytest.raises(CorruptCheckpointError, match=f"model.t3.*{data.name}|{data.name}.*model.t3"):
         ss.load(target, tmp_path / "ck")
-
-
-def test_reads_fall_back_to_buffered_where_direct_io_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(cold_read, "_O_DIRECT", 0)  # as on tmpfs: no direct descriptor
-    state = odd_state()
-    ss.save(state, tmp_path / "ck")
-    evict(tmp_path / "ck")
-    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
-    ss.load(target, tmp_path / "ck")
-    for name, value in state["model"].items():
-        assert same_bits(target["model"][name], value), name
 
 
 PEAK_SCRIPT = r"""
@@ -216,11 +191,10 @@ print((status("VmHWM") - base) * 1024)
 """
 
 
-def test_peak_extra_memory_of_a_load_is_one_tensor_plus_read_buffers(tmp_path):
+def test_peak_extra_memory_of_a_load_is_one_tensor_plus_a_fixed_slack(tmp_path):
     """Loading 256 MiB into existing tensors, cold then warm, holds at most the largest tensor (a
-    strided target's host copy) plus the read buffers (16 MiB per reading thread, for direct
-    reads), never a second copy of the state. Measured here: 96 MiB (32 + 4 x 16); 64 MiB
-    without the strided target."""
+    strided target's host copy; contiguous ones are read into in place) plus a fixed slack, never
+    a second copy of the state. Measured here: 32 MiB."""
     count, side = 8, 2896  # 8 float32 tensors of 32 MiB
     g = torch.Generator().manual_seed(4)
     ss.save({"model": {f"w{i}": torch.randn(side, side, generator=g) for i in range(count)}}, tmp_path / "ck")
@@ -230,6 +204,6 @@ def test_peak_extra_memory_of_a_load_is_one_tensor_plus_read_buffers(tmp_path):
     assert out.returncode == 0, out.stderr
     growth = int(out.stdout.split()[-1])
     largest, total = side * side * 4, count * side * side * 4
-    bound = largest + 4 * cold_read.BOUNCE_BYTES + 24 * MIB  # the copy, 4 threads' buffers, slack
+    bound = largest + 24 * MIB  # the strided target's host copy, slack
     assert bound < total / 2
     assert growth < bound, f"peak RSS grew by {growth / MIB:.0f} MiB (bound {bound / MIB:.0f} MiB)"

@@ -21,9 +21,7 @@ from ..format.checksum import checksum_blocks
 from ..format.manifest import Manifest, TensorEntry
 from ..plan.load_plan import PieceRead, Segment, TargetPlan
 from ..storage.base import FileReader, StorageBackend
-from ..storage.local import LocalBackend
 from .buffers import byte_view
-from .cold_read import ColdReads
 from .write import default_threads
 
 GROUP_BYTES = 16 << 20  # about what stays in the CPU caches between the read and its checksum
@@ -61,8 +59,6 @@ class ReadExecutor:
         self.jobs: list[_Job] = []
         self._files: dict[int, FileReader] = {}
         self._lock = threading.Lock()
-        # local files: warm bytes from the page cache, cold ones with direct I/O (engine/cold_read.py)
-        self._cold = ColdReads() if isinstance(backend, LocalBackend) else None
         self.bytes_read = 0
 
     def add(self, fqn: str, entry: TensorEntry, target: torch.Tensor, plan: TargetPlan) -> None:
@@ -89,8 +85,6 @@ class ReadExecutor:
             for reader in self._files.values():
                 reader.close()
             self._files.clear()
-            if self._cold is not None:
-                self._cold.close()
 
     # -- planning the I/O -------------------------------------------------------------------
     def _widened(self, job: _Job) -> tuple[int, int]:
@@ -158,11 +152,7 @@ class ReadExecutor:
 
     def _read(self, job: _Job, offset: int, views: list[memoryview], fqn_list: str) -> None:
         want = sum(len(v) for v in views)
-        reader = self._reader(job)  # opened here too: a missing file is named as such
-        if self._cold is not None:
-            got = self._cold.readinto(self.backend.join(self.directory, self.manifest.files[job.file]), offset, views)
-        else:
-            got = reader.readinto(offset, views)
+        got = self._reader(job).readinto(offset, views)
         self.bytes_read += got
         self.advance(got)
         if got != want:
