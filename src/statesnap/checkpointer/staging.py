@@ -42,6 +42,22 @@ class Region:
     on_evict: Callable[[], None] | None = None
 
 
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python's mmap module does not name it everywhere
+
+
+def _populate(address: int, nbytes: int) -> None:
+    """Fault the arena's pages in, in the background, without writing to them: a copy into
+    fresh anonymous memory takes a page fault every 4 KiB and ran at a third of the speed of a
+    copy into touched pages (1.8 against 6.3 GB/s here), which the next optimizer step waited
+    for. The first snapshot's copy races this (both only fault pages in); later ones find the
+    pages there. ctypes releases the GIL for the call; older kernels refuse it, harmlessly."""
+    try:
+        ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes),
+                                                  _MADV_POPULATE_WRITE)
+    except (OSError, AttributeError):
+        pass
+
+
 class Arena:
     """A fixed host buffer handing out regions in ring order; :meth:`allocate` blocks when full."""
 
@@ -51,6 +67,9 @@ class Arena:
         self.buffer = torch.frombuffer(self._mapping, dtype=torch.uint8)
         if pin:
             pin_in_place(self.buffer)
+        else:
+            threading.Thread(target=_populate, args=(self.buffer.data_ptr(), self.capacity),
+                             name="statesnap-arena-populate", daemon=True).start()
         self._live: deque[Region] = deque()
         self._head = 0
         self._cond = threading.Condition()
