@@ -102,3 +102,54 @@ def test_statesnap_checkpoints_leave_training_as_lightnings_own_do(tmp_path):
         assert torch.equal(ckpt["state_dict"][name], value), name
     assert isinstance(ckpt["optimizer_states"][0]["param_groups"][0]["betas"], tuple)
     assert set(ckpt["optimizer_states"][0]["state"]) == {0, 1, 2, 3}  # integer keys, as saved
+
+
+def test_a_save_of_unchanged_tensors_shares_the_stored_step(tmp_path):
+    """ModelCheckpoint saves `last.ckpt` right after the top-k file of the same step: the second
+    save points at the first one's tensors and carries its own callback state in the pointer.
+    Each path loads exactly what was handed to it; removing one keeps what the other names; a
+    damaged own state is refused by name; a tensor changed in place makes a new step."""
+    from statesnap import CheckpointError
+    from statesnap.integrations.lightning import StatesnapCheckpointIO
+
+    weight, score = torch.arange(12, dtype=torch.float32).reshape(3, 4), torch.tensor(0.5)
+    io = StatesnapCheckpointIO()
+
+    def checkpoint(best):  # the callbacks' plain values differ between the two saves of a step
+        return {"state_dict": {"w": weight}, "optimizer_states": [], "epoch": 1, "global_step": 4,
+                "callbacks": {"ModelCheckpoint": {"best_model_score": score, "best_k_models": {"p": best}}}}
+
+    topk, last = str(tmp_path / "epoch=1-step=4.ckpt"), str(tmp_path / "last.ckpt")
+    io.save_checkpoint(checkpoint(0.5), topk)
+    io.save_checkpoint(checkpoint(0.25), last)
+    weight_then = weight.clone()
+    weight.add_(1)  # an optimizer step: the next save must store the new values
+    later = str(tmp_path / "epoch=2-step=8.ckpt")
+    io.save_checkpoint(checkpoint(0.125), later)
+    io.teardown()
+
+    steps = sorted(n for n in os.listdir(tmp_path / STORE_DIR) if n.startswith("step-"))
+    assert len(steps) == 2
+    assert _pointed_step(tmp_path / "last.ckpt") == _pointed_step(tmp_path / "epoch=1-step=4.ckpt")
+    io = StatesnapCheckpointIO()
+    for path, best, expected in ((topk, 0.5, weight_then), (last, 0.25, weight_then), (later, 0.125, weight)):
+        loaded = io.load_checkpoint(path)
+        assert torch.equal(loaded["state_dict"]["w"], expected), path
+        assert loaded["callbacks"]["ModelCheckpoint"]["best_k_models"] == {"p": best}, path
+        assert torch.equal(loaded["callbacks"]["ModelCheckpoint"]["best_model_score"], score), path
+        assert loaded["global_step"] == 4
+
+    pointer = json.loads((tmp_path / "last.ckpt").read_text())
+    pointer["own_state"] = pointer["own_state"].replace("0.25", "0.75")
+    damaged = tmp_path / "damaged.ckpt"
+    damaged.write_text(json.dumps(pointer))
+    with pytest.raises(CheckpointError, match="damaged.ckpt.*own state"):
+        io.load_checkpoint(str(damaged))
+    damaged.unlink()
+
+    io.remove_checkpoint(topk)
+    assert len([n for n in os.listdir(tmp_path / STORE_DIR) if n.startswith("step-")]) == 2
+    assert torch.equal(io.load_checkpoint(last)["state_dict"]["w"], weight_then)
+    io.remove_checkpoint(last)
+    assert [n for n in os.listdir(tmp_path / STORE_DIR) if n.startswith("step-")] == [steps[-1]]
+

@@ -13,7 +13,9 @@ copy (its step runs the forward and backward inside its closure, which keeps the
 The path Lightning named becomes a small pointer file, written only once the checkpoint is
 committed: a crash at any moment leaves every pointer naming a whole checkpoint, so
 ``ckpt_path="last"`` resumes from the newest one committed. ``remove_checkpoint`` deletes the
-pointer and, once no pointer names it, the checkpoint.
+pointer and, once no pointer names it, the checkpoint. A save whose tensors did not change since
+the previous one (``last.ckpt`` after the top-k file of the same step) shares its stored step:
+only its own non-tensor state goes into its pointer.
 
 What Lightning puts in its checkpoint besides tensors (loops, callbacks, hyper-parameters,
 schedulers) is stored as data, not pickle (``integrations/skeleton.py``); an object that is not
@@ -36,6 +38,7 @@ import fsspec
 import fsspec.implementations.local
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..checkpointer import Checkpointer
@@ -60,6 +63,7 @@ KEEP_ALL = 1 << 30  # Lightning chooses what to delete, through remove_checkpoin
 _SHARDED = ("state_dict.", "optimizer_states.")  # the rest of the checkpoint is one rank's
 _TEMPORARY = re.compile(r"\.tmp-[0-9a-f]{8}$")
 _FIXED = ("keep_last", "persist_every", "on_commit", "process_group")
+_OWN_STATE_MAX = 256 << 10  # a pointer carries at most this much of a checkpoint's own state
 
 
 class StatesnapCheckpointIO(CheckpointIO):
@@ -100,10 +104,10 @@ class StatesnapCheckpointIO(CheckpointIO):
         path = _normal(path)
         for store in self._stores.values():
             store.wait_for(path)
-        target = _read_pointer(path, self.storage_options)
-        if target is None:  # a checkpoint Lightning wrote itself: read it the way Lightning does
+        pointer = _read_pointer(path, self.storage_options)
+        if pointer is None:  # a checkpoint Lightning wrote itself: read it the way Lightning does
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        return read_checkpoint(target, self.allow_pickle, self.storage_options)
+        return read_checkpoint(pointer[0], self.allow_pickle, self.storage_options, own_state=pointer[1])
 
     def remove_checkpoint(self, path) -> None:
         path = _normal(path)
@@ -173,14 +177,14 @@ class StatesnapModelParallelStrategy(ModelParallelStrategy):
         path = _normal(self.broadcast(str(checkpoint_path)))
         for store in self._statesnap._stores.values():
             store.wait_for(path)
-        target = _read_pointer(path, self._statesnap.storage_options)
-        if target is None:
+        pointer = _read_pointer(path, self._statesnap.storage_options)
+        if pointer is None:
             raise CheckpointError(f"{path} is not a statesnap checkpoint of a Lightning run")
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         live = {"state_dict": self.lightning_module_state_dict(),
                 "optimizer_states": [self.optimizer_state(o) for o in optimizers]}
-        checkpoint = read_checkpoint(target, self._statesnap.allow_pickle, self._statesnap.storage_options,
-                                     into=live)
+        checkpoint = read_checkpoint(pointer[0], self._statesnap.allow_pickle, self._statesnap.storage_options,
+                                     into=live, own_state=pointer[1])
         options = StateDictOptions(full_state_dict=False, cpu_offload=True)
         strict = self.lightning_module.strict_loading
         set_model_state_dict(self.model, checkpoint["state_dict"], options=StateDictOptions(
@@ -201,6 +205,7 @@ class _Store:
 
     def __init__(self, directory: str, settings: dict, collective: bool, storage_options: dict | None):
         self.directory = directory
+        self.collective = collective
         self.fs, _ = fsspec.core.url_to_fs(directory, **(storage_options or {}))
         group = None
         if not collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -212,14 +217,16 @@ class _Store:
         self.rank = self.ckpt.rank
         self._lock = threading.Lock()
         self._named: dict[str, int] = {}  # pointer path -> step
-        self._waiting: dict[int, str] = {}  # step in flight -> the path to point at it
+        self._waiting: dict[int, list[str]] = {}  # step in flight -> the paths to point at it
         self._handles: dict[str, Any] = {}  # path -> its newest save's handle
+        self._previous: tuple | None = None  # (fingerprint, step, handle, skeleton, tensors) of the newest save
         self._storage_options = storage_options
         for name in self._listdir(directory):
             if _TEMPORARY.search(name) and self.rank == 0:  # a pointer whose write a crash cut short
                 self.fs.rm(name)
                 continue
-            step = _pointer_step(_read_pointer(name, storage_options))
+            pointer = _read_pointer(name, storage_options)
+            step = None if pointer is None else step_of(pointer[0])
             if step is not None:
                 self._named[name] = step
         stored = [step_of(n) for n in self._listdir(_join(directory, STORE_DIR))]
@@ -230,12 +237,15 @@ class _Store:
 
     def save(self, checkpoint: dict, path: str, allow_pickle: bool) -> None:
         structure, tensors = skeleton.split(checkpoint, allow_pickle)
+        fingerprint = _fingerprint(checkpoint, tensors)
+        if self._link(path, fingerprint, structure):
+            return
         # Besides the model and the optimizers, ranks may hold different values (an unsynced
         # logged metric in a callback's state): as Lightning does, one rank's copy is kept.
         tensors = {name: t if name.startswith(_SHARDED) else Replicated(t) for name, t in tensors.items()}
         step, self._next_step = self._next_step, self._next_step + 1
         with self._lock:
-            self._waiting[step] = path
+            self._waiting[step] = [(path, None)]
         try:
             handle = self.ckpt.save(step, {"lightning": Replicated({"format": POINTER_FORMAT, "skeleton": structure}),
                                            "tensors": tensors})
@@ -244,6 +254,34 @@ class _Store:
                 self._waiting.pop(step, None)
             raise
         self._handles[path] = handle
+        # The tensors are kept referenced so that no new tensor can take their addresses, which
+        # the next save's fingerprint compares.
+        self._previous = (fingerprint, step, handle, structure, tensors)
+
+    def _link(self, path: str, fingerprint: tuple, structure: str) -> bool:
+        """Point ``path`` at the newest save's tensors instead of saving them again when none
+        changed since: ModelCheckpoint saves ``last.ckpt`` right after the top-k file of the same
+        step, and a second copy and write of the same bytes would double what the step waits
+        for. What differs (the callbacks' state) goes into the pointer itself, so each path still
+        loads exactly what Lightning handed over. Every rank of a collective store must agree, or
+        their saves would no longer match."""
+        previous = self._previous
+        same = (previous is not None and previous[0] == fingerprint and len(structure) <= _OWN_STATE_MAX
+                and self._usable(previous[1], previous[2]))
+        if self.collective:
+            same = all(self.ckpt._comm.all_gather(same))
+        if not same:
+            return False
+        _, step, handle, stored, _ = previous
+        own_state = None if structure == stored else structure
+        with self._lock:
+            waiting = self._waiting.get(step)
+            if waiting is not None:
+                waiting.append((path, own_state))  # pointed at once it commits
+        if waiting is None:
+            self._point(path, step, own_state)
+        self._handles[path] = handle
+        return True
 
     def wait_for(self, path: str) -> None:
         handle = self._handles.get(path)
@@ -268,18 +306,29 @@ class _Store:
     def close(self) -> None:
         self.ckpt.close()
 
-    def _committed(self, record) -> None:
-        """On commit (the Checkpointer's flush thread): point the path at the step, and drop the
-        step it named before if no other path names that one."""
+    def _usable(self, step: int, handle) -> bool:
+        """The save of ``step`` has not failed, and is in flight or still named by a pointer."""
+        if handle.durable.done() and handle.durable.exception() is not None:
+            return False
         with self._lock:
-            path = self._waiting.pop(record.step, None)
-            if path is None:
-                return
+            return step in self._waiting or step in self._named.values()
+
+    def _committed(self, record) -> None:
+        """On commit (the Checkpointer's flush thread): point the paths waiting for it at the step."""
+        with self._lock:
+            paths = self._waiting.pop(record.step, [])
+        for path, own_state in paths:
+            self._point(path, record.step, own_state)
+
+    def _point(self, path: str, step: int, own_state: str | None = None) -> None:
+        """Write the pointer ``path`` -> ``step`` (with the state that differs from the stored
+        one's); drop the step it named before if no other path names that one."""
+        with self._lock:
             before = self._named.get(path)
-            self._named[path] = record.step
+            self._named[path] = step
             orphaned = before is not None and before not in self._named.values()
         if self.rank == 0:
-            write_atomically(self.fs, path, pointer_bytes(POINTER_FORMAT, f"{STORE_DIR}/step-{record.step}"))
+            write_atomically(self.fs, path, pointer_bytes(POINTER_FORMAT, f"{STORE_DIR}/step-{step}", own_state))
         if orphaned:
             self.ckpt.remove(before)
 
@@ -294,11 +343,12 @@ class _Store:
 
 
 def read_checkpoint(path: str, allow_pickle: bool = False, storage_options: dict | None = None,
-                    into: dict | None = None) -> dict[str, Any]:
+                    into: dict | None = None, own_state: str | None = None) -> dict[str, Any]:
     """The Lightning checkpoint dict stored at statesnap checkpoint ``path``, verified as it is
     read, on the CPU (Lightning moves it to the module's devices as it restores). ``into``: a
     checkpoint-shaped dict whose tensors (DTensors: this rank's shards) receive the stored ones
-    in place, resharded; the others are read whole."""
+    in place, resharded; the others are read whole. ``own_state``: a pointer's own structure,
+    in place of the stored one."""
     reader = open_checkpoint(path, storage_options=storage_options, allow_pickle=allow_pickle)
     if "lightning.skeleton" not in reader:
         raise CheckpointError(f"{path} is a statesnap checkpoint, but not one of a Lightning Trainer")
@@ -313,7 +363,17 @@ def read_checkpoint(path: str, allow_pickle: bool = False, storage_options: dict
                 tensors[name] = torch.empty(info.shape, dtype=info.dtype)
     state = {"lightning": {"format": None, "skeleton": None}, "tensors": tensors}
     load(state, path, storage_options=storage_options, allow_pickle=allow_pickle)
-    return skeleton.join(state["lightning"]["skeleton"], tensors, allow_pickle, where=path)
+    return skeleton.join(own_state or state["lightning"]["skeleton"], tensors, allow_pickle, where=path)
+
+
+def _fingerprint(checkpoint: dict, tensors: dict[str, torch.Tensor]) -> tuple:
+    """What two saves share when nothing in them changed: the loop position and, for every
+    tensor, its memory, layout and version counter (which any in-place change bumps)."""
+    entries = []
+    for name, tensor in tensors.items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        entries.append((name, local.data_ptr(), local._version, tuple(local.shape), local.stride(), local.dtype))
+    return checkpoint.get("epoch"), checkpoint.get("global_step"), tuple(entries)
 
 
 def _normal(path) -> str:
@@ -325,19 +385,16 @@ def _join(directory: str, name: str) -> str:
     return f"{directory.rstrip('/')}/{name}"
 
 
-def _read_pointer(path: str, storage_options: dict | None) -> str | None:
-    """The statesnap checkpoint a pointer file names (None if ``path`` is no pointer)."""
+def _read_pointer(path: str, storage_options: dict | None) -> tuple[str, str | None] | None:
+    """(the statesnap checkpoint a pointer file names, the pointer's own state), or None if
+    ``path`` is no pointer."""
     fs, _ = fsspec.core.url_to_fs(path, **(storage_options or {}))
     try:
         if not fs.isfile(path) or fs.size(path) > POINTER_MAX_BYTES:
             return None
-        relative = parse_pointer(fs.cat_file(path), POINTER_FORMAT, path)
+        pointer = parse_pointer(fs.cat_file(path), POINTER_FORMAT, path)
     except OSError:
         return None
-    if relative is None:
+    if pointer is None:
         return None
-    return _join(os.path.dirname(path.rstrip("/")) or ".", relative)
-
-
-def _pointer_step(target: str | None) -> int | None:
-    return None if target is None else step_of(target)
+    return _join(os.path.dirname(path.rstrip("/")) or ".", pointer[0]), pointer[1]

@@ -14,10 +14,11 @@ import uuid
 
 import fsspec
 import fsspec.implementations.local
+import xxhash
 
 from ..errors import CheckpointError
 
-POINTER_MAX_BYTES = 4096
+POINTER_MAX_BYTES = 1 << 20  # a pointer may carry a trainer's own small state (see ``pointer_bytes``)
 
 
 def step_of(name: str) -> int | None:
@@ -26,13 +27,19 @@ def step_of(name: str) -> int | None:
     return int(base[5:]) if base.startswith("step-") and base[5:].isdigit() else None
 
 
-def pointer_bytes(fmt: str, relative: str) -> bytes:
-    return json.dumps({"format": fmt, "checkpoint": relative}).encode()
+def pointer_bytes(fmt: str, relative: str, own_state: str | None = None) -> bytes:
+    """A pointer to ``relative``. ``own_state``: text that replaces what the checkpoint stores
+    besides tensors, for a save that shares another's tensors (stored with its checksum)."""
+    pointer = {"format": fmt, "checkpoint": relative}
+    if own_state is not None:
+        pointer.update(own_state=own_state, own_state_xxh3=xxhash.xxh3_64_hexdigest(own_state.encode()))
+    return json.dumps(pointer).encode()
 
 
-def parse_pointer(raw: bytes, fmt: str, where: str) -> str | None:
-    """The relative path a pointer of format ``fmt`` names (None if ``raw`` is no such pointer).
-    A pointer that names something other than a ``step-N`` beside it is refused."""
+def parse_pointer(raw: bytes, fmt: str, where: str) -> tuple[str, str | None] | None:
+    """(the relative path a pointer of format ``fmt`` names, its own state or None); None if
+    ``raw`` is no such pointer. A pointer that names something other than a ``step-N`` beside it,
+    or whose own state does not match its checksum, is refused."""
     try:
         pointer = json.loads(raw)
     except ValueError:
@@ -43,7 +50,11 @@ def parse_pointer(raw: bytes, fmt: str, where: str) -> str | None:
     if not isinstance(relative, str) or step_of(relative) is None or ".." in relative.split("/") \
             or relative.startswith("/"):
         raise CheckpointError(f"{where} is a statesnap pointer with a malformed target {relative!r}")
-    return relative
+    own_state = pointer.get("own_state")
+    if own_state is not None and (not isinstance(own_state, str) or pointer.get("own_state_xxh3")
+                                  != xxhash.xxh3_64_hexdigest(own_state.encode())):
+        raise CheckpointError(f"{where} is a statesnap pointer whose own state is damaged (checksum mismatch)")
+    return relative, own_state
 
 
 def write_atomically(fs, path: str, data: bytes) -> None:

@@ -208,10 +208,10 @@ def pointer_target(checkpoint_dir: str) -> str | None:
     path = os.path.join(checkpoint_dir, POINTER_NAME)
     try:
         with open(path, "rb") as f:
-            relative = parse_pointer(f.read(), POINTER_FORMAT, path)
+            pointer = parse_pointer(f.read(), POINTER_FORMAT, path)
     except FileNotFoundError:
         return None
-    return None if relative is None else os.path.join(os.path.dirname(os.path.abspath(checkpoint_dir)), relative)
+    return None if pointer is None else os.path.join(os.path.dirname(os.path.abspath(checkpoint_dir)), pointer[0])
 
 
 def _torch_optimizer(optimizer):
