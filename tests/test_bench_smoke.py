@@ -136,11 +136,24 @@ def test_lightning_suite_reports_every_mode_and_checks_the_last_checkpoint(tmp_p
                      "--json", str(out_json)]) == 0
     result = json.loads(out_json.read_text())
     assert set(result["fit_s"]) == {"none", "torch", "async", "statesnap"}
-    assert set(result["stall_s"]) == set(result["overhead_s"]) == {"torch", "async", "statesnap"}
-    assert all(value > 0 for value in result["stall_s"].values())
+    assert set(result["stall_s"]) == set(result["blocked_s"]) == set(result["overhead_s"]) == {"torch", "async", "statesnap"}
+    assert all(value > 0 for value in [*result["stall_s"].values(), *result["blocked_s"].values()])
     printed = capsys.readouterr().out
     assert "StatesnapCheckpointIO" in printed and "aim <= 0.1" in printed
     assert not (tmp_path / "out" / "lightning").exists()  # the scratch checkpoints are gone
+
+
+def test_trainer_suites_tell_blocked_time_from_the_slowed_next_step():
+    from statesnap.bench.trainer_runs import summarize
+
+    none = {"fit_s": 10.0, "steps": {1: 0.1, 2: 0.1, 3: 0.1, 4: 0.1}, "saves": []}
+    lazy = {"fit_s": 10.5, "steps": {1: 0.1, 2: 0.3, 3: 0.1, 4: 0.25}, "saves": [(1, 0.01), (3, 0.01)],
+            "optimizer_wait_s": 0.04}
+    blocking = {"fit_s": 11.0, "steps": none["steps"], "saves": [(1, 0.5), (3, 0.5)]}
+    summary = summarize({"none": [none], "lazy": [lazy], "blocking": [blocking]})
+    assert summary["blocked_s"] == {"lazy": pytest.approx(0.03), "blocking": pytest.approx(0.5)}
+    assert summary["stall_s"] == {"lazy": pytest.approx(0.185), "blocking": pytest.approx(0.5)}
+    assert summary["overhead_s"] == {"lazy": pytest.approx(0.5), "blocking": pytest.approx(1.0)}
 
 
 def test_hf_suite_reports_both_trainers_and_checks_the_last_checkpoint(tmp_path, capsys):
@@ -149,6 +162,6 @@ def test_hf_suite_reports_both_trainers_and_checks_the_last_checkpoint(tmp_path,
                      "--repeat", "1", "--out", str(tmp_path / "out"), "--json", str(out_json)]) == 0
     result = json.loads(out_json.read_text())
     assert set(result["fit_s"]) == {"none", "hf", "statesnap"}
-    assert set(result["stall_s"]) == set(result["overhead_s"]) == {"hf", "statesnap"}
+    assert set(result["stall_s"]) == set(result["blocked_s"]) == set(result["overhead_s"]) == {"hf", "statesnap"}
     assert "StatesnapTrainer" in capsys.readouterr().out
     assert not (tmp_path / "out" / "hf").exists()

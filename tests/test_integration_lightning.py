@@ -3,7 +3,8 @@ and ``StatesnapModelParallelStrategy`` with FSDP2 on 2) run ``tests/integrations
 checkpoint at each epoch's end (top-2 by the loss, plus ``last``), get SIGKILLed with a save in
 flight, resume with ``ckpt_path="last"``, and must then log the same losses and end with the same
 parameters as a run never killed, bit for bit (one thread, fixed data, no shuffle: Lightning is
-deterministic here). The FSDP2 checkpoint also resumes on one rank, resharded."""
+deterministic here). The FSDP2 checkpoint also resumes on one rank, the DDP one with FSDP2 on
+one and two ranks, resharded."""
 import json
 import os
 import shutil
@@ -50,8 +51,10 @@ def test_killed_run_resumes_from_last_bit_exact(tmp_path, mode):
     _run(whole, *args)
     _run(killed, *args, "--kill-at", "8", killed=True)
     resumed_from = _pointed_step(killed / "ckpt" / "last.ckpt")
-    if mode == "fsdp2":  # the same checkpoint resumed on one rank: resharded while it loads
-        shutil.copytree(killed, tmp_path / "resharded")
+    # the same checkpoint resumed with FSDP2 on another rank count or from DDP: resharded while it loads
+    reshards = {"single": [], "ddp": ["1", "2"], "fsdp2": ["1"]}[mode]
+    for devices in reshards:
+        shutil.copytree(killed, tmp_path / f"resharded-{devices}")
     _run(killed, *args, "--resume")
     for rank in range(1 if mode == "single" else 2):
         expected, resumed = _losses(whole, rank), _losses(killed, rank, resumed=True)
@@ -60,11 +63,14 @@ def test_killed_run_resumes_from_last_bit_exact(tmp_path, mode):
         _assert_same_parameters(whole, killed, rank)
     for out in (whole, killed):
         _assert_only_kept_checkpoints_stored(out)
-    if mode == "fsdp2":
-        stored = read_checkpoint(str(tmp_path / "resharded" / "ckpt" / STORE_DIR / f"step-{resumed_from}"))
-        _run(tmp_path / "resharded", "--devices", "1", "--fsdp", "--resume")
-        start = torch.load(tmp_path / "resharded" / "start.pt")
+    for devices in reshards:
+        out = tmp_path / f"resharded-{devices}"
+        stored = read_checkpoint(str(out / "ckpt" / STORE_DIR / f"step-{resumed_from}"))
+        _run(out, "--devices", devices, "--fsdp", "--resume")
+        start = torch.load(out / "start.pt")
         moments = stored["optimizer_states"][0]["state"]
+        if mode == "ddp":  # DDP numbers the moments by the parameters' order in the optimizer
+            moments = {name: moments[index] for index, name in enumerate(stored["state_dict"])}
         assert set(start) == {f"param.{n}" for n in stored["state_dict"]} | {f"exp_avg.{n}" for n in moments}
         for name, value in stored["state_dict"].items():
             assert torch.equal(start[f"param.{name}"], value), name
@@ -153,3 +159,20 @@ def test_a_save_of_unchanged_tensors_shares_the_stored_step(tmp_path):
     io.remove_checkpoint(last)
     assert [n for n in os.listdir(tmp_path / STORE_DIR) if n.startswith("step-")] == [steps[-1]]
 
+
+
+def test_a_ddp_optimizer_state_is_renamed_for_fsdp2_or_refused_when_it_does_not_fit():
+    """DDP numbers the optimizer state by position; FSDP2's optimizer state dict names it."""
+    from statesnap import CheckpointError
+    from statesnap.integrations.lightning import _keyed_by_name
+
+    live = {"state": {}, "param_groups": [{"lr": 0.1, "params": ["a.weight", "a.bias"]}, {"params": ["b.weight"]}]}
+    stored = {"state": {0: {"exp_avg": 0}, 2: {"exp_avg": 2}},
+              "param_groups": [{"lr": 0.5, "params": [0, 1]}, {"params": [2]}]}
+    assert _keyed_by_name(stored, live, "x") == {
+        "state": {"a.weight": {"exp_avg": 0}, "b.weight": {"exp_avg": 2}},
+        "param_groups": [{"lr": 0.5, "params": ["a.weight", "a.bias"]}, {"params": ["b.weight"]}]}
+    assert _keyed_by_name(live, live, "x") is live  # already by name: as it is
+    fewer = {"state": {}, "param_groups": [{"params": [0, 1]}]}
+    with pytest.raises(CheckpointError, match="last.ckpt: its optimizer state numbers 2 parameters.* has 3"):
+        _keyed_by_name(fewer, live, "last.ckpt")

@@ -18,7 +18,7 @@ import time
 import torch
 
 from .common import DEFAULT_OUT, add_output_arguments, fresh_dir, publish
-from .trainer_runs import interleaved, summarize, table
+from .trainer_runs import interleaved, optimizer_wait_s, summarize, table
 
 MODES = ("none", "hf", "statesnap")
 
@@ -53,13 +53,14 @@ def _run(mode: str, out: str, args) -> dict:
     cls = StatesnapTrainer if mode == "statesnap" else Trainer
     extra = {"statesnap_settings": {"durable": args.durable}} if mode == "statesnap" else {}
     trainer = cls(model=model, args=training, train_dataset=data, callbacks=[clock], **extra)
-    saves = []
+    saves, checkpointers = [], set()
     save = trainer._save_checkpoint
 
     def timed_save(*a, **k):
         start = time.perf_counter()
         save(*a, **k)
         saves.append((trainer.state.global_step, time.perf_counter() - start))
+        checkpointers.update(getattr(trainer, "_checkpointers", {}).values())
     trainer._save_checkpoint = timed_save
     start = time.perf_counter()
     trainer.train()
@@ -67,7 +68,7 @@ def _run(mode: str, out: str, args) -> dict:
     if mode != "none":
         _check_last(trainer, directory, mode)
     shutil.rmtree(directory, ignore_errors=True)
-    return {"fit_s": fit_s, "steps": clock.steps, "saves": saves}
+    return {"fit_s": fit_s, "steps": clock.steps, "saves": saves, "optimizer_wait_s": optimizer_wait_s(checkpointers)}
 
 
 def _check_last(trainer, directory: str, mode: str) -> None:

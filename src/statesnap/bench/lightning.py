@@ -7,9 +7,10 @@ its ``AsyncCheckpointIO`` (clones the tensors on the training thread, writes in 
 ``StatesnapCheckpointIO``. For each:
 
 * ``fit_s``: ``trainer.fit`` wall time; the overhead is against the run without checkpoints;
-* stall per checkpoint: the time the training thread spends in ``save_checkpoint`` plus what the
-  step after it takes beyond the median step of the run without checkpoints (statesnap's update
-  waits there for the snapshot copy, AsyncCheckpointIO's for nothing).
+* blocked and stall per checkpoint, as ``bench/trainer_runs.py`` defines them: the time the
+  training thread spends in ``save_checkpoint`` plus, for statesnap, the optimizer's wait for the
+  snapshot copy; and that call plus what the step after it takes beyond the median step of the
+  run without checkpoints (the background work on the same cores counted in).
 
 The last checkpoint of every run is loaded back and compared bit for bit with the model.
 """
@@ -24,7 +25,7 @@ import time
 import torch
 
 from .common import DEFAULT_OUT, add_output_arguments, fresh_dir, publish
-from .trainer_runs import interleaved, summarize, table
+from .trainer_runs import interleaved, optimizer_wait_s, summarize, table
 
 MODES = ("none", "torch", "async", "statesnap")
 
@@ -53,6 +54,8 @@ def _run(mode: str, out: str, args) -> dict:
             start = time.perf_counter()
             super()._save_checkpoint(trainer, filepath)
             clock.saves.append((trainer.global_step, time.perf_counter() - start))
+            if mode == "statesnap":
+                checkpointers.update(store.ckpt for store in plugins[0]._stores.values())
 
     class Clock(pl.Callback):
         def __init__(self):
@@ -64,7 +67,7 @@ def _run(mode: str, out: str, args) -> dict:
         def on_train_batch_end(self, trainer, *rest):
             self.steps[trainer.global_step] = time.perf_counter() - self._start
 
-    clock = Clock()
+    clock, checkpointers = Clock(), set()
     directory = fresh_dir(os.path.join(out, mode))
     callbacks = [clock]
     if mode != "none":
@@ -83,7 +86,8 @@ def _run(mode: str, out: str, args) -> dict:
     if mode != "none":
         _check_last(directory, model, plugins)
     shutil.rmtree(directory, ignore_errors=True)
-    return {"fit_s": fit_s, "steps": clock.steps, "saves": clock.saves}
+    return {"fit_s": fit_s, "steps": clock.steps, "saves": clock.saves,
+            "optimizer_wait_s": optimizer_wait_s(checkpointers)}
 
 
 def _check_last(directory: str, model, plugins) -> None:

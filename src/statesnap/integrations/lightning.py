@@ -181,10 +181,14 @@ class StatesnapModelParallelStrategy(ModelParallelStrategy):
         if pointer is None:
             raise CheckpointError(f"{path} is not a statesnap checkpoint of a Lightning run")
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        by_name = [self.optimizer_state(o) for o in optimizers]
+        # Each state tensor under both keys: a DDP run's checkpoint keys them by position
         live = {"state_dict": self.lightning_module_state_dict(),
-                "optimizer_states": [self.optimizer_state(o) for o in optimizers]}
+                "optimizer_states": [{"state": {**state["state"], **_keyed_by_position(state)}} for state in by_name]}
         checkpoint = read_checkpoint(pointer[0], self._statesnap.allow_pickle, self._statesnap.storage_options,
                                      into=live, own_state=pointer[1])
+        checkpoint["optimizer_states"] = [_keyed_by_name(stored, live_state, path)
+                                          for stored, live_state in zip(checkpoint["optimizer_states"], by_name)]
         options = StateDictOptions(full_state_dict=False, cpu_offload=True)
         strict = self.lightning_module.strict_loading
         set_model_state_dict(self.model, checkpoint["state_dict"], options=StateDictOptions(
@@ -364,6 +368,31 @@ def read_checkpoint(path: str, allow_pickle: bool = False, storage_options: dict
     state = {"lightning": {"format": None, "skeleton": None}, "tensors": tensors}
     load(state, path, storage_options=storage_options, allow_pickle=allow_pickle)
     return skeleton.join(own_state or state["lightning"]["skeleton"], tensors, allow_pickle, where=path)
+
+
+def _parameter_names(optimizer_state: dict) -> list:
+    """The parameters' keys of an optimizer state dict, in the order torch.optim numbers them."""
+    return [key for group in optimizer_state["param_groups"] for key in group["params"]]
+
+
+def _keyed_by_position(state: dict) -> dict:
+    """The per-parameter state of ``get_optimizer_state_dict`` (keyed by parameter name) keyed
+    by position instead, as ``torch.optim.Optimizer.state_dict`` keys it."""
+    return {index: state["state"][name] for index, name in enumerate(_parameter_names(state)) if name in state["state"]}
+
+
+def _keyed_by_name(stored: dict, live: dict, where: str) -> dict:
+    """``stored`` keyed by parameter name as ``live`` is: a checkpoint of a DDP run numbers the
+    parameters in their optimizer's order; the same ``configure_optimizers`` gives the same order."""
+    positions, names = _parameter_names(stored), _parameter_names(live)
+    if all(isinstance(key, str) for key in positions):
+        return stored
+    if len(positions) != len(names) or sorted(positions) != list(range(len(names))):
+        raise CheckpointError(f"{where}: its optimizer state numbers {len(positions)} parameters, the optimizer "
+                              f"being restored has {len(names)}; it was saved by another model or optimizer setup")
+    return {"state": {names[index]: value for index, value in stored["state"].items()},
+            "param_groups": [{**group, "params": [names[index] for index in group["params"]]}
+                             for group in stored["param_groups"]]}
 
 
 def _fingerprint(checkpoint: dict, tensors: dict[str, torch.Tensor]) -> tuple:
