@@ -20,6 +20,10 @@ DEFAULT_OUT = "/tmp/statesnap-bench"
 DROP_CACHES = "/proc/sys/vm/drop_caches"
 
 
+# Training leaves one core to background work, as a GPU job leaves the host's cores to it; every
+# mode runs with the same threads, so the comparison stays fair.
+DEFAULT_THREADS = max(1, (os.cpu_count() or 1) - 1)
+
 def timed(fn: Callable[[], object]) -> float:
     """Seconds ``fn()`` takes."""
     started = time.perf_counter()

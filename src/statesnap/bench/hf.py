@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from .common import DEFAULT_OUT, add_output_arguments, fresh_dir, publish
+from .common import DEFAULT_OUT, DEFAULT_THREADS, add_output_arguments, fresh_dir, publish
 from .trainer_runs import interleaved, optimizer_wait_s, summarize, table
 
 MODES = ("none", "hf", "statesnap")
@@ -90,8 +90,9 @@ def _check_last(trainer, directory: str, mode: str) -> None:
 
 
 def run(steps: int = 30, every: int = 5, hidden: int = 384, layers: int = 6, repeat: int = 3,
-        durable: bool = True, out: str = DEFAULT_OUT) -> dict:
-    torch.set_num_threads(2)
+        durable: bool = True, out: str = DEFAULT_OUT,
+        threads: int = DEFAULT_THREADS) -> dict:
+    torch.set_num_threads(threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     scratch = fresh_dir(os.path.join(out, "hf"))
@@ -101,13 +102,13 @@ def run(steps: int = 30, every: int = 5, hidden: int = 384, layers: int = 6, rep
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return {"steps": steps, "every": every, "checkpoints": steps // every, "hidden": hidden, "layers": layers,
-            "repeat": repeat, "durable": durable, **summarize(runs)}
+            "repeat": repeat, "durable": durable, "threads": threads, **summarize(runs)}
 
 
 def report(result: dict) -> str:
     labels = {"hf": "Trainer (default)", "statesnap": "StatesnapTrainer"}
-    return (f"Hugging Face Trainer, 1 process: LlamaForCausalLM hidden {result['hidden']} x {result['layers']} "
-            f"layers, {result['steps']} steps of {result['step_s'] * 1e3:.1f} ms, a checkpoint every "
+    return (f"Hugging Face Trainer, 1 process, {result['threads']} torch threads: LlamaForCausalLM hidden "
+            f"{result['hidden']} x {result['layers']} layers, {result['steps']} steps of {result['step_s'] * 1e3:.1f} ms, a checkpoint every "
             f"{result['every']}, medians of {result['repeat']} interleaved rounds\n" + table(result, labels, "hf"))
 
 
@@ -119,8 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no-durable", dest="durable", action="store_false", help="statesnap without fsync")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                        help=f"torch threads of the training (default {DEFAULT_THREADS}: the cores less one, as in "
+                             "the training suite)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
-    result = run(args.steps, args.every, args.hidden, args.layers, args.repeat, args.durable, args.out)
+    result = run(args.steps, args.every, args.hidden, args.layers, args.repeat, args.durable, args.out, args.threads)
     publish(result, report(result), args.json)
     return 0

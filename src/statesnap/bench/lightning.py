@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .common import DEFAULT_OUT, add_output_arguments, fresh_dir, publish
+from .common import DEFAULT_OUT, DEFAULT_THREADS, add_output_arguments, fresh_dir, publish
 from .trainer_runs import interleaved, optimizer_wait_s, summarize, table
 
 MODES = ("none", "torch", "async", "statesnap")
@@ -102,8 +102,9 @@ def _check_last(directory: str, model, plugins) -> None:
 
 
 def run(steps: int = 40, every: int = 5, width: int = 1024, layers: int = 8, repeat: int = 3,
-        durable: bool = True, out: str = DEFAULT_OUT) -> dict:
-    torch.set_num_threads(2)
+        durable: bool = True, out: str = DEFAULT_OUT,
+        threads: int = DEFAULT_THREADS) -> dict:
+    torch.set_num_threads(threads)
     import lightning.pytorch  # noqa: F401 (it sets its loggers' levels when imported)
 
     for name in ("lightning.pytorch", "lightning.fabric"):  # its banners would mix into the report
@@ -116,14 +117,15 @@ def run(steps: int = 40, every: int = 5, width: int = 1024, layers: int = 8, rep
         shutil.rmtree(scratch, ignore_errors=True)
     state_mb = 3 * layers * (width * width + width) * 4 / 1e6  # weights and two AdamW moments
     return {"steps": steps, "every": every, "checkpoints": steps // every, "state_mb": state_mb, "repeat": repeat,
-            "durable": durable, **summarize(runs)}
+            "durable": durable, "threads": threads, **summarize(runs)}
 
 
 def report(result: dict) -> str:
     labels = {"torch": "TorchCheckpointIO (default)", "async": "AsyncCheckpointIO", "statesnap": "StatesnapCheckpointIO"}
-    return (f"Lightning, 1 process: {result['steps']} steps of {result['step_s'] * 1e3:.1f} ms, a checkpoint every "
-            f"{result['every']} ({result['checkpoints']} + last), {result['state_mb']:.0f} MB of weights and AdamW "
-            f"state, medians of {result['repeat']} interleaved rounds\n" + table(result, labels, "torch"))
+    return (f"Lightning, 1 process, {result['threads']} torch threads: {result['steps']} steps of "
+            f"{result['step_s'] * 1e3:.1f} ms, a checkpoint every {result['every']} ({result['checkpoints']} + last), "
+            f"{result['state_mb']:.0f} MB of weights and AdamW state, medians of {result['repeat']} interleaved "
+            "rounds\n" + table(result, labels, "torch"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,8 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no-durable", dest="durable", action="store_false",
                         help="statesnap without fsync (torch.save does not fsync either)")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                        help=f"torch threads of the training (default {DEFAULT_THREADS}: the cores less one, as in "
+                             "the training suite)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
-    result = run(args.steps, args.every, args.width, args.layers, args.repeat, args.durable, args.out)
+    result = run(args.steps, args.every, args.width, args.layers, args.repeat, args.durable, args.out, args.threads)
     publish(result, report(result), args.json)
     return 0

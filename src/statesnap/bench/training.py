@@ -26,16 +26,13 @@ import torch
 from ..demo import gpt
 from ..monitor.trace import NO_PLOT, can_plot
 from .common import (
-    DEFAULT_OUT, add_output_arguments, format_table, median, parse_choices, peak_rss_bytes, run_child, publish,
+    DEFAULT_OUT, DEFAULT_THREADS, add_output_arguments, format_table, median, parse_choices, peak_rss_bytes, run_child, publish,
 )
 from . import save_call
 from .modes import MODES, make_mode
 
 DEFAULT_MODES = ("none", "torch_save", "dcp_save", "dcp_async", "statesnap_p10", "statesnap_p1")
 SWEEP_MODES = ("statesnap_p1", "dcp_async")
-# Training leaves one core to background work, as a GPU job leaves the host's cores to it; every
-# mode runs with the same threads, so the comparison stays fair.
-DEFAULT_THREADS = max(1, (os.cpu_count() or 1) - 1)
 DEFAULT_BATCH = 8
 
 
