@@ -121,6 +121,10 @@ def _change_plain_values(state):
     state["optim"].param_groups[0]["weight_decay"] = 0.5
 
 
+def _add_buffer_to_a_submodule(state):
+    state["model"].body[0].register_buffer("scale", torch.full((3,), 2.0))
+
+
 CHANGES = {
     "parameter_replaced": (_replace_parameter, True),
     "parameter_data_swapped": (_swap_parameter_data, True),
@@ -128,6 +132,7 @@ CHANGES = {
     "state_tensor_replaced": (_replace_state_tensor, True),
     "buffer_resized": (_resize_buffer, True),
     "plain_values": (_change_plain_values, True),
+    "buffer_added_to_a_submodule": (_add_buffer_to_a_submodule, True),
 }
 
 
@@ -175,6 +180,11 @@ def test_unchanged_state_reuses_items_and_rereads_plain_values():
     assert all(a is b for a, b in zip(first.tensors, second.tensors))
     groups = {o.fqn: o.value for o in second.objects}["optim.param_groups"]
     assert groups[0]["lr"] == state["optim"].param_groups[0]["lr"] == pytest.approx(5e-3)
+    # Slicing a ModuleList or Sequential (Hugging Face models slice their layers at every forward)
+    # registers the same modules into a temporary container: nothing in the state changed.
+    assert len(state["model"].body[:1]) == 1
+    unchanged = flatten_for_save(state, cache)
+    assert all(a is b for a, b in zip(second.tensors, unchanged.tensors))
     _swap_parameter_data(state)
     third = {item.fqn: item for item in flatten_for_save(state, cache).tensors}
     assert all(third["model.body.1.weight"] is not item for item in second.tensors)

@@ -10,8 +10,9 @@ it back while a cheap check finds nothing it depends on changed:
   identity, data pointer, shape, strides and dtype, and for a DTensor its placements, mesh and
   local tensor. This sees a tensor replaced in the optimizer's state, ``param.data = ...``,
   ``resize_``/``set_`` in place, a DTensor swapped for one sharded otherwise;
-- a process-wide count of parameter, buffer and submodule registrations (PyTorch's global
-  registration hooks): ``module.weight = nn.Parameter(...)``, a new buffer or submodule;
+- a process-wide count of parameter, buffer and submodule registrations on the cached modules
+  and their submodules (PyTorch's global registration hooks): ``module.weight =
+  nn.Parameter(...)``, a new buffer or submodule;
 - the optimizer's parameter identities per param group (``add_param_group``), the count and keys
   of its per-parameter state (state created by the first step after a save), and the modules of
   the state (which one owns the optimizer's parameters).
@@ -28,6 +29,7 @@ optimizer (or a registration) in practice, which the check does see.
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -40,14 +42,19 @@ from .placement import is_dtensor
 _registrations = itertools.count()
 _registration_count = [0]
 _hooks_installed = False
+# The modules of cached entries (with their submodules). Registrations on other modules do not
+# count: slicing an nn.ModuleList (``self.layers[:n]``, as Hugging Face models do at every
+# forward) registers the same layers into a new, temporary list.
+_watched: weakref.WeakSet = weakref.WeakSet()
 
 
-def _registered(*_args) -> None:
-    _registration_count[0] = next(_registrations) + 1
+def _registered(module, *_args) -> None:
+    if module in _watched:
+        _registration_count[0] = next(_registrations) + 1
 
 
 def _install_registration_hooks() -> None:
-    """Count every parameter, buffer and submodule registration in the process (once)."""
+    """Count every parameter, buffer and submodule registration on a watched module (once)."""
     global _hooks_installed
     if _hooks_installed:
         return
@@ -144,6 +151,8 @@ class ProviderCache:
         live = list({id(t): t for t in itertools.chain(module.parameters(), module.buffers())}.values())
         if objects or not _views_of(tensors, live):
             return
+
+        _watched.update(module.modules())
 
         def fingerprint():
             return context, _registration_count[0], signatures(live)
