@@ -64,11 +64,14 @@ def _install_registration_hooks() -> None:
     _hooks_installed = True
 
 
+_PLAIN = (torch.Tensor, nn.Parameter)  # no subclass: a type lookup instead of an isinstance per tensor
+
+
 def signatures(tensors: list[torch.Tensor]) -> list[tuple]:
     """What must stay the same for a cached view of each tensor to still show its bytes."""
     with torch.no_grad():  # a DTensor's to_local() is then its own local tensor, no autograd view
-        return [(id(t), t.data_ptr(), t.shape, t.stride(), t.dtype) if not is_dtensor(t) else
-                _dtensor_signature(t) for t in tensors]
+        return [(id(t), t.data_ptr(), t.shape, t.stride(), t.dtype)
+                if type(t) in _PLAIN or not is_dtensor(t) else _dtensor_signature(t) for t in tensors]
 
 
 def _dtensor_signature(t) -> tuple:
