@@ -176,3 +176,89 @@ def test_a_ddp_optimizer_state_is_renamed_for_fsdp2_or_refused_when_it_does_not_
     fewer = {"state": {}, "param_groups": [{"params": [0, 1]}]}
     with pytest.raises(CheckpointError, match="last.ckpt: its optimizer state numbers 2 parameters.* has 3"):
         _keyed_by_name(fewer, live, "last.ckpt")
+
+
+def _stored_steps(directory):
+    return sorted(n for n in os.listdir(directory / STORE_DIR) if n.startswith("step-"))
+
+
+def test_saves_with_an_optimizer_step_or_an_inference_tensor_between_are_never_shared(tmp_path):
+    """An optimizer may write through ``.data`` (no version counter sees that) and an inference
+    tensor has no version counter: the second save stores its own tensors, which load as handed."""
+    from statesnap.integrations.lightning import StatesnapCheckpointIO
+
+    class WritesThroughData(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.data.add_(1)
+
+    weight = torch.zeros(4)
+    optimizer = WritesThroughData([weight])
+    io = StatesnapCheckpointIO()
+    checkpoint = {"state_dict": {"w": weight}, "optimizer_states": [], "epoch": 0, "global_step": 2}
+    io.save_checkpoint(checkpoint, str(tmp_path / "a.ckpt"))
+    optimizer.step()
+    io.save_checkpoint(checkpoint, str(tmp_path / "b.ckpt"))
+    with torch.inference_mode():
+        frozen = torch.zeros(2)
+    io.save_checkpoint({**checkpoint, "ema": frozen}, str(tmp_path / "c.ckpt"))
+    with torch.inference_mode():
+        frozen.add_(5)
+    io.save_checkpoint({**checkpoint, "ema": frozen}, str(tmp_path / "d.ckpt"))
+    io.teardown()
+    assert len(_stored_steps(tmp_path)) == 4
+    io = StatesnapCheckpointIO()
+    assert torch.equal(io.load_checkpoint(str(tmp_path / "a.ckpt"))["state_dict"]["w"], torch.zeros(4))
+    assert torch.equal(io.load_checkpoint(str(tmp_path / "b.ckpt"))["state_dict"]["w"], torch.ones(4))
+    assert torch.equal(io.load_checkpoint(str(tmp_path / "d.ckpt"))["ema"], torch.full((2,), 5.0))
+
+
+def test_a_pointer_that_cannot_be_written_is_raised_and_the_others_are_written(tmp_path, monkeypatch):
+    import statesnap.integrations.lightning as lightning_io
+    from statesnap import CheckpointError
+
+    written = lightning_io.write_atomically
+
+    def failing(fs, path, data):
+        if path.endswith("top.ckpt"):
+            raise OSError(28, "No space left on device")
+        written(fs, path, data)
+    monkeypatch.setattr(lightning_io, "write_atomically", failing)
+    weight = torch.arange(4.0)
+    io = lightning_io.StatesnapCheckpointIO()
+    checkpoint = {"state_dict": {"w": weight}, "optimizer_states": [], "epoch": 0, "global_step": 2}
+    io.save_checkpoint(checkpoint, str(tmp_path / "top.ckpt"))
+    io.save_checkpoint({**checkpoint, "callbacks": {"k": 1}}, str(tmp_path / "last.ckpt"))  # shares the step
+    with pytest.raises(CheckpointError, match="top.ckpt could not be pointed at step 1.*No space left"):
+        io.teardown()
+    assert not (tmp_path / "top.ckpt").exists()
+    loaded = lightning_io.StatesnapCheckpointIO().load_checkpoint(str(tmp_path / "last.ckpt"))
+    assert torch.equal(loaded["state_dict"]["w"], weight) and loaded["callbacks"] == {"k": 1}
+
+
+def test_a_damaged_pointer_keeps_its_step_and_does_not_stop_later_saves(tmp_path):
+    from statesnap import CheckpointError
+    from statesnap.integrations.lightning import StatesnapCheckpointIO
+
+    weight = torch.arange(4.0)
+    io = StatesnapCheckpointIO()
+    checkpoint = {"state_dict": {"w": weight}, "optimizer_states": [], "epoch": 0, "global_step": 2}
+    io.save_checkpoint(checkpoint, str(tmp_path / "top.ckpt"))
+    io.save_checkpoint({**checkpoint, "callbacks": {"k": 1}}, str(tmp_path / "last.ckpt"))
+    io.teardown()
+    pointer = json.loads((tmp_path / "last.ckpt").read_text())
+    pointer["own_state"] = pointer["own_state"].replace("1", "7")
+    (tmp_path / "last.ckpt").write_text(json.dumps(pointer))
+    (tmp_path / "top.ckpt").unlink()  # the step is now named only by the damaged pointer
+
+    io = StatesnapCheckpointIO()
+    io.save_checkpoint({**checkpoint, "global_step": 3}, str(tmp_path / "next.ckpt"))
+    io.teardown()
+    assert len(_stored_steps(tmp_path)) == 2  # the damaged pointer's step was not taken for an orphan
+    with pytest.raises(CheckpointError, match="last.ckpt.*own state is damaged"):
+        io.load_checkpoint(str(tmp_path / "last.ckpt"))
+    assert torch.equal(io.load_checkpoint(str(tmp_path / "next.ckpt"))["state_dict"]["w"], weight)

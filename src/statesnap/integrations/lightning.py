@@ -86,6 +86,7 @@ class StatesnapCheckpointIO(CheckpointIO):
         self._stores: dict[str, _Store] = {}
         self._optimizers: weakref.WeakSet = weakref.WeakSet()
         self._hook = None
+        self._steps = [0]  # optimizer steps taken (all optimizers): saves with steps between never link
         self._watch_optimizers()  # made before training: it sees the first step too
 
     # ----------------------------------------------------------------- CheckpointIO
@@ -98,7 +99,7 @@ class StatesnapCheckpointIO(CheckpointIO):
         store = self._store_for(path)
         for optimizer in list(self._optimizers):
             store.ckpt.guard(optimizer)  # its tensors are copied lazily; its update waits
-        store.save(checkpoint, path, self.allow_pickle)
+        store.save(checkpoint, path, self.allow_pickle, self._steps[0])
 
     def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         path = _normal(path)
@@ -134,8 +135,12 @@ class StatesnapCheckpointIO(CheckpointIO):
         """Learn the optimizers as they step (Lightning's dict holds only their state): from the
         next save on, the Checkpointer hooks them."""
         if self._hook is None:
-            seen = self._optimizers
-            self._hook = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: seen.add(optimizer))
+            seen, steps = self._optimizers, self._steps
+
+            def learn(optimizer, args, kwargs):
+                seen.add(optimizer)
+                steps[0] += 1
+            self._hook = register_optimizer_step_pre_hook(learn)
 
     def _store_for(self, path: str) -> _Store:
         directory = os.path.dirname(path.rstrip("/")) or "."
@@ -189,7 +194,8 @@ class StatesnapModelParallelStrategy(ModelParallelStrategy):
                                      into=live, own_state=pointer[1])
         checkpoint["optimizer_states"] = [_keyed_by_name(stored, live_state, path)
                                           for stored, live_state in zip(checkpoint["optimizer_states"], by_name)]
-        options = StateDictOptions(full_state_dict=False, cpu_offload=True)
+        # A parameter that never had a gradient has no optimizer state in the checkpoint either
+        options = StateDictOptions(full_state_dict=False, cpu_offload=True, strict=False)
         strict = self.lightning_module.strict_loading
         set_model_state_dict(self.model, checkpoint["state_dict"], options=StateDictOptions(
             full_state_dict=False, cpu_offload=True, strict=strict))
@@ -223,13 +229,15 @@ class _Store:
         self._named: dict[str, int] = {}  # pointer path -> step
         self._waiting: dict[int, list[str]] = {}  # step in flight -> the paths to point at it
         self._handles: dict[str, Any] = {}  # path -> its newest save's handle
+        self._failures: list[CheckpointError] = []  # pointers that could not be written
         self._previous: tuple | None = None  # (fingerprint, step, handle, skeleton, tensors) of the newest save
         self._storage_options = storage_options
         for name in self._listdir(directory):
             if _TEMPORARY.search(name) and self.rank == 0:  # a pointer whose write a crash cut short
                 self.fs.rm(name)
                 continue
-            pointer = _read_pointer(name, storage_options)
+            # A pointer whose own state is damaged still names its step: kept, refused when loaded
+            pointer = _read_pointer(name, storage_options, verify=False)
             step = None if pointer is None else step_of(pointer[0])
             if step is not None:
                 self._named[name] = step
@@ -239,9 +247,9 @@ class _Store:
         for step in set(stored) - set(self._named.values()):  # committed, but its pointer never written
             self.ckpt.remove(step)
 
-    def save(self, checkpoint: dict, path: str, allow_pickle: bool) -> None:
+    def save(self, checkpoint: dict, path: str, allow_pickle: bool, optimizer_steps: int) -> None:
         structure, tensors = skeleton.split(checkpoint, allow_pickle)
-        fingerprint = _fingerprint(checkpoint, tensors)
+        fingerprint = _fingerprint(checkpoint, tensors, optimizer_steps)
         if self._link(path, fingerprint, structure):
             return
         # Besides the model and the optimizers, ranks may hold different values (an unsynced
@@ -270,7 +278,8 @@ class _Store:
         loads exactly what Lightning handed over. Every rank of a collective store must agree, or
         their saves would no longer match."""
         previous = self._previous
-        same = (previous is not None and previous[0] == fingerprint and len(structure) <= _OWN_STATE_MAX
+        same = (previous is not None and fingerprint is not None and previous[0] == fingerprint
+                and len(structure) <= _OWN_STATE_MAX
                 and self._usable(previous[1], previous[2]))
         if self.collective:
             same = all(self.ckpt._comm.all_gather(same))
@@ -291,6 +300,13 @@ class _Store:
         handle = self._handles.get(path)
         if handle is not None:
             handle.wait()
+        self._raise_failures()
+
+    def _raise_failures(self) -> None:
+        with self._lock:
+            failures, self._failures = self._failures, []
+        if failures:
+            raise failures[0]
 
     def remove(self, path: str) -> None:
         handle = self._handles.pop(path, None)
@@ -309,6 +325,7 @@ class _Store:
 
     def close(self) -> None:
         self.ckpt.close()
+        self._raise_failures()
 
     def _usable(self, step: int, handle) -> bool:
         """The save of ``step`` has not failed, and is in flight or still named by a pointer."""
@@ -318,11 +335,19 @@ class _Store:
             return step in self._waiting or step in self._named.values()
 
     def _committed(self, record) -> None:
-        """On commit (the Checkpointer's flush thread): point the paths waiting for it at the step."""
+        """On commit (the Checkpointer's flush thread): point the paths waiting for it at the step.
+        A pointer that cannot be written does not keep the others from theirs; its failure is
+        raised by the next ``wait_for`` or ``close`` (the Checkpointer only logs what its
+        ``on_commit`` raises)."""
         with self._lock:
             paths = self._waiting.pop(record.step, [])
         for path, own_state in paths:
-            self._point(path, record.step, own_state)
+            try:
+                self._point(path, record.step, own_state)
+            except Exception as exc:  # noqa: BLE001 (raised on the training thread)
+                with self._lock:
+                    self._failures.append(CheckpointError(f"{path} could not be pointed at step {record.step}: "
+                                                          f"{type(exc).__name__}: {exc}"))
 
     def _point(self, path: str, step: int, own_state: str | None = None) -> None:
         """Write the pointer ``path`` -> ``step`` (with the state that differs from the stored
@@ -395,14 +420,19 @@ def _keyed_by_name(stored: dict, live: dict, where: str) -> dict:
                              for group in stored["param_groups"]]}
 
 
-def _fingerprint(checkpoint: dict, tensors: dict[str, torch.Tensor]) -> tuple:
-    """What two saves share when nothing in them changed: the loop position and, for every
-    tensor, its memory, layout and version counter (which any in-place change bumps)."""
+def _fingerprint(checkpoint: dict, tensors: dict[str, torch.Tensor], optimizer_steps: int) -> tuple | None:
+    """What two saves share when nothing in them changed: the loop position, the optimizer steps
+    taken and, for every tensor, its memory, layout and version counter (which an in-place change
+    bumps). None (never the same) if a tensor has no version counter (an inference tensor).
+    Not seen, as by the lazy copy's check (docs/checkpointer.md): writes through ``.data`` or
+    through memory shared outside PyTorch between the two saves."""
     entries = []
     for name, tensor in tensors.items():
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if local.is_inference():
+            return None
         entries.append((name, local.data_ptr(), local._version, tuple(local.shape), local.stride(), local.dtype))
-    return checkpoint.get("epoch"), checkpoint.get("global_step"), tuple(entries)
+    return checkpoint.get("epoch"), checkpoint.get("global_step"), optimizer_steps, tuple(entries)
 
 
 def _normal(path) -> str:
@@ -414,14 +444,14 @@ def _join(directory: str, name: str) -> str:
     return f"{directory.rstrip('/')}/{name}"
 
 
-def _read_pointer(path: str, storage_options: dict | None) -> tuple[str, str | None] | None:
+def _read_pointer(path: str, storage_options: dict | None, verify: bool = True) -> tuple[str, str | None] | None:
     """(the statesnap checkpoint a pointer file names, the pointer's own state), or None if
-    ``path`` is no pointer."""
+    ``path`` is no pointer. ``verify=False``: the own state is not checked against its checksum."""
     fs, _ = fsspec.core.url_to_fs(path, **(storage_options or {}))
     try:
         if not fs.isfile(path) or fs.size(path) > POINTER_MAX_BYTES:
             return None
-        pointer = parse_pointer(fs.cat_file(path), POINTER_FORMAT, path)
+        pointer = parse_pointer(fs.cat_file(path), POINTER_FORMAT, path, verify)
     except OSError:
         return None
     if pointer is None:
