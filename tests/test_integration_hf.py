@@ -81,3 +81,21 @@ def test_export_pretrained_loads_with_from_pretrained(tmp_path):
         assert torch.equal(exported(tokens).logits, trainer.model(tokens).logits)
     for name, value in trainer.model.state_dict().items():
         assert torch.equal(exported.state_dict()[name], value), name
+
+
+def test_an_unreadable_pointer_keeps_every_step_no_readable_pointer_names(tmp_path, caplog):
+    """A restarted StatesnapTrainer deletes the stored steps no checkpoint-N names (committed just
+    before a crash) unless a checkpoint-N's pointer cannot be read: its step must not go."""
+    from statesnap.integrations.pointers import pointer_bytes
+    from statesnap.integrations.transformers import POINTER_FORMAT, POINTER_NAME, _unnamed_steps
+
+    for step in (1, 2, 3):
+        os.makedirs(tmp_path / STORE_DIR / f"step-{step}")
+    os.makedirs(tmp_path / "checkpoint-1")
+    (tmp_path / "checkpoint-1" / POINTER_NAME).write_bytes(pointer_bytes(POINTER_FORMAT, f"{STORE_DIR}/step-1"))
+    assert _unnamed_steps(str(tmp_path)) == [2, 3]
+    os.makedirs(tmp_path / "checkpoint-2")
+    (tmp_path / "checkpoint-2" / POINTER_NAME).write_bytes(pointer_bytes(POINTER_FORMAT, f"{STORE_DIR}/step-2")[:-5])
+    with caplog.at_level("WARNING", logger="statesnap"):
+        assert _unnamed_steps(str(tmp_path)) == []
+    assert "checkpoint-2/statesnap.json cannot be read" in caplog.text

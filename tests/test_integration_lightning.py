@@ -262,3 +262,26 @@ def test_a_damaged_pointer_keeps_its_step_and_does_not_stop_later_saves(tmp_path
     with pytest.raises(CheckpointError, match="last.ckpt.*own state is damaged"):
         io.load_checkpoint(str(tmp_path / "last.ckpt"))
     assert torch.equal(io.load_checkpoint(str(tmp_path / "next.ckpt"))["state_dict"]["w"], weight)
+
+
+@pytest.mark.parametrize("damage", ["not json", "malformed target"])
+def test_a_pointer_damaged_beyond_reading_keeps_every_unnamed_step(tmp_path, damage, caplog):
+    """Opening a store drops committed steps no pointer names (a crash before the pointer was
+    written), unless a pointer cannot be read: the step it named must not be taken for one."""
+    from statesnap.integrations.lightning import StatesnapCheckpointIO
+
+    weight = torch.arange(4.0)
+    io = StatesnapCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": weight}, "optimizer_states": [], "global_step": 1},
+                       str(tmp_path / "last.ckpt"))
+    io.teardown()
+    text = (tmp_path / "last.ckpt").read_text()
+    (tmp_path / "last.ckpt").write_text(text[:-7] if damage == "not json" else
+                                        text.replace("statesnap/step-1", "../elsewhere/step-1"))
+    io = StatesnapCheckpointIO()
+    with caplog.at_level("WARNING", logger="statesnap"):
+        io.save_checkpoint({"state_dict": {"w": weight}, "optimizer_states": [], "global_step": 2},
+                           str(tmp_path / "next.ckpt"))
+    io.teardown()
+    assert _stored_steps(tmp_path) == ["step-1", "step-2"]
+    assert "last.ckpt cannot be read as pointers" in caplog.text

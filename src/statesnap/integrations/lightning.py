@@ -28,6 +28,7 @@ DCP checkpoints itself and never calls a ``CheckpointIO``: use
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -64,6 +65,7 @@ _SHARDED = ("state_dict.", "optimizer_states.")  # the rest of the checkpoint is
 _TEMPORARY = re.compile(r"\.tmp-[0-9a-f]{8}$")
 _FIXED = ("keep_last", "persist_every", "on_commit", "process_group")
 _OWN_STATE_MAX = 256 << 10  # a pointer carries at most this much of a checkpoint's own state
+log = logging.getLogger("statesnap")
 
 
 class StatesnapCheckpointIO(CheckpointIO):
@@ -232,19 +234,31 @@ class _Store:
         self._failures: list[CheckpointError] = []  # pointers that could not be written
         self._previous: tuple | None = None  # (fingerprint, step, handle, skeleton, tensors) of the newest save
         self._storage_options = storage_options
+        damaged = []
         for name in self._listdir(directory):
             if _TEMPORARY.search(name) and self.rank == 0:  # a pointer whose write a crash cut short
                 self.fs.rm(name)
                 continue
             # A pointer whose own state is damaged still names its step: kept, refused when loaded
-            pointer = _read_pointer(name, storage_options, verify=False)
+            try:
+                pointer = _read_pointer(name, storage_options, verify=False)
+            except CheckpointError:
+                pointer = None
             step = None if pointer is None else step_of(pointer[0])
             if step is not None:
                 self._named[name] = step
+            elif self._looks_like_a_pointer(name):
+                damaged.append(name)
         stored = [step_of(n) for n in self._listdir(_join(directory, STORE_DIR))]
         stored = [s for s in stored if s is not None]
         self._next_step = max(stored, default=0) + 1
-        for step in set(stored) - set(self._named.values()):  # committed, but its pointer never written
+        unnamed = sorted(set(stored) - set(self._named.values()))  # committed, but its pointer never written
+        if damaged and unnamed:
+            # one of them may be what a damaged pointer named: deleting it could lose a checkpoint
+            log.warning("%s: kept steps %s, which no readable pointer names, because %s cannot be read as "
+                        "pointers", directory, unnamed, ", ".join(damaged))
+            unnamed = []
+        for step in unnamed:
             self.ckpt.remove(step)
 
     def save(self, checkpoint: dict, path: str, allow_pickle: bool, optimizer_steps: int) -> None:
@@ -360,6 +374,14 @@ class _Store:
             write_atomically(self.fs, path, pointer_bytes(POINTER_FORMAT, f"{STORE_DIR}/step-{step}", own_state))
         if orphaned:
             self.ckpt.remove(before)
+
+    def _looks_like_a_pointer(self, path: str) -> bool:
+        """A small file that starts like JSON (Lightning's own checkpoints are zip files)."""
+        try:
+            return self.fs.isfile(path) and self.fs.size(path) <= POINTER_MAX_BYTES and \
+                self.fs.cat_file(path, start=0, end=64).lstrip()[:1] == b"{"
+        except OSError:
+            return False
 
     def _listdir(self, directory: str) -> list[str]:
         try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import threading
@@ -40,6 +41,7 @@ from .rng import RngStates
 
 POINTER_FORMAT = "statesnap-transformers-1"
 POINTER_NAME = "statesnap.json"
+log = logging.getLogger("statesnap")
 TRAINER_STATE_NAME = "trainer_state.json"
 STORE_DIR = "statesnap"
 KEEP_ALL = 1 << 30  # the Trainer's rotation decides what goes
@@ -117,8 +119,7 @@ class StatesnapTrainer(Trainer):
         for name in os.listdir(run_dir):
             if name.startswith(f".{PREFIX_CHECKPOINT_DIR}-") and ".tmp-" in name:
                 shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
-        named = {step_of(target) for target in map(pointer_target, _pointer_dirs(run_dir)) if target}
-        for step in set(_stored_steps(run_dir)) - named:
+        for step in _unnamed_steps(run_dir):
             ckpt.remove(step)
 
     def _committed(self, record) -> None:
@@ -132,9 +133,8 @@ class StatesnapTrainer(Trainer):
                           trainer_state)
         rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                            best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
-        named = {step_of(target) for target in map(pointer_target, _pointer_dirs(run_dir)) if target}
-        for step in _stored_steps(run_dir):
-            if step not in named and step != record.step:
+        for step in _unnamed_steps(run_dir):
+            if step != record.step:
                 self._checkpointers[run_dir].remove(step)
 
     def train(self, *args, **kwargs):
@@ -239,6 +239,27 @@ def _make_pointer_dir(final: str, step: int, trainer_state: str) -> None:
 def _pointer_dirs(run_dir: str) -> list[str]:
     prefix = f"{PREFIX_CHECKPOINT_DIR}-"
     return [os.path.join(run_dir, n) for n in os.listdir(run_dir) if n.startswith(prefix)]
+
+
+def _unnamed_steps(run_dir: str) -> list[int]:
+    """The stored steps no ``checkpoint-N`` names; none while a ``checkpoint-N``'s pointer cannot
+    be read, since the step it named must not be taken for one (deleting it could lose it)."""
+    named, unreadable = set(), []
+    for directory in _pointer_dirs(run_dir):
+        try:
+            target = pointer_target(directory)
+        except CheckpointError:
+            target = None
+        if target is not None:
+            named.add(step_of(target))
+        elif os.path.exists(os.path.join(directory, POINTER_NAME)):
+            unreadable.append(directory)
+    unnamed = sorted(set(_stored_steps(run_dir)) - named)
+    if unreadable and unnamed:
+        log.warning("%s: kept steps %s, which no readable pointer names, because %s cannot be read",
+                    run_dir, unnamed, ", ".join(os.path.join(d, POINTER_NAME) for d in unreadable))
+        return []
+    return unnamed
 
 
 def _stored_steps(run_dir: str) -> list[int]:
