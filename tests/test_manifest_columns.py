@@ -179,3 +179,45 @@ def test_a_thousand_rank_manifest_inflates_a_few_times_its_size():
     assert max(e.num_pieces for e in manifest.tensors.values()) == 1024 == manifest.world_size
     assert _inflated_bytes(raw) < 6 * len(raw)
     assert Manifest.from_bytes(raw).keys() == manifest.keys()
+
+
+@pytest.mark.parametrize("layout", ["box", "flat"])
+def test_the_one_piece_quick_check_accepts_only_what_the_full_rules_accept(layout, monkeypatch):
+    """Single whole-piece entries are accepted in plain Python before numpy's general checks: for
+    every field damaged in turn, it accepts an entry only if the general checks accept it too."""
+    from statesnap.format.manifest import ManifestError, TensorEntry
+
+    shape, block = (3, 5), 32
+    files, sizes = ["a", "b"], [1000, 100]
+    whole = list(shape) if layout == "box" else [15]
+    good = dict(file=[1], offset=[10], nbytes=[60], start=[[0] * len(whole)], size=[whole], bounds=[0, 2])
+    damaged = [dict(good)] + [{**good, key: value} for key, value in [
+        ("file", [2]), ("file", [-1]), ("offset", [-4]), ("offset", [41]), ("nbytes", [56]), ("nbytes", [64]),
+        ("start", [[1] + [0] * (len(whole) - 1)]), ("size", [[x - 1 for x in whole]]), ("bounds", [0, 1]),
+        ("bounds", [0, 3])]]
+
+    def entry(fields):
+        return TensorEntry(torch.float32, shape, layout, np.array(fields["file"]), np.array(fields["offset"]),
+                           np.array(fields["nbytes"]), np.array(fields["start"]), np.array(fields["size"]),
+                           np.array([7] * fields["bounds"][-1], dtype=np.uint64), np.array(fields["bounds"]))
+
+    def general_accepts(fields):
+        with monkeypatch.context() as m:
+            m.setattr(TensorEntry, "_one_whole_piece_valid", lambda *a: False)
+            try:
+                entry(fields)._validate("x", files, sizes, block)
+                return True
+            except ManifestError:
+                return False
+
+    def accepts(fields):
+        try:
+            entry(fields)._validate("x", files, sizes, block)
+            return True
+        except ManifestError:
+            return False
+
+    verdicts = [entry(fields)._one_whole_piece_valid(files, sizes, block) for fields in damaged]
+    assert verdicts[0] and not any(verdicts[1:])
+    assert [accepts(fields) for fields in damaged] == [general_accepts(fields) for fields in damaged]
+    assert accepts(damaged[0]) and not any(accepts(fields) for fields in damaged[1:])
