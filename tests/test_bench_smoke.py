@@ -136,7 +136,8 @@ def test_lightning_suite_reports_every_mode_and_checks_the_last_checkpoint(tmp_p
                      "--json", str(out_json)]) == 0
     result = json.loads(out_json.read_text())
     assert set(result["fit_s"]) == {"none", "torch", "async", "statesnap"}
-    assert set(result["stall_s"]) == set(result["blocked_s"]) == set(result["overhead_s"]) == {"torch", "async", "statesnap"}
+    assert set(result["stall_s"]) == set(result["blocked_s"]) == set(result["overhead_s"]) == \
+        {"torch", "async", "statesnap"}
     assert all(value > 0 for value in [*result["stall_s"].values(), *result["blocked_s"].values()])
     printed = capsys.readouterr().out
     assert "StatesnapCheckpointIO" in printed and "aim <= 0.1" in printed

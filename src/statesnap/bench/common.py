@@ -24,6 +24,7 @@ DROP_CACHES = "/proc/sys/vm/drop_caches"
 # mode runs with the same threads, so the comparison stays fair.
 DEFAULT_THREADS = max(1, (os.cpu_count() or 1) - 1)
 
+
 def timed(fn: Callable[[], object]) -> float:
     """Seconds ``fn()`` takes."""
     started = time.perf_counter()

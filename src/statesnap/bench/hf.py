@@ -108,7 +108,8 @@ def run(steps: int = 30, every: int = 5, hidden: int = 384, layers: int = 6, rep
 def report(result: dict) -> str:
     labels = {"hf": "Trainer (default)", "statesnap": "StatesnapTrainer"}
     return (f"Hugging Face Trainer, 1 process, {result['threads']} torch threads: LlamaForCausalLM hidden "
-            f"{result['hidden']} x {result['layers']} layers, {result['steps']} steps of {result['step_s'] * 1e3:.1f} ms, a checkpoint every "
+            f"{result['hidden']} x {result['layers']} layers, {result['steps']} steps of "
+            f"{result['step_s'] * 1e3:.1f} ms, a checkpoint every "
             f"{result['every']}, medians of {result['repeat']} interleaved rounds\n" + table(result, labels, "hf"))
 
 

@@ -26,7 +26,8 @@ import torch
 from ..demo import gpt
 from ..monitor.trace import NO_PLOT, can_plot
 from .common import (
-    DEFAULT_OUT, DEFAULT_THREADS, add_output_arguments, format_table, median, parse_choices, peak_rss_bytes, run_child, publish,
+    DEFAULT_OUT, DEFAULT_THREADS, add_output_arguments, format_table, median, parse_choices, peak_rss_bytes,
+    run_child, publish,
 )
 from . import save_call
 from .modes import MODES, make_mode

@@ -145,11 +145,12 @@ def owners_of(tensors: Iterable[torch.Tensor], optimizers: list[torch.optim.Opti
 
 
 def version_of(t: torch.Tensor) -> int | None:
-    """The in-place version counter, or None for tensors without one (inference mode)."""
-    try:
-        return (t.to_local() if is_dtensor(t) else t)._version
-    except RuntimeError:
+    """The in-place version counter, or None for tensors without one (inference tensors: made in
+    inference mode, they report 0 whatever changes them once detached outside it)."""
+    local = t.to_local() if is_dtensor(t) else t
+    if local.is_inference():
         return None
+    return local._version
 
 
 def check_unchanged(t: torch.Tensor, expected: int | None, fqn: str, step: int) -> None:

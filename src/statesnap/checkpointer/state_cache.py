@@ -36,15 +36,12 @@ class Layout:
     owners: list
     snapshot_bytes: int  # arena bytes a snapshot may need (see Checkpointer._snapshot)
     on_cuda: bool
-    plain: bool  # no item's tensor is a DTensor: their version counters are their own
+    plain: bool  # no DTensor or inference tensor: each item's ``_version`` is its counter
 
     def versions(self, tensors: list[torch.Tensor]) -> list:
         """Every tensor's version counter now, which the copy compares (``hooks.check_unchanged``)."""
         if self.plain:
-            try:
-                return [t._version for t in tensors]
-            except RuntimeError:  # an inference tensor has none
-                pass
+            return [t._version for t in tensors]
         return [version_of(t) for t in tensors]
 
 
@@ -76,6 +73,6 @@ class StateCache:
         self._layout = Layout(list(items), key, metas, owners_of([item.local for item in items], optimizers),
                               sum(align_up(m.nbytes, ALIGN) + DIRECT_ALIGN for m in metas),
                               any(item.local.device.type == "cuda" for item in items),
-                              not any(is_dtensor(item.local) for item in items))
+                              not any(is_dtensor(item.local) or item.local.is_inference() for item in items))
         return self._layout
 

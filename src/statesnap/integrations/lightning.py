@@ -39,13 +39,14 @@ import fsspec
 import fsspec.implementations.local
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..checkpointer import Checkpointer
+from ..checkpointer.hooks import version_of
 from ..engine.load import load
 from ..errors import CheckpointError
 from ..reader import open as open_checkpoint
+from ..state.placement import is_dtensor
 from ..state.wrappers import Replicated
 from ..storage import is_url
 from . import skeleton
@@ -229,7 +230,7 @@ class _Store:
         self.rank = self.ckpt.rank
         self._lock = threading.Lock()
         self._named: dict[str, int] = {}  # pointer path -> step
-        self._waiting: dict[int, list[str]] = {}  # step in flight -> the paths to point at it
+        self._waiting: dict[int, list[tuple]] = {}  # step in flight -> [(path, own state)] to point at it
         self._handles: dict[str, Any] = {}  # path -> its newest save's handle
         self._failures: list[CheckpointError] = []  # pointers that could not be written
         self._previous: tuple | None = None  # (fingerprint, step, handle, skeleton, tensors) of the newest save
@@ -450,10 +451,11 @@ def _fingerprint(checkpoint: dict, tensors: dict[str, torch.Tensor], optimizer_s
     through memory shared outside PyTorch between the two saves."""
     entries = []
     for name, tensor in tensors.items():
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        if local.is_inference():
+        version = version_of(tensor)
+        if version is None:
             return None
-        entries.append((name, local.data_ptr(), local._version, tuple(local.shape), local.stride(), local.dtype))
+        local = tensor.to_local() if is_dtensor(tensor) else tensor
+        entries.append((name, local.data_ptr(), version, tuple(local.shape), local.stride(), local.dtype))
     return checkpoint.get("epoch"), checkpoint.get("global_step"), optimizer_steps, tuple(entries)
 
 
