@@ -26,10 +26,11 @@ def direct_io_supported(directory) -> bool:
 
 @pytest.mark.parametrize("skew", [0, 64, 4032])
 def test_bulk_writes_are_exact_at_any_distance_from_a_block(tmp_path, monkeypatch, skew):
+    import statesnap.storage.aligned as aligned
     import statesnap.storage.local as local
 
-    monkeypatch.setattr(local, "_BOUNCE", local._BouncePool())
-    monkeypatch.setattr(local, "_BOUNCE_BYTES", 512 << 10)
+    monkeypatch.setattr(local, "BOUNCE", aligned.BouncePool())
+    monkeypatch.setattr(aligned, "BOUNCE_BYTES", 512 << 10)
     """Ranges at the same distance from a block in memory and in the file go direct in the middle
     and buffered at the ends; other ranges go through an aligned bounce buffer (several rounds
     of it here). The file holds exactly the bytes."""
@@ -63,7 +64,6 @@ def test_bulk_writes_fall_back_where_direct_io_is_refused(tmp_path, monkeypatch)
     assert writer._direct_fd == -1
     writer.close(durable=False)
     assert open(path, "rb").read() == memory.tobytes()
-
 
 
 def test_durable_saves_from_unaligned_tensors_round_trip(tmp_path):

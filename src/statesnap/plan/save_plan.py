@@ -163,6 +163,8 @@ def check_tiling(fqn: str, pieces: TensorPieces) -> None:
         raise CheckpointError(f"{fqn}: global shape {list(pieces.shape)} is negative or holds more than "
                               "2**63 - 1 bytes")
     limit = pieces.shape if pieces.layout == BOX else (numel,)
+    if len(pieces.start) == 1 and pieces.size[0].tolist() == list(limit) and not pieces.start[0].any():
+        return  # one piece that is the whole tensor: most tensors of a job without sharding
 
     def describe(i: int) -> str:
         return f"rank {int(pieces.rank[i])}'s piece {region(pieces.start[i], pieces.start[i] + pieces.size[i])}"

@@ -29,6 +29,12 @@ class FileWriter(ABC):
         copy of every byte. The default is a plain :meth:`pwrite`."""
         self.pwrite(offset, [view])
 
+    def bypasses_cache(self) -> bool:
+        """Whether :meth:`pwrite_bulk` sends memory on a :data:`DIRECT_ALIGN` boundary, at an
+        offset on one, straight to the device. A writer that must copy unaligned memory anyway
+        then lays the file out in aligned buffers itself, in whole blocks (``engine/write.py``)."""
+        return False
+
     @abstractmethod
     def close(self, durable: bool) -> None:
         """Close the file; with ``durable`` its bytes are on stable storage when this returns."""

@@ -17,9 +17,8 @@ import shutil
 import threading
 from typing import Sequence
 
-import numpy as np
-
 from ..errors import CheckpointExistsError, CheckpointError
+from .aligned import BOUNCE, address
 from .base import DIRECT_ALIGN, FileReader, FileWriter, StorageBackend
 
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
@@ -44,33 +43,6 @@ _ASIDE_SUFFIX = ".old"  # the old checkpoint during an overwrite without renamea
 RETIRED_MARK = ".deleting-"  # a checkpoint renamed out of the namespace, being deleted
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _DIRECT_MIN = 1 << 20
-_BOUNCE_BYTES = 16 << 20
-
-
-def _address(view: memoryview) -> int:
-    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
-
-
-class _BouncePool:
-    """Aligned buffers that carry unaligned memory to an ``O_DIRECT`` write, one per writer thread
-    at a time and kept across saves: first-touching fresh memory costs more than the copy."""
-
-    def __init__(self):
-        self._free: list[memoryview] = []
-        self._lock = threading.Lock()
-
-    def take(self) -> memoryview:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return memoryview(mmap.mmap(-1, _BOUNCE_BYTES + DIRECT_ALIGN))
-
-    def give(self, bounce: memoryview) -> None:
-        with self._lock:
-            self._free.append(bounce)
-
-
-_BOUNCE = _BouncePool()
 
 
 def _rename2(src: str, dst: str, flags: int) -> bool:
@@ -139,22 +111,22 @@ class _LocalWriter(FileWriter):
         view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
         if len(view) < _DIRECT_MIN or not self._direct():
             self.pwrite(offset, [view])
-        elif (_address(view) - offset) % DIRECT_ALIGN:
+        elif (address(view) - offset) % DIRECT_ALIGN:
             self._pwrite_bounced(offset, view)
         else:
             self._pwrite_direct(offset, view)
 
     def _pwrite_bounced(self, offset: int, view: memoryview) -> None:
-        bounce = _BOUNCE.take()
+        bounce = BOUNCE.take()
         step = len(bounce) - DIRECT_ALIGN
         try:
             for pos in range(0, len(view), step):
                 part = view[pos:pos + step]
                 skew = (offset + pos) % DIRECT_ALIGN
-                ctypes.memmove(_address(bounce) + skew, _address(part), len(part))  # releases the GIL
+                ctypes.memmove(address(bounce) + skew, address(part), len(part))  # releases the GIL
                 self._pwrite_direct(offset + pos, bounce[skew:skew + len(part)])
         finally:
-            _BOUNCE.give(bounce)
+            BOUNCE.give(bounce)
 
     def _pwrite_direct(self, offset: int, view: memoryview) -> None:
         head = min(-offset % DIRECT_ALIGN, len(view))
@@ -172,6 +144,9 @@ class _LocalWriter(FileWriter):
             return
         self.pwrite(offset, [view[:head]])
         self.pwrite(offset + head + body, [view[head + body:]])
+
+    def bypasses_cache(self) -> bool:
+        return self._direct()
 
     def _direct(self) -> bool:
         with self._lock:

@@ -63,6 +63,9 @@ class _BudgetWriter(FileWriter):
         self._take(len(view))
         self._inner.pwrite_bulk(offset, view)
 
+    def bypasses_cache(self) -> bool:
+        return self._inner.bypasses_cache()
+
     def close(self, durable: bool) -> None:
         self._inner.close(durable)
 

@@ -1,0 +1,43 @@
+"""Page-aligned buffers for direct I/O, kept across saves.
+
+Direct I/O needs memory on a :data:`~statesnap.storage.base.DIRECT_ALIGN` boundary; tensors
+rarely lie there, so their bytes are carried through these buffers. They are kept once made:
+first-touching fresh memory costs more than the copy into it.
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+
+import numpy as np
+
+from .base import DIRECT_ALIGN
+
+BOUNCE_BYTES = 16 << 20
+
+
+def address(view: memoryview) -> int:
+    """Where ``view``'s first byte lies in memory (0 for an empty view)."""
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
+
+
+class BouncePool:
+    """Buffers of :data:`BOUNCE_BYTES` plus one block of slack (so that a range may start at any
+    distance from a block boundary), taken by one writer at a time and given back."""
+
+    def __init__(self):
+        self._free: list[memoryview] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> memoryview:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return memoryview(mmap.mmap(-1, BOUNCE_BYTES + DIRECT_ALIGN))
+
+    def give(self, bounce: memoryview) -> None:
+        with self._lock:
+            self._free.append(bounce)
+
+
+BOUNCE = BouncePool()

@@ -1,0 +1,128 @@
+"""write_file: durable saves laid out in aligned windows (one copy, whole direct writes), buffered
+saves straight from the tensors; either way the file holds exactly the jobs' bytes, zeros between
+them, and each job gets the checksums of its own bytes."""
+import errno
+import os
+
+import numpy as np
+import pytest
+
+import statesnap.engine.write as write
+import statesnap.storage.aligned as aligned
+from statesnap.format.checksum import checksum_blocks
+from statesnap.storage.base import DIRECT_ALIGN
+from statesnap.storage.local import LocalBackend
+
+KiB = 1 << 10
+WINDOW = 256 * KiB
+BLOCK = 64 * KiB
+
+
+@pytest.fixture
+def small_windows(monkeypatch):
+    """Windows of 256 KiB from a pool whose buffers hold garbage, so that a gap the writer forgot
+    to zero would show."""
+    pool = aligned.BouncePool()
+    for _ in range(8):
+        bounce = aligned.BouncePool().take()
+        np.frombuffer(bounce, dtype=np.uint8)[:] = 0xA5
+        pool.give(bounce)
+    monkeypatch.setattr(write, "BOUNCE", pool)
+    monkeypatch.setattr(write, "BOUNCE_BYTES", WINDOW)
+    return pool
+
+
+def layout(sizes: list[int], seed: int) -> tuple[list[tuple[int, memoryview]], int]:
+    """Jobs of random bytes at 64-byte-aligned offsets (gaps under 64 bytes, as a save plans them),
+    each from memory at an odd distance from a page; returned out of file order."""
+    rng = np.random.default_rng(seed)
+    jobs, end = [], 0
+    for nbytes in sizes:
+        offset = -(-end // 64) * 64
+        backing = rng.integers(0, 256, nbytes + 200, dtype=np.uint8)
+        jobs.append((offset, memoryview(backing[37:37 + nbytes])))
+        end = offset + nbytes
+    order = rng.permutation(len(jobs))
+    return [jobs[i] for i in order], end
+
+
+def expected_file(jobs, end: int) -> bytes:
+    image = bytearray(end)
+    for offset, view in jobs:
+        image[offset:offset + len(view)] = view
+    return bytes(image)
+
+
+class CountingBackend(LocalBackend):
+    def __init__(self):
+        self.bulk: list[tuple[int, int, int]] = []  # (offset, length, memory address % DIRECT_ALIGN)
+
+    def open_write(self, path, durable=False):
+        writer, seen = super().open_write(path, durable), self.bulk
+        inner = writer.pwrite_bulk
+
+        def pwrite_bulk(offset, view):
+            seen.append((offset, len(view), aligned.address(view) % DIRECT_ALIGN))
+            inner(offset, view)
+
+        writer.pwrite_bulk = pwrite_bulk
+        return writer
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_durable_windows_write_exact_bytes_zero_gaps_and_checksums(tmp_path, small_windows, threads):
+    sizes = [3 * WINDOW + 5, 12, 0, WINDOW - 60, 2 * BLOCK + 3, 7, 5 * WINDOW + 4097, 100]
+    jobs, end = layout(sizes, seed=threads)
+    backend, path = CountingBackend(), str(tmp_path / "data")
+    sums = write.write_file(backend, path, jobs, BLOCK, durable=True, threads=threads)
+    assert open(path, "rb").read() == expected_file(jobs, end)
+    assert sums == [checksum_blocks([view], BLOCK) for _, view in jobs]
+    probe = LocalBackend().open_write(str(tmp_path / "probe"), True)
+    direct = probe.bypasses_cache()
+    probe.close(durable=False)
+    if direct:
+        # whole windows from aligned memory, in file order, covering the file once
+        assert [(offset, length) for offset, length, _ in sorted(backend.bulk)] == \
+            [(start, min(WINDOW, end - start)) for start in range(0, end, WINDOW)]
+        assert {skew for _, _, skew in backend.bulk} == {0}
+    assert len(small_windows._free) == 8  # every buffer given back
+
+
+def test_buffered_and_partial_files_write_from_the_tensors(tmp_path, small_windows):
+    """Buffered saves and files shared with other writers (``whole_file=False``) never copy into
+    windows: a window would overwrite the other writers' bytes with zeros."""
+    jobs, end = layout([WINDOW + 3, 2 * WINDOW], seed=7)
+    for durable, whole in ((False, True), (True, False)):
+        backend, path = CountingBackend(), str(tmp_path / f"data-{durable}-{whole}")
+        with open(path, "wb") as f:  # another writer's bytes, beyond this call's jobs
+            f.write(b"\x11" * (end + 3 * WINDOW))
+        sums = write.write_file(backend, path, jobs, BLOCK, durable, threads=2, whole_file=whole)
+        on_disk = open(path, "rb").read()
+        for offset, view in jobs:
+            assert on_disk[offset:offset + len(view)] == view
+        assert on_disk[end:] == b"\x11" * (len(on_disk) - end)
+        assert sums == [checksum_blocks([view], BLOCK) for _, view in jobs]
+        assert all(length <= 4 * BLOCK for _, length, _ in backend.bulk)  # chunks, not windows
+
+
+def test_a_failed_window_write_raises_and_returns_its_buffer(tmp_path, small_windows, monkeypatch):
+    jobs, _ = layout([6 * WINDOW], seed=3)
+    backend = LocalBackend()
+    real_open = backend.open_write
+
+    def open_failing(path, durable=False):
+        writer = real_open(path, durable)
+        monkeypatch.setattr(writer, "bypasses_cache", lambda: True)
+
+        def pwrite_bulk(offset, view):
+            if offset >= 3 * WINDOW:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+        writer.pwrite_bulk = pwrite_bulk
+        return writer
+
+    backend.open_write = open_failing
+    with pytest.raises(OSError) as err:
+        write.write_file(backend, str(tmp_path / "data"), jobs, BLOCK, durable=True, threads=3)
+    assert err.value.errno == errno.ENOSPC
+    assert len(small_windows._free) == 8
