@@ -102,9 +102,9 @@ class _LocalWriter(FileWriter):
         """Whole blocks go through an ``O_DIRECT`` descriptor: the device reads them from memory
         with no copy into the page cache, no reclaim of it later, and in large requests. Direct
         I/O needs the memory and the file offset at the same distance from a block boundary: the
-        staging arena lays snapshots out so; other memory (a tensor handed to a blocking save) is
-        copied through an aligned bounce buffer first. The partial blocks at either end of a
-        range go buffered.
+        staging arena lays snapshots out so, and a durable ``ss.save`` writes whole aligned
+        windows (``engine/write.py``); other memory (a converter's tensors) is copied through an
+        aligned bounce buffer first. The partial blocks at either end of a range go buffered.
 
         Saving into a new file on this VM's settled disk, this wrote 1.0-1.5 GB/s where buffered
         writes with early writeback gave 0.56-0.71 (see docs/benchmarks.md)."""
