@@ -126,3 +126,23 @@ def test_a_failed_window_write_raises_and_returns_its_buffer(tmp_path, small_win
         write.write_file(backend, str(tmp_path / "data"), jobs, BLOCK, durable=True, threads=3)
     assert err.value.errno == errno.ENOSPC
     assert len(small_windows._free) == 8
+
+
+def test_aligned_buffers_are_not_shared_with_a_forked_child():
+    """A child forked after a save (a DataLoader worker, a multiprocessing job that saves too) gets
+    its own copy of the bounce buffers and of a staging arena: what it writes there never reaches
+    the parent's pages, which the parent may be writing to disk at that moment."""
+    from statesnap.checkpointer.staging import Arena
+
+    bounce = aligned.BouncePool().take()
+    arena = Arena(4 * (1 << 20), pin=False)
+    np.frombuffer(bounce, dtype=np.uint8)[:4096] = 1
+    arena.buffer[:4096] = 1
+    child = os.fork()
+    if child == 0:  # the child scribbles over both and leaves at once
+        np.frombuffer(bounce, dtype=np.uint8)[:4096] = 2
+        arena.buffer[:4096] = 2
+        os._exit(0)
+    assert os.waitpid(child, 0)[1] == 0
+    assert set(np.frombuffer(bounce, dtype=np.uint8)[:4096].tolist()) == {1}
+    assert set(arena.buffer[:4096].tolist()) == {1}

@@ -34,6 +34,7 @@ import torch
 from .. import load as ss_load
 from .. import save as ss_save
 from ..demo.gpt import GPT, config_for_state_gb
+from ..storage.aligned import private_pages
 from ..storage.base import DIRECT_ALIGN
 from .common import (
     DEFAULT_OUT, add_output_arguments, drop_page_cache, format_table, gbps, machine_description, median,
@@ -157,7 +158,7 @@ def _direct_image(state: dict) -> tuple[mmap.mmap, int]:
     if id(state) not in _DIRECT_IMAGES:
         chunks = _chunks(state, RAW_CHUNK)
         nbytes = chunks[-1][0] + len(chunks[-1][1])
-        image = mmap.mmap(-1, -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN)
+        image = private_pages(-(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN)
         for offset, chunk in chunks:
             image[offset:offset + len(chunk)] = chunk
         _DIRECT_IMAGES[id(state)] = image, nbytes

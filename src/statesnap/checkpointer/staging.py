@@ -11,7 +11,6 @@ for writes (back-pressure) instead of failing or growing past the budget.
 from __future__ import annotations
 
 import ctypes
-import mmap
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..plan.save_plan import ALIGN
+from ..storage.aligned import private_pages
 from ..storage.base import DIRECT_ALIGN
 from .gpu import pin_in_place
 
@@ -63,7 +63,7 @@ class Arena:
 
     def __init__(self, capacity: int, pin: bool):
         self.capacity = max(capacity // REGION_ALIGN, 1) * REGION_ALIGN  # never above the budget
-        self._mapping = mmap.mmap(-1, self.capacity)  # page-aligned, as direct I/O needs
+        self._mapping = private_pages(self.capacity)  # page-aligned, as direct I/O needs
         self.buffer = torch.frombuffer(self._mapping, dtype=torch.uint8)
         if pin:
             pin_in_place(self.buffer)

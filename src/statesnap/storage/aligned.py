@@ -16,6 +16,13 @@ from .base import DIRECT_ALIGN
 BOUNCE_BYTES = 16 << 20
 
 
+def private_pages(nbytes: int) -> mmap.mmap:
+    """Page-aligned anonymous memory of this process alone. ``mmap.mmap(-1, n)`` maps it shared,
+    so a process forked afterwards (a DataLoader worker, a ``multiprocessing`` child) would write
+    into the very pages its parent is writing to disk."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
 def address(view: memoryview) -> int:
     """Where ``view``'s first byte lies in memory (0 for an empty view)."""
     return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
@@ -33,7 +40,7 @@ class BouncePool:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        return memoryview(mmap.mmap(-1, BOUNCE_BYTES + DIRECT_ALIGN))
+        return memoryview(private_pages(BOUNCE_BYTES + DIRECT_ALIGN))
 
     def give(self, bounce: memoryview) -> None:
         with self._lock:
