@@ -257,6 +257,23 @@ def test_failed_overwrite_leaves_old_checkpoint(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["c"]
 
 
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, SystemExit])
+def test_interrupted_save_leaves_no_staging_and_the_old_checkpoint(tmp_path, monkeypatch, interruption):
+    """Ctrl-C (or sys.exit from a signal handler) during the writes: the interruption goes on up,
+    the hidden staging directory with its partial data goes, the earlier checkpoint stays."""
+    path = tmp_path / "c"
+    ss.save({"t": torch.zeros(4)}, path)
+
+    def interrupted(*args, **kwargs):
+        raise interruption()
+
+    monkeypatch.setattr(sys.modules["statesnap.engine.save"], "write_file", interrupted)
+    with pytest.raises(interruption):
+        ss.save({"t": torch.ones(4)}, path, overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]
+    assert torch.equal(ss.open(path).read("t"), torch.zeros(4))
+
+
 def test_overwrite_killed_between_fallback_renames_is_recovered(tmp_path, monkeypatch):
     """Without renameat2 an overwrite renames the old checkpoint aside, then the new one in. A
     kill between the two leaves only the aside: the next load puts the old checkpoint back."""

@@ -22,7 +22,7 @@ BLOCK = 64 * KiB
 def small_windows(monkeypatch):
     """Windows of 256 KiB from a pool whose buffers hold garbage, so that a gap the writer forgot
     to zero would show."""
-    pool = aligned.BouncePool()
+    pool = aligned.BouncePool(keep=8)
     for _ in range(8):
         bounce = aligned.BouncePool().take()
         np.frombuffer(bounce, dtype=np.uint8)[:] = 0xA5
@@ -74,7 +74,7 @@ def test_durable_windows_write_exact_bytes_zero_gaps_and_checksums(tmp_path, sma
     sizes = [3 * WINDOW + 5, 12, 0, WINDOW - 60, 2 * BLOCK + 3, 7, 5 * WINDOW + 4097, 100]
     jobs, end = layout(sizes, seed=threads)
     backend, path = CountingBackend(), str(tmp_path / "data")
-    sums = write.write_file(backend, path, jobs, BLOCK, durable=True, threads=threads)
+    sums = write.write_file(backend, path, jobs, BLOCK, durable=True, threads=threads, whole_file=True)
     assert open(path, "rb").read() == expected_file(jobs, end)
     assert sums == [checksum_blocks([view], BLOCK) for _, view in jobs]
     probe = LocalBackend().open_write(str(tmp_path / "probe"), True)
@@ -89,14 +89,15 @@ def test_durable_windows_write_exact_bytes_zero_gaps_and_checksums(tmp_path, sma
 
 
 def test_buffered_and_partial_files_write_from_the_tensors(tmp_path, small_windows):
-    """Buffered saves and files shared with other writers (``whole_file=False``) never copy into
-    windows: a window would overwrite the other writers' bytes with zeros."""
+    """Buffered saves and files shared with other writers (``whole_file=False``, the default)
+    never copy into windows: a window would overwrite the other writers' bytes with zeros."""
     jobs, end = layout([WINDOW + 3, 2 * WINDOW], seed=7)
     for durable, whole in ((False, True), (True, False)):
         backend, path = CountingBackend(), str(tmp_path / f"data-{durable}-{whole}")
         with open(path, "wb") as f:  # another writer's bytes, beyond this call's jobs
             f.write(b"\x11" * (end + 3 * WINDOW))
-        sums = write.write_file(backend, path, jobs, BLOCK, durable, threads=2, whole_file=whole)
+        whole_arg = {"whole_file": True} if whole else {}  # not whole: the default
+        sums = write.write_file(backend, path, jobs, BLOCK, durable, threads=2, **whole_arg)
         on_disk = open(path, "rb").read()
         for offset, view in jobs:
             assert on_disk[offset:offset + len(view)] == view
@@ -123,9 +124,20 @@ def test_a_failed_window_write_raises_and_returns_its_buffer(tmp_path, small_win
 
     backend.open_write = open_failing
     with pytest.raises(OSError) as err:
-        write.write_file(backend, str(tmp_path / "data"), jobs, BLOCK, durable=True, threads=3)
+        write.write_file(backend, str(tmp_path / "data"), jobs, BLOCK, durable=True, threads=3, whole_file=True)
     assert err.value.errno == errno.ENOSPC
     assert len(small_windows._free) == 8
+
+
+def test_the_pool_keeps_only_a_few_buffers_between_saves():
+    """Many writers at once (threads=32) must not leave 32 buffers of 16 MiB mapped for good."""
+    pool = aligned.BouncePool(keep=2)
+    taken = [pool.take() for _ in range(5)]
+    mappings = [bounce.obj for bounce in taken]
+    for bounce in taken:
+        pool.give(bounce)
+    assert len(pool._free) == 2
+    assert [m.closed for m in mappings] == [False, False, True, True, True]
 
 
 def test_aligned_buffers_are_not_shared_with_a_forked_child():

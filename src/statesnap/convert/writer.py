@@ -154,8 +154,7 @@ def _write_own(backend, staging, token, plan, own, tensors, objects, blobs, dura
         for index, offset in plan.writes[0]:
             fqn = own[index]
             tensor = _materialized(fqn, tensors[fqn])
-            checksums[index] = write_file(kept, name, [(offset, byte_view(tensor))], block_bytes, durable,
-                                           whole_file=False)[0]
+            checksums[index] = write_file(kept, name, [(offset, byte_view(tensor))], block_bytes, durable)[0]
             advance(tensor.numel() * tensor.element_size())
             del tensor  # before the next one is read
         for fqn, blob in blobs:

@@ -123,7 +123,8 @@ def write_rank(backend: StorageBackend, staging: str, token: str, rank: int, pla
     if not jobs:
         return RankOutput(None, 0, {}, entries, per_rank)
     name = data_file_name(token, rank)
-    sums = write_file(backend, backend.join(staging, name), jobs, block_bytes, durable, threads, advance)
+    sums = write_file(backend, backend.join(staging, name), jobs, block_bytes, durable, threads, advance,
+                      whole_file=True)
     checksums = {index: s for (index, _), s in zip(plan.writes[rank], sums)}
     return RankOutput(name, end, checksums, entries, per_rank)
 
@@ -260,6 +261,10 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
         output.object_digests = digests
     except Exception as exc:
         error = exc
+    except BaseException:  # Ctrl-C, SystemExit: leave no hidden staging directory behind
+        if comm.rank == 0:  # other ranks' interruptions reach rank 0 as a lost peer, which aborts
+            backend.abort(staging, path)
+        raise
     split = comm.world_size >= SPLIT_MIN_RANKS
     try:  # a rank lost in either collective below: nothing is committed, the staging goes
         owned_entries, error = _report_to_owners(comm, metas, plan, output, owned, file_of_rank, error)

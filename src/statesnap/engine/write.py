@@ -21,8 +21,10 @@ from ..storage.aligned import BOUNCE, BOUNCE_BYTES, address
 from ..storage.base import FileWriter, StorageBackend
 
 CHUNK_BLOCKS = 4
-# Direct writes in flight: this VM's disk wrote 16 MiB O_DIRECT requests at about 2 GB/s with four
-# in flight (the io suite's raw_direct); they wait on the device, not the CPU.
+# Workers of a windowed write unless the caller says otherwise (at least this many, so that this
+# many direct writes can be in flight): this VM's disk wrote 16 MiB O_DIRECT requests at about
+# 2 GB/s with two to sixteen in flight (the io suite's raw_direct keeps four); they wait on the
+# device, not the CPU.
 DIRECT_DEPTH = 4
 
 Job = tuple[int, memoryview]  # (file offset, bytes)
@@ -34,10 +36,11 @@ def default_threads() -> int:
 
 def write_file(backend: StorageBackend, path: str, jobs: Sequence[Job], block_bytes: int, durable: bool,
                threads: int | None = None, advance: Callable[[int], None] = lambda nbytes: None,
-               whole_file: bool = True) -> list[list[int]]:
+               whole_file: bool = False) -> list[list[int]]:
     """Write ``(offset, bytes)`` jobs into ``path``; return each job's block checksums.
-    ``advance(nbytes)`` is told of every chunk written (a progress bar). ``whole_file``: the jobs
-    are all the file holds, and the bytes between them read as zeros (the writer may write them)."""
+    ``advance(nbytes)`` is told of the bytes of every chunk or window written (a progress bar).
+    ``whole_file``: the jobs are all the file holds and the bytes between them read as zeros, so
+    a durable write may lay the file out in windows (which write those bytes too)."""
     writer = backend.open_write(path, durable)
     windowed = durable and whole_file and writer.bypasses_cache()
     # Whole blocks (each chunk checksums its own), starting on ALIGN like the pieces: a streaming

@@ -30,10 +30,13 @@ def address(view: memoryview) -> int:
 
 class BouncePool:
     """Buffers of :data:`BOUNCE_BYTES` plus one block of slack (so that a range may start at any
-    distance from a block boundary), taken by one writer at a time and given back."""
+    distance from a block boundary, as ``storage/local.py`` places it), taken by one writer at a
+    time and given back. At most ``keep`` are kept between saves; more writers at once (many
+    threads) get buffers that are unmapped when given back."""
 
-    def __init__(self):
+    def __init__(self, keep: int = 4):
         self._free: list[memoryview] = []
+        self._keep = keep
         self._lock = threading.Lock()
 
     def take(self) -> memoryview:
@@ -44,7 +47,15 @@ class BouncePool:
 
     def give(self, bounce: memoryview) -> None:
         with self._lock:
-            self._free.append(bounce)
+            if len(self._free) < self._keep:
+                self._free.append(bounce)
+                return
+        mapping = bounce.obj
+        bounce.release()
+        try:
+            mapping.close()
+        except BufferError:  # a slice of it is still alive: unmapped when that goes
+            pass
 
 
 BOUNCE = BouncePool()
