@@ -368,3 +368,29 @@ def test_shm_scheme_saves_into_node_shared_memory():
         assert ss.open(f"shm://{name}/step-7").verify() > 0
     finally:
         shutil.rmtree(f"/dev/shm/{name}", ignore_errors=True)
+
+
+@pytest.mark.parametrize("saver", ["save", "checkpointer"])
+def test_empty_tensors_neither_pad_nor_lengthen_the_data_file(tmp_path, saver):
+    """docs/format.md §1: a file's size is exactly the size the manifest records. An empty tensor
+    planned last used to be placed past the last byte, and the manifest recorded that offset as
+    the file's size."""
+    import json
+
+    state = {"a_first_empty": torch.empty(0), "b": torch.arange(3, dtype=torch.uint8),
+             "c_middle_empty": torch.empty(0, 4), "d": torch.arange(5, dtype=torch.int16),
+             "z_last_empty": torch.empty(0, dtype=torch.bfloat16)}
+    if saver == "save":
+        path = tmp_path / "c"
+        ss.save(state, path)
+    else:
+        with ss.Checkpointer(tmp_path / "root") as ckpt:
+            ckpt.save(1, state).wait()
+        path = next(p for p in (tmp_path / "root").iterdir() if (p / "manifest.json").exists())
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["file_sizes"] == [os.path.getsize(path / name) for name in manifest["files"]]
+    assert manifest["file_sizes"] == [3 + 61 + 10]  # b, the gap up to 64, d
+    loaded = {key: torch.ones_like(value) for key, value in state.items()}
+    ss.load(loaded, path)
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value), key

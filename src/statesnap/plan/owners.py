@@ -162,6 +162,9 @@ def place_writes(metas: Sequence[ItemMeta], answers: Sequence[Decision], rank: i
     mine.sort()
     writes, end = [], 0
     for index in mine:
+        if not metas[index].nbytes:  # holds no byte: at 0 it neither pads nor lengthens the file
+            writes.append((index, 0))
+            continue
         offset = align_up(end)
         writes.append((index, offset))
         end = offset + metas[index].nbytes

@@ -85,10 +85,14 @@ def plan_save(per_rank: Sequence[Sequence[ItemMeta]], objects: Sequence[Sequence
     rank_start = np.searchsorted(chosen_rank, np.arange(world + 1))
     base = np.concatenate([[0], ends])[rank_start]
     offset = ends - aligned - np.repeat(base[:-1], np.diff(rank_start))
-    # a file ends with its last piece: the alignment gaps are only *between* pieces
+    offset[nbytes[chosen] == 0] = 0  # holds no byte: at 0 it neither pads nor lengthens the file
+    # a file ends with its last byte: the alignment gaps are only *between* pieces
     data_end = offset + nbytes[chosen]
-    last = np.concatenate([[0], data_end])[rank_start[1:]]  # end of each rank's last piece
-    file_bytes = np.where(rank_start[1:] > rank_start[:-1], last, 0).tolist()
+    has_pieces = rank_start[1:] > rank_start[:-1]
+    file_bytes = np.zeros(world, np.int64)
+    if has_pieces.any():
+        file_bytes[has_pieces] = np.maximum.reduceat(data_end, rank_start[:-1][has_pieces])
+    file_bytes = file_bytes.tolist()
     items, offsets = index[chosen].tolist(), offset.tolist()
     writes = [list(zip(items[a:b], offsets[a:b])) for a, b in zip(rank_start[:-1], rank_start[1:])]
     tensors = _tensor_tables(list(map(metas.__getitem__, chosen.tolist())), chosen_rank, index[chosen], offset,
