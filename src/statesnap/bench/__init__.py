@@ -16,6 +16,8 @@ Suites (each a module with ``main(argv)`` that parses its own options):
 * ``hf``: the same for the Hugging Face Trainer, ``StatesnapTrainer`` against the stock one (:mod:`.hf`);
 * ``restore``: loads into a fresh model and optimizer against torch.load and DCP (:mod:`.restore`);
 * ``s3``: save/load throughput to an S3 API server (moto on loopback) against local disk (:mod:`.s3`);
+* ``gpu``: snapshot, restore and load of GPU tensors against plain pinned copies (:mod:`.gpu`;
+  reports that it skipped where there is no CUDA device);
 * ``all``: every suite in turn with its default options.
 """
 from __future__ import annotations
@@ -24,7 +26,8 @@ import argparse
 import importlib
 import sys
 
-SUITES = ("io", "training", "reshard", "convert", "planning", "chaos", "recovery", "lightning", "hf", "restore", "s3")
+SUITES = ("io", "training", "reshard", "convert", "planning", "chaos", "recovery", "lightning", "hf", "restore", "s3",
+          "gpu")
 
 
 def main(argv: list[str] | None = None) -> int:

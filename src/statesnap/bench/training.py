@@ -43,19 +43,21 @@ def child(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     cfg = gpt.GPTConfig(**json.loads(args.config))
     model, optimizer = gpt.build(cfg)
-    gpt.train_step(model, optimizer, gpt.batch(cfg, 0))  # allocate the optimizer state
+    model.to(args.device)  # the same Parameter objects, which the optimizer already holds
+    tokens = lambda step: gpt.batch(cfg, step).to(args.device)  # noqa: E731
+    gpt.train_step(model, optimizer, tokens(0))  # allocate the optimizer state
     mode = make_mode(args.mode, model, optimizer, args.scratch)
     # Warm-up steps checkpoint too, so every mode's one-time setup (statesnap's staging arena and
     # DCP's stager are allocated, and their pages first touched, at the first checkpoints) stays
     # out of the timed steps, as it does from a multi-day run's steady state.
     for step in range(1, args.warmup + 1):
-        gpt.train_step(model, optimizer, gpt.batch(cfg, step))
+        gpt.train_step(model, optimizer, tokens(step))
         mode.checkpoint(step)
     first = args.warmup + 1
     stalls = []
     started = time.perf_counter()
     for step in range(first, first + args.steps):  # statesnap persists multiples of persist_every
-        gpt.train_step(model, optimizer, gpt.batch(cfg, step))
+        gpt.train_step(model, optimizer, tokens(step))  # ends in loss.item(): a GPU step is finished
         stalls.append(mode.checkpoint(step))
     loop_s = time.perf_counter() - started
     drain_started = time.perf_counter()
@@ -75,6 +77,7 @@ def child_main(argv: list[str]) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     parser.add_argument("--scratch", required=True)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     shutil.rmtree(args.scratch, ignore_errors=True)
     os.makedirs(args.scratch)
@@ -89,11 +92,13 @@ def child_main(argv: list[str]) -> int:
 
 
 # -- the parent: interleaved runs, summaries, the size sweep -------------------------------------
-def run_mode(mode: str, cfg: gpt.GPTConfig, steps: int, out: str, warmup: int, threads: int) -> dict:
+def run_mode(mode: str, cfg: gpt.GPTConfig, steps: int, out: str, warmup: int, threads: int,
+             device: str = "cpu") -> dict:
     scratch = os.path.join(out, "training-scratch")
     return run_child("statesnap.bench.training", ["--child", "--mode", mode, "--config", json.dumps(cfg.to_dict()),
                                                   "--steps", str(steps), "--warmup", str(warmup),
-                                                  "--threads", str(threads), "--scratch", scratch])
+                                                  "--threads", str(threads), "--scratch", scratch,
+                                                  "--device", device])
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
@@ -128,12 +133,12 @@ def aims(summary: dict) -> list[dict]:
     return checks
 
 
-def sweep(sizes: list[float], steps: int, out: str, warmup: int, threads: int) -> list[dict]:
+def sweep(sizes: list[float], steps: int, out: str, warmup: int, threads: int, device: str = "cpu") -> list[dict]:
     rows = []
     for size in sizes:
         cfg = gpt.config_for_state_gb(size, batch=1)
         for mode in SWEEP_MODES:
-            result = run_mode(mode, cfg, steps, out, warmup, threads)
+            result = run_mode(mode, cfg, steps, out, warmup, threads, device)
             rows.append({"mode": mode, "label": MODES[mode].label, "size_gb": cfg.state_bytes() / 1e9,
                          "median_stall_s": median(result["stalls"]),
                          "median_background_s": median(result["background"])})
@@ -162,17 +167,17 @@ def plot_sweep(rows: list[dict], path: str) -> str:
 
 def run(size_gb: float = 1.0, steps: int = 20, runs: int = 3, modes=DEFAULT_MODES, sweep_sizes=(0.25, 1.0, 4.0),
         sweep_steps: int = 5, out: str = DEFAULT_OUT, warmup: int = 2, config: gpt.GPTConfig | None = None,
-        threads: int = DEFAULT_THREADS, batch: int = DEFAULT_BATCH) -> dict:
+        threads: int = DEFAULT_THREADS, batch: int = DEFAULT_BATCH, device: str = "cpu") -> dict:
     os.makedirs(out, exist_ok=True)
     cfg = config or gpt.config_for_state_gb(size_gb, batch=batch)
     results: dict[str, list[dict]] = {mode: [] for mode in modes}
     for _ in range(runs):  # interleaved: A B C ... A B C ...
         for mode in modes:
-            results[mode].append(run_mode(mode, cfg, steps, out, warmup, threads))
+            results[mode].append(run_mode(mode, cfg, steps, out, warmup, threads, device))
     summary = summarize(results)
-    rows = sweep(list(sweep_sizes), sweep_steps, out, warmup, threads) if sweep_sizes else []
+    rows = sweep(list(sweep_sizes), sweep_steps, out, warmup, threads, device) if sweep_sizes else []
     result = {"suite": "training", "config": cfg.to_dict(), "state_bytes": cfg.state_bytes(), "steps": steps,
-              "runs": runs, "threads": threads, "summary": summary, "aims": aims(summary), "sweep": rows,
+              "runs": runs, "threads": threads, "device": device, "summary": summary, "aims": aims(summary), "sweep": rows,
               "raw": results}
     if rows:
         result["plot"] = plot_sweep(rows, os.path.join(out, "training-sweep.png")) if can_plot() else \
@@ -183,7 +188,7 @@ def run(size_gb: float = 1.0, steps: int = 20, runs: int = 3, modes=DEFAULT_MODE
 def report(result: dict) -> str:
     s = result["summary"]
     lines = [f"Training suite: GPT {result['config']} ({result['state_bytes'] / 1e9:.2f} GB model + AdamW state), "
-             f"{result['threads']} torch threads, {result['steps']} steps, checkpoint every step, "
+             f"{result['threads']} torch threads, on {result.get('device', 'cpu')}, {result['steps']} steps, checkpoint every step, "
              f"medians of {result['runs']} interleaved runs", "",
              format_table(["mode", "median stall (s)", "loop (s)", "overhead", "drain (s)", "peak RSS (GB)"],
                           [[v["label"], v["median_stall_s"], v["loop_s"], f"{100 * v['overhead']:+.1f}%",
@@ -216,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=DEFAULT_BATCH,
                         help=f"sequences per step with --size-gb (default {DEFAULT_BATCH}); more compute per step "
                              "hides more of the snapshot copy")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model trains (default cpu)")
     parser.add_argument("--sweep-gb", default="0.25,1,4", help="state sizes for the stall sweep ('' = skip)")
     parser.add_argument("--sweep-steps", type=int, default=5)
     parser.add_argument("--save-call", action="store_true",
@@ -231,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     config = gpt.GPTConfig(**json.loads(args.config)) if args.config else None
     sizes = [float(x) for x in args.sweep_gb.split(",") if x]
     result = run(args.size_gb, args.steps, args.runs, modes, sizes, args.sweep_steps, args.out, args.warmup, config,
-                 args.threads, args.batch)
+                 args.threads, args.batch, args.device)
     publish(result, report(result), args.json)
     return 0
 

@@ -3,8 +3,10 @@
 At ``save()`` an event is recorded on each device's current (compute) stream; a side copy
 stream waits on it, so the device-to-host copies see exactly the values of the moment of
 ``save()`` even though kernels queued before it may still be running. Copies go into the pinned
-arena with ``non_blocking=True``; several copy workers keep several chunks in flight, and each
-waits only for its own copy's completion event.
+arena with ``non_blocking=True``. The stager queues every batch's copies as soon as the batch
+has arena space and records one event after them; only the worker that hands the batch to the
+flusher waits for that event, so the copy engine always has the next batches queued behind the
+one it is running (one synchronisation per batch, none per tensor).
 """
 from __future__ import annotations
 
@@ -55,14 +57,23 @@ class CudaCopier:
                 self._streams[device.index] = torch.cuda.Stream(device)
             return self._streams[device.index]
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, offset: int, ready: "torch.cuda.Event") -> None:
-        stream = self._stream(src.device)
-        with torch.cuda.stream(stream):
-            stream.wait_event(ready)
-            if src.is_contiguous():
-                dst.copy_(src.reshape(-1).view(torch.uint8)[offset:offset + dst.numel()], non_blocking=True)
-            else:
-                dst.view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        done.synchronize()
+    def enqueue(self, copies, ready: dict[int, "torch.cuda.Event"]) -> list["torch.cuda.Event"]:
+        """Queue ``copies`` ((arena view, source, byte offset) each) without waiting for them; return
+        one event per device used, recorded after its last copy: a batch is complete once they are."""
+        done = {}
+        for dst, src, offset in copies:
+            stream = self._stream(src.device)
+            with torch.cuda.stream(stream):
+                if src.device.index not in done:
+                    stream.wait_event(ready[src.device.index])
+                if src.is_contiguous():
+                    dst.copy_(src.reshape(-1).view(torch.uint8)[offset:offset + dst.numel()], non_blocking=True)
+                else:  # strided sources are copied whole (their items are never split)
+                    dst.view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
+            done[src.device.index] = stream
+        events = []
+        for stream in done.values():
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        return events

@@ -186,10 +186,12 @@ class Stager(_Stage):
                 break
             if not snap.resident:
                 batch.region = self._allocate(arena, batch.arena_span[1], snap)
+            queued = now()
+            on_device = self._queue_device_copies(arena, snap, batch)
             for owner in batch.owners:
                 snap.gates[owner].add()
             snap.copied.add()
-            snap.batches.put((batch, self._pool.submit(self._copy, arena, snap, batch)))
+            snap.batches.put((batch, self._pool.submit(self._copy, arena, snap, batch, on_device, queued)))
 
     def _allocate(self, arena: Arena, nbytes: int, snap: Snapshot) -> Region:
         start = now()
@@ -198,24 +200,33 @@ class Stager(_Stage):
             self._events.add("arena-wait", snap.step, start, now())
         return region
 
-    def _copy(self, arena: Arena, snap: Snapshot, batch: Batch) -> None:
+    def _queue_device_copies(self, arena: Arena, snap: Snapshot, batch: Batch) -> list:
+        """Queue the batch's GPU copies on the side streams now, on this thread: the copy engine
+        then has the next batches lined up while a worker waits for this one (gpu.py)."""
+        items, base = snap.flat.tensors, (snap.region or batch.region).start
+        copies = [(arena.view(base + seg.arena, seg.nbytes), items[seg.item].local, seg.offset)
+                  for seg in batch.segments if items[seg.item].local.device.type == "cuda"]
+        return self._cuda_copier_of().enqueue(copies, snap.cuda_ready) if copies else []
+
+    def _copy(self, arena: Arena, snap: Snapshot, batch: Batch, on_device: list, queued: float) -> None:
+        """Copy the batch's CPU tensors, wait for its GPU copies, then check nothing changed under them."""
         base = (snap.region or batch.region).start
+        start = queued if on_device else now()  # GPU copies started when they were queued
         try:
+            try:
+                items = snap.flat.tensors
+                for seg in batch.segments:
+                    src = items[seg.item].local
+                    if snap.error is None and src.device.type != "cuda":
+                        copy_into(arena.view(base + seg.arena, seg.nbytes), src, seg.offset)
+            finally:  # the region is released after this returns: no copy may still be writing to it
+                for event in on_device:
+                    event.synchronize()
             if snap.error is not None:
                 return
-            start, nbytes = now(), 0
-            items = snap.flat.tensors
-            for seg in batch.segments:
-                src = items[seg.item].local
-                cuda_copy = None
-                if src.device.type == "cuda":
-                    ready = snap.cuda_ready[src.device.index]
-                    cuda_copy = lambda d, s, o, r=ready: self._cuda_copier_of().copy(d, s, o, r)  # noqa: E731
-                copy_into(arena.view(base + seg.arena, seg.nbytes), src, seg.offset, cuda_copy)
-                nbytes += seg.nbytes
             for item in {seg.item for seg in batch.segments}:
                 check_unchanged(items[item].local, snap.versions[item], items[item].fqn, snap.step)
-            self._events.add("copy", snap.step, start, now(), nbytes)
+            self._events.add("copy", snap.step, start, now(), sum(seg.nbytes for seg in batch.segments))
         except BaseException as exc:  # noqa: BLE001 (reported through the snapshot)
             snap.fail(as_checkpoint_error(exc, snap.step, snap.path))
         finally:

@@ -212,16 +212,14 @@ def build_batches(order: Sequence[int], sizes: Sequence[int], splittable: Sequen
     return batches, item_offsets
 
 
-def copy_into(dst: torch.Tensor, src: torch.Tensor, offset: int, cuda_copy=None) -> None:
-    """Copy ``dst.numel()`` bytes of ``src`` from byte ``offset`` into the arena view ``dst``.
+def copy_into(dst: torch.Tensor, src: torch.Tensor, offset: int) -> None:
+    """Copy ``dst.numel()`` bytes of the CPU tensor ``src`` from byte ``offset`` into the arena view ``dst``.
 
-    Contiguous CPU sources go through ``memmove`` via ctypes, which releases the GIL, so the
-    training thread runs on while the copy proceeds. GPU sources take the stream-ordered path.
+    Contiguous sources go through ``memmove`` via ctypes, which releases the GIL, so the training
+    thread runs on while the copy proceeds. (GPU sources take the stream-ordered path, gpu.py.)
     """
     nbytes = dst.numel()
-    if src.device.type == "cuda":
-        cuda_copy(dst, src, offset)
-    elif src.is_contiguous():
+    if src.is_contiguous():
         if nbytes:
             ctypes.memmove(dst.data_ptr(), src.data_ptr() + offset, nbytes)
     else:  # strided sources are copied whole (their items are never split)

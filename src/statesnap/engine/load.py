@@ -23,6 +23,7 @@ from ..state.items import Flattened
 from ..storage import LocalBackend, backend_for, normalize
 from ..storage.base import StorageBackend
 from .buffers import host_contiguous
+from .device_load import fill_device_targets
 from .dist import DEFAULT_TIMEOUT_S, Comm
 from .objects import decode_value
 from .read import ReadExecutor
@@ -187,7 +188,7 @@ def fill_tensors(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
 def _fill_wanted(wanted: list, manifest: Manifest, backend: StorageBackend, path: str, verify: bool,
                  threads: int | None, strict: bool, advance: Callable[[int], None]) -> int:
     executor = ReadExecutor(backend, path, manifest, verify, threads, advance)
-    copy_back, casts = [], []
+    on_device, copy_back, casts = [], [], []
     for item in wanted:
         entry = manifest.tensor_part(item.fqn, item.layout, item.start, item.size)
         plan = _plan(entry, item)
@@ -198,9 +199,12 @@ def _fill_wanted(wanted: list, manifest: Manifest, backend: StorageBackend, path
         if local.dtype != entry.dtype:  # cast=True (checked by _match): filled after the others
             casts.append((item.fqn, entry, local, plan))
             continue
+        if local.device.type == "cuda":  # through pinned host memory, in waves (device_load.py)
+            on_device.append((item.fqn, entry, local, plan))
+            continue
         if local.device.type == "cpu" and local.is_contiguous():
             buffer = local.detach()
-        else:  # GPU or strided targets are filled through a host copy, then copied back
+        else:  # strided (or other devices') targets are filled through a host copy, then copied back
             buffer = host_contiguous(local)
             copy_back.append((local, buffer))
         executor.add(item.fqn, entry, buffer, plan)
@@ -208,8 +212,9 @@ def _fill_wanted(wanted: list, manifest: Manifest, backend: StorageBackend, path
     with torch.no_grad():
         for local, buffer in copy_back:
             local.copy_(buffer)
-    return executor.bytes_read + sum(_fill_cast(backend, path, manifest, verify, threads, advance, *cast)
-                                     for cast in casts)
+    nbytes = executor.bytes_read + fill_device_targets(
+        on_device, lambda: ReadExecutor(backend, path, manifest, verify, threads, advance))
+    return nbytes + sum(_fill_cast(backend, path, manifest, verify, threads, advance, *cast) for cast in casts)
 
 
 def _plan(entry: TensorEntry, item) -> TargetPlan:

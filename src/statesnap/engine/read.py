@@ -10,7 +10,7 @@ tensor and the byte range.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -66,13 +66,7 @@ class ReadExecutor:
         self.jobs.extend(_Job(fqn, entry, target, view, r) for r in plan.reads)
 
     def run(self) -> None:
-        direct, staged = [], []
-        for job in self.jobs:
-            if self._is_direct(job):
-                direct.extend(self._split(job))
-            else:
-                staged.append(job)
-        groups = self._coalesce(direct) + [[job] for job in staged]
+        groups = self._groups()
         try:
             if self.threads == 1 or len(groups) <= 1:
                 for group in groups:
@@ -82,9 +76,26 @@ class ReadExecutor:
                     for future in [pool.submit(self._run_group, g) for g in groups]:
                         future.result()
         finally:
-            for reader in self._files.values():
-                reader.close()
-            self._files.clear()
+            self.close()
+
+    def submit(self, pool: ThreadPoolExecutor) -> list[Future]:
+        """Queue the reads on ``pool`` (shared with other executors) instead of running them;
+        wait for the futures, then ``close``."""
+        return [pool.submit(self._run_group, g) for g in self._groups()]
+
+    def close(self) -> None:
+        for reader in self._files.values():
+            reader.close()
+        self._files.clear()
+
+    def _groups(self) -> list[list[_Job]]:
+        direct, staged = [], []
+        for job in self.jobs:
+            if self._is_direct(job):
+                direct.extend(self._split(job))
+            else:
+                staged.append(job)
+        return self._coalesce(direct) + [[job] for job in staged]
 
     # -- planning the I/O -------------------------------------------------------------------
     def _widened(self, job: _Job) -> tuple[int, int]:

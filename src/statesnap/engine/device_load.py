@@ -1,0 +1,136 @@
+"""Loading into GPU tensors: verified reads into pinned host memory, copies to the device behind them.
+
+Filling a GPU target the way a CPU one is filled would need a host buffer per tensor: copying
+the target to the host to get one, keeping a host copy of every GPU tensor until the end (a
+second copy of the state), and copying back from pageable memory, which the driver stages once
+more. Instead the GPU targets are taken in waves of about ``WAVE_BYTES``: each wave is read and
+verified straight into a pinned staging ring, then copied to its device on a side stream without
+waiting. The read threads are shared by two waves at a time, so they go on to the next wave's
+reads while the last reads of one finish, and the copies run behind the reads. The ring holds
+the largest tensor plus two waves, which bounds the extra host memory whatever the size of the
+state.
+"""
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from ..storage.base import DIRECT_ALIGN
+from .read import ReadExecutor
+
+WAVE_BYTES = 128 << 20  # a wave keeps every read thread busy; a few fit the ring
+
+
+class PinnedRing:
+    """Page-locked staging space handed out in ring order and reclaimed in the same order: each
+    slot is held with a function that returns once nothing uses the slot any more."""
+
+    def __init__(self, capacity: int, pin: bool = True):
+        self.capacity = capacity
+        self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
+        self._held: deque[tuple[int, int, Callable[[], None]]] = deque()  # (start, end, release), oldest first
+        self._head = 0
+
+    def take(self, nbytes: int) -> int:
+        """The start of ``nbytes`` free bytes, releasing the oldest slots until they are free."""
+        start = self._head if self._head + nbytes <= self.capacity else 0
+        while self._held and any(s < start + nbytes and start < e for s, e, _ in self._held):
+            self._held.popleft()[2]()
+        self._head = start + nbytes
+        return start
+
+    def hold(self, start: int, nbytes: int, release: Callable[[], None]) -> None:
+        self._held.append((start, start + nbytes, release))
+
+    def drain(self) -> None:
+        while self._held:
+            self._held.popleft()[2]()
+
+
+class _Wave:
+    """One wave: its reads into a ring slot, queued on the shared pool, then its device copies."""
+
+    def __init__(self, targets: list, sizes: list[int], ring: PinnedRing, executor: ReadExecutor,
+                 pool: ThreadPoolExecutor, streams: dict):
+        self.executor, self.nbytes, self.streams = executor, sum(sizes), streams
+        self.start = ring.take(self.nbytes)
+        self.staged, pos = [], self.start
+        for (fqn, entry, local, plan), size in zip(targets, sizes):
+            host = ring.buffer[pos:pos + local.numel() * local.element_size()].view(local.dtype).view(local.shape)
+            executor.add(fqn, entry, host, plan)
+            self.staged.append((local, host))
+            pos += size
+        self.reads = executor.submit(pool)
+        self.events: list | None = None
+        ring.hold(self.start, self.nbytes, self.release)
+
+    def copy_to_devices(self) -> None:
+        """Wait for the reads and checksums (nothing reaches a device unless it verified), then
+        queue the copies without waiting for them. Once."""
+        if self.events is not None:
+            return
+        try:
+            for future in self.reads:
+                future.result()
+        finally:
+            self.executor.close()
+        used = {}
+        with torch.no_grad():
+            for local, host in self.staged:
+                with torch.cuda.stream(self.streams[local.device]):
+                    local.copy_(host, non_blocking=True)
+                used[local.device] = self.streams[local.device]
+        self.events = [stream.record_event() for stream in used.values()]
+
+    def release(self) -> None:
+        """Free the slot: wait for the copies (finishing the reads first when the ring is too small
+        to hold this wave and the next, which happens only with tensors larger than two waves)."""
+        self.copy_to_devices()
+        for event in self.events:
+            event.synchronize()
+
+
+def fill_device_targets(targets: list, make_executor: Callable[[], ReadExecutor]) -> int:
+    """Read ``targets`` ((fqn, entry, GPU tensor, plan) each, stored dtype = target dtype) into
+    their tensors; return the bytes read. Returns once every copy has reached its device."""
+    if not targets:
+        return 0
+    # each target's bytes start on a block boundary, where direct I/O can read into them
+    sizes = [-(-local.numel() * local.element_size() // DIRECT_ALIGN) * DIRECT_ALIGN for _, _, local, _ in targets]
+    ring = PinnedRing(min(max(max(sizes), WAVE_BYTES) + 2 * WAVE_BYTES, sum(sizes)))
+    streams = {}
+    for _, _, local, _ in targets:  # the side streams start after whatever is queued on the targets
+        if local.device not in streams:
+            streams[local.device] = torch.cuda.Stream(local.device)
+            streams[local.device].wait_stream(torch.cuda.current_stream(local.device))
+    waves: list[_Wave] = []
+    first = make_executor()
+    pool = ThreadPoolExecutor(first.threads, thread_name_prefix="statesnap-read")
+    try:
+        for index, wave in enumerate(_waves(sizes)):
+            waves.append(_Wave([targets[i] for i in wave], [sizes[i] for i in wave], ring,
+                               first if index == 0 else make_executor(), pool, streams))
+            if len(waves) > 1:  # two waves read at once; the one before them goes to the devices
+                waves[-2].copy_to_devices()
+        waves[-1].copy_to_devices()
+        ring.drain()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for stream in streams.values():  # after a failure too: no copy may still read the ring
+            stream.synchronize()
+    return sum(wave.executor.bytes_read for wave in waves)
+
+
+def _waves(sizes: list[int]) -> list[list[int]]:
+    """Consecutive targets in groups of about ``WAVE_BYTES`` (a larger target is a wave alone)."""
+    waves, current, total = [], [], 0
+    for index, size in enumerate(sizes):
+        if current and total + size > WAVE_BYTES:
+            waves.append(current)
+            current, total = [], 0
+        current.append(index)
+        total += size
+    return waves + [current] if current else waves

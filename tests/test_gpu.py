@@ -1,0 +1,177 @@
+"""The GPU path: snapshots from GPU tensors, restores and loads into them (docs/checkpointer.md).
+
+The tests marked ``cuda`` need a CUDA device and are skipped without one (CI has none; they run
+on a GPU machine). The ring and wave logic the GPU load is built on is tested here on the CPU.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import statesnap as ss
+from statesnap.engine import device_load
+from statesnap.engine.device_load import PinnedRing, _waves
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def releaser(log, name):
+    return lambda: log.append(name)
+
+
+def test_ring_releases_only_the_slots_that_hold_the_space_it_hands_out():
+    log = []
+    ring = PinnedRing(100, pin=False)
+    assert ring.take(40) == 0
+    ring.hold(0, 40, releaser(log, "a"))
+    assert ring.take(40) == 40
+    ring.hold(40, 40, releaser(log, "b"))
+    assert log == []  # both fit: nothing waited for
+    assert ring.take(30) == 0  # wraps: releases "a", which holds [0, 40), not "b"
+    assert log == ["a"]
+    ring.hold(0, 30, releaser(log, "c"))
+    assert ring.take(50) == 30  # [30, 80) overlaps "b" only
+    assert log == ["a", "b"]
+    ring.hold(30, 50, releaser(log, "d"))
+    ring.drain()
+    assert log == ["a", "b", "c", "d"]
+
+
+def test_ring_hands_out_the_whole_capacity_to_one_large_request():
+    log = []
+    ring = PinnedRing(64, pin=False)
+    ring.hold(ring.take(16), 16, releaser(log, "a"))
+    ring.hold(ring.take(16), 16, releaser(log, "b"))
+    assert ring.take(64) == 0 and log == ["a", "b"]
+
+
+def test_waves_group_consecutive_targets_and_put_a_large_one_alone(monkeypatch):
+    monkeypatch.setattr(device_load, "WAVE_BYTES", 100)
+    assert _waves([40, 40, 40, 250, 10, 100, 1]) == [[0, 1], [2], [3], [4], [5], [6]]
+    assert _waves([]) == []
+    assert _waves([100, 100]) == [[0], [1]]
+
+
+# ----------------------------------------------------------------------------- GPU
+
+def gpu_state():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.LayerNorm(256),
+                                torch.nn.Linear(256, 64)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def step(model, opt, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(32, 64, device="cuda", generator=gen)
+    loss = model(x).pow(2).mean()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
+def snapshot(model, opt) -> dict:
+    state = {f"model.{k}": v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    for index, s in opt.state_dict()["state"].items():
+        state.update({f"optim.{index}.{k}": v.detach().cpu().clone() for k, v in s.items() if torch.is_tensor(v)})
+    return state
+
+
+def assert_bit_exact(expected: dict, model, opt):
+    actual = snapshot(model, opt)
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(actual[key].view(-1).view(torch.uint8), value.view(-1).view(torch.uint8)), key
+
+
+@cuda
+def test_save_and_load_gpu_state_bit_exact_through_many_waves_and_a_wrapping_ring(tmp_path, monkeypatch):
+    monkeypatch.setattr(device_load, "WAVE_BYTES", 64 << 10)  # many waves, and the ring wraps
+    model, opt = gpu_state()
+    for i in range(3):
+        step(model, opt, i)
+    big = torch.randn(1 << 18, device="cuda")  # 1 MiB: a wave alone; two of them overflow the ring
+    big2 = torch.randn(1 << 18, device="cuda")
+    strided = torch.randn(48, 96, device="cuda").t()  # a strided GPU target
+    half = torch.randn(1000, device="cuda").to(torch.bfloat16)
+    ss.save({"model": model, "optim": opt, "extra": {"big": big, "big2": big2, "strided": strided, "half": half}},
+            tmp_path / "c")
+    expected = snapshot(model, opt)
+    extras = {"big": big.cpu(), "big2": big2.cpu(), "strided": strided.cpu(), "half": half.cpu()}
+
+    fresh, fresh_opt = gpu_state()
+    step(fresh, fresh_opt, 99)  # different values everywhere
+    targets = {"big": torch.zeros_like(big), "big2": torch.zeros_like(big2), "strided": torch.zeros(48, 96, device="cuda").t(),
+               "half": torch.zeros_like(half)}
+    ss.load({"model": fresh, "optim": fresh_opt, "extra": targets}, tmp_path / "c")
+    assert_bit_exact(expected, fresh, fresh_opt)
+    for key, value in extras.items():
+        assert targets[key].device.type == "cuda"
+        assert torch.equal(targets[key].cpu(), value), key
+
+
+@cuda
+def test_a_damaged_file_names_the_tensor_and_nothing_unverified_reaches_the_gpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(device_load, "WAVE_BYTES", 64 << 10)
+    state = {f"w{i}": torch.full((1 << 14,), float(i), device="cuda") for i in range(8)}  # 64 KiB each
+    ss.save(state, tmp_path / "c")
+    data = [p for p in (tmp_path / "c").iterdir() if p.is_file() and p.stat().st_size >= 8 * (1 << 16)]
+    with open(data[0], "r+b") as f:  # one file holds the eight tensors, in order
+        f.seek(5 * (1 << 16) + 100)
+        f.write(b"\xff" * 8)
+    targets = {k: torch.full_like(v, -1.0) for k, v in state.items()}
+    with pytest.raises(ss.CheckpointError, match="'w5'"):
+        ss.load(targets, tmp_path / "c")
+    assert bool((targets["w5"] == -1).all())  # the damaged wave never reached the GPU
+
+
+@cuda
+def test_checkpointer_snapshots_are_the_values_at_save_even_with_kernels_queued(tmp_path):
+    """The copy stream waits for the work queued before save() and the next optimizer step waits for
+    the copies: each persisted checkpoint equals the state at its save() call, bit for bit."""
+    model, opt = gpu_state()
+    expected, paths = {}, {}
+    with ss.Checkpointer(tmp_path / "ck", keep_last=10, host_memory_gb=1) as ckpt:
+        assert ckpt.config.copy_threads == 1
+        for i in range(1, 6):
+            step(model, opt, i)
+            with torch.no_grad():  # a long queue of kernels still writing a parameter at save()
+                weight = model[0].weight
+                for _ in range(200):
+                    weight.mul_(1.0001)
+            ckpt.save(i, {"model": model, "optim": opt})
+            torch.cuda.synchronize()
+            expected[i] = snapshot(model, opt)
+            paths[i] = ckpt.persistent.path(i)
+        assert ckpt._arena.buffer.is_pinned()
+    for i, values in expected.items():
+        fresh, fresh_opt = gpu_state()
+        step(fresh, fresh_opt, 0)
+        ss.load({"model": fresh, "optim": fresh_opt}, paths[i])
+        assert_bit_exact(values, fresh, fresh_opt)
+
+
+@cuda
+def test_restore_from_memory_into_gpu_tensors_is_bit_exact(tmp_path):
+    model, opt = gpu_state()
+    step(model, opt, 1)
+    with ss.Checkpointer(tmp_path / "ck", persist_every=1000) as ckpt:
+        ckpt.save(1, {"model": model, "optim": opt}).staged.result()
+        expected = snapshot(model, opt)
+        step(model, opt, 2)
+        assert ckpt.load_latest({"model": model, "optim": opt}) == 1
+        assert ckpt.loaded_from == "memory"
+        assert_bit_exact(expected, model, opt)
+
+
+def test_the_gpu_suite_says_it_skipped_without_a_device(monkeypatch, tmp_path):
+    from statesnap.bench import gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = gpu.run(out=str(tmp_path))
+    assert result == {"suite": "gpu", "skipped": "no CUDA device"}
+    assert "skipped" in gpu.report(result)
+    assert not os.listdir(tmp_path)
