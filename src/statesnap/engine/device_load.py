@@ -7,8 +7,8 @@ more. Instead the GPU targets are taken in waves of about ``WAVE_BYTES``: each w
 verified straight into a pinned staging ring, then copied to its device on a side stream without
 waiting. The read threads are shared by two waves at a time, so they go on to the next wave's
 reads while the last reads of one finish, and the copies run behind the reads. The ring holds
-the largest tensor plus two waves, which bounds the extra host memory whatever the size of the
-state.
+the largest tensor (at least one wave) plus two waves, which bounds the extra host memory
+whatever the size of the state.
 """
 from __future__ import annotations
 
