@@ -44,6 +44,28 @@ def test_held_regions_are_evicted_when_space_is_needed():
     assert third.start == 0 and evicted == ["first"]
 
 
+def test_a_held_region_gives_way_while_the_oldest_is_still_being_written():
+    arena = Arena(2 * PAGE, pin=False)
+    evicted = []
+    writing = arena.allocate(PAGE)  # busy: a persisted snapshot being written
+    kept = arena.allocate(PAGE)
+    arena.hold(kept, lambda: evicted.append("kept"))  # the memory level's snapshot
+    newer = arena.allocate(PAGE)  # does not wait for the write
+    assert newer.start == kept.start and evicted == ["kept"]
+    assert not arena.borrow(kept)  # the memory level cannot read the evicted one any more
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(arena.allocate(PAGE)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # nothing held: back-pressure again
+    arena.release(writing)
+    waiter.join()
+    assert got[0].start == 0
+    arena.release(newer)
+    arena.release(got[0])
+    assert arena.evict_all()
+
+
 def test_a_region_larger_than_the_arena_is_refused():
     with pytest.raises(CheckpointError, match="does not fit"):
         Arena(PAGE, pin=False).allocate(PAGE + 1)
@@ -93,3 +115,39 @@ def test_the_arena_is_allocated_once_within_the_budget(tmp_path):
     ckpt.save(2, {"model": model, "optim": optim})
     ckpt.close()
     assert ckpt._arena is arena and arena.capacity <= budget
+
+
+def test_snapshots_between_persists_do_not_wait_for_a_slow_write(tmp_path, monkeypatch):
+    """While step 4 is being written (held back here), steps 5-7 are staged in memory one after
+    another: each takes the space of the memory level's previous snapshot rather than waiting
+    for the write. Step 4 is still committed exactly, and the memory level restores step 7."""
+    from statesnap.checkpointer import pipeline
+    from test_checkpointer import assert_checkpoint_equals, reference, train_step
+
+    write_may_finish = threading.Event()
+    real_write = pipeline.Flusher._write
+
+    def held_write(self, *args, **kwargs):
+        assert write_may_finish.wait(60)
+        return real_write(self, *args, **kwargs)
+    monkeypatch.setattr(pipeline.Flusher, "_write", held_write)
+    model, optim = make_training(width=64)
+    state = {"model": model, "optim": optim}
+    train_step(model, optim, 0)
+    with ss.Checkpointer(tmp_path, persist_every=4, keep_last=2) as ckpt:
+        persisted = ckpt.save(4, state)
+        expected = reference(state)
+        for step in (5, 6, 7):
+            train_step(model, optim, step)
+            assert ckpt.save(step, state).staged.result(timeout=30) == step
+        assert not persisted.durable.done()
+        latest = reference(state)
+        write_may_finish.set()
+        assert persisted.wait(60) is not None
+        assert ckpt.stats()["memory_step"] == 7
+        for t in model.parameters():
+            t.data.zero_()
+        assert ckpt.load_latest(state) == 7 and ckpt.loaded_from == "memory"
+    assert_checkpoint_equals(persisted.durable.result(), expected)
+    for fqn, value in reference(state).items():
+        assert torch.equal(value, latest[fqn]), fqn

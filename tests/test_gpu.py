@@ -5,7 +5,10 @@ on a GPU machine). The ring and wave logic the GPU load is built on is tested he
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import time
+import types
 
 import pytest
 import torch
@@ -52,6 +55,79 @@ def test_waves_group_consecutive_targets_and_put_a_large_one_alone(monkeypatch):
     assert _waves([40, 40, 40, 250, 10, 100, 1]) == [[0, 1], [2], [3], [4], [5], [6]]
     assert _waves([]) == []
     assert _waves([100, 100]) == [[0], [1]]
+
+
+class NoStream:
+    """Stands in for a CUDA stream on a machine without one: the wave pipeline's reads, checks,
+    slots and error paths run for real on CPU tensors, the device copies as plain copies."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self):
+        return self
+
+    def synchronize(self):
+        pass
+
+
+def test_a_failed_wave_stops_the_reads_and_closes_every_file(tmp_path, monkeypatch):
+    from statesnap.engine.load import _plan
+    from statesnap.engine.read import ReadExecutor
+    from statesnap.format.manifest import BOX
+    from statesnap.storage import LocalBackend
+    from statesnap.storage import local
+
+    monkeypatch.setattr(torch.cuda, "Stream", NoStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: NoStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(device_load, "pinned_pages", lambda n: torch.empty(n, dtype=torch.uint8))
+    monkeypatch.setattr(device_load, "WAVE_BYTES", 1 << 16)
+    state = {f"w{i}": torch.full((1 << 14,), float(i)) for i in range(8)}  # 64 KiB each: a wave each
+    ss.save(state, tmp_path / "c")
+    opened, closed, failures = [], [], []
+
+    class Reader(local._LocalReader):
+        def __init__(self, path):
+            super().__init__(path)
+            opened.append(self)
+
+        def readinto(self, offset, views):
+            time.sleep(0.05)  # the next wave's reads are under way when wave 0 fails
+            try:
+                return super().readinto(offset, views)
+            except OSError as exc:  # a read on a closed file
+                failures.append(exc)
+                raise
+
+        def close(self):
+            closed.append(self)
+            super().close()
+
+    class Backend(LocalBackend):
+        def open_read(self, path):
+            return Reader(path)
+
+    backend, path = Backend(), str(tmp_path / "c")
+    manifest = ss.open(path).manifest
+    targets = []
+    for fqn, t in state.items():
+        entry = manifest.tensor_part(fqn, BOX, (0,), tuple(t.shape))
+        item = types.SimpleNamespace(layout=BOX, start=(0,), size=tuple(t.shape), local=t, fqn=fqn)
+        targets.append((fqn, entry, torch.full_like(t, -1.0), _plan(entry, item)))
+    with open(tmp_path / "c" / manifest.files[0], "r+b") as f:
+        f.seek(100)  # inside w0
+        f.write(b"\xff" * 8)
+    with pytest.raises(ss.CheckpointError, match="'w0'"):
+        device_load.fill_device_targets(targets, lambda: ReadExecutor(backend, path, manifest, threads=4))
+    assert opened and set(map(id, opened)) <= set(map(id, closed)) and not failures
+    assert all(bool((t == -1).all()) for _, _, t, _ in targets[:1])
+    targets = [(fqn, entry, torch.full_like(t, -1.0), plan) for fqn, entry, t, plan in targets[1:]]
+    assert device_load.fill_device_targets(targets, lambda: ReadExecutor(backend, path, manifest)) == 7 << 16
+    assert all(torch.equal(t, state[fqn]) for fqn, _, t, _ in targets)
 
 
 # ----------------------------------------------------------------------------- GPU

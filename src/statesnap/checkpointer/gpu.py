@@ -11,26 +11,8 @@ one it is running (one synchronisation per batch, none per tensor).
 from __future__ import annotations
 
 import threading
-import weakref
 
 import torch
-
-from ..errors import CheckpointError
-
-
-def pin_in_place(buffer: torch.Tensor) -> None:
-    """Page-lock ``buffer``'s memory with cudaHostRegister for as long as the tensor lives.
-
-    ``torch.empty(..., pin_memory=True)`` goes through the caching host allocator, which rounds
-    the size up to a power of two: a 2.5 GB arena would lock 4 GB. Registering an ordinary
-    allocation locks exactly what the budget allows.
-    """
-    cudart = torch.cuda.cudart()
-    ptr, nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
-    if int(cudart.cudaHostRegister(ptr, nbytes, 1)) != 0:  # 1: cudaHostRegisterPortable
-        raise CheckpointError(f"could not pin the {nbytes}-byte staging arena (cudaHostRegister failed); "
-                              "lower host_memory_gb or raise the locked-memory limit (ulimit -l)")
-    weakref.finalize(buffer, cudart.cudaHostUnregister, ptr)
 
 
 def mark_devices(tensors) -> dict[int, "torch.cuda.Event"]:
@@ -56,6 +38,13 @@ class CudaCopier:
             if device.index not in self._streams:
                 self._streams[device.index] = torch.cuda.Stream(device)
             return self._streams[device.index]
+
+    def synchronize(self) -> None:
+        """Wait for every copy queued so far, on every device."""
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.synchronize()
 
     def enqueue(self, copies, ready: dict[int, "torch.cuda.Event"]) -> list["torch.cuda.Event"]:
         """Queue ``copies`` ((arena view, source, byte offset) each) without waiting for them; return

@@ -123,15 +123,17 @@ def restore_from_memory(snap, flat, buffer: torch.Tensor, allow_pickle: bool) ->
     base = snap.region.start
     nbytes = 0
     devices = set()
-    with torch.no_grad():
-        for item, offset in zip(flat.tensors, snap.item_offsets):
-            # from the pinned arena a GPU copy runs asynchronously; one wait per device at the end
-            item.local.copy_(item_bytes_view(buffer, base + offset, item.local), non_blocking=True)
-            devices.add(item.local.device)
-            nbytes += item.nbytes
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+    try:
+        with torch.no_grad():
+            for item, offset in zip(flat.tensors, snap.item_offsets):
+                # from the pinned arena a GPU copy runs asynchronously; one wait per device at the end
+                devices.add(item.local.device)
+                item.local.copy_(item_bytes_view(buffer, base + offset, item.local), non_blocking=True)
+                nbytes += item.nbytes
+    finally:  # a failure too: the region is handed back after this, so no copy may still read it
+        for device in devices:
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
     read_blob = lambda fqn, _ref: snap.blobs[fqn]  # noqa: E731 (pickled values kept in memory)
     for item in flat.objects:
         value = decode_value(item.fqn, snap.objects[item.fqn], allow_pickle, read_blob)

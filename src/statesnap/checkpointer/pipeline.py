@@ -187,7 +187,11 @@ class Stager(_Stage):
             if not snap.resident:
                 batch.region = self._allocate(arena, batch.arena_span[1], snap)
             queued = now()
-            on_device = self._queue_device_copies(arena, snap, batch)
+            try:
+                on_device = self._queue_device_copies(arena, snap, batch)
+            except BaseException as exc:  # noqa: BLE001 (the batch still goes on, to free its region)
+                snap.fail(as_checkpoint_error(exc, snap.step, snap.path))
+                on_device = []
             for owner in batch.owners:
                 snap.gates[owner].add()
             snap.copied.add()
@@ -206,7 +210,14 @@ class Stager(_Stage):
         items, base = snap.flat.tensors, (snap.region or batch.region).start
         copies = [(arena.view(base + seg.arena, seg.nbytes), items[seg.item].local, seg.offset)
                   for seg in batch.segments if items[seg.item].local.device.type == "cuda"]
-        return self._cuda_copier_of().enqueue(copies, snap.cuda_ready) if copies else []
+        if not copies:
+            return []
+        copier = self._cuda_copier_of()
+        try:
+            return copier.enqueue(copies, snap.cuda_ready)
+        except BaseException:
+            copier.synchronize()  # what was queued before the failure must not write into a freed region
+            raise
 
     def _copy(self, arena: Arena, snap: Snapshot, batch: Batch, on_device: list, queued: float) -> None:
         """Copy the batch's CPU tensors, wait for its GPU copies, then check nothing changed under them."""

@@ -20,9 +20,8 @@ import torch
 
 from ..errors import CheckpointError
 from ..plan.save_plan import ALIGN
-from ..storage.aligned import private_pages
+from ..storage.aligned import pin_in_place, private_pages
 from ..storage.base import DIRECT_ALIGN
-from .gpu import pin_in_place
 
 REGION_ALIGN = DIRECT_ALIGN  # regions start on page boundaries, as direct I/O needs
 MAX_SEGMENT_BYTES = 64 << 20  # a large tensor is copied and written in chunks of this size
@@ -93,7 +92,26 @@ class Arena:
                 if self._live[0].state == HELD:
                     self._evict(self._live[0])
                     continue
+                region = self._take_held(nbytes)
+                if region is not None:
+                    return region
                 self._cond.wait()
+
+    def _take_held(self, nbytes: int) -> Region | None:
+        """The space of a held region further along the ring, while the oldest one is still busy
+        (being written). Without this, a snapshot kept only for the memory level stood between
+        the next snapshot and free space, and that snapshot's copy (so the next optimizer step)
+        waited for the whole write: on a GPU, 0.68 s of a 28 ms step. The memory level gives up
+        its older snapshot for the newer one instead."""
+        for index, region in enumerate(self._live):
+            if region.state == HELD and region.nbytes >= nbytes:
+                if region.on_evict is not None:
+                    region.on_evict()
+                region.state = FREE
+                taken = Region(region.start, nbytes)
+                self._live[index] = taken  # same place in the ring: the ring's order still holds
+                return taken
+        return None
 
     def _fit(self, nbytes: int) -> int | None:
         if not self._live:

@@ -7,17 +7,20 @@ more. Instead the GPU targets are taken in waves of about ``WAVE_BYTES``: each w
 verified straight into a pinned staging ring, then copied to its device on a side stream without
 waiting. The read threads are shared by two waves at a time, so they go on to the next wave's
 reads while the last reads of one finish, and the copies run behind the reads. The ring holds
-the largest tensor (at least one wave) plus two waves, which bounds the extra host memory
-whatever the size of the state.
+the largest tensor (at least one wave) plus two waves, locked for the load alone: that, and a
+read thread's scratch for a piece that cannot be read in place, bound the extra host memory
+whatever the size of the state. Targets that the checkpoint covers only in part (``strict=False``)
+go the CPU way (``load.py``), which leaves what it does not cover as it was.
 """
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable
 
 import torch
 
+from ..storage.aligned import pinned_pages
 from ..storage.base import DIRECT_ALIGN
 from .read import ReadExecutor
 
@@ -30,7 +33,8 @@ class PinnedRing:
 
     def __init__(self, capacity: int, pin: bool = True):
         self.capacity = capacity
-        self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
+        # exactly this much locked memory, unlocked when the load ends (storage/aligned.py)
+        self.buffer = pinned_pages(capacity) if pin else torch.empty(capacity, dtype=torch.uint8)
         self._held: deque[tuple[int, int, Callable[[], None]]] = deque()  # (start, end, release), oldest first
         self._head = 0
 
@@ -75,7 +79,12 @@ class _Wave:
         try:
             for future in self.reads:
                 future.result()
+        except BaseException:
+            for future in self.reads:  # the wave failed: start none of its other reads...
+                future.cancel()
+            raise
         finally:
+            wait(self.reads)  # ...and close its files only once no read uses them
             self.executor.close()
         used = {}
         with torch.no_grad():
@@ -100,7 +109,7 @@ def fill_device_targets(targets: list, make_executor: Callable[[], ReadExecutor]
         return 0
     # each target's bytes start on a block boundary, where direct I/O can read into them
     sizes = [-(-local.numel() * local.element_size() // DIRECT_ALIGN) * DIRECT_ALIGN for _, _, local, _ in targets]
-    ring = PinnedRing(min(max(max(sizes), WAVE_BYTES) + 2 * WAVE_BYTES, sum(sizes)))
+    ring = PinnedRing(max(min(max(max(sizes), WAVE_BYTES) + 2 * WAVE_BYTES, sum(sizes)), DIRECT_ALIGN))
     streams = {}
     for _, _, local, _ in targets:  # the side streams start after whatever is queued on the targets
         if local.device not in streams:
@@ -109,6 +118,7 @@ def fill_device_targets(targets: list, make_executor: Callable[[], ReadExecutor]
     waves: list[_Wave] = []
     first = make_executor()
     pool = ThreadPoolExecutor(first.threads, thread_name_prefix="statesnap-read")
+    failed = True
     try:
         for index, wave in enumerate(_waves(sizes)):
             waves.append(_Wave([targets[i] for i in wave], [sizes[i] for i in wave], ring,
@@ -117,10 +127,17 @@ def fill_device_targets(targets: list, make_executor: Callable[[], ReadExecutor]
                 waves[-2].copy_to_devices()
         waves[-1].copy_to_devices()
         ring.drain()
-    finally:
+        failed = False
+    finally:  # after a failure too: no read may still fill, and no copy still read, the ring
         pool.shutdown(wait=True, cancel_futures=True)
-        for stream in streams.values():  # after a failure too: no copy may still read the ring
-            stream.synchronize()
+        for wave in waves:
+            wave.executor.close()
+        for stream in streams.values():
+            try:
+                stream.synchronize()
+            except Exception:  # noqa: BLE001 (the failure being raised is the one to report)
+                if not failed:
+                    raise
     return sum(wave.executor.bytes_read for wave in waves)
 
 

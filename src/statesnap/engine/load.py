@@ -199,7 +199,7 @@ def _fill_wanted(wanted: list, manifest: Manifest, backend: StorageBackend, path
         if local.dtype != entry.dtype:  # cast=True (checked by _match): filled after the others
             casts.append((item.fqn, entry, local, plan))
             continue
-        if local.device.type == "cuda":  # through pinned host memory, in waves (device_load.py)
+        if local.device.type == "cuda" and plan.covered == local.numel():  # pinned, in waves (device_load.py)
             on_device.append((item.fqn, entry, local, plan))
             continue
         if local.device.type == "cpu" and local.is_contiguous():
