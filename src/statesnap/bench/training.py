@@ -1,9 +1,10 @@
 """Training suite: what checkpointing costs a training run, statesnap against torch.save and DCP.
 
-A GPT-like model (~1 GB of model + AdamW state by default) trains on the CPU while each mode
-checkpoints every step. Per mode: the median stall per checkpoint (time the training loop was
-blocked by it), the end-to-end time of the loop and its overhead over the same loop without
-checkpoints, and peak RSS. Every measurement runs in a fresh process (``python -m
+A GPT-like model (~1 GB of model + AdamW state by default) trains on the CPU (``--device cuda``:
+the GPU) while each mode checkpoints every step (``--every N``: every N steps; ``--issue13``:
+issue 13's smaller GPT on two threads, a checkpoint every second step). Per mode: the median
+stall per checkpoint (time the training loop was blocked by it), the end-to-end time of the loop
+and its overhead over the same loop without checkpoints, and peak RSS. Every measurement runs in a fresh process (``python -m
 statesnap.bench.training --child ...``), and the modes are interleaved (A B C A B C ...) over
 several runs whose medians are reported, because one run is within the machine's noise.
 
@@ -14,12 +15,14 @@ a PNG under the output directory.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -52,20 +55,22 @@ def child(args: argparse.Namespace) -> dict:
     # out of the timed steps, as it does from a multi-day run's steady state.
     for step in range(1, args.warmup + 1):
         gpt.train_step(model, optimizer, tokens(step))
-        mode.checkpoint(step)
+        if step % args.every == 0:
+            mode.checkpoint(step)
     first = args.warmup + 1
     stalls = []
     started = time.perf_counter()
     for step in range(first, first + args.steps):  # statesnap persists multiples of persist_every
         gpt.train_step(model, optimizer, tokens(step))  # ends in loss.item(): a GPU step is finished
-        stalls.append(mode.checkpoint(step))
+        if step % args.every == 0:
+            stalls.append(mode.checkpoint(step))
     loop_s = time.perf_counter() - started
     drain_started = time.perf_counter()
     mode.finish()
     drain_s = time.perf_counter() - drain_started
     return {"mode": args.mode, "state_bytes": cfg.state_bytes(), "loop_s": loop_s, "drain_s": drain_s,
             "stalls": [s + w for s, w in zip(stalls, mode.hook_waits(len(stalls)))] if stalls else [],
-            "background": mode.background_seconds()[-args.steps:], "peak_rss": peak_rss_bytes()}
+            "background": mode.background_seconds()[-len(stalls):] if stalls else [], "peak_rss": peak_rss_bytes()}
 
 
 def child_main(argv: list[str]) -> int:
@@ -78,6 +83,7 @@ def child_main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     parser.add_argument("--scratch", required=True)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--every", type=int, default=1)
     args = parser.parse_args(argv)
     shutil.rmtree(args.scratch, ignore_errors=True)
     os.makedirs(args.scratch)
@@ -92,13 +98,30 @@ def child_main(argv: list[str]) -> int:
 
 
 # -- the parent: interleaved runs, summaries, the size sweep -------------------------------------
-def run_mode(mode: str, cfg: gpt.GPTConfig, steps: int, out: str, warmup: int, threads: int,
-             device: str = "cpu") -> dict:
+@dataclass(frozen=True)
+class Loop:
+    """How each mode's training loop runs: timed steps, untimed warm-up steps before them (which
+    checkpoint too), torch threads, device, and a checkpoint every ``every`` steps."""
+
+    steps: int = 20
+    warmup: int = 2
+    threads: int = DEFAULT_THREADS
+    device: str = "cpu"
+    every: int = 1
+
+    def __post_init__(self):
+        if self.steps < 1 or self.warmup < 0 or self.threads < 1 or self.every < 1:
+            raise ValueError(f"steps, threads and every must be positive and warmup not negative: {self}")
+
+    def child_args(self) -> list[str]:
+        return ["--steps", str(self.steps), "--warmup", str(self.warmup), "--threads", str(self.threads),
+                "--device", self.device, "--every", str(self.every)]
+
+
+def run_mode(mode: str, cfg: gpt.GPTConfig, loop: Loop, out: str) -> dict:
     scratch = os.path.join(out, "training-scratch")
     return run_child("statesnap.bench.training", ["--child", "--mode", mode, "--config", json.dumps(cfg.to_dict()),
-                                                  "--steps", str(steps), "--warmup", str(warmup),
-                                                  "--threads", str(threads), "--scratch", scratch,
-                                                  "--device", device])
+                                                  "--scratch", scratch, *loop.child_args()])
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
@@ -133,12 +156,12 @@ def aims(summary: dict) -> list[dict]:
     return checks
 
 
-def sweep(sizes: list[float], steps: int, out: str, warmup: int, threads: int, device: str = "cpu") -> list[dict]:
+def sweep(sizes: list[float], loop: Loop, out: str) -> list[dict]:
     rows = []
     for size in sizes:
         cfg = gpt.config_for_state_gb(size, batch=1)
         for mode in SWEEP_MODES:
-            result = run_mode(mode, cfg, steps, out, warmup, threads, device)
+            result = run_mode(mode, cfg, loop, out)
             rows.append({"mode": mode, "label": MODES[mode].label, "size_gb": cfg.state_bytes() / 1e9,
                          "median_stall_s": median(result["stalls"]),
                          "median_background_s": median(result["background"])})
@@ -165,20 +188,18 @@ def plot_sweep(rows: list[dict], path: str) -> str:
     return path
 
 
-def run(size_gb: float = 1.0, steps: int = 20, runs: int = 3, modes=DEFAULT_MODES, sweep_sizes=(0.25, 1.0, 4.0),
-        sweep_steps: int = 5, out: str = DEFAULT_OUT, warmup: int = 2, config: gpt.GPTConfig | None = None,
-        threads: int = DEFAULT_THREADS, batch: int = DEFAULT_BATCH, device: str = "cpu") -> dict:
+def run(cfg: gpt.GPTConfig, loop: Loop, runs: int = 3, modes=DEFAULT_MODES, sweep_sizes=(0.25, 1.0, 4.0),
+        sweep_steps: int = 5, out: str = DEFAULT_OUT) -> dict:
     os.makedirs(out, exist_ok=True)
-    cfg = config or gpt.config_for_state_gb(size_gb, batch=batch)
     results: dict[str, list[dict]] = {mode: [] for mode in modes}
     for _ in range(runs):  # interleaved: A B C ... A B C ...
         for mode in modes:
-            results[mode].append(run_mode(mode, cfg, steps, out, warmup, threads, device))
+            results[mode].append(run_mode(mode, cfg, loop, out))
     summary = summarize(results)
-    rows = sweep(list(sweep_sizes), sweep_steps, out, warmup, threads, device) if sweep_sizes else []
-    result = {"suite": "training", "config": cfg.to_dict(), "state_bytes": cfg.state_bytes(), "steps": steps,
-              "runs": runs, "threads": threads, "device": device, "summary": summary, "aims": aims(summary), "sweep": rows,
-              "raw": results}
+    rows = sweep(list(sweep_sizes), dataclasses.replace(loop, steps=sweep_steps), out) if sweep_sizes else []
+    result = {"suite": "training", "config": cfg.to_dict(), "state_bytes": cfg.state_bytes(), "steps": loop.steps,
+              "runs": runs, "threads": loop.threads, "device": loop.device, "every": loop.every,
+              "summary": summary, "aims": aims(summary), "sweep": rows, "raw": results}
     if rows:
         result["plot"] = plot_sweep(rows, os.path.join(out, "training-sweep.png")) if can_plot() else \
             f"not drawn: {NO_PLOT}"
@@ -188,7 +209,7 @@ def run(size_gb: float = 1.0, steps: int = 20, runs: int = 3, modes=DEFAULT_MODE
 def report(result: dict) -> str:
     s = result["summary"]
     lines = [f"Training suite: GPT {result['config']} ({result['state_bytes'] / 1e9:.2f} GB model + AdamW state), "
-             f"{result['threads']} torch threads, on {result.get('device', 'cpu')}, {result['steps']} steps, checkpoint every step, "
+             f"{result['threads']} torch threads, on {result.get('device', 'cpu')}, {result['steps']} steps, checkpoint every {result.get('every', 1)} step(s), "
              f"medians of {result['runs']} interleaved runs", "",
              format_table(["mode", "median stall (s)", "loop (s)", "overhead", "drain (s)", "peak RSS (GB)"],
                           [[v["label"], v["median_stall_s"], v["loop_s"], f"{100 * v['overhead']:+.1f}%",
@@ -222,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"sequences per step with --size-gb (default {DEFAULT_BATCH}); more compute per step "
                              "hides more of the snapshot copy")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model trains (default cpu)")
+    parser.add_argument("--every", type=int, default=1, help="checkpoint every N steps (default 1)")
+    parser.add_argument("--issue13", action="store_true",
+                        help="issue 13's run: GPT D=768 L=8 V=8192 T=128 B=4 (0.83 GB with AdamW), 2 torch threads, "
+                             "a checkpoint every 2 steps, 4 warm-up steps, no sweep")
     parser.add_argument("--sweep-gb", default="0.25,1,4", help="state sizes for the stall sweep ('' = skip)")
     parser.add_argument("--sweep-steps", type=int, default=5)
     parser.add_argument("--save-call", action="store_true",
@@ -233,11 +258,15 @@ def main(argv: list[str] | None = None) -> int:
         result = save_call.run(args.steps, args.runs, args.threads, args.out)
         publish(result, "\n".join(save_call.report(result)), args.json)
         return 0
+    if args.issue13:  # issue 13's run: its GPT on two threads, a checkpoint every second step
+        args.config, args.threads, args.every = json.dumps(save_call.ISSUE_GPT.to_dict()), 2, 2
+        args.warmup, args.sweep_gb = max(args.warmup, 4), ""
     modes = parse_choices(parser, args.modes, tuple(MODES), "modes")
-    config = gpt.GPTConfig(**json.loads(args.config)) if args.config else None
+    cfg = (gpt.GPTConfig(**json.loads(args.config)) if args.config
+           else gpt.config_for_state_gb(args.size_gb, batch=args.batch))
+    loop = Loop(args.steps, args.warmup, args.threads, args.device, args.every)
     sizes = [float(x) for x in args.sweep_gb.split(",") if x]
-    result = run(args.size_gb, args.steps, args.runs, modes, sizes, args.sweep_steps, args.out, args.warmup, config,
-                 args.threads, args.batch, args.device)
+    result = run(cfg, loop, args.runs, modes, sizes, args.sweep_steps, args.out)
     publish(result, report(result), args.json)
     return 0
 
