@@ -74,6 +74,20 @@ def test_flipped_byte_is_detected_on_load_read_and_verify(ckpt):
     assert_good_neighbour_loads(path, state)
 
 
+def test_verify_reports_a_data_file_of_another_size_than_recorded(ckpt):
+    path, state = ckpt
+    file, _, _ = piece(path, "model.big")
+    size = file.stat().st_size
+    with open(file, "ab") as f:  # appended to after the commit: every piece still reads back intact
+        f.write(b"\0" * 100)
+    with pytest.raises(ss.CorruptCheckpointError) as caught:
+        ss.open(path).verify()
+    assert f"{file.name} is {size + 100} bytes, the manifest records {size}" in str(caught.value)
+    target = blank_like(state)
+    ss.load(target, path)  # the tensors themselves are intact
+    assert torch.equal(target["model"]["big"], state["model"]["big"])
+
+
 def test_verify_false_skips_checksums(ckpt):
     path, state = ckpt
     file, offset, _ = piece(path, "model.small")

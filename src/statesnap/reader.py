@@ -95,7 +95,8 @@ class Reader:
         return out.squeeze(squeeze) if squeeze else out
 
     def verify(self, threads: int | None = None, progress: bool | None = None) -> int:
-        """Read every stored byte and check it against its checksum; return the bytes checked.
+        """Read every stored byte and check it against its checksum, and every file's size against
+        the manifest's; return the bytes checked.
 
         Raises one :class:`CorruptCheckpointError` (or :class:`MissingFileError`) listing every
         damaged piece by tensor and file, so one run shows the whole extent of the damage.
@@ -105,6 +106,8 @@ class Reader:
             where = self.backend.join(self.path, name)
             if not self.backend.exists(where):
                 missing.append(name)
+                continue
+            problems += self._size_problem(where, name, int(self.manifest.file_sizes[index]))
         tasks = [(fqn, entry, i) for fqn, entry in self.manifest.tensors.items() for i in range(entry.num_pieces)
                  if self.manifest.files[int(entry.file[i])] not in missing]
         total = sum(int(entry.nbytes[i]) for _, entry, i in tasks)
@@ -125,6 +128,17 @@ class Reader:
         if problems:
             raise CorruptCheckpointError(f"{self.path}: {len(problems)} damaged piece(s): " + "; ".join(problems[:20]))
         return self.manifest.total_bytes
+
+    def _size_problem(self, where: str, name: str, expected: int) -> list[str]:
+        """A file of another size than the manifest records (sizes are exact, docs/format.md §1):
+        cut short, or written over or appended to after the commit, even where every checksummed
+        piece still reads back intact."""
+        reader = self.backend.open_read(where)
+        try:
+            size = reader.size()
+        finally:
+            reader.close()
+        return [] if size == expected else [f"{name} is {size} bytes, the manifest records {expected}"]
 
     def _verify_pickled(self, missing: list[str]) -> list[str]:
         """Problems with pickled objects' bytes (checked by checksum, never unpickled)."""
