@@ -104,6 +104,30 @@ def test_training_summary_takes_medians_of_interleaved_runs():
     assert summary["dcp_async"]["peak_rss_gb"] == 2.0
 
 
+def test_training_suite_checkpoints_every_nth_step_after_two_in_warm_up(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_child(module, args, timeout=None):
+        seen.append(args)
+        values = dict(zip(args[1::2], args[2::2]))  # after "--child"
+        steps, every, warmup = int(values["--steps"]), int(values["--every"]), int(values["--warmup"])
+        assert warmup >= 2 * every  # two checkpoints' setup before the timed steps
+        count = sum(1 for step in range(warmup + 1, warmup + steps + 1) if step % every == 0)
+        return {"mode": values["--mode"], "state_bytes": 1, "loop_s": 1.0, "drain_s": 0.0,
+                "stalls": [0.001] * count, "background": [0.1] * count, "peak_rss": 1}
+    monkeypatch.setattr(training, "run_child", fake_child)
+    out = tmp_path / "r.json"
+    assert training.main(["--issue13", "--every", "3", "--steps", "9", "--runs", "1", "--modes", "none,statesnap_p1",
+                          "--out", str(tmp_path), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["every"] == 3 and result["threads"] == 2 and result["sweep"] == []  # explicit --every wins
+    assert result["config"] == training.save_call.ISSUE_GPT.to_dict()
+    assert all(len(r["stalls"]) == 3 for r in result["raw"]["statesnap_p1"])
+    assert all(dict(zip(a[1::2], a[2::2]))["--warmup"] == "6" for a in seen)
+    with pytest.raises(SystemExit):  # fewer timed steps than one checkpoint needs
+        training.main(["--every", "10", "--steps", "5", "--modes", "none", "--out", str(tmp_path)])
+
+
 def test_bench_dispatches_every_suite(monkeypatch):
     called = []
     for name in SUITES:

@@ -95,19 +95,19 @@ class Reader:
         return out.squeeze(squeeze) if squeeze else out
 
     def verify(self, threads: int | None = None, progress: bool | None = None) -> int:
-        """Read every stored byte and check it against its checksum, and every file's size against
-        the manifest's; return the bytes checked.
+        """Read every stored byte and check it against its checksum, and that no file grew past the
+        size the manifest records; return the bytes checked.
 
         Raises one :class:`CorruptCheckpointError` (or :class:`MissingFileError`) listing every
         damaged piece by tensor and file, so one run shows the whole extent of the damage.
         ``progress``: a bar on stderr (default: only when stderr is a terminal)."""
-        problems, missing = [], []
+        problems, missing, grown = [], [], []
         for index, name in enumerate(self.manifest.files):
             where = self.backend.join(self.path, name)
             if not self.backend.exists(where):
                 missing.append(name)
                 continue
-            problems += self._size_problem(where, name, int(self.manifest.file_sizes[index]))
+            grown += self._grown(where, name, int(self.manifest.file_sizes[index]))
         tasks = [(fqn, entry, i) for fqn, entry in self.manifest.tensors.items() for i in range(entry.num_pieces)
                  if self.manifest.files[int(entry.file[i])] not in missing]
         total = sum(int(entry.nbytes[i]) for _, entry, i in tasks)
@@ -125,20 +125,24 @@ class Reader:
             needed |= {fqn for fqn, ref in self._pickle_refs() if self.manifest.files[ref[0]] in missing}
             raise MissingFileError(f"{self.path}: data files missing: {', '.join(missing)} (needed for " +
                                    ", ".join(sorted(needed)[:10]) + (" and more" if len(needed) > 10 else "") + ")")
-        if problems:
-            raise CorruptCheckpointError(f"{self.path}: {len(problems)} damaged piece(s): " + "; ".join(problems[:20]))
+        if problems or grown:
+            raise CorruptCheckpointError(f"{self.path}: " + "; ".join(
+                ([f"{len(problems)} damaged piece(s): " + "; ".join(problems[:20])] if problems else []) +
+                ([f"{len(grown)} file(s) larger than recorded: " + "; ".join(grown[:20])] if grown else [])))
         return self.manifest.total_bytes
 
-    def _size_problem(self, where: str, name: str, expected: int) -> list[str]:
-        """A file of another size than the manifest records (sizes are exact, docs/format.md §1):
-        cut short, or written over or appended to after the commit, even where every checksummed
-        piece still reads back intact."""
+    def _grown(self, where: str, name: str, recorded: int) -> list[str]:
+        """A file larger than the manifest records was written to after the commit (appended to,
+        or overwritten by a larger file), even where every checksummed piece still reads back
+        intact. A shorter one is not reported here: what it lacks of a piece or blob fails that
+        piece's read, and checkpoints written before sizes were exact record the ALIGN padding
+        after the last piece that was never written (docs/format.md §1)."""
         reader = self.backend.open_read(where)
         try:
             size = reader.size()
         finally:
             reader.close()
-        return [] if size == expected else [f"{name} is {size} bytes, the manifest records {expected}"]
+        return [f"{name} is {size} bytes, the manifest records {recorded}"] if size > recorded else []
 
     def _verify_pickled(self, missing: list[str]) -> list[str]:
         """Problems with pickled objects' bytes (checked by checksum, never unpickled)."""

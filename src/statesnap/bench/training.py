@@ -110,11 +110,17 @@ class Loop:
     every: int = 1
 
     def __post_init__(self):
-        if self.steps < 1 or self.warmup < 0 or self.threads < 1 or self.every < 1:
-            raise ValueError(f"steps, threads and every must be positive and warmup not negative: {self}")
+        if self.steps < self.every or self.warmup < 0 or self.threads < 1 or self.every < 1:
+            raise ValueError(f"steps must be at least every (>= 1), threads positive, warmup not negative: {self}")
+
+    @property
+    def warmup_steps(self) -> int:
+        """At least two checkpoints before the timed steps, whatever ``every``: the first ones
+        carry each mode's one-time setup (see ``child``)."""
+        return max(self.warmup, 2 * self.every)
 
     def child_args(self) -> list[str]:
-        return ["--steps", str(self.steps), "--warmup", str(self.warmup), "--threads", str(self.threads),
+        return ["--steps", str(self.steps), "--warmup", str(self.warmup_steps), "--threads", str(self.threads),
                 "--device", self.device, "--every", str(self.every)]
 
 
@@ -196,7 +202,8 @@ def run(cfg: gpt.GPTConfig, loop: Loop, runs: int = 3, modes=DEFAULT_MODES, swee
         for mode in modes:
             results[mode].append(run_mode(mode, cfg, loop, out))
     summary = summarize(results)
-    rows = sweep(list(sweep_sizes), dataclasses.replace(loop, steps=sweep_steps), out) if sweep_sizes else []
+    sweep_loop = dataclasses.replace(loop, steps=max(sweep_steps, loop.every))
+    rows = sweep(list(sweep_sizes), sweep_loop, out) if sweep_sizes else []
     result = {"suite": "training", "config": cfg.to_dict(), "state_bytes": cfg.state_bytes(), "steps": loop.steps,
               "runs": runs, "threads": loop.threads, "device": loop.device, "every": loop.every,
               "summary": summary, "aims": aims(summary), "sweep": rows, "raw": results}
@@ -234,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-gb", type=float, default=1.0, help="model + AdamW state in GB (default 1)")
     parser.add_argument("--config", help="explicit GPTConfig as JSON (overrides --size-gb)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them (default 2)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed steps before them (default 2; at least two checkpoints' worth)")
     parser.add_argument("--runs", type=int, default=3, help="interleaved runs per mode (default 3)")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated subset of " + ",".join(MODES))
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
@@ -253,18 +261,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="time only the ckpt.save() call (issue 13's GPT and a 1,300-tensor state), with the "
                              "state reused across saves and rebuilt at each, interleaved --runs times")
     add_output_arguments(parser)
+    if "--issue13" in argv:  # issue 13's run; options given explicitly still win
+        parser.set_defaults(config=json.dumps(save_call.ISSUE_GPT.to_dict()), threads=2, every=2, warmup=4,
+                            sweep_gb="")
     args = parser.parse_args(argv)
     if args.save_call:
         result = save_call.run(args.steps, args.runs, args.threads, args.out)
         publish(result, "\n".join(save_call.report(result)), args.json)
         return 0
-    if args.issue13:  # issue 13's run: its GPT on two threads, a checkpoint every second step
-        args.config, args.threads, args.every = json.dumps(save_call.ISSUE_GPT.to_dict()), 2, 2
-        args.warmup, args.sweep_gb = max(args.warmup, 4), ""
     modes = parse_choices(parser, args.modes, tuple(MODES), "modes")
     cfg = (gpt.GPTConfig(**json.loads(args.config)) if args.config
            else gpt.config_for_state_gb(args.size_gb, batch=args.batch))
-    loop = Loop(args.steps, args.warmup, args.threads, args.device, args.every)
+    try:
+        loop = Loop(args.steps, args.warmup, args.threads, args.device, args.every)
+    except ValueError as exc:
+        parser.error(str(exc))
     sizes = [float(x) for x in args.sweep_gb.split(",") if x]
     result = run(cfg, loop, args.runs, modes, sizes, args.sweep_steps, args.out)
     publish(result, report(result), args.json)
