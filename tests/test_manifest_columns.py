@@ -221,3 +221,64 @@ def test_the_one_piece_quick_check_accepts_only_what_the_full_rules_accept(layou
     assert verdicts[0] and not any(verdicts[1:])
     assert [accepts(fields) for fields in damaged] == [general_accepts(fields) for fields in damaged]
     assert accepts(damaged[0]) and not any(accepts(fields) for fields in damaged[1:])
+
+
+@pytest.mark.parametrize("layout", ["box", "flat"])
+def test_the_plain_python_reading_of_one_piece_entries_agrees_with_the_general_path(layout, monkeypatch):
+    """One-piece entries in JSON arrays are read without numpy's per-column calls: whatever is
+    damaged in them, the entry read (or the error raised) is the one the general path gives."""
+    from statesnap.format.manifest import ManifestError
+
+    shape, block = [3, 5], 32
+    files, sizes = ["a", "b"], [1000, 100]
+    whole = shape if layout == "box" else [15]
+    good = {"dtype": "float32", "shape": shape, "layout": layout, "file": [1], "offset": [10], "nbytes": [60],
+            "start": [[0] * len(whole)], "size": [whole], "checksum": [[7, 2**64 - 1]]}
+    variants = [good] + [{**good, key: value} for key, value in [
+        ("file", [2]), ("file", [True]), ("offset", [10.0]), ("offset", [41]), ("offset", [-1]), ("nbytes", [56]),
+        ("start", [[False] * len(whole)]), ("start", [[1] + [0] * (len(whole) - 1)]), ("size", [[True] * len(whole)]),
+        ("size", [whole[:-1]]), ("checksum", [7]), ("checksum", [[7, 2**64]]), ("checksum", [[7, -1]]),
+        ("checksum", [[7, 8, 9]]), ("checksum", [[7.0, 8]]), ("checksum_blocks", [2]), ("file", [1, 0])]]
+    variants.append({**good, "shape": [0, 5] if layout == "box" else [0], "nbytes": [0], "checksum": [5],
+                     "size": [[0, 5] if layout == "box" else [0]], "start": [[0, 0] if layout == "box" else [0]]})
+
+    def read(doc):
+        try:
+            return TensorEntry.from_json("t", json.loads(json.dumps(doc)), files, sizes, block, world_size=4)
+        except ManifestError as exc:
+            return str(exc)
+
+    quick = [read(doc) for doc in variants]
+    with monkeypatch.context() as m:
+        m.setattr(TensorEntry, "_whole_piece", classmethod(lambda *a: None))
+        general = [read(doc) for doc in variants]
+    assert not isinstance(quick[0], str) and not isinstance(quick[-1], str)
+    accepted = [doc for doc, q in zip(variants, quick) if not isinstance(q, str)]
+    assert accepted == [good, variants[-3], variants[-1]]  # (checksum_blocks: ignored beside a plain list)
+    for q, g in zip(quick, general):
+        if isinstance(g, str):
+            assert q == g
+        else:
+            assert q.to_json() == g.to_json()
+            for name in ("file", "offset", "nbytes", "start", "size", "checksum", "checksum_bounds"):
+                a, b = getattr(q, name), getattr(g, name)
+                assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all(), name
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_parsing_a_manifest_leaves_the_garbage_collector_as_it_found_it(enabled):
+    import gc
+
+    from statesnap.format.manifest import ManifestError
+
+    raw = _manifest(_entry(3)).to_bytes()
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        assert "w" in Manifest.from_bytes(raw).tensors
+        assert gc.isenabled() == enabled
+        with pytest.raises(ManifestError):
+            Manifest.from_bytes(b"{not json")
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()

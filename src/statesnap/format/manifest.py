@@ -15,6 +15,8 @@ no block checksum covers) is a ``CorruptCheckpointError``, not a silent load.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import math
 import re
@@ -129,6 +131,9 @@ class TensorEntry:
         layout = data.get("layout")
         if layout not in (BOX, FLAT):
             raise ManifestError(f"{where}: unknown layout {layout!r}")
+        entry = cls._whole_piece(data, dtype, shape, layout, files, file_sizes, block_bytes)
+        if entry is not None:
+            return entry
         # the file column first: the piece count it declares is capped by the world size, and a
         # packed column's length is checked against its bytes and the manifest's inflation budget,
         # so a made-up piece count never sizes an allocation below
@@ -147,6 +152,34 @@ class TensorEntry:
                     **columns)
         entry._validate(where, files, file_sizes, block_bytes)
         return entry
+
+    @classmethod
+    def _whole_piece(cls, data: dict, dtype: torch.dtype, shape: tuple, layout: str, files: list[str],
+                     file_sizes: list[int] | np.ndarray, block_bytes: int) -> "TensorEntry | None":
+        """The commonest entry, one piece holding the whole tensor in JSON arrays, read and checked
+        against every rule in plain Python, its columns made with one numpy call: the general path
+        below, a few numpy calls per column, was half of a load of a thousand small tensors. None
+        sends the entry through the general path, which names what is wrong or decides the rest."""
+        try:
+            (file,), (offset,), (nbytes,), (start,), (size,), (sums,) = (
+                data[name] for name in ("file", "offset", "nbytes", "start", "size", "checksum"))
+        except (KeyError, TypeError, ValueError):
+            return None
+        whole = list(shape) if layout == BOX else [math.prod(shape)]
+        sums = sums if isinstance(sums, list) else [sums]
+        if ("checksum_blocks" in data or not isinstance(start, list) or not isinstance(size, list)
+                or any(type(v) is not int for v in (file, offset, nbytes, *start, *size))
+                or start != [0] * len(whole) or size != whole
+                or any(type(c) is not int or not 0 <= c <= UINT64_MAX for c in sums)):
+            return None
+        if not (0 <= file < len(files) and offset >= 0 and nbytes == math.prod(whole) * dtype.itemsize
+                and nbytes <= int(file_sizes[file]) - offset and len(sums) == max(1, -(-nbytes // block_bytes))):
+            return None
+        dims = len(whole)
+        ints = np.array([file, offset, nbytes, *start, *size, 0, len(sums)], dtype=np.int64)
+        return cls(dtype=dtype, shape=shape, layout=layout, file=ints[0:1], offset=ints[1:2], nbytes=ints[2:3],
+                   start=ints[3:3 + dims].reshape(1, dims), size=ints[3 + dims:3 + 2 * dims].reshape(1, dims),
+                   checksum=np.array(sums, dtype=np.uint64), checksum_bounds=ints[3 + 2 * dims:])
 
     def _one_whole_piece_valid(self, files: list[str], file_sizes: list[int] | np.ndarray, block_bytes: int) -> bool:
         """Whether the entry is one piece holding the whole tensor that passes every rule of
@@ -376,6 +409,11 @@ class Manifest:
         checksum fails too), one that breaks none but fails its checksum a
         ``CorruptCheckpointError``. ``fetch(name, offset, nbytes)`` reads a split manifest's
         section files (version 2); without it only its index is usable."""
+        with _collector_paused():
+            return cls._parse(raw, where, fetch)
+
+    @classmethod
+    def _parse(cls, raw: bytes, where: str, fetch: Fetch | None) -> "Manifest":
         if not isinstance(raw, bytes):  # the checksum is of bytes
             raw = raw.encode() if isinstance(raw, str) else bytes(raw)
         try:
@@ -477,6 +515,20 @@ def _self_check(raw: bytes, doc: dict, where: str) -> str | None:
     if actual != recorded:
         return f"its bytes hash to {actual:#018x} but its field {SELF_CHECKSUM!r} records {recorded:#018x}"
     return None
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """A manifest's parse makes tens of thousands of small objects that all live on: their
+    allocation keeps triggering Python's cyclic collector, which then walks the caller's whole
+    heap (a training job's). That was most of a load of a thousand small tensors; paused here."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _field(doc: dict, name: str, where: str, convert: Callable[[Any], Any]) -> Any:
