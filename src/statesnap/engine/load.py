@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from ..collector import collector_paused
 from ..errors import CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, StateMismatchError
 from ..format.checksum import checksum_whole
 from ..format.manifest import BOX, MANIFEST_NAME, Manifest, TensorEntry
@@ -188,6 +189,20 @@ def fill_tensors(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
 def _fill_wanted(wanted: list, manifest: Manifest, backend: StorageBackend, path: str, verify: bool,
                  threads: int | None, strict: bool, advance: Callable[[int], None]) -> int:
     executor = ReadExecutor(backend, path, manifest, verify, threads, advance)
+    with collector_paused():  # planning the reads of many tensors makes no garbage (statesnap/collector.py)
+        on_device, copy_back, casts = _plan_reads(wanted, manifest, executor, path, strict)
+    executor.run()
+    with torch.no_grad():
+        for local, buffer in copy_back:
+            local.copy_(buffer)
+    nbytes = executor.bytes_read + fill_device_targets(
+        on_device, lambda: ReadExecutor(backend, path, manifest, verify, threads, advance))
+    return nbytes + sum(_fill_cast(backend, path, manifest, verify, threads, advance, *cast) for cast in casts)
+
+
+def _plan_reads(wanted: list, manifest: Manifest, executor: ReadExecutor, path: str, strict: bool) -> tuple:
+    """Give ``executor`` the reads of the CPU targets; return the GPU targets (filled in waves,
+    device_load.py), the targets filled through a host copy, and those of another dtype."""
     on_device, copy_back, casts = [], [], []
     for item in wanted:
         entry = manifest.tensor_part(item.fqn, item.layout, item.start, item.size)
@@ -208,13 +223,7 @@ def _fill_wanted(wanted: list, manifest: Manifest, backend: StorageBackend, path
             buffer = host_contiguous(local)
             copy_back.append((local, buffer))
         executor.add(item.fqn, entry, buffer, plan)
-    executor.run()
-    with torch.no_grad():
-        for local, buffer in copy_back:
-            local.copy_(buffer)
-    nbytes = executor.bytes_read + fill_device_targets(
-        on_device, lambda: ReadExecutor(backend, path, manifest, verify, threads, advance))
-    return nbytes + sum(_fill_cast(backend, path, manifest, verify, threads, advance, *cast) for cast in casts)
+    return on_device, copy_back, casts
 
 
 def _plan(entry: TensorEntry, item) -> TargetPlan:

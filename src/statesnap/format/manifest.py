@@ -15,8 +15,6 @@ no block checksum covers) is a ``CorruptCheckpointError``, not a silent load.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import math
 import re
@@ -28,6 +26,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ..collector import collector_paused
 from ..errors import CorruptCheckpointError, ManifestError
 from .checksum import DEFAULT_BLOCK_BYTES
 from .boxes import first_outside, region, tiling_problem
@@ -409,7 +408,7 @@ class Manifest:
         checksum fails too), one that breaks none but fails its checksum a
         ``CorruptCheckpointError``. ``fetch(name, offset, nbytes)`` reads a split manifest's
         section files (version 2); without it only its index is usable."""
-        with _collector_paused():
+        with collector_paused():  # ../collector.py
             return cls._parse(raw, where, fetch)
 
     @classmethod
@@ -515,20 +514,6 @@ def _self_check(raw: bytes, doc: dict, where: str) -> str | None:
     if actual != recorded:
         return f"its bytes hash to {actual:#018x} but its field {SELF_CHECKSUM!r} records {recorded:#018x}"
     return None
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """A manifest's parse makes tens of thousands of small objects that all live on: their
-    allocation keeps triggering Python's cyclic collector, which then walks the caller's whole
-    heap (a training job's). That was most of a load of a thousand small tensors; paused here."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _field(doc: dict, name: str, where: str, convert: Callable[[Any], Any]) -> Any:
