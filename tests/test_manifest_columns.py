@@ -282,3 +282,39 @@ def test_parsing_a_manifest_leaves_the_garbage_collector_as_it_found_it(enabled)
         assert gc.isenabled() == enabled
     finally:
         gc.enable() if was else gc.disable()
+
+
+def test_pauses_on_two_threads_end_with_the_collector_as_the_first_found_it():
+    import gc
+    import threading
+
+    from statesnap.collector import collector_paused
+
+    was = gc.isenabled()
+    gc.enable()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with collector_paused():
+            a_in.set()
+            b_in.wait(10)
+        seen["after first"] = gc.isenabled()
+        a_out.set()
+
+    def second():
+        a_in.wait(10)
+        with collector_paused():
+            b_in.set()
+            a_out.wait(10)
+            seen["inside second"] = gc.isenabled()
+    try:
+        threads = [threading.Thread(target=first), threading.Thread(target=second)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert seen == {"after first": False, "inside second": False}  # the second pause still holds it
+        assert gc.isenabled()  # and the last one to end gave it back
+    finally:
+        gc.enable() if was else gc.disable()

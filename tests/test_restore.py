@@ -233,3 +233,8 @@ def test_many_small_tensors_load_in_a_few_reads_and_damage_is_still_named(tmp_pa
         f.write(b"\xff\xff\xff\xff")
     with pytest.raises(CorruptCheckpointError, match="'t150'"):
         ss.load({k: torch.empty_like(v) for k, v in state.items()}, tmp_path / "c")
+    with open(data, "r+b") as f:  # cut short inside t150: the error names it, and only it
+        f.truncate(int(entry.offset[0]) + 4)
+    with pytest.raises(CorruptCheckpointError, match="truncated") as caught:
+        ss.load({k: torch.empty_like(v) for k, v in state.items()}, tmp_path / "c", verify=False)
+    assert "'t150'" in str(caught.value) and "'t149'" not in str(caught.value) and "'t151'" not in str(caught.value)

@@ -189,8 +189,15 @@ def fill_tensors(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
 def _fill_wanted(wanted: list, manifest: Manifest, backend: StorageBackend, path: str, verify: bool,
                  threads: int | None, strict: bool, advance: Callable[[int], None]) -> int:
     executor = ReadExecutor(backend, path, manifest, verify, threads, advance)
+    # (a split manifest's sections are fetched here, outside the pause below)
+    entries = [manifest.tensor_part(item.fqn, item.layout, item.start, item.size) for item in wanted]
     with collector_paused():  # planning the reads of many tensors makes no garbage (statesnap/collector.py)
-        on_device, copy_back, casts = _plan_reads(wanted, manifest, executor, path, strict)
+        on_device, indirect, casts = _plan_reads(wanted, entries, executor, path, strict)
+    copy_back = []
+    for fqn, entry, local, plan in indirect:  # strided (or other devices') targets: through a host copy
+        buffer = host_contiguous(local)
+        copy_back.append((local, buffer))
+        executor.add(fqn, entry, buffer, plan)
     executor.run()
     with torch.no_grad():
         for local, buffer in copy_back:
@@ -200,12 +207,12 @@ def _fill_wanted(wanted: list, manifest: Manifest, backend: StorageBackend, path
     return nbytes + sum(_fill_cast(backend, path, manifest, verify, threads, advance, *cast) for cast in casts)
 
 
-def _plan_reads(wanted: list, manifest: Manifest, executor: ReadExecutor, path: str, strict: bool) -> tuple:
-    """Give ``executor`` the reads of the CPU targets; return the GPU targets (filled in waves,
-    device_load.py), the targets filled through a host copy, and those of another dtype."""
-    on_device, copy_back, casts = [], [], []
-    for item in wanted:
-        entry = manifest.tensor_part(item.fqn, item.layout, item.start, item.size)
+def _plan_reads(wanted: list, entries: list, executor: ReadExecutor, path: str, strict: bool) -> tuple:
+    """Give ``executor`` the reads of the contiguous CPU targets; return, as (fqn, entry, target,
+    plan), the GPU targets (filled in waves, device_load.py), the targets to fill through a host
+    copy, and those of another dtype."""
+    on_device, indirect, casts = [], [], []
+    for item, entry in zip(wanted, entries):
         plan = _plan(entry, item)
         if plan.covered != item.local.numel() and strict:
             raise CorruptCheckpointError(f"{item.fqn}: the checkpoint {path} stores only {plan.covered} of the "
@@ -213,17 +220,13 @@ def _plan_reads(wanted: list, manifest: Manifest, executor: ReadExecutor, path: 
         local = item.local
         if local.dtype != entry.dtype:  # cast=True (checked by _match): filled after the others
             casts.append((item.fqn, entry, local, plan))
-            continue
-        if local.device.type == "cuda" and plan.covered == local.numel():  # pinned, in waves (device_load.py)
+        elif local.device.type == "cuda" and plan.covered == local.numel():
             on_device.append((item.fqn, entry, local, plan))
-            continue
-        if local.device.type == "cpu" and local.is_contiguous():
-            buffer = local.detach()
-        else:  # strided (or other devices') targets are filled through a host copy, then copied back
-            buffer = host_contiguous(local)
-            copy_back.append((local, buffer))
-        executor.add(item.fqn, entry, buffer, plan)
-    return on_device, copy_back, casts
+        elif local.device.type == "cpu" and local.is_contiguous():
+            executor.add(item.fqn, entry, local.detach(), plan)
+        else:
+            indirect.append((item.fqn, entry, local, plan))
+    return on_device, indirect, casts
 
 
 def _plan(entry: TensorEntry, item) -> TargetPlan:

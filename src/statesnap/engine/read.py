@@ -29,6 +29,7 @@ GROUP_BYTES = 16 << 20  # about what stays in the CPU caches between the read an
 # scratch buffer: pieces start on 64-byte boundaries, so a thousand small tensors would otherwise
 # be a thousand requests, each handed to a read thread (most of such a load's time).
 GAP_BYTES = 4096
+GROUP_JOBS = 256  # pieces per request at most: within one preadv's IOV_MAX, and spread over the threads
 
 
 def read_threads() -> int:
@@ -144,7 +145,8 @@ class ReadExecutor:
             if groups:
                 last = groups[-1][-1]
                 gap = job.base + job.read.lo - (last.base + last.read.hi)
-                if last.file == job.file and 0 <= gap <= GAP_BYTES and size < GROUP_BYTES:
+                if (last.file == job.file and 0 <= gap <= GAP_BYTES and size < GROUP_BYTES
+                        and len(groups[-1]) < GROUP_JOBS):
                     groups[-1].append(job)
                     size += job.read.hi - job.read.lo
                     continue
@@ -166,32 +168,46 @@ class ReadExecutor:
                 self._files[job.file] = reader
             return reader
 
-    def _read(self, job: _Job, offset: int, views: list[memoryview], fqn_list: str, gaps: int = 0) -> None:
-        """Read ``views`` from ``offset`` on; ``gaps`` of their bytes lie between pieces."""
+    def _read(self, offset: int, views: list[memoryview], owners: list[_Job | None]) -> None:
+        """Read ``views`` from ``offset`` on; ``owners``: each view's job (None: bytes between
+        pieces, discarded). A short read names the tensor whose bytes it stopped in."""
         want = sum(len(v) for v in views)
-        got = self._reader(job).readinto(offset, views)
-        self.bytes_read += got - gaps
-        self.advance(got - gaps)
-        if got != want:
-            name = self.manifest.files[job.file]
-            raise CorruptCheckpointError(
-                f"data file {name} of {self.directory} is truncated: bytes [{offset}, {offset + want}) "
-                f"of tensor {fqn_list} are not all there (read {got})")
+        first = next(job for job in owners if job is not None)
+        got = self._reader(first).readinto(offset, views)
+        gaps = sum(len(v) for v, job in zip(views, owners) if job is None)
+        self.bytes_read += max(got - gaps, 0)
+        self.advance(max(got - gaps, 0))
+        if got == want:
+            return
+        pos, stopped = offset, first
+        for view, job in zip(views, owners):
+            if job is not None:
+                stopped = job
+            if pos + len(view) > offset + got and job is not None:
+                break
+            pos += len(view)
+        end = stopped.base + stopped.read.hi
+        raise CorruptCheckpointError(
+            f"data file {self.manifest.files[first.file]} of {self.directory} is truncated: bytes "
+            f"[{stopped.base + stopped.read.lo}, {end}) of tensor {stopped.fqn!r} are not all there "
+            f"(it ends at byte {offset + got})")
 
     def _run_group(self, group: list[_Job]) -> None:
         first = group[0]
         if len(group) == 1 and not self._is_direct(first):
             self._run_staged(first)
             return
-        views, gaps, end = [], 0, first.base + first.read.lo
+        views, owners, end = [], [], first.base + first.read.lo
         for job in group:
             gap = job.base + job.read.lo - end
             if gap:
                 views.append(self._gap_sink[:gap])
-                gaps += gap
-            views += [job.view[s.dst:s.dst + s.nbytes] for s in job.read.segments]
+                owners.append(None)
+            parts = [job.view[s.dst:s.dst + s.nbytes] for s in job.read.segments]
+            views += parts
+            owners += [job] * len(parts)
             end = job.base + job.read.hi
-        self._read(first, first.base + first.read.lo, views, ", ".join(sorted({repr(j.fqn) for j in group})), gaps)
+        self._read(first.base + first.read.lo, views, owners)
         if self.verify:
             for job in group:
                 self._check(job, job.read.lo, job.read.hi, [job.view[s.dst:s.dst + s.nbytes] for s in job.read.segments])
@@ -206,7 +222,7 @@ class ReadExecutor:
         else:
             scratch = torch.empty(hi - lo, dtype=torch.uint8)
             raw = byte_view(scratch)
-            self._read(job, job.base + lo, [raw], repr(job.fqn))
+            self._read(job.base + lo, [raw], [job])
         if self.verify:
             self._check(job, lo, hi, [raw])
         read = job.read

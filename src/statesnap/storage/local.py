@@ -66,18 +66,22 @@ def fsync_dir(path: str) -> None:
 
 
 def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
-    views = [v for v in views if len(v)]
-    while views:
-        batch = views[:_IOV_MAX]
-        written = os.pwritev(fd, batch, offset)
+    views, first = [v for v in views if len(v)], 0
+    while first < len(views):
+        written = os.pwritev(fd, views[first:first + _IOV_MAX], offset)
         offset += written
         # Short writes happen (signals, quotas): drop what went out and retry the rest.
-        while batch and written >= len(batch[0]):
-            written -= len(batch[0])
-            batch.pop(0)
-            views.pop(0)
-        if written:
-            views[0] = views[0][written:]
+        first, rest = _past(views, first, written)
+        if rest:
+            views[first] = views[first][rest:]
+
+
+def _past(views: list[memoryview], first: int, nbytes: int) -> tuple[int, int]:
+    """(index of the view ``nbytes`` past ``views[first]`` ends in, bytes of it already done)."""
+    while first < len(views) and nbytes >= len(views[first]):
+        nbytes -= len(views[first])
+        first += 1
+    return first, nbytes
 
 
 class _LocalWriter(FileWriter):
@@ -187,19 +191,16 @@ class _LocalReader(FileReader):
         return memoryview(self._mapping)[offset:offset + nbytes]
 
     def readinto(self, offset: int, views: Sequence[memoryview]) -> int:
-        views = [v for v in views if len(v)]
-        total = 0
-        while views:
-            got = os.preadv(self.fd, views[:_IOV_MAX], offset)
+        views, first, total = [v for v in views if len(v)], 0, 0
+        while first < len(views):
+            got = os.preadv(self.fd, views[first:first + _IOV_MAX], offset)
             if got == 0:
                 break
             total += got
             offset += got
-            while views and got >= len(views[0]):
-                got -= len(views[0])
-                views.pop(0)
-            if got:
-                views[0] = views[0][got:]
+            first, rest = _past(views, first, got)
+            if rest:
+                views[first] = views[first][rest:]
         return total
 
     def size(self) -> int:
