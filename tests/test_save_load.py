@@ -274,6 +274,35 @@ def test_interrupted_save_leaves_no_staging_and_the_old_checkpoint(tmp_path, mon
     assert torch.equal(ss.open(path).read("t"), torch.zeros(4))
 
 
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("when", ["reporting to owners", "writing the manifest", "after the commit"])
+def test_save_interrupted_around_its_commit_leaves_one_whole_checkpoint(tmp_path, monkeypatch, interruption, when):
+    """Ctrl-C after the writes: before the commit the staging directory goes and the old checkpoint
+    stays; after it the new checkpoint stays, whole."""
+    path = tmp_path / "c"
+    ss.save({"t": torch.zeros(4)}, path)
+    module = sys.modules["statesnap.engine.save"]
+    if when == "reporting to owners":
+        monkeypatch.setattr(module, "_report_to_owners", lambda *a, **k: (_ for _ in ()).throw(interruption()))
+    else:
+        real = module.commit_manifest
+
+        def interrupted(backend, *args, **kwargs):
+            if when == "after the commit":
+                real(backend, *args, **kwargs)
+            else:
+                monkeypatch.setattr(backend, "write_bytes", lambda *a, **k: (_ for _ in ()).throw(interruption()))
+                real(backend, *args, **kwargs)
+            raise interruption()
+        monkeypatch.setattr(module, "commit_manifest", interrupted)
+    with pytest.raises(interruption):
+        ss.save({"t": torch.ones(4)}, path, overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]
+    expected = torch.ones(4) if when == "after the commit" else torch.zeros(4)
+    assert torch.equal(ss.open(path).read("t"), expected)
+    ss.open(path).verify()
+
+
 def test_overwrite_killed_between_fallback_renames_is_recovered(tmp_path, monkeypatch):
     """Without renameat2 an overwrite renames the old checkpoint aside, then the new one in. A
     kill between the two leaves only the aside: the next load puts the old checkpoint back."""

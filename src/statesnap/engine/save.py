@@ -265,29 +265,37 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
         if comm.rank == 0:  # other ranks' interruptions reach rank 0 as a lost peer, which aborts
             backend.abort(staging, path)
         raise
-    split = comm.world_size >= SPLIT_MIN_RANKS
-    try:  # a rank lost in either collective below: nothing is committed, the staging goes
-        owned_entries, error = _report_to_owners(comm, metas, plan, output, owned, file_of_rank, error)
-        if split and owned_entries and error is None:
-            try:
-                output.section = write_section(backend, staging, token, comm.rank, owned_entries, durable)
-            except Exception as exc:
-                error = exc
-        gathered = comm.gather((output, None if error is None else f"{type(error).__name__}: {error}",
-                                None if split else owned_entries))
-    except PeerLostError:
-        if comm.rank == 0:  # the coordinator cleans up; other ranks' files are in its staging
-            backend.abort(staging, path, [name(token, r) for r in range(comm.world_size)
-                                          for name in (data_file_name, section_name)])
+    try:
+        split = comm.world_size >= SPLIT_MIN_RANKS
+        try:  # a rank lost in either collective below: nothing is committed, the staging goes
+            owned_entries, error = _report_to_owners(comm, metas, plan, output, owned, file_of_rank, error)
+            if split and owned_entries and error is None:
+                try:
+                    output.section = write_section(backend, staging, token, comm.rank, owned_entries, durable)
+                except Exception as exc:
+                    error = exc
+            gathered = comm.gather((output, None if error is None else f"{type(error).__name__}: {error}",
+                                    None if split else owned_entries))
+        except PeerLostError:
+            if comm.rank == 0:  # the coordinator cleans up; other ranks' files are in its staging
+                backend.abort(staging, path, [name(token, r) for r in range(comm.world_size)
+                                              for name in (data_file_name, section_name)])
+            raise
+        result = None
+        if comm.rank == 0:
+            outputs = [(out, err) for out, err, _ in gathered]
+            tables = {fqn: entry for _, _, part in gathered for fqn, entry in (part or {}).items()}
+            result = commit_manifest(backend, path, staging, outputs, overwrite, durable,
+                                     (lambda outs: split_index(outs, comm.world_size, block_bytes, meta)) if split else
+                                     (lambda outs: whole_manifest(tables, outs, comm.world_size, block_bytes, meta)))
+        result = comm.broadcast(result)
+    except BaseException as exc:
+        # Ctrl-C or SystemExit on rank 0 before the commit: as during the writes. After the commit
+        # this removes nothing: a local staging directory was renamed into place, and an object
+        # store's abort removes only the files it is given.
+        if comm.rank == 0 and not isinstance(exc, Exception):
+            backend.abort(staging, path)
         raise
-    result = None
-    if comm.rank == 0:
-        outputs = [(out, err) for out, err, _ in gathered]
-        tables = {fqn: entry for _, _, part in gathered for fqn, entry in (part or {}).items()}
-        result = commit_manifest(backend, path, staging, outputs, overwrite, durable,
-                                 (lambda outs: split_index(outs, comm.world_size, block_bytes, meta)) if split else
-                                 (lambda outs: whole_manifest(tables, outs, comm.world_size, block_bytes, meta)))
-    result = comm.broadcast(result)
     if error is not None:
         raise error if isinstance(error, CheckpointError) else CheckpointError(f"save to {path} failed: {error}") from error
     if isinstance(result, str):
