@@ -70,7 +70,7 @@ def gathered_weights(model) -> dict:
 
 
 if __name__ == "__main__":
-    from teardown import leave_together  # the script's directory is on sys.path
+    from statesnap.bench.teardown import leave_together
 
     main()
     leave_together()

@@ -33,7 +33,7 @@ def main():
 
 
 if __name__ == "__main__":
-    from teardown import leave_together  # the script's directory is on sys.path
+    from statesnap.bench.teardown import leave_together
 
     main()
     leave_together()

@@ -98,7 +98,7 @@ def main(stage: int, out: str, resume: bool) -> None:
 
 
 if __name__ == "__main__":
-    from teardown import leave_together  # the script's directory is on sys.path
+    from statesnap.bench.teardown import leave_together
 
     main(int(sys.argv[1]), sys.argv[2], "--resume" in sys.argv[3:])
     leave_together()

@@ -26,9 +26,9 @@ def main(out: str, dim: int, layers: int) -> None:
     engine.backward(engine(x).square().mean())
     engine.step()
     engine.save_checkpoint(out, tag="global_step1")
-    # Leave together: gloo aborts a rank whose group is torn down at exit after a peer has gone.
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    from .teardown import leave_together
+
+    leave_together()  # gloo aborts a rank whose group is torn down at exit after a peer has gone
 
 
 if __name__ == "__main__":
