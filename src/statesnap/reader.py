@@ -125,10 +125,10 @@ class Reader:
             needed |= {fqn for fqn, ref in self._pickle_refs() if self.manifest.files[ref[0]] in missing}
             raise MissingFileError(f"{self.path}: data files missing: {', '.join(missing)} (needed for " +
                                    ", ".join(sorted(needed)[:10]) + (" and more" if len(needed) > 10 else "") + ")")
-        if problems or grown:
-            raise CorruptCheckpointError(f"{self.path}: " + "; ".join(
-                ([f"{len(problems)} damaged piece(s): " + "; ".join(problems[:20])] if problems else []) +
-                ([f"{len(grown)} file(s) larger than recorded: " + "; ".join(grown[:20])] if grown else [])))
+        found = [f"{len(kind)} {what}: " + "; ".join(kind[:20])
+                 for kind, what in ((problems, "damaged piece(s)"), (grown, "file(s) larger than recorded")) if kind]
+        if found:
+            raise CorruptCheckpointError(f"{self.path}: " + "; ".join(found))
         return self.manifest.total_bytes
 
     def _grown(self, where: str, name: str, recorded: int) -> list[str]:

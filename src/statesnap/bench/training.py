@@ -4,9 +4,10 @@ A GPT-like model (~1 GB of model + AdamW state by default) trains on the CPU (``
 the GPU) while each mode checkpoints every step (``--every N``: every N steps; ``--issue13``:
 issue 13's smaller GPT on two threads, a checkpoint every second step). Per mode: the median
 stall per checkpoint (time the training loop was blocked by it), the end-to-end time of the loop
-and its overhead over the same loop without checkpoints, and peak RSS. Every measurement runs in a fresh process (``python -m
-statesnap.bench.training --child ...``), and the modes are interleaved (A B C A B C ...) over
-several runs whose medians are reported, because one run is within the machine's noise.
+and its overhead over the same loop without checkpoints, and peak RSS. Every measurement runs
+in a fresh process (``python -m statesnap.bench.training --child ...``), and the modes are
+interleaved (A B C A B C ...) over several runs whose medians are reported, because one run is
+within the machine's noise.
 
 A second part sweeps the state size (0.25, 1, 4 GB by default) for statesnap and DCP async_save:
 stall and background time (from the save call until the checkpoint is durable), as a table and
@@ -15,14 +16,13 @@ a PNG under the output directory.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -202,7 +202,7 @@ def run(cfg: gpt.GPTConfig, loop: Loop, runs: int = 3, modes=DEFAULT_MODES, swee
         for mode in modes:
             results[mode].append(run_mode(mode, cfg, loop, out))
     summary = summarize(results)
-    sweep_loop = dataclasses.replace(loop, steps=max(sweep_steps, loop.every))
+    sweep_loop = replace(loop, steps=max(sweep_steps, loop.every))
     rows = sweep(list(sweep_sizes), sweep_loop, out) if sweep_sizes else []
     result = {"suite": "training", "config": cfg.to_dict(), "state_bytes": cfg.state_bytes(), "steps": loop.steps,
               "runs": runs, "threads": loop.threads, "device": loop.device, "every": loop.every,

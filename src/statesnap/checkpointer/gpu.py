@@ -60,9 +60,4 @@ class CudaCopier:
                 else:  # strided sources are copied whole (their items are never split)
                     dst.view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
             done[src.device.index] = stream
-        events = []
-        for stream in done.values():
-            event = torch.cuda.Event()
-            event.record(stream)
-            events.append(event)
-        return events
+        return [stream.record_event() for stream in done.values()]

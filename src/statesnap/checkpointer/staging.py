@@ -20,7 +20,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..plan.save_plan import ALIGN
-from ..storage.aligned import pin_in_place, private_pages
+from ..storage.aligned import pinned_pages, private_pages
 from ..storage.base import DIRECT_ALIGN
 
 REGION_ALIGN = DIRECT_ALIGN  # regions start on page boundaries, as direct I/O needs
@@ -62,11 +62,11 @@ class Arena:
 
     def __init__(self, capacity: int, pin: bool):
         self.capacity = max(capacity // REGION_ALIGN, 1) * REGION_ALIGN  # never above the budget
-        self._mapping = private_pages(self.capacity)  # page-aligned, as direct I/O needs
-        self.buffer = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        # page-aligned private memory, as direct I/O needs (storage/aligned.py)
         if pin:
-            pin_in_place(self.buffer)
+            self.buffer = pinned_pages(self.capacity)
         else:
+            self.buffer = torch.frombuffer(private_pages(self.capacity), dtype=torch.uint8)
             threading.Thread(target=_populate, args=(self.buffer.data_ptr(), self.capacity),
                              name="statesnap-arena-populate", daemon=True).start()
         self._live: deque[Region] = deque()
@@ -105,9 +105,7 @@ class Arena:
         its older snapshot for the newer one instead."""
         for index, region in enumerate(self._live):
             if region.state == HELD and region.nbytes >= nbytes:
-                if region.on_evict is not None:
-                    region.on_evict()
-                region.state = FREE
+                self._drop(region)
                 taken = Region(region.start, nbytes)
                 self._live[index] = taken  # same place in the ring: the ring's order still holds
                 return taken
@@ -124,10 +122,15 @@ class Arena:
         return self._head if self._head + nbytes <= tail else None
 
     def _evict(self, region: Region) -> None:
+        self._drop(region)
+        self._reclaim()
+
+    @staticmethod
+    def _drop(region: Region) -> None:
+        """Tell a held region's reader (the memory level) it is gone, and free it."""
         if region.on_evict is not None:
             region.on_evict()
         region.state = FREE
-        self._reclaim()
 
     def _reclaim(self) -> None:
         while self._live and self._live[0].state == FREE:

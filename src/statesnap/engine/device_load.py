@@ -109,7 +109,8 @@ def fill_device_targets(targets: list, make_executor: Callable[[], ReadExecutor]
         return 0
     # each target's bytes start on a block boundary, where direct I/O can read into them
     sizes = [-(-local.numel() * local.element_size() // DIRECT_ALIGN) * DIRECT_ALIGN for _, _, local, _ in targets]
-    ring = PinnedRing(max(min(max(max(sizes), WAVE_BYTES) + 2 * WAVE_BYTES, sum(sizes)), DIRECT_ALIGN))
+    # room for the largest wave and the two after it, never more than the targets need
+    ring = PinnedRing(max(min(max(*sizes, WAVE_BYTES) + 2 * WAVE_BYTES, sum(sizes)), DIRECT_ALIGN))
     streams = {}
     for _, _, local, _ in targets:  # the side streams start after whatever is queued on the targets
         if local.device not in streams:

@@ -9,6 +9,7 @@ tensor and the byte range.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -172,25 +173,20 @@ class ReadExecutor:
         """Read ``views`` from ``offset`` on; ``owners``: each view's job (None: bytes between
         pieces, discarded). A short read names the tensor whose bytes it stopped in."""
         want = sum(len(v) for v in views)
-        first = next(job for job in owners if job is not None)
+        first = owners[0]  # a request starts with a piece
         got = self._reader(first).readinto(offset, views)
         gaps = sum(len(v) for v, job in zip(views, owners) if job is None)
         self.bytes_read += max(got - gaps, 0)
         self.advance(max(got - gaps, 0))
         if got == want:
             return
-        pos, stopped = offset, first
-        for view, job in zip(views, owners):
-            if job is not None:
-                stopped = job
-            if pos + len(view) > offset + got and job is not None:
-                break
-            pos += len(view)
-        end = stopped.base + stopped.read.hi
+        # the first piece whose bytes the read fell short of (past a gap, the piece after it)
+        ends = itertools.accumulate(len(v) for v in views)
+        stopped = next(job for job, end in zip(owners, ends) if job is not None and end > got)
         raise CorruptCheckpointError(
             f"data file {self.manifest.files[first.file]} of {self.directory} is truncated: bytes "
-            f"[{stopped.base + stopped.read.lo}, {end}) of tensor {stopped.fqn!r} are not all there "
-            f"(it ends at byte {offset + got})")
+            f"[{stopped.base + stopped.read.lo}, {stopped.base + stopped.read.hi}) of tensor {stopped.fqn!r} "
+            f"are not all there (it ends at byte {offset + got})")
 
     def _run_group(self, group: list[_Job]) -> None:
         first = group[0]

@@ -155,26 +155,25 @@ class TensorEntry:
     @classmethod
     def _whole_piece(cls, data: dict, dtype: torch.dtype, shape: tuple, layout: str, files: list[str],
                      file_sizes: list[int] | np.ndarray, block_bytes: int) -> "TensorEntry | None":
-        """The commonest entry, one piece holding the whole tensor in JSON arrays, read and checked
-        against every rule in plain Python, its columns made with one numpy call: the general path
-        below, a few numpy calls per column, was half of a load of a thousand small tensors. None
-        sends the entry through the general path, which names what is wrong or decides the rest."""
+        """The commonest entry, one piece holding the whole tensor in JSON arrays, checked in plain
+        Python (``_whole_piece_rules``) once its values are plain JSON integers, then made with one
+        numpy call: the general path below, a few numpy calls per column, was half of a load of a
+        thousand small tensors. None sends the entry through the general path, which names what is
+        wrong or decides the rest."""
         try:
             (file,), (offset,), (nbytes,), (start,), (size,), (sums,) = (
                 data[name] for name in ("file", "offset", "nbytes", "start", "size", "checksum"))
         except (KeyError, TypeError, ValueError):
             return None
-        whole = list(shape) if layout == BOX else [math.prod(shape)]
         sums = sums if isinstance(sums, list) else [sums]
         if ("checksum_blocks" in data or not isinstance(start, list) or not isinstance(size, list)
-                or any(type(v) is not int for v in (file, offset, nbytes, *start, *size))
-                or start != [0] * len(whole) or size != whole
+                or len(start) != len(size) or any(type(v) is not int for v in (file, offset, nbytes, *start, *size))
                 or any(type(c) is not int or not 0 <= c <= UINT64_MAX for c in sums)):
             return None
-        if not (0 <= file < len(files) and offset >= 0 and nbytes == math.prod(whole) * dtype.itemsize
-                and nbytes <= int(file_sizes[file]) - offset and len(sums) == max(1, -(-nbytes // block_bytes))):
+        if not _whole_piece_rules(dtype, shape, layout, files, file_sizes, block_bytes,
+                                  file, offset, nbytes, start, size, len(sums)):
             return None
-        dims = len(whole)
+        dims = len(start)
         ints = np.array([file, offset, nbytes, *start, *size, 0, len(sums)], dtype=np.int64)
         return cls(dtype=dtype, shape=shape, layout=layout, file=ints[0:1], offset=ints[1:2], nbytes=ints[2:3],
                    start=ints[3:3 + dims].reshape(1, dims), size=ints[3 + dims:3 + 2 * dims].reshape(1, dims),
@@ -185,15 +184,11 @@ class TensorEntry:
         :meth:`_validate`, decided in plain Python: numpy's per-call cost made the general checks
         most of a load of many small tensors. False sends the entry through the general checks
         (which then name what is wrong, or accept what this does not decide)."""
-        if len(self.file) != 1:
+        if len(self.file) != 1 or self.checksum_bounds.tolist()[0] != 0:
             return False
-        file, offset, nbytes = int(self.file[0]), int(self.offset[0]), int(self.nbytes[0])
-        whole = list(self.shape) if self.layout == BOX else [self.numel]
-        if self.start.tolist() != [[0] * len(whole)] or self.size.tolist() != [whole]:
-            return False
-        return (0 <= file < len(files) and offset >= 0 and nbytes == math.prod(whole) * self.dtype.itemsize
-                and nbytes <= int(file_sizes[file]) - offset
-                and self.checksum_bounds.tolist() == [0, max(1, -(-nbytes // block_bytes))])
+        return _whole_piece_rules(self.dtype, self.shape, self.layout, files, file_sizes, block_bytes,
+                                  int(self.file[0]), int(self.offset[0]), int(self.nbytes[0]), self.start.tolist()[0],
+                                  self.size.tolist()[0], int(self.checksum_bounds[1]))
 
     def _validate(self, where: str, files: list[str], file_sizes: list[int] | np.ndarray, block_bytes: int,
                   tiling: bool = True) -> None:
@@ -253,6 +248,18 @@ def _checksum_columns(column: Any, blocks: Any, n: int, where: str,
         raise ValueError("'checksum_blocks' holds a count below 1 or beyond any real piece's")
     bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     return unpack(column, "u8", (int(bounds[-1]),), f"{where}: column 'checksum'", budget), bounds
+
+
+def _whole_piece_rules(dtype: torch.dtype, shape: tuple, layout: str, files: list[str],
+                       file_sizes: list[int] | np.ndarray, block_bytes: int, file: int, offset: int, nbytes: int,
+                       start: list[int], size: list[int], checksums: int) -> bool:
+    """The rules of docs/format.md §8 for one piece holding the whole tensor, on plain integers:
+    it starts at the origin and spans the shape, lies inside its file, holds exactly the tensor's
+    bytes, and has one checksum per block (one for no bytes)."""
+    whole = list(shape) if layout == BOX else [math.prod(shape)]
+    return (start == [0] * len(whole) and size == whole and 0 <= file < len(files) and offset >= 0
+            and nbytes == math.prod(whole) * dtype.itemsize and nbytes <= int(file_sizes[file]) - offset
+            and checksums == max(1, -(-nbytes // block_bytes)))
 
 
 @dataclass

@@ -26,26 +26,21 @@ def private_pages(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
-def pin_in_place(buffer: torch.Tensor) -> None:
-    """Page-lock ``buffer``'s memory with cudaHostRegister for as long as the tensor lives.
+def pinned_pages(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of private page-locked host memory as a uint8 tensor, locked with cudaHostRegister
+    for as long as the tensor lives.
 
     ``torch.empty(..., pin_memory=True)`` goes through PyTorch's caching host allocator, which
     rounds the size up to a power of two (a 2.5 GB arena would lock 4 GB) and keeps the memory
     locked for the rest of the process once freed. Registering an ordinary allocation locks
     exactly what was asked, and only while it is used.
     """
+    buffer = torch.frombuffer(private_pages(nbytes), dtype=torch.uint8)
     cudart = torch.cuda.cudart()
-    ptr, nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
-    if int(cudart.cudaHostRegister(ptr, nbytes, 1)) != 0:  # 1: cudaHostRegisterPortable
+    if int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 1)) != 0:  # 1: cudaHostRegisterPortable
         raise CheckpointError(f"could not pin {nbytes} bytes of host memory (cudaHostRegister failed); "
                               "lower host_memory_gb or raise the locked-memory limit (ulimit -l)")
-    weakref.finalize(buffer, cudart.cudaHostUnregister, ptr)
-
-
-def pinned_pages(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of private page-locked host memory as a uint8 tensor, unlocked when it dies."""
-    buffer = torch.frombuffer(private_pages(nbytes), dtype=torch.uint8)
-    pin_in_place(buffer)
+    weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
     return buffer
 
 
