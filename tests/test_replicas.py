@@ -10,7 +10,7 @@ import statesnap as ss
 from dist_utils import run_ranks
 from statesnap.engine.replicas import _ranks, mismatches, replicas_to_check
 from statesnap.engine.save import RankOutput
-from statesnap.plan.save_plan import plan_save
+from statesnap.plan.owners import place_writes, plan_owned, route
 from statesnap.state.items import ItemMeta
 
 
@@ -170,19 +170,26 @@ def _meta(fqn, start, size, nbytes=16):
 
 def test_replicas_to_check_finds_the_writer_of_each_replica():
     """HSDP-like: two row blocks of ``w``, each held by two ranks; ``b`` on all four; ``big``
-    over the limit. Every rank hashes the pieces it holds but does not write, naming the writer."""
+    over the limit. Every rank hashes the pieces it holds but does not write, naming the writer,
+    from what the tensor owners told it (plan/owners.py, run here for the four ranks at once)."""
     metas = [[_meta("w", (2 * (r // 2), 0), (2, 4)), _meta("b", (0, 0), (4, 4)),
               _meta("big", (0, 0), (4, 4), nbytes=1 << 30)] for r in range(4)]
-    plan = plan_save(metas)
+    inboxes = {}
     for rank in range(4):
-        found = replicas_to_check(plan, metas[rank], [False] * 3, rank, 1 << 20)
-        written = {i for i, _ in plan.writes[rank]}
-        assert {index for index, *_ in found} == {0, 1} - written
+        for owner, sent in route(metas[rank], (), 4).items():
+            inboxes.setdefault(owner, {})[rank] = sent
+    owned = [plan_owned(inbox) for inbox in inboxes.values()]
+    placed = [place_writes(metas[r], [o.decisions[r] for o in owned if r in o.decisions], r) for r in range(4)]
+    writes = [{index for index, _ in writes} for writes, _, _ in placed]
+    for rank, (_, _, elsewhere) in enumerate(placed):
+        found = replicas_to_check(elsewhere, metas[rank], [False] * 3, 1 << 20)
+        assert {index for index, *_ in found} == {0, 1} - writes[rank]
         for index, fqn, writer, item in found:
-            assert writer != rank and item in {i for i, _ in plan.writes[writer]}
+            assert writer != rank and item in writes[writer] and fqn == metas[rank][index].fqn
             assert metas[writer][item] == metas[rank][index]
-        assert replicas_to_check(plan, metas[rank], [True] * 3, rank, 1 << 20) == []
-        assert replicas_to_check(plan, metas[rank], [False] * 3, rank, 0) == []
+        assert replicas_to_check(elsewhere, metas[rank], [True] * 3, 1 << 20) == []
+        assert replicas_to_check(elsewhere, metas[rank], [False] * 3, 0) == []
+    assert sum(len(w) for w in writes) == 2 + 1 + 1  # each distinct piece written once
 
 
 def test_mismatch_names_each_tensor_with_the_ranks_that_agree():

@@ -283,7 +283,7 @@ def test_save_interrupted_around_its_commit_leaves_one_whole_checkpoint(tmp_path
     ss.save({"t": torch.zeros(4)}, path)
     module = sys.modules["statesnap.engine.save"]
     if when == "reporting to owners":
-        monkeypatch.setattr(module, "_report_to_owners", lambda *a, **k: (_ for _ in ()).throw(interruption()))
+        monkeypatch.setattr(module, "gather_reports", lambda *a, **k: (_ for _ in ()).throw(interruption()))
     else:
         real = module.commit_manifest
 

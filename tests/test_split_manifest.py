@@ -65,6 +65,54 @@ def test_split_manifest_of_three_ranks_loads_resharded_and_every_tool_reads_it(t
     assert "mp.w" in capsys.readouterr().out
 
 
+def _values_at(step: int) -> torch.Tensor:
+    return _full() * step
+
+
+def _checkpointer_writes_split_manifests(rank, world, root, local_root):
+    """Three checkpoints of changing values with the Checkpointer: its commits are planned and
+    written by the tensor owners, like ``ss.save``'s, on every level."""
+    save_module.SPLIT_MIN_RANKS = 1
+    state = _state(rank, world, _values_at(1), torch.arange(5.0))
+    with ss.Checkpointer(root, local_root=os.path.join(local_root, f"node{rank}"), local_every=1,
+                         node_id=rank, persist_every=1, keep_last=3) as ckpt:
+        for step in (1, 2, 3):
+            lo, n = _rows(rank, world)
+            state["mp"]["w"].local.copy_(_values_at(step)[lo:lo + n])
+            state["extra"]["step"] = step
+            ckpt.save(step, state).wait()
+    return True
+
+
+def _load_latest_resharded(rank, world, root):
+    state = _state(rank, world, torch.zeros(ROWS, COLS), torch.zeros(5))
+    with ss.Checkpointer(root) as ckpt:
+        step = ckpt.load_latest(state)
+    lo, n = _rows(rank, world)
+    return step, torch.equal(state["mp"]["w"].local, _values_at(3)[lo:lo + n]), state["extra"]["step"]
+
+
+def test_the_checkpointer_commits_through_the_tensor_owners(tmp_path):
+    root, local_root = str(tmp_path / "run"), str(tmp_path / "local")
+    assert run_ranks(3, _checkpointer_writes_split_manifests, root, local_root) == [True] * 3
+    for step in (1, 2, 3):
+        path = os.path.join(root, f"step-{step}")
+        doc = json.loads(open(os.path.join(path, MANIFEST_NAME), "rb").read())
+        assert doc["version"] == 2
+        reader = ss.open(path)
+        assert torch.equal(reader.read("mp.w"), _values_at(step)) and reader.read("extra.step") == step
+        assert reader.manifest.tensors["mp.w"].num_pieces == 3
+        assert torch.equal(reader.read("bias"), torch.arange(5.0))
+        assert reader.verify() > ROWS * COLS * 4
+    # each node's local copy is one whole manifest of the job that describes the files it holds
+    for node in range(3):
+        local = ss.open(os.path.join(local_root, f"node{node}", "step-3"))
+        assert local.manifest.tensors["mp.w"].num_pieces == 3
+        lo, n = _rows(node, 3)
+        assert torch.equal(local.read("mp.w", (slice(lo, lo + n),)), _values_at(3)[lo:lo + n])
+    assert run_ranks(2, _load_latest_resharded, root) == [(3, True, 3)] * 2
+
+
 def test_a_loading_rank_reads_only_the_chunks_its_rows_need():
     """128 simulated ranks (TP 2 x FSDP 64): each sharded tensor has 128 pieces in 4 chunks. A
     rank's reads come from the chunks its box reaches and plan exactly what the whole entry plans."""

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine.dist import Comm
-from ..engine.save import RankOutput, build_manifest, data_file_name, own_objects, write_rank
+from ..engine.save import RankOutput, data_file_name, gather_reports, own_objects, whole_manifest, write_rank
 from ..errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME
 from ..monitor.events import EventLog, now
@@ -190,8 +190,8 @@ class LocalFlusher(_Stage):
             self._exchange(snap, staging, token, output if error is None else None)
         except BaseException as exc:  # noqa: BLE001
             error = error or exc
-        outputs = comm.gather((output, None if error is None else f"{type(error).__name__}: {error}"))
-        result = self._manifest(snap, outputs) if comm.rank == 0 else None
+        gathered, error = gather_reports(comm, snap.metas, snap.plan, snap.owned, output, error)
+        result = self._manifest(snap, gathered) if comm.rank == 0 else None
         result = comm.broadcast(result)
         if topo.is_leader and staging is not None:
             if isinstance(result, bytes):
@@ -206,14 +206,15 @@ class LocalFlusher(_Stage):
             raise CheckpointError(result)
         return output.file_bytes if output is not None else 0
 
-    def _manifest(self, snap: Snapshot, outputs: list) -> bytes | str:
-        failures = [f"rank {r}: {err}" for r, (_, err) in enumerate(outputs) if err is not None]
+    def _manifest(self, snap: Snapshot, gathered: list) -> bytes | str:
+        """The whole manifest (every node's copy describes the job) from the owners' entries."""
+        failures = [f"rank {r}: {err}" for r, (_, err, _) in enumerate(gathered) if err is not None]
         if failures:
             return (f"node-local checkpoint of step {snap.step} under {self.level.root} failed and was not "
                     "committed: " + "; ".join(failures))
-        manifest = build_manifest(snap.plan, [out for out, _ in outputs], self.comm.world_size,
-                                  self._block_bytes_of(), {"step": snap.step})
-        return manifest.to_bytes()
+        tables = {fqn: entry for _, _, part in gathered for fqn, entry in part.items()}
+        return whole_manifest(tables, [out for out, _, _ in gathered], self.comm.world_size,
+                              self._block_bytes_of(), {"step": snap.step})[1]
 
     def _write_own(self, snap: Snapshot, staging: str, token: str) -> RankOutput:
         """This rank's data file, as the persistent flush writes it, from the resident snapshot."""

@@ -22,12 +22,11 @@ import torch.distributed as dist
 from ..engine.dist import Comm, timed_group
 from ..engine.load import load
 from ..engine.replicas import limit_bytes, object_digests
-from ..engine.save import encode_objects, per_rank_names, shared_names
+from ..engine.save import encode_objects, per_rank_names, plan_by_owners, shared_names
 from ..engine.write import default_threads
 from ..errors import CheckpointError, StateMismatchError
 from ..format.manifest import MANIFEST_NAME
 from ..monitor.events import EventLog, now
-from ..plan.save_plan import SavePlan, plan_save
 from ..storage import backend_for, is_url, normalize
 from .config import CheckpointerConfig
 from .gpu import CudaCopier, mark_devices
@@ -474,7 +473,7 @@ class Checkpointer:
         layout = self._state_cache.layout(flat, optimizers)
         metas = layout.metas
         objects, blobs = encode_objects(flat, self.config.allow_pickle)  # every object: memory restores all
-        plan = self._plan_for(metas, shared_names(flat))
+        plan, elsewhere, owned = self._plan_for(metas, shared_names(flat))
         snapshot_bytes = layout.snapshot_bytes
         self._ensure_arena(snapshot_bytes, layout.on_cuda)
         resident = align_up(snapshot_bytes, REGION_ALIGN) <= self._arena.capacity
@@ -493,7 +492,8 @@ class Checkpointer:
         if cuda_ready and self._cuda is None:
             self._cuda = CudaCopier()
         return Snapshot(
-            step=step, flat=flat, metas=metas, plan=plan, persist=persist, resident=resident,
+            step=step, flat=flat, metas=metas, plan=plan, elsewhere=elsewhere, owned=owned, persist=persist,
+            resident=resident,
             versions=layout.versions(locals_), owners=owners,
             objects=objects, blobs=blobs, per_rank=per_rank_names(flat), cuda_ready=cuda_ready,
             object_digests=object_digests(flat, objects) if persist and self._compares_objects else {},
@@ -514,12 +514,13 @@ class Checkpointer:
                 item = flat.tensors[index]
                 flat.tensors[index] = dataclasses.replace(item, local=item.local.detach().clone())
 
-    def _plan_for(self, metas: list, objects: list) -> SavePlan:
-        """The save plan, reused while this rank's layout is unchanged (ranks change layout together:
-        a new layout is planned with one all-gather on the trainer's group, here on its thread)."""
+    def _plan_for(self, metas: list, objects: list) -> tuple:
+        """The save plan (``engine.save.plan_by_owners``: no rank plans more than about its own
+        items' share), reused while this rank's layout is unchanged. Ranks change layout together:
+        a new layout is planned by two all-to-alls on the trainer's group, here on its thread."""
         key = (tuple(metas), tuple(objects))
         if key != self._plan_key:
-            self._plan = plan_save(*zip(*self._comm.all_gather((metas, objects))))
+            self._plan = plan_by_owners(self._comm, metas, objects)
             self._plan_key = key
         return self._plan
 

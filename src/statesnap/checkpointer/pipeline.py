@@ -4,8 +4,8 @@ Two threads keep the order that correctness needs, two pools do the bytes. The *
 takes snapshots in ``save()`` order, allocates arena space (blocking when the arena is full:
 back-pressure) and hands batches to copy workers. The *flusher* thread takes persisted snapshots
 in order, writes each batch as soon as its copy is done (write workers checksum and ``pwrite``),
-fsyncs, and commits through the same steps as a blocking save: ``engine.save``'s staging,
-``build_manifest`` and atomic commit. Its only collectives run on a dedicated group, one
+fsyncs, and commits through the same steps as a blocking save: ``engine.save``'s staging, the
+report to the tensors' owners and the atomic commit. Its only collectives run on a dedicated group, one
 checkpoint after another, never on the trainer's process groups.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from ..engine.dist import Comm
 from ..engine.replicas import REPLICA_CHECK_MB, hash_tensors, limit_bytes, replicas_to_check
-from ..engine.save import RankOutput, commit_or_abort, data_file_name, open_staging, own_objects
+from ..engine.save import RankOutput, commit_by_owners, data_file_name, open_staging, own_objects
 from ..errors import CheckpointError
 from ..format.checksum import checksum_blocks, checksum_whole
 from ..format.manifest import ObjectEntry
@@ -37,7 +37,9 @@ class Snapshot:
     step: int
     flat: Flattened
     metas: list[ItemMeta]
-    plan: SavePlan
+    plan: SavePlan  # this rank's part (engine/save.py, plan_by_owners)
+    elsewhere: dict  # item index -> (writer rank, writer's item index) of what another rank writes
+    owned: Any  # the plan of the tensors this rank owns (plan/owners.py), which builds their entries
     persist: bool
     resident: bool
     versions: list
@@ -308,13 +310,11 @@ class Flusher(_Stage):
             self._drain(snap)
         error = error or snap.error
         try:
-            outputs = comm.gather((output, None if error is None else f"{type(error).__name__}: {error}"))
-            result = None
-            if comm.rank == 0 and staging is not None:
-                with self._events.timed("commit", snap.step):
-                    result = commit_or_abort(backend, snap.path, staging, snap.plan, outputs, comm.world_size, True,
-                                     self.target.durable, self.target.block_bytes_of(), {"step": snap.step})
-            result = comm.broadcast(result)
+            with self._events.timed("commit", snap.step):
+                result, error = commit_by_owners(
+                    comm, backend, snap.path, staging, token, snap.metas, snap.plan, snap.owned, output, error,
+                    overwrite=True, durable=self.target.durable, block_bytes=self.target.block_bytes_of(),
+                    meta={"step": snap.step})
         except BaseException as exc:
             self.broken = exc
             raise
@@ -340,8 +340,8 @@ class Flusher(_Stage):
         resident snapshot has them there: a streaming one stages just what this rank writes."""
         if not snap.resident or snap.error is not None:
             return []
-        targets = replicas_to_check(snap.plan, snap.metas, [item.replicated for item in snap.flat.tensors],
-                                    self.target.comm.rank, self.target.replica_check_bytes)
+        targets = replicas_to_check(snap.elsewhere, snap.metas, [item.replicated for item in snap.flat.tensors],
+                                    self.target.replica_check_bytes)
         if not targets:
             return []
         arena, base = self._arena_of(), snap.region.start

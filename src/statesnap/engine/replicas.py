@@ -25,13 +25,10 @@ module that broadcasts them) are not compared: their holders may differ on purpo
 from __future__ import annotations
 
 import json
-from typing import Sequence
-
-import numpy as np
+from typing import Mapping, Sequence
 
 from ..format.checksum import checksum_blocks, checksum_whole
 from ..format.manifest import ObjectEntry
-from ..plan.save_plan import SavePlan, TensorPieces
 from ..state.items import Flattened, ItemMeta
 from .buffers import byte_view, host_contiguous
 
@@ -45,28 +42,15 @@ def limit_bytes(check_mb: float) -> int:
     return int(check_mb * (1 << 20))
 
 
-def replicas_to_check(plan: SavePlan, metas: Sequence[ItemMeta], declared: Sequence[bool], rank: int,
-                      limit: int) -> list[tuple[int, str, int, int]]:
+def replicas_to_check(elsewhere: Mapping[int, tuple[int, int]], metas: Sequence[ItemMeta],
+                      declared: Sequence[bool], limit: int) -> list[tuple[int, str, int, int]]:
     """(item index, fqn, writer rank, writer's item index) for each piece this rank holds but
-    another rank writes, of at most ``limit`` bytes and not declared replicated (``limit <= 0``:
-    none)."""
+    another rank writes (``elsewhere``: item index -> (writer, writer's item index), from the
+    save plan), of at most ``limit`` bytes and not declared replicated (``limit <= 0``: none)."""
     if limit <= 0:
         return []
-    written = {index for index, _ in plan.writes[rank]}
-    out = []
-    for index, meta in enumerate(metas):
-        if index in written or declared[index] or meta.nbytes > limit:
-            continue
-        pieces = plan.tensors[meta.fqn]
-        j = 0 if len(pieces.rank) == 1 else _piece_of(pieces, meta)
-        out.append((index, meta.fqn, int(pieces.rank[j]), int(pieces.item[j])))
-    return out
-
-
-def _piece_of(pieces: TensorPieces, meta: ItemMeta) -> int:
-    """The stored piece with ``meta``'s box (the planner stored one identical to it)."""
-    same = (pieces.start == np.asarray(meta.start, np.int64)).all(1) & (pieces.size == np.asarray(meta.size, np.int64)).all(1)
-    return int(np.flatnonzero(same)[0])
+    return [(index, metas[index].fqn, *writer) for index, writer in sorted(elsewhere.items())
+            if not declared[index] and metas[index].nbytes <= limit]
 
 
 def hash_tensors(targets: list[tuple[int, str, int, int]], tensors, block_bytes: int) -> list[ReplicaHash]:

@@ -31,7 +31,7 @@ from .buffers import byte_view, host_contiguous
 from .dist import DEFAULT_TIMEOUT_S, Comm, PeerLostError
 from .exchange import all_to_all
 from .objects import encode_value
-from .replicas import REPLICA_CHECK_MB, hash_tensors, limit_bytes, mismatches, object_digests
+from .replicas import REPLICA_CHECK_MB, hash_tensors, limit_bytes, mismatches, object_digests, replicas_to_check
 from .write import write_file
 
 
@@ -231,11 +231,8 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
     except Exception as exc:
         error, metas, names = exc, [], []
     comm.agree(error, "preparing the save")
-    plan, elsewhere, owned = _plan_by_owners(comm, metas, names)
+    plan, elsewhere, owned = plan_by_owners(comm, metas, names)
     entries, blobs = own_objects(all_entries, all_blobs, per_rank_names(flat), comm.rank, plan.object_writers)
-    # every rank learns which ranks write a file (one flag each), so owners can name files by index
-    has_file = comm.all_gather(bool(plan.writes[comm.rank] or blobs))
-    file_of_rank = np.cumsum(has_file) - 1
     opened = open_staging(backend, path, overwrite) if comm.rank == 0 else None
     try:
         staging, token, problem = comm.broadcast(opened)
@@ -254,9 +251,8 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
         with bar(total, f"save -> {os.path.basename(path.rstrip('/'))}", progress) as advance:
             output = write_rank(backend, staging, token, comm.rank, plan, tensors, entries, blobs,
                                 per_rank_names(flat), durable, threads, block_bytes, advance)
-        limit = limit_bytes(replica_check_mb) if replica_check_mb > 0 else -1
-        targets = [(index, metas[index].fqn, *writer) for index, writer in sorted(elsewhere.items())
-                   if not flat.tensors[index].replicated and metas[index].nbytes <= limit]
+        targets = replicas_to_check(elsewhere, metas, [item.replicated for item in flat.tensors],
+                                    limit_bytes(replica_check_mb) if replica_check_mb > 0 else -1)
         output.replicas = hash_tensors(targets, [item.local for item in flat.tensors], block_bytes)
         output.object_digests = digests
     except Exception as exc:
@@ -266,29 +262,8 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
             backend.abort(staging, path)
         raise
     try:
-        split = comm.world_size >= SPLIT_MIN_RANKS
-        try:  # a rank lost in either collective below: nothing is committed, the staging goes
-            owned_entries, error = _report_to_owners(comm, metas, plan, output, owned, file_of_rank, error)
-            if split and owned_entries and error is None:
-                try:
-                    output.section = write_section(backend, staging, token, comm.rank, owned_entries, durable)
-                except Exception as exc:
-                    error = exc
-            gathered = comm.gather((output, None if error is None else f"{type(error).__name__}: {error}",
-                                    None if split else owned_entries))
-        except PeerLostError:
-            if comm.rank == 0:  # the coordinator cleans up; other ranks' files are in its staging
-                backend.abort(staging, path, [name(token, r) for r in range(comm.world_size)
-                                              for name in (data_file_name, section_name)])
-            raise
-        result = None
-        if comm.rank == 0:
-            outputs = [(out, err) for out, err, _ in gathered]
-            tables = {fqn: entry for _, _, part in gathered for fqn, entry in (part or {}).items()}
-            result = commit_manifest(backend, path, staging, outputs, overwrite, durable,
-                                     (lambda outs: split_index(outs, comm.world_size, block_bytes, meta)) if split else
-                                     (lambda outs: whole_manifest(tables, outs, comm.world_size, block_bytes, meta)))
-        result = comm.broadcast(result)
+        result, error = commit_by_owners(comm, backend, path, staging, token, metas, plan, owned, output, error,
+                                         overwrite=overwrite, durable=durable, block_bytes=block_bytes, meta=meta)
     except BaseException as exc:
         # Ctrl-C or SystemExit on rank 0 before the commit: as during the writes. After the commit
         # this removes nothing: a local staging directory was renamed into place, and an object
@@ -312,9 +287,11 @@ def write_section(backend: StorageBackend, staging: str, token: str, rank: int, 
     return name, len(raw), rows
 
 
-def _plan_by_owners(comm: Comm, metas: list, names: list[str]) -> tuple[SavePlan, dict, OwnedTensors | None]:
-    """Phases 1-3 of plan/owners.py: (this rank's part of the plan, item index -> its writer for
-    the items another rank writes, the plan of the tensors this rank owns)."""
+def plan_by_owners(comm: Comm, metas: list, names: list[str]) -> tuple[SavePlan, dict, OwnedTensors | None]:
+    """Phases 1-3 of plan/owners.py, a collective of every rank: (this rank's part of the plan,
+    item index -> (writer rank, writer's item index) of the items another rank writes, the plan
+    of the tensors this rank owns). Nothing in it grows with the number of ranks but the
+    all-to-all's empty slots."""
     routed = route(metas, names, comm.world_size)
     inbox = all_to_all(comm, [routed.get(r) for r in range(comm.world_size)])
     owned, error = None, None
@@ -331,19 +308,65 @@ def _plan_by_owners(comm: Comm, metas: list, names: list[str]) -> tuple[SavePlan
     return plan, elsewhere, owned
 
 
-def _report_to_owners(comm: Comm, metas: list, plan: SavePlan, output: RankOutput | None,
-                      owned: OwnedTensors, file_of_rank, error: Exception | None):
-    """Phase 4: offsets and checksums of the written pieces go to their tensors' owners, which
-    build the entries. Returns (this owner's entries or None, the first error here)."""
+def commit_by_owners(comm: Comm, backend: StorageBackend, path: str, staging: str | None, token: str, metas: list,
+                     plan: SavePlan, owned: OwnedTensors | None, output: RankOutput | None,
+                     error: BaseException | None, *, overwrite: bool, durable: bool, block_bytes: int,
+                     meta: dict | None) -> tuple[Any, BaseException | None]:
+    """Phase 4 and the commit, on every rank together, once each has written its file (or
+    failed: ``error``). The owners build their tensors' entries; in a job of ``SPLIT_MIN_RANKS``
+    ranks or more each writes them as its manifest section, else they go to rank 0 with the
+    outputs. Rank 0 writes the manifest and commits, or aborts. Returns (total bytes or the
+    reason nothing was committed, the same on every rank; this rank's first error). A rank lost
+    on the way raises ``PeerLostError`` everywhere, and rank 0 removes the staging."""
+    split = comm.world_size >= SPLIT_MIN_RANKS
+
+    def write_own_section(entries: dict[str, TensorEntry]) -> None:
+        output.section = write_section(backend, staging, token, comm.rank, entries, durable)
+    try:
+        gathered, error = gather_reports(comm, metas, plan, owned, output, error,
+                                         write_own_section if split else None)
+    except PeerLostError:
+        if comm.rank == 0 and staging is not None:  # the other ranks' files are in its staging
+            backend.abort(staging, path, [name(token, r) for r in range(comm.world_size)
+                                          for name in (data_file_name, section_name)])
+        raise
+    result = None
+    if comm.rank == 0 and staging is not None:
+        outputs = [(out, err) for out, err, _ in gathered]
+        tables = {fqn: entry for _, _, part in gathered for fqn, entry in (part or {}).items()}
+        result = commit_manifest(backend, path, staging, outputs, overwrite, durable,
+                                 (lambda outs: split_index(outs, comm.world_size, block_bytes, meta)) if split else
+                                 (lambda outs: whole_manifest(tables, outs, comm.world_size, block_bytes, meta)))
+    return comm.broadcast(result), error
+
+
+def gather_reports(comm: Comm, metas: list, plan: SavePlan, owned: OwnedTensors | None, output: RankOutput | None,
+                   error: BaseException | None, write_own_section: Callable[[dict], None] | None = None
+                   ) -> tuple[list | None, BaseException | None]:
+    """Phase 4: the offsets and checksums of the written pieces go to their tensors' owners, which
+    build the entries; then rank 0 gathers (output, error text, the owner's entries unless
+    ``write_own_section`` wrote them). Returns (that list on rank 0, else None; this rank's first
+    error)."""
+    has_file = comm.all_gather(output is not None and output.file is not None)
+    file_of_rank = (np.cumsum(has_file) - 1).tolist()  # owners name the writers' files by index
     outgoing = [{} for _ in range(comm.world_size)]
     if output is not None:
         for index, offset in plan.writes[comm.rank]:
             outgoing[owner_of(metas[index].fqn, comm.world_size)][index] = (offset, output.checksums[index])
     reports = all_to_all(comm, outgoing)
+    owned_entries = None
     try:
-        return owned.entries(dict(enumerate(reports)), file_of_rank.tolist()), error
+        owned_entries = owned.entries(dict(enumerate(reports)), file_of_rank)
     except KeyError:  # a writer failed before reporting: it reports its own error to rank 0
-        return None, error
+        pass
+    if write_own_section is not None and owned_entries and error is None:
+        try:
+            write_own_section(owned_entries)
+        except Exception as exc:
+            error = exc
+    gathered = comm.gather((output, None if error is None else f"{type(error).__name__}: {error}",
+                            None if write_own_section is not None else owned_entries))
+    return gathered, error
 
 
 def open_staging(backend: StorageBackend, path: str, overwrite: bool) -> tuple[str | None, str, str | None]:
