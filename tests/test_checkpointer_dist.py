@@ -1,8 +1,10 @@
 """The Checkpointer on two real gloo ranks: DDP-style replicas, sharded and per-rank state,
 gradient all-reduces on the trainer's group while commits run on the Checkpointer's own group."""
+import importlib
 import os
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -71,22 +73,25 @@ def test_two_ranks_save_commit_and_restore(tmp_path):
 
 
 class OwnFilesOnly(LocalBackend):
-    """A persistent level on which a rank can read only the data files it wrote, as on node-local
-    disks; ``fail_step`` makes this rank's reads of that step fail (a lost disk)."""
+    """A persistent level on which a rank can read only the data files (and manifest sections) it
+    wrote, as on node-local disks; ``fail_step`` makes this rank's reads of that step fail (a lost
+    disk)."""
 
     def __init__(self, rank, fail_step=None):
         self.rank, self.fail_step = rank, fail_step
 
     def open_read(self, path):
         name = os.path.basename(path)
-        if name.endswith(".bin") and not name.endswith(f"-r{self.rank:05d}.bin"):
+        if name.endswith((".bin", ".sec")) and not name[:-4].endswith(f"-r{self.rank:05d}"):
             raise PermissionError(f"rank {self.rank} read another rank's file {path}")
         if self.fail_step is not None and f"step-{self.fail_step}" in path:
             raise OSError(f"rank {self.rank}: the disk under {path} is gone")
         return super().open_read(path)
 
 
-def _copy_to_further(rank, world, root, further, fail_step):
+def _copy_to_further(rank, world, root, further, fail_step, split=False):
+    if split:  # this small job writes the split manifest a job of 64 ranks writes
+        importlib.import_module("statesnap.engine.save").SPLIT_MIN_RANKS = 1
     state = _state(rank)
     model, optim = state["model"], state["optim"]
     refs = {}
@@ -110,13 +115,17 @@ def _copy_to_further(rank, world, root, further, fail_step):
     return steps, [str(w.message) for w in caught if "further" in str(w.message) or "copy" in str(w.message)]
 
 
-def test_every_rank_copies_its_own_files_to_the_further_level(tmp_path):
-    """No rank reads another's files (OwnFilesOnly refuses it), and the copy is one commit."""
+@pytest.mark.parametrize("split", [False, True])
+def test_every_rank_copies_its_own_files_to_the_further_level(tmp_path, split):
+    """No rank reads another's files (OwnFilesOnly refuses it), and the copy is one commit; with
+    a split manifest each rank also copies the section it wrote."""
     root, further = str(tmp_path / "ckpt"), str(tmp_path / "further")
-    for steps, warned in run_ranks(2, _copy_to_further, root, further, None):
+    for steps, warned in run_ranks(2, _copy_to_further, root, further, None, split):
         assert steps == ["step-4", "step-6"] and warned == []
     files = sorted(f for f in os.listdir(os.path.join(further, "step-6")) if f.endswith(".bin"))
     assert [f[-10:] for f in files] == ["r00000.bin", "r00001.bin"]
+    sections = sorted(f[-10:] for f in os.listdir(os.path.join(further, "step-6")) if f.endswith(".sec"))
+    assert sections == (["r00000.sec", "r00001.sec"] if split else [])
 
 
 def test_a_rank_failing_its_further_copy_leaves_no_partial_copy(tmp_path):

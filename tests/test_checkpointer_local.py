@@ -309,3 +309,20 @@ def test_a_stream_that_fails_halfway_is_still_drained(failing):
     expected = {"sender": ["Input/output error", None], "receiver": [None, "No space left on device"]}[failing]
     assert [raised for raised, _ in results] == expected
     assert [marker for _, marker in results] == [15, 15]
+
+
+def test_a_step_is_complete_only_where_one_commit_of_it_is_held_whole():
+    """Inventories carry each node's own files and a digest of the names, never the job's list.
+    A node holding another commit of the same step (another run's) does not complete it."""
+    from statesnap.checkpointer.recovery import complete_steps, copy_of
+
+    names = ["data-a-r00000.bin", "data-a-r00001.bin", "data-a-r00002.bin", "data-a-r00003.bin"]
+    ours, theirs = (4, 11), (4, 22)
+    node0 = {5: (names[:2], *ours), 6: (names[:2], *ours)}
+    node1 = {5: (names[2:], *ours), 6: (["data-b-r00002.bin", "data-b-r00003.bin"], *theirs)}
+    inventories = [node0, node0, node1, node1]
+    assert complete_steps(inventories) == [5]
+    assert copy_of(inventories, 5) == ours and copy_of(inventories, 6) is None
+    partner = {6: (names[2:], *ours)}  # a peer replica of node 1's files on a third node
+    assert complete_steps(inventories + [partner]) == [6, 5]
+    assert copy_of([node0, node0], 5) is None

@@ -40,3 +40,23 @@ def test_replicated_state_written_once_and_spread(tmp_path):
     for rank, (_, _, same, same_opt, rng) in enumerate(results):
         assert same and same_opt
         assert rng == rank * 10
+
+
+def _stage_loads(rank, world, path):
+    """Pipeline-like: each rank holds its own stage's tensors; only what no rank loads is unexpected."""
+    stages = [rank, world] if rank == 0 else [rank]  # stage ``world``: saved, then no rank loads it
+    ss.save({f"stage{s}": torch.full((3,), float(s)) for s in stages}, path)
+    mine = {f"stage{rank}": torch.zeros(3)}
+    try:
+        ss.load(mine, path)
+        strict_error = None
+    except ss.StateMismatchError as exc:
+        strict_error = exc.unexpected
+    ss.load(mine, path, strict=False)
+    return strict_error, torch.equal(mine[f"stage{rank}"], torch.full((3,), float(rank)))
+
+
+def test_a_strict_load_names_only_what_no_rank_loads(tmp_path):
+    """Each rank sends one flag per stored name (Comm.any_of), not its names to every rank."""
+    path = str(tmp_path / "c")
+    assert run_ranks(3, _stage_loads, path) == [(["stage3"], True)] * 3

@@ -26,12 +26,13 @@ from .levels import StorageLevel
 
 COPY_CHUNK = 64 << 20
 log = logging.getLogger("statesnap")
-_RANK_OF_FILE = re.compile(r"-r([0-9]{5,})\.bin$")
+_RANK_OF_FILE = re.compile(r"-r([0-9]{5,})\.(bin|sec)$")  # data files and split-manifest sections
 
 
 def files_of_rank(files: list[str], rank: int, world_size: int) -> list[str]:
-    """The data files ``rank`` copies: those it wrote; rank 0 also takes any file no rank of
-    this world wrote (none in a checkpoint the Checkpointer made, but a copy must be whole)."""
+    """The files ``rank`` copies: the data file and manifest section it wrote; rank 0 also takes
+    any file no rank of this world wrote (none in a checkpoint the Checkpointer made, but a copy
+    must be whole)."""
     def owner(name: str) -> int:
         match = _RANK_OF_FILE.search(name)
         return int(match.group(1)) if match and int(match.group(1)) < world_size else 0

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ..engine.dist import Comm
-from ..engine.save import RankOutput, data_file_name, gather_reports, own_objects, whole_manifest, write_rank
+from ..engine.save import (RankOutput, data_file_name, gather_reports, own_objects, report_errors, whole_manifest,
+                           write_rank)
 from ..errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME
 from ..monitor.events import EventLog, now
@@ -208,12 +209,12 @@ class LocalFlusher(_Stage):
 
     def _manifest(self, snap: Snapshot, gathered: list) -> bytes | str:
         """The whole manifest (every node's copy describes the job) from the owners' entries."""
-        failures = [f"rank {r}: {err}" for r, (_, err, _) in enumerate(gathered) if err is not None]
+        failures = [f"rank {r}: {err}" for r, err in enumerate(report_errors(gathered)) if err is not None]
         if failures:
             return (f"node-local checkpoint of step {snap.step} under {self.level.root} failed and was not "
                     "committed: " + "; ".join(failures))
-        tables = {fqn: entry for _, _, part in gathered for fqn, entry in part.items()}
-        return whole_manifest(tables, [out for out, _, _ in gathered], self.comm.world_size,
+        tables = {fqn: entry for report in gathered for fqn, entry in report.entries.items()}
+        return whole_manifest(tables, [report.output for report in gathered], self.comm.world_size,
                               self._block_bytes_of(), {"step": snap.step})[1]
 
     def _write_own(self, snap: Snapshot, staging: str, token: str) -> RankOutput:

@@ -310,11 +310,10 @@ class Flusher(_Stage):
             self._drain(snap)
         error = error or snap.error
         try:
-            with self._events.timed("commit", snap.step):
-                result, error = commit_by_owners(
-                    comm, backend, snap.path, staging, token, snap.metas, snap.plan, snap.owned, output, error,
-                    overwrite=True, durable=self.target.durable, block_bytes=self.target.block_bytes_of(),
-                    meta={"step": snap.step})
+            result, error = commit_by_owners(
+                comm, backend, snap.path, staging, token, snap.metas, snap.plan, snap.owned, output, error,
+                overwrite=True, durable=self.target.durable, block_bytes=self.target.block_bytes_of(),
+                meta={"step": snap.step}, timed=lambda: self._events.timed("commit", snap.step))
         except BaseException as exc:
             self.broken = exc
             raise

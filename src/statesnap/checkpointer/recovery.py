@@ -12,6 +12,7 @@ did.
 from __future__ import annotations
 
 import uuid
+import zlib
 from collections import Counter
 
 import torch
@@ -26,8 +27,11 @@ from .levels import StorageLevel
 from .local import PEER_CHUNK_BYTES, Topology, pwriter, recv_stream, send_stream
 
 
-def inventory(level: StorageLevel) -> dict[int, tuple[list[str], list[str]]]:
-    """step -> (data files this node holds, data files the manifest names), committed steps only."""
+def inventory(level: StorageLevel) -> dict[int, tuple[list[str], int, int]]:
+    """step -> (data files this node holds, how many files the manifest names, a digest of their
+    names), committed steps only. Every rank sends its node's inventory to every other, so it
+    holds the node's own files, not the job's list: that would make each rank receive
+    ranks x files names, quadratic in the size of the job."""
     out = {}
     for step in level.committed_steps():
         path = level.path(step)
@@ -37,20 +41,27 @@ def inventory(level: StorageLevel) -> dict[int, tuple[list[str], list[str]]]:
         except Exception:  # noqa: BLE001 (a damaged manifest: this node does not count as holding it)
             continue
         held = set(level.backend.listdir(path))
-        out[step] = (sorted(f for f in manifest.files if f in held), list(manifest.files))
+        out[step] = (sorted(f for f in manifest.files if f in held), len(manifest.files),
+                     zlib.crc32("\n".join(manifest.files).encode()))
     return out
+
+
+def copy_of(inventories: list[dict], step: int) -> tuple[int, int] | None:
+    """The (file count, names digest) of the copy of ``step`` that the nodes hold whole together,
+    or None. Nodes holding another commit of the same step (another run's) do not count."""
+    held: dict[tuple[int, int], set] = {}
+    for inv in inventories:
+        if step in inv:
+            files, count, digest = inv[step]
+            held.setdefault((count, digest), set()).update(files)
+    whole = [key for key, files in held.items() if len(files) == key[0]]
+    return max(whole, key=lambda key: len(held[key])) if whole else None
 
 
 def complete_steps(inventories: list[dict]) -> list[int]:
     """Steps whose files the nodes hold together (every rank's inventory is its node's), newest first."""
     steps = set().union(*(inv.keys() for inv in inventories))
-    complete = []
-    for step in steps:
-        held = set().union(*(set(inv[step][0]) for inv in inventories if step in inv))
-        named = next(inv[step][1] for inv in inventories if step in inv)
-        if held >= set(named):
-            complete.append(step)
-    return sorted(complete, reverse=True)
+    return sorted((step for step in steps if copy_of(inventories, step) is not None), reverse=True)
 
 
 def files_needed(manifest: Manifest, state: dict) -> set[str]:
@@ -82,11 +93,14 @@ class LocalRecovery:
     def restore(self, state: dict, step: int, inventories: list[dict], **load_options) -> tuple[int, bool]:
         """Load ``step`` into ``state``; return (bytes read, whether files came from other nodes)."""
         comm, backend = self.comm, self.level.backend
+        chosen = copy_of(inventories, step)  # nodes holding another run's commit of the step hold nothing here
+        inventories = [{step: inv[step]} if step in inv and tuple(inv[step][1:]) == chosen else {}
+                       for inv in inventories]
         holders = [r for r, inv in enumerate(inventories) if step in inv]
-        mine = inventories[comm.rank].get(step, ([], []))[0]
+        mine = inventories[comm.rank].get(step, ([],))[0]
         raw = backend.read_bytes(backend.join(self.level.path(step), MANIFEST_NAME)) \
             if comm.rank == holders[0] else None
-        raw = comm.all_gather(raw)[holders[0]]
+        raw = comm.broadcast(raw, src=holders[0])
         manifest = Manifest.from_bytes(raw, where=f"{self.level.path(step)} (node of rank {holders[0]})")
         lacking = sorted(files_needed(manifest, state) - set(mine))
         transfers = self._plan_transfers(step, comm.all_gather(lacking), inventories)

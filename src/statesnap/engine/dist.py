@@ -151,15 +151,25 @@ class Comm:
         self.wait(dist.gather(padded, inbox, dst=self._global(0), group=self.transport(), async_op=True))
         return [self._decode(t, int(n)) for t, n in zip(inbox, sizes)] if self.rank == 0 else None
 
-    def broadcast(self, obj: Any) -> Any:
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (the others' ``obj`` is ignored)."""
         if not self._multi():
             return obj
-        payload = self._encode(obj) if self.rank == 0 else None
+        payload = self._encode(obj) if self.rank == src else None
         size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
-        self.wait(dist.broadcast(size, src=self._global(0), group=self.transport(), async_op=True))
+        self.wait(dist.broadcast(size, src=self._global(src), group=self.transport(), async_op=True))
         box = payload if payload is not None else torch.empty(int(size), dtype=torch.uint8)
-        self.wait(dist.broadcast(box, src=self._global(0), group=self.transport(), async_op=True))
+        self.wait(dist.broadcast(box, src=self._global(src), group=self.transport(), async_op=True))
         return self._decode(box, int(size))
+
+    def any_of(self, flags: list[bool]) -> list[bool]:
+        """Element-wise: whether any rank's flag is set. Every rank passes as many flags, in the
+        same order; what each receives is one flag per element, whatever the number of ranks."""
+        if not self._multi():
+            return list(flags)
+        mask = torch.tensor(flags, dtype=torch.int32) if flags else torch.zeros(0, dtype=torch.int32)
+        self.wait(dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.transport(), async_op=True))
+        return mask.bool().tolist()
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Raise on every rank if any rank failed ``what``; return normally if all succeeded."""

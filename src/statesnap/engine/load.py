@@ -162,8 +162,9 @@ def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: 
     missing += [o.fqn for o in flat.objects if o.fqn not in manifest.objects]
     unexpected = []
     if strict:
-        wanted = set().union(*comm.all_gather({i.fqn for i in flat.tensors} | {o.fqn for o in flat.objects}))
-        unexpected = [k for k in manifest.keys() if k not in wanted]
+        # what no rank loads: one flag per stored name from each rank, never every rank's names
+        keys, mine = list(manifest.keys()), {i.fqn for i in flat.tensors} | {o.fqn for o in flat.objects}
+        unexpected = [k for k, wanted in zip(keys, comm.any_of([k in mine for k in keys])) if not wanted]
         if missing or mismatched or unexpected:
             parts = [_format_list(t, sorted(n)) for t, n in
                      (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),

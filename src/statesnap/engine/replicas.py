@@ -25,7 +25,7 @@ module that broadcasts them) are not compared: their holders may differ on purpo
 from __future__ import annotations
 
 import json
-from typing import Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from ..format.checksum import checksum_blocks, checksum_whole
 from ..format.manifest import ObjectEntry
@@ -67,16 +67,18 @@ def object_digests(flat: Flattened, entries: dict[str, ObjectEntry]) -> dict[str
             if item.per_rank is None and not item.replicated and entries[item.fqn].kind == "json"}
 
 
-def mismatches(outputs: Sequence) -> str | None:
+def mismatches(outputs: Sequence, pieces: dict[str, list[str]] | None = None) -> str | None:
     """On rank 0, given every rank's ``RankOutput``: a description of the replicated pieces and
-    shared values whose holders hold different values, or None when all agree."""
-    bad = {(writer, item): fqn for out in outputs for fqn, writer, item, sums in out.replicas
-           if sums != outputs[writer].checksums[item]}
-    by_tensor = _differing_pieces(outputs, bad)
-    by_tensor.update(_differing_objects(outputs))
+    shared values whose holders hold different values, or None when all agree. ``pieces``: the
+    differing pieces as the tensors' owners found them (:func:`differing_pieces`); by default
+    they are found here from the outputs' checksums and replica hashes."""
+    if pieces is None:
+        pieces = differing_pieces(lambda writer, item: outputs[writer].checksums[item],
+                                  ((rank, hashed) for rank, out in enumerate(outputs) for hashed in out.replicas))
+    by_tensor = {**pieces, **_differing_objects(outputs)}
     if not by_tensor:
         return None
-    described = [f"{fqn} ({'; '.join(sorted(pieces))})" for fqn, pieces in sorted(by_tensor.items())]
+    described = [f"{fqn} ({'; '.join(sorted(parts))})" for fqn, parts in sorted(by_tensor.items())]
     shown = "; ".join(described[:10]) + (f"; and {len(described) - 10} more" if len(described) > 10 else "")
     return (f"{len(described)} replicated value(s) differ between the ranks holding them: {shown}. "
             "A tensor that several ranks hold with the same name, dtype and shape, and a plain value, are "
@@ -86,16 +88,23 @@ def mismatches(outputs: Sequence) -> str | None:
             "Parameters that should be replicas (DDP) but differ point to a bug in the training loop.")
 
 
-def _differing_pieces(outputs: Sequence, bad: dict) -> dict[str, list[str]]:
-    """fqn -> for each differing piece, which ranks agree with which (``rank 0 vs rank 1``)."""
-    groups = {key: {tuple(outputs[key[0]].checksums[key[1]]): [key[0]]} for key in bad}
-    for rank, out in enumerate(outputs):
-        for _, writer, item, sums in out.replicas:
-            if (writer, item) in groups:
-                groups[(writer, item)].setdefault(tuple(sums), []).append(rank)
+def differing_pieces(checksums_of: Callable[[int, int], list[int]],
+                     hashes: Iterable[tuple[int, ReplicaHash]]) -> dict[str, list[str]]:
+    """fqn -> for each differing piece, which ranks agree with which (``rank 0 vs rank 1``).
+    ``hashes``: (holder rank, its hash of a piece another rank writes); ``checksums_of(writer,
+    item)``: the writer's checksums of that piece. Run by each tensor's owner, which receives
+    both for its tensors only, so no rank sees every rank's checksums."""
+    groups: dict[tuple[int, int], dict[tuple, list[int]]] = {}
+    names: dict[tuple[int, int], str] = {}
+    for rank, (fqn, writer, item, sums) in hashes:
+        key = (writer, item)
+        if key not in groups:
+            groups[key], names[key] = {tuple(checksums_of(writer, item)): [writer]}, fqn
+        groups[key].setdefault(tuple(sums), []).append(rank)
     by_tensor: dict[str, list[str]] = {}  # a sharded tensor may have several differing pieces
-    for key, g in groups.items():
-        by_tensor.setdefault(bad[key], []).append(_versus(g.values()))
+    for key, found in groups.items():
+        if len(found) > 1:
+            by_tensor.setdefault(names[key], []).append(_versus(found.values()))
     return by_tensor
 
 

@@ -6,12 +6,14 @@ stores, the manifest itself) makes the whole checkpoint visible at once.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import numpy as np
 
@@ -31,7 +33,8 @@ from .buffers import byte_view, host_contiguous
 from .dist import DEFAULT_TIMEOUT_S, Comm, PeerLostError
 from .exchange import all_to_all
 from .objects import encode_value
-from .replicas import REPLICA_CHECK_MB, hash_tensors, limit_bytes, mismatches, object_digests, replicas_to_check
+from .replicas import (REPLICA_CHECK_MB, differing_pieces, hash_tensors, limit_bytes, mismatches, object_digests,
+                       replicas_to_check)
 from .write import write_file
 
 
@@ -311,13 +314,15 @@ def plan_by_owners(comm: Comm, metas: list, names: list[str]) -> tuple[SavePlan,
 def commit_by_owners(comm: Comm, backend: StorageBackend, path: str, staging: str | None, token: str, metas: list,
                      plan: SavePlan, owned: OwnedTensors | None, output: RankOutput | None,
                      error: BaseException | None, *, overwrite: bool, durable: bool, block_bytes: int,
-                     meta: dict | None) -> tuple[Any, BaseException | None]:
+                     meta: dict | None, timed: Callable[[], ContextManager] = nullcontext
+                     ) -> tuple[Any, BaseException | None]:
     """Phase 4 and the commit, on every rank together, once each has written its file (or
-    failed: ``error``). The owners build their tensors' entries; in a job of ``SPLIT_MIN_RANKS``
-    ranks or more each writes them as its manifest section, else they go to rank 0 with the
-    outputs. Rank 0 writes the manifest and commits, or aborts. Returns (total bytes or the
-    reason nothing was committed, the same on every rank; this rank's first error). A rank lost
-    on the way raises ``PeerLostError`` everywhere, and rank 0 removes the staging."""
+    failed: ``error``). The owners build their tensors' entries and compare their replicas; in a
+    job of ``SPLIT_MIN_RANKS`` ranks or more each writes its entries as its manifest section,
+    else they go to rank 0 with the outputs. Rank 0 writes the manifest and commits (inside
+    ``timed()``), or aborts. Returns (total bytes or the reason nothing was committed, the same
+    on every rank; this rank's first error). A rank lost on the way raises ``PeerLostError``
+    everywhere, and rank 0 removes the staging."""
     split = comm.world_size >= SPLIT_MIN_RANKS
 
     def write_own_section(entries: dict[str, TensorEntry]) -> None:
@@ -332,40 +337,70 @@ def commit_by_owners(comm: Comm, backend: StorageBackend, path: str, staging: st
         raise
     result = None
     if comm.rank == 0 and staging is not None:
-        outputs = [(out, err) for out, err, _ in gathered]
-        tables = {fqn: entry for _, _, part in gathered for fqn, entry in (part or {}).items()}
-        result = commit_manifest(backend, path, staging, outputs, overwrite, durable,
-                                 (lambda outs: split_index(outs, comm.world_size, block_bytes, meta)) if split else
-                                 (lambda outs: whole_manifest(tables, outs, comm.world_size, block_bytes, meta)))
+        outputs = list(zip((report.output for report in gathered), report_errors(gathered)))
+        tables = {fqn: entry for report in gathered for fqn, entry in (report.entries or {}).items()}
+        differ = {fqn: parts for report in gathered for fqn, parts in report.differing.items()}
+        with timed():
+            result = commit_manifest(backend, path, staging, outputs, overwrite, durable,
+                                     (lambda outs: split_index(outs, comm.world_size, block_bytes, meta)) if split else
+                                     (lambda outs: whole_manifest(tables, outs, comm.world_size, block_bytes, meta)),
+                                     differ)
     return comm.broadcast(result), error
+
+
+@dataclass
+class OwnerReport:
+    """What a rank sends rank 0 at the end of a save planned by owners."""
+
+    output: RankOutput | None  # without checksums and replica hashes: the owners had them
+    error: str | None
+    entries: dict[str, TensorEntry] | None  # of the tensors it owns (None: written as a section)
+    differing: dict[str, list[str]]  # of its tensors, replicas whose holders differ (replicas.py)
+    unreported: str | None = None  # an item written for its tensors that no report gave
+
+
+def report_errors(gathered: list[OwnerReport]) -> list[str | None]:
+    """Each rank's failure, if any. An owner missing a report counts only where no rank failed:
+    a writer that failed explains it, and says so itself."""
+    explained = any(report.error is not None for report in gathered)
+    return [report.error or (None if explained else report.unreported) for report in gathered]
 
 
 def gather_reports(comm: Comm, metas: list, plan: SavePlan, owned: OwnedTensors | None, output: RankOutput | None,
                    error: BaseException | None, write_own_section: Callable[[dict], None] | None = None
-                   ) -> tuple[list | None, BaseException | None]:
-    """Phase 4: the offsets and checksums of the written pieces go to their tensors' owners, which
-    build the entries; then rank 0 gathers (output, error text, the owner's entries unless
+                   ) -> tuple[list[OwnerReport] | None, BaseException | None]:
+    """Phase 4: the offsets and checksums of the written pieces, and every holder's hashes of the
+    replicas it does not write, go to their tensors' owners, which build the entries and compare
+    the replicas; then rank 0 gathers one :class:`OwnerReport` per rank (the entries unless
     ``write_own_section`` wrote them). Returns (that list on rank 0, else None; this rank's first
-    error)."""
+    error). Nothing a rank sends or receives grows with the job but its own items and owned
+    tensors, and one small output per rank on rank 0."""
     has_file = comm.all_gather(output is not None and output.file is not None)
     file_of_rank = (np.cumsum(has_file) - 1).tolist()  # owners name the writers' files by index
-    outgoing = [{} for _ in range(comm.world_size)]
+    outgoing = [({}, []) for _ in range(comm.world_size)]
     if output is not None:
         for index, offset in plan.writes[comm.rank]:
-            outgoing[owner_of(metas[index].fqn, comm.world_size)][index] = (offset, output.checksums[index])
-    reports = all_to_all(comm, outgoing)
-    owned_entries = None
+            outgoing[owner_of(metas[index].fqn, comm.world_size)][0][index] = (offset, output.checksums[index])
+        for hashed in output.replicas:
+            outgoing[owner_of(hashed[0], comm.world_size)][1].append(hashed)
+    received = all_to_all(comm, outgoing)
+    written = dict(enumerate(placed for placed, _ in received))
+    entries, differing, unreported = None, {}, None
     try:
-        owned_entries = owned.entries(dict(enumerate(reports)), file_of_rank)
-    except KeyError:  # a writer failed before reporting: it reports its own error to rank 0
-        pass
-    if write_own_section is not None and owned_entries and error is None:
+        entries = owned.entries(written, file_of_rank)
+        differing = differing_pieces(lambda writer, item: written[writer][item][1],
+                                     ((rank, hashed) for rank, (_, hashes) in enumerate(received) for hashed in hashes))
+    except KeyError as exc:  # a writer failed (and says so), or the commit must not go through
+        unreported = f"a tensor owner got no report of an item written by another rank ({exc})"
+    if write_own_section is not None and entries and error is None:
         try:
-            write_own_section(owned_entries)
+            write_own_section(entries)
         except Exception as exc:
             error = exc
-    gathered = comm.gather((output, None if error is None else f"{type(error).__name__}: {error}",
-                            None if write_own_section is not None else owned_entries))
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    sent = None if output is None else dataclasses.replace(output, checksums={}, replicas=[])
+    gathered = comm.gather(OwnerReport(sent, text, None if write_own_section is not None else entries, differing,
+                                       unreported))
     return gathered, error
 
 
@@ -397,16 +432,18 @@ def commit_or_abort(backend, path, staging, plan, outputs, world_size, overwrite
 
 
 def commit_manifest(backend, path, staging, outputs, overwrite, durable,
-                    build: Callable[[list[RankOutput]], tuple[Manifest, bytes]]) -> Any:
+                    build: Callable[[list[RankOutput]], tuple[Manifest, bytes]],
+                    differing: dict[str, list[str]] | None = None) -> Any:
     """On rank 0: write the manifest ``build`` makes of the ranks' outputs (and its bytes) and
-    commit, or abort; return total bytes or an error text."""
+    commit, or abort; return total bytes or an error text. ``differing``: replicas whose holders
+    differ, as the tensors' owners found them (default: compared here, from the outputs)."""
     failures = [f"rank {r}: {err}" for r, (_, err) in enumerate(outputs) if err is not None]
     written = [name for out, _ in outputs if out is not None
                for name in (out.file, out.section and out.section[0]) if name]
     if failures:
         backend.abort(staging, path, written)
         return f"save to {path} failed and was not committed: " + "; ".join(failures)
-    differ = mismatches([out for out, _ in outputs])
+    differ = mismatches([out for out, _ in outputs], differing)
     if differ is not None:
         backend.abort(staging, path, written)
         return f"{path} was not committed: {differ}"
