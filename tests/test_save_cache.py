@@ -3,6 +3,7 @@
 a DTensor re-sharded, plain values) is in the next checkpoint, bit for bit, and nothing stale is."""
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -111,6 +112,13 @@ def _replace_state_tensor(state):
     optim.state[first]["exp_avg"] = torch.full_like(optim.state[first]["exp_avg"], 3.0)
 
 
+def _swap_state_tensor_data(state):
+    """A plain optimizer's state is checked by identity: its items are those very tensors."""
+    optim = state["optim"]
+    first = optim.param_groups[0]["params"][0]
+    optim.state[first]["exp_avg"].data = torch.full_like(optim.state[first]["exp_avg"], 5.0)
+
+
 def _resize_buffer(state):
     state["model"].counts.resize_(2)  # smaller: same memory, only the shape changes
 
@@ -130,6 +138,7 @@ CHANGES = {
     "parameter_data_swapped": (_swap_parameter_data, True),
     "param_group_added": (_add_param_group, False),
     "state_tensor_replaced": (_replace_state_tensor, True),
+    "state_tensor_data_swapped": (_swap_state_tensor_data, True),
     "buffer_resized": (_resize_buffer, True),
     "plain_values": (_change_plain_values, True),
     "buffer_added_to_a_submodule": (_add_buffer_to_a_submodule, True),
@@ -153,6 +162,27 @@ def test_change_between_saves_is_saved(tmp_path, change):
             handle.wait()
             assert_holds(handle.durable.result(), expected)
     assert_loads(root, expected, template)
+
+
+def test_optimizer_state_resized_in_place_is_refused_then_described_again(tmp_path):
+    """What the identity check of optimizer state misses, a shape changed in place, the copy
+    refuses, naming the tensor; the next save describes the state again and holds it exactly."""
+    state = make_state()
+    train_step(state, 1)
+    with ss.Checkpointer(str(tmp_path), keep_last=5) as ckpt:
+        ckpt.save(1, state).wait()
+        first = state["optim"].param_groups[0]["params"][0]
+        state["optim"].state[first]["exp_avg"].resize_(3)
+        handle = ckpt.save(2, state)
+        with pytest.raises(ss.CheckpointError, match=r"step 2.*exp_avg.*shape or dtype"):
+            handle.staged.result()
+        with pytest.raises(ss.CheckpointError, match="exp_avg"):
+            ckpt.save(3, state)  # the failure surfaces at the next call
+        expected = snapshot_now(state)
+        handle = ckpt.save(4, state)
+        handle.wait()
+        assert_holds(handle.durable.result(), expected)
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-1", "step-4"]
 
 
 def test_optimizer_state_created_after_a_save_at_step_0(tmp_path):

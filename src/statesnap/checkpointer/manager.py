@@ -123,7 +123,8 @@ class Checkpointer:
         self._closing = False
         self._guard = StepGuard(self._gates_for, lambda step, s, e: self.events.add("wait-in-hook", step, s, e))
         self._stager = Stager(lambda: self._arena, cfg.copy_threads, lambda: self._segment_bytes, self.events,
-                              self._copies_done, lambda: self._cuda, file_order=is_url(root))
+                              self._copies_done, lambda: self._cuda, lambda: self._state_cache.forget(),
+                              file_order=is_url(root))
         target = FlushTarget(self.persistent.backend, flush_comm, cfg.durable, cfg.threads or default_threads(),
                              lambda: self._block_bytes, limit_bytes(cfg.replica_check_mb))
         self._flusher = Flusher(target, lambda: self._arena, self.events, self._flushed)
@@ -171,7 +172,7 @@ class Checkpointer:
             self._flusher.submit(snap)
         if snap.local:
             self._local_flusher.submit(snap)
-        self.events.add("save", step, started, now(), sum(m.nbytes for m in snap.metas))
+        self.events.add("save", step, started, now(), snap.nbytes)
         return SaveHandle(snap.step, snap.staged, snap.durable, snap)
 
     def remove(self, step: int) -> None:
@@ -486,7 +487,7 @@ class Checkpointer:
                 self._warned_streaming = True
             return None
         owners = layout.owners
-        self._copy_unguarded_now(flat, owners)
+        self._copy_unguarded_now(flat, layout)
         locals_ = [item.local for item in flat.tensors]
         cuda_ready = mark_devices(locals_) if layout.on_cuda else {}
         if cuda_ready and self._cuda is None:
@@ -494,25 +495,23 @@ class Checkpointer:
         return Snapshot(
             step=step, flat=flat, metas=metas, plan=plan, elsewhere=elsewhere, owned=owned, persist=persist,
             resident=resident,
-            versions=layout.versions(locals_), owners=owners,
+            versions=layout.versions(locals_), owners=owners, writers=layout.writers, nbytes=layout.nbytes,
             objects=objects, blobs=blobs, per_rank=per_rank_names(flat), cuda_ready=cuda_ready,
             object_digests=object_digests(flat, objects) if persist and self._compares_objects else {},
             rank=self.rank, path=self.persistent.path(step),
             local=self.local is not None and step % self.config.local_every == 0)
 
-    def _copy_unguarded_now(self, flat, owners: list) -> None:
+    def _copy_unguarded_now(self, flat, layout) -> None:
         """No optimizer hook holds back a change to a tensor no optimizer writes, and some change
         right away (a BatchNorm's running statistics, in the very next forward). Copy those here,
         on the training thread and, on a GPU, its stream, so the background stages the copies;
         the version check alone could miss a change still under way when it looks. Larger sets
         (frozen weights, which do not change) stay lazy."""
-        unguarded = [item for item, owner in zip(flat.tensors, owners) if owner is None]
-        if not unguarded or sum(item.nbytes for item in unguarded) > self.config.eager_copy_bytes:
+        if not layout.unguarded or layout.unguarded_bytes > self.config.eager_copy_bytes:
             return
-        for index, owner in enumerate(owners):  # new items: later saves reuse the unchanged ones
-            if owner is None:
-                item = flat.tensors[index]
-                flat.tensors[index] = dataclasses.replace(item, local=item.local.detach().clone())
+        for index in layout.unguarded:  # new items: later saves reuse the unchanged ones
+            item = flat.tensors[index]
+            flat.tensors[index] = dataclasses.replace(item, local=item.local.detach().clone())
 
     def _plan_for(self, metas: list, objects: list) -> tuple:
         """The save plan (``engine.save.plan_by_owners``: no rank plans more than about its own

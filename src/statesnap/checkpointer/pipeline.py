@@ -21,7 +21,7 @@ from ..engine.replicas import REPLICA_CHECK_MB, hash_tensors, limit_bytes, repli
 from ..engine.save import RankOutput, commit_by_owners, data_file_name, open_staging, own_objects
 from ..errors import CheckpointError
 from ..format.checksum import checksum_blocks, checksum_whole
-from ..format.manifest import ObjectEntry
+from ..format.manifest import BOX, ObjectEntry
 from ..monitor.events import EventLog, now
 from ..plan.save_plan import SavePlan, align_up
 from ..state.items import Flattened, ItemMeta
@@ -43,7 +43,9 @@ class Snapshot:
     persist: bool
     resident: bool
     versions: list
-    owners: list
+    owners: list  # per item: the id of the optimizer that writes it, or None
+    writers: frozenset  # the ids of the optimizers that write some item
+    nbytes: int  # of all items
     objects: dict  # fqn -> ObjectEntry of every object (the memory level restores all of them)
     blobs: dict  # fqn -> pickled bytes
     per_rank: set
@@ -141,18 +143,19 @@ class Stager(_Stage):
     """Allocates arena space for each snapshot in order and runs its copies on worker threads."""
 
     def __init__(self, arena_of, copy_threads: int, segment_bytes_of, events: EventLog,
-                 on_copies_done, cuda_copier_of, file_order: bool = False):
+                 on_copies_done, cuda_copier_of, on_stale_layout, file_order: bool = False):
         self._arena_of = arena_of  # () -> Arena (it may be replaced between snapshots)
         self._file_order = file_order  # storage that takes one stream per file (object stores)
         self._segment_bytes_of = segment_bytes_of
         self._events = events
         self._on_copies_done = on_copies_done  # (snap) once no copy of it runs any more
         self._cuda_copier_of = cuda_copier_of
+        self._on_stale_layout = on_stale_layout  # () when a tensor no longer matches its description
         super().__init__("copy", copy_threads)
 
     def submit(self, snap: Snapshot) -> None:
         snap.copied = Countdown(on_zero=lambda: self._copies_done(snap))
-        snap.gates = {owner: Countdown() for owner in set(snap.owners) if owner is not None}
+        snap.gates = {owner: Countdown() for owner in snap.writers}
         super().submit(snap)
 
     def _handle(self, snap: Snapshot) -> None:
@@ -168,6 +171,7 @@ class Stager(_Stage):
     def _stage(self, snap: Snapshot) -> None:
         arena: Arena = self._arena_of()
         items = snap.flat.tensors
+        self._check_described(snap)
         sizes = [item.nbytes for item in items]
         writes = {index: offset for index, offset in snap.plan.writes[snap.rank]} if snap.persist else {}
         if self._file_order and writes:
@@ -198,6 +202,21 @@ class Stager(_Stage):
                 snap.gates[owner].add()
             snap.copied.add()
             snap.batches.put((batch, self._pool.submit(self._copy, arena, snap, batch, on_device, queued)))
+
+    def _check_described(self, snap: Snapshot) -> None:
+        """Every tensor still has the shape and size it was described with. ``save()`` reuses its
+        descriptions while a cheap check passes (state_cache.py), and for a plain optimizer's
+        state that check is identity: a ``resize_`` or a ``.data =`` of another shape since then
+        would make the copy read past the tensor or store it under the wrong shape."""
+        for item, meta in zip(snap.flat.tensors, snap.metas):
+            local = item.local
+            if local.numel() * local.element_size() != meta.nbytes or (meta.layout == BOX and local.shape != meta.size):
+                self._on_stale_layout()
+                raise CheckpointError(
+                    f"checkpoint of step {snap.step}: tensor {item.fqn!r} was changed in shape or dtype in place "
+                    f"({list(meta.size)} {meta.dtype} when the state was last described, now {list(local.shape)} "
+                    f"{str(local.dtype)[6:]}; resize_, set_ or .data = ...), so this checkpoint was dropped; "
+                    "the next save() describes the state again")
 
     def _allocate(self, arena: Arena, nbytes: int, snap: Snapshot) -> Region:
         start = now()

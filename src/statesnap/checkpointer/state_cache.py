@@ -11,7 +11,7 @@ objects and the optimizers that own them are the same, with the same parameters 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,18 @@ class Layout:
     snapshot_bytes: int  # arena bytes a snapshot may need (see Checkpointer._snapshot)
     on_cuda: bool
     plain: bool  # no DTensor or inference tensor: each item's ``_version`` is its counter
+    # derived once, not at every save: the items no optimizer writes, their bytes, the optimizers
+    # that write some item (by id) and the bytes of all items
+    unguarded: list[int] = field(init=False)
+    unguarded_bytes: int = field(init=False)
+    writers: frozenset = field(init=False)
+    nbytes: int = field(init=False)
+
+    def __post_init__(self):
+        self.unguarded = [index for index, owner in enumerate(self.owners) if owner is None]
+        self.unguarded_bytes = sum(self.metas[index].nbytes for index in self.unguarded)
+        self.writers = frozenset(owner for owner in self.owners if owner is not None)
+        self.nbytes = sum(meta.nbytes for meta in self.metas)
 
     def versions(self, tensors: list[torch.Tensor]) -> list:
         """Every tensor's version counter now, which the copy compares (``hooks.check_unchanged``)."""
@@ -58,8 +70,18 @@ class StateCache:
         """``reuse=False`` flattens and derives everything anew at each save (the bench's baseline)."""
         self._providers = ProviderCache() if reuse else None
         self._layout: Layout | None = None
+        self._stale = False
+
+    def forget(self) -> None:
+        """Drop everything cached at the next save (callable from any thread): a snapshot found a
+        tensor whose shape or dtype no longer matches the cached layout."""
+        self._stale = True
 
     def flatten(self, state: dict) -> Flattened:
+        if self._stale:
+            self._stale = False
+            self._providers = ProviderCache() if self._providers is not None else None
+            self._layout = None
         return flatten_for_save(state, self._providers)
 
     def layout(self, flat: Flattened, optimizers: list) -> Layout:

@@ -9,7 +9,10 @@ it back while a cheap check finds nothing it depends on changed:
 - the *signature* of every live tensor (parameters, buffers, optimizer state values): its
   identity, data pointer, shape, strides and dtype, and for a DTensor its placements, mesh and
   local tensor. This sees a tensor replaced in the optimizer's state, ``param.data = ...``,
-  ``resize_``/``set_`` in place, a DTensor swapped for one sharded otherwise;
+  ``resize_``/``set_`` in place, a DTensor swapped for one sharded otherwise. Optimizer state
+  whose items are the state's own tensor objects (a plain optimizer's) is checked by identity
+  alone, which reads no tensor: such an item follows ``.data =`` by itself, and a shape or dtype
+  changed in place is refused by the snapshot's copy, which then drops the cache;
 - a process-wide count of parameter, buffer and submodule registrations on the cached modules
   and their submodules (PyTorch's global registration hooks): ``module.weight =
   nn.Parameter(...)``, a new buffer or submodule;
@@ -202,12 +205,19 @@ class ProviderCache:
         if not _views_of(tensors, live):
             return
 
+        # Items that are the state's tensors themselves (not views of them) show whatever those
+        # hold, even after ``.data =``: their identities are the check, which reads no tensor
+        # (the signatures cost a microsecond per tensor). What identity misses, a shape or dtype
+        # changed in place, the snapshot's copy refuses (checkpointer/pipeline.py).
+        itself = {id(v) for v in live} >= {id(item.local) for item in tensors}
+        describe = (lambda values: [id(v) for v in values]) if itself else signatures
+
         def fingerprint():  # optim.state in its own order: looking parameters up would hash each
             layout = [id(p) for group in optim.param_groups for p in group["params"]]
             states = list(optim.state.values())
             keys = [tuple(s) for s in states]
             tensors_now = [v for s in states for v in s.values() if isinstance(v, torch.Tensor)]
-            return context, len(optim.param_groups), layout, list(map(id, optim.state)), keys, signatures(tensors_now)
+            return context, len(optim.param_groups), layout, list(map(id, optim.state)), keys, describe(tensors_now)
 
         entry = _Entry(optim, list(tensors), frozenset([*(i.fqn for i in tensors), *(o.fqn for o in objects)]),
                        [(o.fqn, o.replicated, readers[o.fqn]) for o in objects], fingerprint, fingerprint(),
