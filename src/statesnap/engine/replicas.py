@@ -8,10 +8,11 @@ tensor) or for replicas that drifted apart: one rank's copy would be kept and th
 So before anything commits, the values of small replicated pieces are compared. Every piece is
 written by exactly one of its holders, so the pieces a rank holds but does not write are exactly
 its replicas of pieces another rank writes. Each rank hashes those (block checksums, as the
-writer computes anyway for the manifest) and sends the hashes with its part of the commit
-gather that already happens; rank 0 compares them with the writer's checksums and refuses to
-commit if they differ. The cost is one pass over the small replicas and a few integers per
-piece in a message that is sent anyway.
+writer computes anyway for the manifest) and sends the hashes to the tensor's owner
+(plan/owners.py) with the writers' reports that the commit sends it anyway; the owner compares
+them with the writer's checksums, and rank 0 refuses to commit if any owner found a difference.
+The cost is one pass over the small replicas and a few integers per piece in a message that is
+sent anyway.
 
 Shared plain values (numbers, strings, lists, small tensors inside them) are stored from one rank
 (the lowest holding each), so they are compared too: every holder sends a hash of its JSON form. Pickled values
