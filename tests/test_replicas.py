@@ -216,3 +216,15 @@ def test_replicated_refuses_per_rank_values():
         ss.Replicated(ss.PerRank(torch.zeros(1)))
     with pytest.raises(ss.CheckpointError):
         ss.Replicated(ss.Replicated(3))
+
+
+def test_a_missing_report_fails_the_commit_unless_a_writer_failed():
+    """An owner that got no report of a written piece must not build a manifest without it: that
+    fails the commit, except where a writer failed (which explains the gap and says why)."""
+    from statesnap.engine.save import OwnerReport, report_errors
+
+    missing = OwnerReport(None, None, None, {}, "a tensor owner got no report of an item (3)")
+    fine = OwnerReport(None, None, {}, {})
+    assert report_errors([fine, missing]) == [None, "a tensor owner got no report of an item (3)"]
+    failed = OwnerReport(None, "OSError: disk full", None, {})
+    assert report_errors([failed, missing, fine]) == ["OSError: disk full", None, None]
