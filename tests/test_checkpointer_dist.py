@@ -135,3 +135,28 @@ def test_a_rank_failing_its_further_copy_leaves_no_partial_copy(tmp_path):
         assert steps == ["step-2", "step-6"]
         assert len(warned) == 1 and "step 4" in warned[0] and "rank 1" in warned[0], warned
     assert not [n for n in os.listdir(further) if n.startswith(".step-")]  # no staging left behind
+
+
+def _layout_changes_on_one_rank_only(rank, world, root):
+    state = {"w": ss.Sharded(torch.full((2,), float(rank)), (2 * world,), (2 * rank,))}
+    ckpt = ss.Checkpointer(root, commit_timeout_s=3, host_memory_gb=0.01)
+    ckpt.save(1, state).wait()
+    message = None
+    if rank == 0:
+        state["late"] = torch.ones(3)  # like an optimizer state created at a later step on this rank only
+        try:
+            ckpt.save(2, state)
+        except ss.CheckpointError as exc:
+            message = str(exc)
+    dist.barrier()
+    ckpt.close()
+    return message
+
+
+def test_a_layout_change_on_one_rank_only_is_explained_not_left_hanging(tmp_path):
+    """The ranks plan a new layout together; a rank whose layout changed alone waits for the others
+    only until commit_timeout_s, then says what happened and what to do."""
+    messages = run_ranks(2, _layout_changes_on_one_rank_only, str(tmp_path / "ckpt"))
+    assert messages[1] is None
+    assert "changed layout" in messages[0] and "optimizer" in messages[0] and "same save" in messages[0]
+    assert ss.open(str(tmp_path / "ckpt" / "step-1")).read("w").tolist() == [0.0, 0.0, 1.0, 1.0]

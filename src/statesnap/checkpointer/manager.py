@@ -19,7 +19,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
-from ..engine.dist import Comm, timed_group
+from ..engine.dist import Comm, PeerLostError, timed_group
 from ..engine.load import load
 from ..engine.replicas import limit_bytes, object_digests
 from ..engine.save import encode_objects, per_rank_names, plan_by_owners, shared_names
@@ -519,7 +519,17 @@ class Checkpointer:
         a new layout is planned by two all-to-alls on the trainer's group, here on its thread."""
         key = (tuple(metas), tuple(objects))
         if key != self._plan_key:
-            self._plan = plan_by_owners(self._comm, metas, objects)
+            try:
+                self._plan = plan_by_owners(self._comm, metas, objects)
+            except PeerLostError as exc:
+                raise CheckpointError(
+                    f"{exc}. This rank's state changed layout since its last save and waited for the other ranks "
+                    "to plan the new one with it; they did not, so their layout did not change at this save. "
+                    "Every rank must change layout at the same save: an optimizer creates a parameter's state "
+                    "at its first gradient, so a parameter some ranks leave without one (an expert no token "
+                    "reached, an unused branch) changes those ranks' layout at a later save. Give every "
+                    "parameter its optimizer state before the first save (a step in which each gets a "
+                    "gradient), or save such states with ss.save") from exc
             self._plan_key = key
         return self._plan
 
