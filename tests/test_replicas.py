@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import statesnap as ss
 from dist_utils import run_ranks
-from statesnap.engine.replicas import _ranks, mismatches, replicas_to_check
+from statesnap.engine.replicas import _ranks, differing_pieces, mismatches, replicas_to_check
 from statesnap.engine.save import RankOutput
 from statesnap.plan.owners import place_writes, plan_owned, route
 from statesnap.state.items import ItemMeta
@@ -193,16 +193,19 @@ def test_replicas_to_check_finds_the_writer_of_each_replica():
 
 
 def test_mismatch_names_each_tensor_with_the_ranks_that_agree():
-    def output(checksums, replicas):
-        return RankOutput(None, 0, checksums, {}, set(), replicas)
-
+    """The owner of ``rng`` and ``ok`` got rank 0's checksums of them and the other ranks' hashes."""
+    written = {0: [1], 1: [3]}  # rank 0's item index -> block checksums
     same = ("ok", 0, 1, [3])
-    outputs = [output({0: [1], 1: [3]}, []), output({}, [("rng", 0, 0, [2]), same]),
-               output({}, [("rng", 0, 0, [1]), same]), output({}, [("rng", 0, 0, [2]), same])]
-    message = mismatches(outputs)
+    hashes = [(1, ("rng", 0, 0, [2])), (1, same), (2, ("rng", 0, 0, [1])), (2, same), (3, ("rng", 0, 0, [2])),
+              (3, same)]
+    pieces = differing_pieces(lambda writer, item: written[item], hashes)
+    assert pieces == {"rng": ["ranks 0, 2 vs ranks 1, 3"]}
+    outputs = [RankOutput(None, 0, {}, {}, set()) for _ in range(4)]
+    message = mismatches(outputs, pieces)
     assert message.startswith("1 replicated value(s)") and "rng (ranks 0, 2 vs ranks 1, 3)" in message
     assert "ok (" not in message
-    assert mismatches([outputs[0], output({}, [same])]) is None
+    assert differing_pieces(lambda writer, item: written[item], [(1, same)]) == {}
+    assert mismatches(outputs, {}) is None
 
 
 @pytest.mark.parametrize("ranks, text", [([3], "rank 3"), ([0, 1, 2, 5], "ranks 0-2, 5"),

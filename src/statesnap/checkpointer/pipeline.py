@@ -5,8 +5,8 @@ takes snapshots in ``save()`` order, allocates arena space (blocking when the ar
 back-pressure) and hands batches to copy workers. The *flusher* thread takes persisted snapshots
 in order, writes each batch as soon as its copy is done (write workers checksum and ``pwrite``),
 fsyncs, and commits through the same steps as a blocking save: ``engine.save``'s staging, the
-report to the tensors' owners and the atomic commit. Its only collectives run on a dedicated group, one
-checkpoint after another, never on the trainer's process groups.
+report to the tensors' owners and the atomic commit. Its only collectives run on a dedicated
+group, one checkpoint after another, never on the trainer's process groups.
 """
 from __future__ import annotations
 
@@ -209,14 +209,13 @@ class Stager(_Stage):
         state that check is identity: a ``resize_`` or a ``.data =`` of another shape since then
         would make the copy read past the tensor or store it under the wrong shape."""
         for item, meta in zip(snap.flat.tensors, snap.metas):
-            local = item.local
-            if local.numel() * local.element_size() != meta.nbytes or (meta.layout == BOX and local.shape != meta.size):
+            if item.nbytes != meta.nbytes or (meta.layout == BOX and item.local.shape != meta.size):
                 self._on_stale_layout()
                 raise CheckpointError(
                     f"checkpoint of step {snap.step}: tensor {item.fqn!r} was changed in shape or dtype in place "
-                    f"({list(meta.size)} {meta.dtype} when the state was last described, now {list(local.shape)} "
-                    f"{str(local.dtype)[6:]}; resize_, set_ or .data = ...), so this checkpoint was dropped; "
-                    "the next save() describes the state again")
+                    f"({list(meta.size)} {meta.dtype} when the state was last described, now "
+                    f"{list(item.local.shape)} {str(item.dtype)[6:]}; resize_, set_ or .data = ...), so this "
+                    "checkpoint was dropped; the next save() describes the state again")
 
     def _allocate(self, arena: Arena, nbytes: int, snap: Snapshot) -> Region:
         start = now()

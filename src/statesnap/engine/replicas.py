@@ -68,14 +68,10 @@ def object_digests(flat: Flattened, entries: dict[str, ObjectEntry]) -> dict[str
             if item.per_rank is None and not item.replicated and entries[item.fqn].kind == "json"}
 
 
-def mismatches(outputs: Sequence, pieces: dict[str, list[str]] | None = None) -> str | None:
-    """On rank 0, given every rank's ``RankOutput``: a description of the replicated pieces and
-    shared values whose holders hold different values, or None when all agree. ``pieces``: the
-    differing pieces as the tensors' owners found them (:func:`differing_pieces`); by default
-    they are found here from the outputs' checksums and replica hashes."""
-    if pieces is None:
-        pieces = differing_pieces(lambda writer, item: outputs[writer].checksums[item],
-                                  ((rank, hashed) for rank, out in enumerate(outputs) for hashed in out.replicas))
+def mismatches(outputs: Sequence, pieces: dict[str, list[str]]) -> str | None:
+    """On rank 0, given every rank's ``RankOutput`` and the differing tensor pieces the owners
+    found (:func:`differing_pieces`): a description of the replicated pieces and shared values
+    whose holders hold different values, or None when all agree."""
     by_tensor = {**pieces, **_differing_objects(outputs)}
     if not by_tensor:
         return None

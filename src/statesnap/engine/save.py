@@ -340,11 +340,12 @@ def commit_by_owners(comm: Comm, backend: StorageBackend, path: str, staging: st
         outputs = list(zip((report.output for report in gathered), report_errors(gathered)))
         tables = {fqn: entry for report in gathered for fqn, entry in (report.entries or {}).items()}
         differ = {fqn: parts for report in gathered for fqn, parts in report.differing.items()}
+        def build(outs: list[RankOutput]) -> tuple[Manifest, bytes]:
+            if split:
+                return split_index(outs, comm.world_size, block_bytes, meta)
+            return whole_manifest(tables, outs, comm.world_size, block_bytes, meta)
         with timed():
-            result = commit_manifest(backend, path, staging, outputs, overwrite, durable,
-                                     (lambda outs: split_index(outs, comm.world_size, block_bytes, meta)) if split else
-                                     (lambda outs: whole_manifest(tables, outs, comm.world_size, block_bytes, meta)),
-                                     differ)
+            result = commit_manifest(backend, path, staging, outputs, overwrite, durable, build, differ)
     return comm.broadcast(result), error
 
 
@@ -436,14 +437,14 @@ def commit_manifest(backend, path, staging, outputs, overwrite, durable,
                     differing: dict[str, list[str]] | None = None) -> Any:
     """On rank 0: write the manifest ``build`` makes of the ranks' outputs (and its bytes) and
     commit, or abort; return total bytes or an error text. ``differing``: replicas whose holders
-    differ, as the tensors' owners found them (default: compared here, from the outputs)."""
+    differ, as the tensors' owners found them (none where no replicas were hashed)."""
     failures = [f"rank {r}: {err}" for r, (_, err) in enumerate(outputs) if err is not None]
     written = [name for out, _ in outputs if out is not None
                for name in (out.file, out.section and out.section[0]) if name]
     if failures:
         backend.abort(staging, path, written)
         return f"save to {path} failed and was not committed: " + "; ".join(failures)
-    differ = mismatches([out for out, _ in outputs], differing)
+    differ = mismatches([out for out, _ in outputs], differing or {})
     if differ is not None:
         backend.abort(staging, path, written)
         return f"{path} was not committed: {differ}"
