@@ -19,7 +19,7 @@ import statesnap as ss
 from statesnap.bench.faults import Faults
 from statesnap.storage import backend_for
 from statesnap.storage.local import LocalBackend
-from statesnap.storage.lock import LEASE_NAME, ClaimedBackend, LeaseClaim, RootBusyError
+from statesnap.storage.lock import LEASE_NAME, ClaimedBackend, FlockClaim, LeaseClaim, RootBusyError
 
 
 def _state(value):
@@ -109,6 +109,24 @@ def test_take_over_stops_the_old_owner_from_committing_or_deleting(tmp_path):
     new.close()
     for step in (1, 2, 4):
         assert torch.equal(ss.open(tmp_path / f"step-{step}").read("t"), _state(step)["t"])
+
+
+def test_a_write_that_fails_after_a_take_over_names_the_take_over(tmp_path):
+    """The new owner's start-up cleanup deletes the old owner's staging directories: the old
+    owner's next write there fails, and must say that the root was taken over, not just
+    FileNotFoundError."""
+    old_claim = FlockClaim(str(tmp_path), take_over=False)
+    backend = ClaimedBackend(LocalBackend(), old_claim)
+    manifest = str(tmp_path / ".step-5.tmp-gone" / "manifest.json")
+    with pytest.raises(FileNotFoundError):  # still the owner: the failure stands as it is
+        backend.write_bytes(manifest, b"{}", False)
+    new_claim = FlockClaim(str(tmp_path), take_over=True)
+    with pytest.raises(RootBusyError, match=f"{tmp_path} was taken over by pid {os.getpid()}") as caught:
+        backend.write_bytes(manifest, b"{}", False)
+    assert isinstance(caught.value.__cause__, FileNotFoundError)
+    assert backend.join("a", "b") == LocalBackend().join("a", "b")  # what succeeds passes through
+    new_claim.release()
+    old_claim.release()
 
 
 def test_object_store_lease_names_the_holder_and_expires(tmp_path):

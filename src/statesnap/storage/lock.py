@@ -363,26 +363,38 @@ def claim_root(root: str, backend: StorageBackend, take_over: bool = False, leas
 class ClaimedBackend:
     """A claimed root's backend: each commit and deletion first checks that the claim still
     holds, so a job whose root was taken over cannot delete or replace the new owner's work.
-    Everything else passes through unchanged."""
+
+    Everything else passes through, except that any call which fails asks whether the claim
+    was lost meanwhile: the new owner's start-up cleanup deletes the old one's staging
+    directories, so the old owner's next write there fails with a bare ``FileNotFoundError``
+    whose real cause is the take-over, and that is what it reports."""
+
+    _CHECKED_FIRST = frozenset({"commit", "remove", "retire", "recover"})
 
     def __init__(self, backend: StorageBackend, claim: RootClaim):
         self._backend, self.claim = backend, claim
 
     def __getattr__(self, name: str):
-        return getattr(self._backend, name)
+        found = getattr(self._backend, name)
+        if not callable(found):
+            return found
+        check_first = name in self._CHECKED_FIRST
 
-    def commit(self, *args, **kwargs) -> None:
-        self.claim.check()
-        self._backend.commit(*args, **kwargs)
+        def call(*args, **kwargs):
+            if check_first:
+                self.claim.check()
+            try:
+                return found(*args, **kwargs)
+            except Exception as exc:
+                self._explain(exc)
+                raise
+        return call
 
-    def remove(self, path: str) -> None:
-        self.claim.check()
-        self._backend.remove(path)
-
-    def retire(self, path: str, marker: str) -> None:
-        self.claim.check()
-        self._backend.retire(path, marker)
-
-    def recover(self, final: str) -> bool:
-        self.claim.check()
-        return self._backend.recover(final)
+    def _explain(self, exc: Exception) -> None:
+        """Raise the lost claim's error (caused by ``exc``) if the claim is gone; else return."""
+        try:
+            self.claim.check()
+        except RootBusyError as lost:
+            raise lost from exc
+        except Exception:  # noqa: BLE001 - the claim could not be checked: the failure stands as is
+            pass
