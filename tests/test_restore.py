@@ -238,3 +238,43 @@ def test_many_small_tensors_load_in_a_few_reads_and_damage_is_still_named(tmp_pa
     with pytest.raises(CorruptCheckpointError, match="truncated") as caught:
         ss.load({k: torch.empty_like(v) for k, v in state.items()}, tmp_path / "c", verify=False)
     assert "'t150'" in str(caught.value) and "'t149'" not in str(caught.value) and "'t151'" not in str(caught.value)
+
+
+def test_threads_read_their_own_stretch_of_the_file_in_order_through_their_own_descriptor(tmp_path, monkeypatch):
+    """Each read thread gets a contiguous stretch of the file and reads it in order through a
+    descriptor of its own, so the kernel reads ahead of every thread (a descriptor shared by
+    threads taking requests in turn looks random to it, and cold loads ran 1.4x slower)."""
+    from statesnap.storage import local
+
+    gen = torch.Generator().manual_seed(0)
+    state = {f"t{i}": torch.randn(2 << 20, generator=gen) for i in range(16)}  # 128 MiB: 8 requests of 16
+    ss.save(state, tmp_path / "c", block_bytes=MIB)
+    reads: dict[int, list[int]] = {}  # descriptor -> offsets it read, in order
+    real = local._LocalReader.readinto
+    monkeypatch.setattr(local._LocalReader, "readinto",
+                        lambda self, offset, views: reads.setdefault(self.fd, []).append(offset)
+                        or real(self, offset, views))
+    target = {k: torch.full_like(v, float("nan")) for k, v in state.items()}
+    info = ss.load(target, tmp_path / "c", threads=4)
+    assert all(same_bits(target[k], v) for k, v in state.items())
+    assert info.bytes == 128 * MIB
+    assert len(reads) == 4  # four streams, four descriptors
+    assert all(len(offsets) == 2 and offsets == sorted(offsets) for offsets in reads.values())
+    stretches = sorted((offsets[0], offsets[-1]) for offsets in reads.values())
+    assert all(end < start for (_, end), (start, _) in zip(stretches, stretches[1:]))  # no two overlap
+
+
+def test_a_stream_reads_the_file_it_was_opened_from_even_once_its_name_is_taken(tmp_path):
+    from statesnap.storage.local import LocalBackend
+
+    path = tmp_path / "f"
+    path.write_bytes(b"first" * 10)
+    reader = LocalBackend().open_read(str(path))
+    (tmp_path / "g").write_bytes(b"other" * 10)
+    os.replace(tmp_path / "g", path)  # an overwrite renamed over it meanwhile
+    stream = reader.stream()
+    buffer = bytearray(5)
+    assert stream.readinto(5, [memoryview(buffer)]) == 5 and bytes(buffer) == b"first"
+    assert stream.fd != reader.fd
+    stream.close()
+    reader.close()

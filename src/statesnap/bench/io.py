@@ -6,8 +6,9 @@ machine (other tenants, thermal limits) hits all of them alike:
 
 * raw: the same bytes written with plain sequential ``write`` calls into one file (+ fsync), and
   read back with ``preadv`` straight into the target tensors: the disk's limit for one stream;
-* raw_parallel: the same, with four 16 MiB requests in flight: the disk's limit when it is kept
-  busy, which is what statesnap and DCP both try to reach;
+* raw_parallel: the same, with four 16 MiB requests in flight (loads: four streams, each reading
+  its quarter of the file in order): the disk's limit when it is kept busy, which is what
+  statesnap and DCP both try to reach;
 * raw_direct: the same bytes, laid out beforehand (untimed) in page-aligned memory, written with
   four 16 MiB ``O_DIRECT`` requests in flight (+ fsync) into a file in a new directory: the
   ceiling for a durable save, which must also copy unaligned tensors and checksum them; loads as
@@ -140,12 +141,21 @@ def raw_parallel_save(state: dict, path: str, durable: bool) -> None:
 
 
 def raw_parallel_load(target: dict, path: str) -> dict:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        with ThreadPoolExecutor(PARALLEL_REQUESTS) as pool:
-            list(pool.map(lambda job: _read_chunk(fd, path, *job), _chunks(target, PARALLEL_CHUNK)))
-    finally:
-        os.close(fd)
+    """Four streams, each reading its quarter of the file in order through a descriptor of its
+    own: the kernel then reads ahead of each. (Handing the chunks out one by one to four threads
+    sharing a descriptor looks random to readahead, and read 0.83 GB cold 1.4x slower here.)"""
+    chunks = _chunks(target, PARALLEL_CHUNK)
+    share = -(-len(chunks) // PARALLEL_REQUESTS)
+
+    def stream(first: int) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for offset, chunk in chunks[first:first + share]:
+                _read_chunk(fd, path, offset, chunk)
+        finally:
+            os.close(fd)
+    with ThreadPoolExecutor(PARALLEL_REQUESTS) as pool:
+        list(pool.map(stream, range(0, len(chunks), share)))
     return target
 
 

@@ -9,7 +9,7 @@ system alike), on the same states:
 * ``dcp``: ``dcp.load`` into ``get_state_dict`` of the fresh model and optimizer (which creates
   the optimizer state DCP needs, counted) + ``set_state_dict``;
 * ``statesnap``: ``ss.load({"model": m, "optim": opt}, path)``;
-* ``raw_parallel``: the same bytes read from one file with parallel positioned reads straight
+* ``raw_parallel``: the same bytes read from one file in four streams of positioned reads straight
   into tensors, no checks: the machine's ceiling for the cold case.
 
 States: ``gpt`` (a GPT-like model and its AdamW state, 0.83 GB), ``small`` (1,000 tensors of 1-16

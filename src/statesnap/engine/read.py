@@ -9,6 +9,7 @@ tensor and the byte range.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -73,14 +74,14 @@ class ReadExecutor:
         self.jobs.extend(_Job(fqn, entry, target, view, r) for r in plan.reads)
 
     def run(self) -> None:
-        groups = self._groups()
+        tasks = self._tasks()
         try:
-            if self.threads == 1 or len(groups) <= 1:
-                for group in groups:
-                    self._run_group(group)
+            if self.threads == 1 or len(tasks) <= 1:
+                for task in tasks:
+                    task()
             else:
-                with ThreadPoolExecutor(self.threads, thread_name_prefix="statesnap-read") as pool:
-                    for future in [pool.submit(self._run_group, g) for g in groups]:
+                with ThreadPoolExecutor(min(self.threads, len(tasks)), thread_name_prefix="statesnap-read") as pool:
+                    for future in [pool.submit(task) for task in tasks]:
                         future.result()
         finally:
             self.close()
@@ -88,21 +89,24 @@ class ReadExecutor:
     def submit(self, pool: ThreadPoolExecutor) -> list[Future]:
         """Queue the reads on ``pool`` (shared with other executors) instead of running them;
         wait for the futures, then ``close``."""
-        return [pool.submit(self._run_group, g) for g in self._groups()]
+        return [pool.submit(task) for task in self._tasks()]
 
     def close(self) -> None:
         for reader in self._files.values():
             reader.close()
         self._files.clear()
 
-    def _groups(self) -> list[list[_Job]]:
+    def _tasks(self) -> list[Callable[[], None]]:
+        """One task per stream of direct reads (``_streams``) and one per staged read."""
         direct, staged = [], []
         for job in self.jobs:
             if self._is_direct(job):
                 direct.extend(self._split(job))
             else:
                 staged.append(job)
-        return self._coalesce(direct) + [[job] for job in staged]
+        streams = _streams(self._coalesce(direct), self.threads)
+        return ([functools.partial(self._run_stream, groups, len(streams) > 1) for groups in streams]
+                + [functools.partial(self._run_staged, job) for job in staged])
 
     # -- planning the I/O -------------------------------------------------------------------
     def _widened(self, job: _Job) -> tuple[int, int]:
@@ -169,12 +173,28 @@ class ReadExecutor:
                 self._files[job.file] = reader
             return reader
 
-    def _read(self, offset: int, views: list[memoryview], owners: list[_Job | None]) -> None:
+    def _run_stream(self, groups: list[list[_Job]], own_readers: bool) -> None:
+        """Read ``groups`` in file order; with ``own_readers``, through readers of this stream
+        alone where the backend has them (``FileReader.stream``)."""
+        readers: dict[int, FileReader] = {}
+        try:
+            for group in groups:
+                first = group[0]
+                if first.file not in readers:
+                    shared = self._reader(first)
+                    readers[first.file] = (own_readers and shared.stream()) or shared
+                self._run_direct(group, readers[first.file])
+        finally:
+            for file, reader in readers.items():
+                if reader is not self._files.get(file):
+                    reader.close()
+
+    def _read(self, reader: FileReader, offset: int, views: list[memoryview], owners: list[_Job | None]) -> None:
         """Read ``views`` from ``offset`` on; ``owners``: each view's job (None: bytes between
         pieces, discarded). A short read names the tensor whose bytes it stopped in."""
         want = sum(len(v) for v in views)
         first = owners[0]  # a request starts with a piece
-        got = self._reader(first).readinto(offset, views)
+        got = reader.readinto(offset, views)
         gaps = sum(len(v) for v, job in zip(views, owners) if job is None)
         self.bytes_read += max(got - gaps, 0)
         self.advance(max(got - gaps, 0))
@@ -188,11 +208,8 @@ class ReadExecutor:
             f"[{stopped.base + stopped.read.lo}, {stopped.base + stopped.read.hi}) of tensor {stopped.fqn!r} "
             f"are not all there (it ends at byte {offset + got})")
 
-    def _run_group(self, group: list[_Job]) -> None:
+    def _run_direct(self, group: list[_Job], reader: FileReader) -> None:
         first = group[0]
-        if len(group) == 1 and not self._is_direct(first):
-            self._run_staged(first)
-            return
         views, owners, end = [], [], first.base + first.read.lo
         for job in group:
             gap = job.base + job.read.lo - end
@@ -203,7 +220,7 @@ class ReadExecutor:
             views += parts
             owners += [job] * len(parts)
             end = job.base + job.read.hi
-        self._read(first.base + first.read.lo, views, owners)
+        self._read(reader, first.base + first.read.lo, views, owners)
         if self.verify:
             for job in group:
                 self._check(job, job.read.lo, job.read.hi, [job.view[s.dst:s.dst + s.nbytes] for s in job.read.segments])
@@ -218,7 +235,7 @@ class ReadExecutor:
         else:
             scratch = torch.empty(hi - lo, dtype=torch.uint8)
             raw = byte_view(scratch)
-            self._read(job.base + lo, [raw], [job])
+            self._read(self._reader(job), job.base + lo, [raw], [job])
         if self.verify:
             self._check(job, lo, hi, [raw])
         read = job.read
@@ -245,6 +262,25 @@ class ReadExecutor:
                 f"checksum mismatch in data file {self.manifest.files[job.file]} of {self.directory}: "
                 f"tensor {job.fqn!r}, piece {job.read.piece}, bytes [{start}, {min(start + block, job.base + hi)}) "
                 "are damaged; restore this checkpoint from another copy or load an earlier one")
+
+
+def _streams(groups: list[list[_Job]], count: int) -> list[list[list[_Job]]]:
+    """Cut ``groups`` (in file order) into up to ``count`` runs of about equal bytes, each run
+    contiguous in the files. Each run is one thread's stream of reads in order, so the kernel
+    sees sequential reads and reads ahead of each; groups handed out one by one to whichever
+    thread is free would make every file's reads look random to it (measured on this project's
+    2-core VM, 0.83 GB cold: 0.38-0.42 s in four streams against 0.55-0.71 s handed out)."""
+    sizes = [sum(job.read.hi - job.read.lo for job in group) for group in groups]
+    share = max(1, -(-sum(sizes) // max(count, 1)))
+    streams: list[list[list[_Job]]] = []
+    filled = share  # bytes of the last stream: start a new one at once
+    for group, size in zip(groups, sizes):
+        if filled >= share and len(streams) < count:
+            streams.append([])
+            filled = 0
+        streams[-1].append(group)
+        filled += size
+    return streams
 
 
 def _row_major(shape: tuple) -> tuple:

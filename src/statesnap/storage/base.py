@@ -53,6 +53,13 @@ class FileReader(ABC):
         them or the file is shorter (callers then read into a buffer)."""
         return None
 
+    def stream(self) -> "FileReader | None":
+        """Another reader of this same file for one thread that reads a stretch of it in order
+        (the caller closes it), where a reader of its own reads faster: a local file's readahead
+        follows each open file's access pattern, and threads sharing one see random reads. None:
+        share this reader."""
+        return None
+
     @abstractmethod
     def size(self) -> int: ...
 
