@@ -144,6 +144,7 @@ def test_snapshots_between_persists_do_not_wait_for_a_slow_write(tmp_path, monke
         latest = reference(state)
         write_may_finish.set()
         assert persisted.wait(60) is not None
+        ckpt.wait_staged()  # staged resolves before the copy thread hands the snapshot to the memory level
         assert ckpt.stats()["memory_step"] == 7
         for t in model.parameters():
             t.data.zero_()

@@ -135,4 +135,10 @@ def test_survivors_raise_a_checkpoint_error_naming_the_rank(tmp_path, scenario):
 
 
 if __name__ == "__main__":
-    _rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    import torch.distributed as dist
+
+    try:
+        _rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    finally:  # as a training script ends: the default group is the script's, not statesnap's
+        if dist.is_initialized():
+            dist.destroy_process_group()

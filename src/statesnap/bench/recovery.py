@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from .common import DEFAULT_OUT, add_output_arguments, format_table, fresh_dir, median, publish
-from .reshard import _barrier_timed, _worker, remote_url
+from .job import run_job
+from .reshard import _barrier_timed, remote_url
 
 SOURCES = ("peer", "root")
 
@@ -79,28 +78,12 @@ def run(ranks: int = 4, mb_per_rank: float = 64.0, repeat: int = 3, out: str = D
         raise ValueError(f"--ranks must be even and at least 2 (two simulated nodes), not {ranks}")
     scratch = fresh_dir(os.path.join(out, "recovery"))
     os.makedirs(os.path.join(scratch, "root"))  # the local file system under throttled:// makes no parents
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     args = dict(mb_per_rank=mb_per_rank, repeat=repeat, out=scratch, remote_mb_per_s=remote_mb_per_s,
                 remote_latency_ms=remote_latency_ms)
-    procs = [ctx.Process(target=_worker, args=(r, ranks, port, args, queue, measure)) for r in range(ranks)]
-    for p in procs:
-        p.start()
     try:
-        results = [queue.get(timeout=1800) for _ in procs]
+        per_rank = run_job(ranks, measure, args)
     finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
         shutil.rmtree(scratch, ignore_errors=True)
-    failed = [r for r in results if isinstance(r[1], str)]
-    if failed:
-        raise RuntimeError(f"rank {failed[0][0]} failed: {failed[0][1]}")
-    per_rank = [times for _, times in sorted(results)]
     seconds = {source: median(max(t[source][i] for t in per_rank) for i in range(repeat)) for source in SOURCES}
     return {"ranks": ranks, "mb_per_rank": mb_per_rank, "repeat": repeat, "seconds": seconds,
             "remote": {"mb_per_s": remote_mb_per_s, "latency_ms": remote_latency_ms},

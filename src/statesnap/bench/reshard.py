@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import threading
 import time
 
 import fsspec
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from fsspec.implementations.local import LocalFileSystem
 from torch import nn
 
 from .common import DEFAULT_OUT, drop_page_cache, format_table, fresh_dir, median, publish
+from .job import run_job
 
 LAYOUTS = ("same", "2d")
 REMOTE = "throttled"
@@ -120,20 +119,6 @@ def _dcp_load(model, optim, path: str) -> None:
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def _worker(rank: int, world: int, port: int, args: dict, queue, measure_of_suite=None) -> None:
-    """One rank of a suite's job: ``measure_of_suite`` (default: this suite's) with ``args``."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        queue.put((rank, (measure_of_suite or measure)(rank, world, **args)))
-    except BaseException as exc:
-        queue.put((rank, f"{type(exc).__name__}: {exc}"))
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
 def measure(rank: int, world: int, dim: int, layers: int, repeat: int, out: str, remote_mb_per_s: float,
             remote_latency_ms: float) -> dict:
     import torch.distributed.checkpoint as dcp
@@ -171,23 +156,9 @@ def run(dim: int = 1024, layers: int = 8, ranks: int = 4, repeat: int = 3, out: 
         remote_mb_per_s: float = 100.0, remote_latency_ms: float = 10.0) -> dict:
     """Spawn the job; return median seconds per case (slowest rank) and the ratios that matter."""
     scratch = fresh_dir(os.path.join(out, "reshard"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     args = dict(dim=dim, layers=layers, repeat=repeat, out=scratch, remote_mb_per_s=remote_mb_per_s,
                 remote_latency_ms=remote_latency_ms)
-    procs = [ctx.Process(target=_worker, args=(r, ranks, port, args, queue)) for r in range(ranks)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=1800) for _ in procs]
-    for p in procs:
-        p.join()
-    failed = [r for r in results if isinstance(r[1], str)]
-    if failed:
-        raise RuntimeError(f"rank {failed[0][0]} failed: {failed[0][1]}")
-    per_rank = [times for _, times in sorted(results)]
+    per_rank = run_job(ranks, measure, args)
     seconds = {case: median(max(t[case][i] for t in per_rank) for i in range(repeat)) for case in per_rank[0]}
     state_bytes = layers * (dim * dim + dim) * 4 * 3
     return {

@@ -174,9 +174,8 @@ PATH_OF = {"torch_mmap": "torch"}
 
 
 # -- resharded: a checkpoint written by 2 ranks, each with half of every tensor's last dimension ----
-def _save_sharded(rank: int, world: int, port: int, state: str, small: bool, paths: dict) -> None:
-    """One rank of the job that writes the resharded checkpoints (run by ``torch.multiprocessing.spawn``)."""
-    import torch.distributed as dist
+def _save_sharded(rank: int, world: int, state: str, small: bool, paths: dict) -> None:
+    """One rank of the job that writes the resharded checkpoints (``job.run_job``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -184,23 +183,18 @@ def _save_sharded(rank: int, world: int, port: int, state: str, small: bool, pat
     import statesnap as ss
     from ..state.flatten import flatten_for_save
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (world,))
 
-        def shard(t):
-            if not isinstance(t, torch.Tensor) or t.ndim == 0:
-                return t
-            return distribute_tensor(t.detach(), mesh, [Shard(t.ndim - 1)], src_data_rank=None)
+    def shard(t):
+        if not isinstance(t, torch.Tensor) or t.ndim == 0:
+            return t
+        return distribute_tensor(t.detach(), mesh, [Shard(t.ndim - 1)], src_data_rank=None)
 
-        model, optim = build(state, small, source=True)
-        flat = flatten_for_save(_ss_state(model, optim))
-        ss.save({**{i.fqn: shard(i.local) for i in flat.tensors}, **{o.fqn: o.value for o in flat.objects}},
-                paths["statesnap"], durable=False)
-        dcp.save(_map_tensors(_state_dicts(model, optim), shard), checkpoint_id=paths["dcp"])
-    finally:
-        dist.destroy_process_group()
+    model, optim = build(state, small, source=True)
+    flat = flatten_for_save(_ss_state(model, optim))
+    ss.save({**{i.fqn: shard(i.local) for i in flat.tensors}, **{o.fqn: o.value for o in flat.objects}},
+            paths["statesnap"], durable=False)
+    dcp.save(_map_tensors(_state_dicts(model, optim), shard), checkpoint_id=paths["dcp"])
 
 
 def _map_tensors(value, fn):
@@ -214,14 +208,9 @@ def _map_tensors(value, fn):
 def save_resharded(state: str, small: bool, paths: dict, world: int = 2) -> None:
     """Write ``state`` as ``world`` gloo ranks would, each holding a slice of every tensor's last
     dimension, for statesnap and DCP (a child's failure is raised here)."""
-    import socket
+    from .job import run_job
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_save_sharded, args=(world, port, state, small, paths), nprocs=world, join=True)
+    run_job(world, _save_sharded, dict(state=state, small=small, paths=paths))
 
 
 # -- time to first step: a fresh process imports, builds, loads and steps -------------------------

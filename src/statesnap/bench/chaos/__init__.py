@@ -33,7 +33,7 @@ from .processes import ForkServer
 
 MODULES = {"kills": kills, "storage": storage, "damage": damage, "ranks": ranks, "owners": owners}
 FAMILIES = tuple(MODULES)
-RANK_TIMEOUT_S = 4.0
+RANK_TIMEOUT_S = 8.0
 
 # family -> profile -> its module's run() arguments (after server, workdir, rng)
 PROFILES = {

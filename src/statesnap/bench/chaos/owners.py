@@ -45,6 +45,7 @@ class _HeldCommit(LocalBackend):
 
     def commit(self, staging, final, *args, **kwargs) -> None:
         if final.endswith(f"step-{HELD_STEP}"):
+            open(self.go + ".held", "w").close()  # the holder says it is ready only from here on
             while not os.path.exists(self.go):
                 time.sleep(0.01)
         super().commit(staging, final, *args, **kwargs)
@@ -59,6 +60,8 @@ def holder(spec: dict) -> dict:
     for step in range(1, HELD_STEP):
         training.step(step).wait()
     training.step(HELD_STEP)
+    while not os.path.exists(spec["go"] + ".held"):  # its staging directory is made by then
+        time.sleep(0.01)
     records.add("ready", 0)
     for step in range(HELD_STEP + 1, HELD_STEP + 50):
         try:
