@@ -5,8 +5,10 @@ import errno
 import os
 
 import numpy as np
+import torch
 import pytest
 
+import statesnap as ss
 import statesnap.engine.write as write
 import statesnap.storage.aligned as aligned
 from statesnap.format.checksum import checksum_blocks
@@ -140,21 +142,28 @@ def test_the_pool_keeps_only_a_few_buffers_between_saves():
     assert [m.closed for m in mappings] == [False, False, True, True, True]
 
 
-def test_aligned_buffers_are_not_shared_with_a_forked_child():
-    """A child forked after a save (a DataLoader worker, a multiprocessing job that saves too) gets
-    its own copy of the bounce buffers and of a staging arena: what it writes there never reaches
-    the parent's pages, which the parent may be writing to disk at that moment."""
+def test_a_forked_child_saves_with_buffers_of_its_own(tmp_path):
+    """A child forked after a save (a DataLoader worker, a multiprocessing job that saves too)
+    inherits neither the bounce buffers nor the staging arena (storage/aligned.py): its own
+    durable save works with buffers of its own, and the parent's pages keep the parent's bytes."""
     from statesnap.checkpointer.staging import Arena
 
-    bounce = aligned.BouncePool().take()
-    arena = Arena(4 * (1 << 20), pin=False)
+    bounce = aligned.BOUNCE.take()
     np.frombuffer(bounce, dtype=np.uint8)[:4096] = 1
+    aligned.BOUNCE.give(bounce)  # kept by the pool, as after a save
+    arena = Arena(4 * (1 << 20), pin=False)
     arena.buffer[:4096] = 1
+    state = {"t": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MB: written through a bounce buffer
     child = os.fork()
-    if child == 0:  # the child scribbles over both and leaves at once
-        np.frombuffer(bounce, dtype=np.uint8)[:4096] = 2
-        arena.buffer[:4096] = 2
-        os._exit(0)
+    if child == 0:
+        code = 1
+        try:
+            ss.save(state, tmp_path / "child", durable=True)
+            target = {"t": torch.zeros_like(state["t"])}
+            ss.load(target, tmp_path / "child")
+            code = 0 if torch.equal(target["t"], state["t"]) else 2
+        finally:
+            os._exit(code)
     assert os.waitpid(child, 0)[1] == 0
     assert set(np.frombuffer(bounce, dtype=np.uint8)[:4096].tolist()) == {1}
     assert set(arena.buffer[:4096].tolist()) == {1}
