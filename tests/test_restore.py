@@ -14,6 +14,7 @@ from torch import nn
 import statesnap as ss
 from statesnap.errors import CorruptCheckpointError
 from statesnap.format.manifest import MANIFEST_NAME
+from statesnap.storage.local import LocalBackend
 
 MIB = 1 << 20
 
@@ -278,3 +279,41 @@ def test_a_stream_reads_the_file_it_was_opened_from_even_once_its_name_is_taken(
     assert stream.fd != reader.fd
     stream.close()
     reader.close()
+
+
+def test_streams_hold_one_descriptor_each_besides_one_per_file(tmp_path, monkeypatch):
+    """A load over many files (a checkpoint written by many ranks) needs a descriptor per file
+    and one more per stream, not one per file and stream."""
+    import types
+
+    from statesnap.engine.buffers import byte_view
+    from statesnap.engine.read import ReadExecutor, _Job
+    from statesnap.plan.load_plan import PieceRead, Segment
+    from statesnap.storage import local
+
+    names = [f"f{i}" for i in range(64)]
+    for i, name in enumerate(names):
+        (tmp_path / name).write_bytes(bytes([i]) * 8192)
+    opened, peak = set(), [0]
+    real_init, real_close = local._LocalReader.__init__, local._LocalReader.close
+
+    def counting_init(self, path):
+        real_init(self, path)
+        opened.add(self.fd)
+        peak[0] = max(peak[0], len(opened))
+
+    def counting_close(self):
+        opened.discard(self.fd)
+        real_close(self)
+    monkeypatch.setattr(local._LocalReader, "__init__", counting_init)
+    monkeypatch.setattr(local._LocalReader, "close", counting_close)
+    executor = ReadExecutor(LocalBackend(), str(tmp_path), types.SimpleNamespace(files=names, block_bytes=MIB),
+                            verify=False, threads=4)
+    targets = [torch.empty(8192, dtype=torch.uint8) for _ in names]
+    for i, target in enumerate(targets):
+        entry = types.SimpleNamespace(file=[i], offset=[0], nbytes=[8192])
+        executor.jobs.append(_Job(f"t{i}", entry, target, byte_view(target), PieceRead(0, 0, 8192, [Segment(0, 0, 8192)])))
+    executor.run()
+    assert all(int(t[0]) == i and int(t[-1]) == i for i, t in enumerate(targets))
+    assert peak[0] <= len(names) + 4
+    assert not opened  # every reader closed

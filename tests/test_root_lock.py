@@ -124,6 +124,8 @@ def test_a_write_that_fails_after_a_take_over_names_the_take_over(tmp_path):
     with pytest.raises(RootBusyError, match=f"{tmp_path} was taken over by pid {os.getpid()}") as caught:
         backend.write_bytes(manifest, b"{}", False)
     assert isinstance(caught.value.__cause__, FileNotFoundError)
+    with pytest.raises(FileNotFoundError):  # a read's missing file is an answer, not a failure
+        backend.read_bytes(manifest)
     assert backend.join("a", "b") == LocalBackend().join("a", "b")  # what succeeds passes through
     new_claim.release()
     old_claim.release()

@@ -144,8 +144,8 @@ def test_the_pool_keeps_only_a_few_buffers_between_saves():
 
 def test_a_forked_child_saves_with_buffers_of_its_own(tmp_path):
     """A child forked after a save (a DataLoader worker, a multiprocessing job that saves too)
-    inherits neither the bounce buffers nor the staging arena (storage/aligned.py): its own
-    durable save works with buffers of its own, and the parent's pages keep the parent's bytes."""
+    shares neither the bounce buffers nor the staging arena (storage/aligned.py: it sees them
+    zeroed): its own durable save works, and the parent's pages keep the parent's bytes."""
     from statesnap.checkpointer.staging import Arena
 
     bounce = aligned.BOUNCE.take()

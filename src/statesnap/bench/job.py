@@ -8,6 +8,7 @@ the job at once instead of leaving the parent waiting.
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queues
 import time
 from typing import Callable
@@ -21,9 +22,11 @@ def _rank(rank: int, world: int, port: int, work: Callable, args: dict, results)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        results.put((rank, True, work(rank, world, **args)))
+        value = work(rank, world, **args)
+        pickle.dumps(value)  # the queue pickles on a thread of its own, which would drop it silently
+        results.put((rank, True, value))
     except BaseException as exc:
         results.put((rank, False, f"{type(exc).__name__}: {exc}"))
         raise
@@ -35,23 +38,27 @@ def _rank(rank: int, world: int, port: int, work: Callable, args: dict, results)
 def run_job(world: int, work: Callable, args: dict, timeout_s: float = 1800) -> list:
     """``work(rank, world, **args)`` on ``world`` spawned gloo ranks (a module-level function);
     return what each rank returned, in rank order. Raises ``RuntimeError`` naming the first rank
-    that failed or died."""
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    that failed or ended without a result."""
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, store.port, work, args, results)) for r in range(world)]
-    for proc in procs:
-        proc.start()
+    procs = []
     returned: dict[int, object] = {}
     deadline = time.monotonic() + timeout_s
+    ended_before: set[int] = set()
     try:
+        for rank in range(world):
+            procs.append(ctx.Process(target=_rank, args=(rank, world, store.port, work, args, results)))
+            procs[-1].start()
         while len(returned) < world:
             try:
                 rank, ok, value = results.get(timeout=1)
             except queues.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in returned]
-                if dead:
-                    raise RuntimeError(f"rank {dead[0][0]} died (exit code {dead[0][1]}) without a result") from None
+                ended = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode is not None and r not in returned]
+                late = [(r, code) for r, code in ended if r in ended_before]  # a whole second after it ended
+                if late:
+                    raise RuntimeError(f"rank {late[0][0]} ended (exit code {late[0][1]}) without a result") from None
+                ended_before.update(r for r, _ in ended)
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the job did not finish within {timeout_s:.0f} s") from None
                 continue
@@ -64,4 +71,5 @@ def run_job(world: int, work: Callable, args: dict, timeout_s: float = 1800) -> 
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        del store  # stops its server
     return [returned[r] for r in range(world)]

@@ -66,7 +66,7 @@ class Arena:
         if pin:
             self.buffer = pinned_pages(self.capacity)
         else:
-            self.buffer = torch.frombuffer(private_pages(self.capacity), dtype=torch.uint8)
+            self.buffer = torch.frombuffer(private_pages(self.capacity, huge=True), dtype=torch.uint8)
             threading.Thread(target=_populate, args=(self.buffer.data_ptr(), self.capacity),
                              name="statesnap-arena-populate", daemon=True).start()
         self._live: deque[Region] = deque()

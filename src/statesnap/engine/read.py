@@ -174,20 +174,24 @@ class ReadExecutor:
             return reader
 
     def _run_stream(self, groups: list[list[_Job]], own_readers: bool) -> None:
-        """Read ``groups`` in file order; with ``own_readers``, through readers of this stream
-        alone where the backend has them (``FileReader.stream``)."""
-        readers: dict[int, FileReader] = {}
+        """Read ``groups`` in file order; with ``own_readers``, through a reader of this stream
+        alone where the backend has one (``FileReader.stream``), held only while the stream is
+        in its file: a load over a thousand files then needs four descriptors more, not four
+        thousand."""
+        file, reader, own = None, None, False
         try:
             for group in groups:
                 first = group[0]
-                if first.file not in readers:
+                if first.file != file:
+                    if own:
+                        reader.close()
                     shared = self._reader(first)
-                    readers[first.file] = (own_readers and shared.stream()) or shared
-                self._run_direct(group, readers[first.file])
+                    stream = shared.stream() if own_readers else None
+                    file, reader, own = first.file, stream or shared, stream is not None
+                self._run_direct(group, reader)
         finally:
-            for file, reader in readers.items():
-                if reader is not self._files.get(file):
-                    reader.close()
+            if own:
+                reader.close()
 
     def _read(self, reader: FileReader, offset: int, views: list[memoryview], owners: list[_Job | None]) -> None:
         """Read ``views`` from ``offset`` on; ``owners``: each view's job (None: bytes between

@@ -6,9 +6,9 @@ first-touching fresh memory costs more than the copy into it.
 """
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
+import sys
 import threading
 import weakref
 
@@ -22,64 +22,40 @@ BOUNCE_BYTES = 16 << 20
 HUGE_PAGE = 2 << 20
 
 
-def private_pages(nbytes: int) -> mmap.mmap:
-    """Page-aligned anonymous memory of this process alone, which no child inherits.
+def private_pages(nbytes: int, huge: bool = False) -> mmap.mmap:
+    """Page-aligned anonymous memory of this process alone, which a forked child sees zeroed.
 
     * Private: ``mmap.mmap(-1, n)`` maps memory shared, so a process forked afterwards would
       write into the very pages its parent is writing to disk.
-    * Not inherited (``MADV_DONTFORK``): a DataLoader forks its workers at every epoch. A child
-      holding the staging arena's pages would make each of the parent's next writes there copy
-      the page first, and keep the old copies: twice the arena's memory while workers live.
-      The child still holds the Python object, whose release unmaps its range: an empty
-      placeholder is mapped there in the child (:func:`_hold_in_child`), so that release never
-      unmaps memory the child has put there meanwhile.
-    * Transparent huge pages where the kernel gives them to regions that ask: these buffers live
-      long and are filled whole, and faulting in 2 MiB pages instead of 4 KiB ones made
-      first-touching 370 MB take 35 ms instead of 190 ms (median of 15 on this project's 2-core
-      VM; three of the 15 waited 0.3-0.4 s for the kernel to compact memory).
+    * Wiped in a child (``MADV_WIPEONFORK``, Linux 4.14+): a DataLoader forks its workers at
+      every epoch. A child sharing these pages copy-on-write would make each of the parent's
+      next writes there copy the page first, and keep the old copies: twice the arena's memory
+      while workers live. The child gets zero-filled memory at the same address instead, its
+      own, which its copies of statesnap's objects may use and release. (Older kernels refuse
+      the advice and children share the pages copy-on-write, as before.)
+    * ``huge``, for a long-lived buffer filled whole (the staging arena): transparent huge pages
+      where the system gives them to regions that ask. Faulting in 2 MiB pages instead of 4 KiB
+      ones made first-touching 370 MB take 35 ms instead of 190 ms (median of 15 on this
+      project's 2-core VM), but three of the 15 waited 0.3-0.4 s for the kernel to compact
+      memory, so buffers made per load or pinned at once do not ask.
     """
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if _madvise(mapping, "MADV_DONTFORK"):
-        start = np.frombuffer(mapping, dtype=np.uint8).ctypes.data  # the array, and its export, go at once
-        with _unforked_lock:
-            _unforked[id(mapping)] = (weakref.ref(mapping), start, nbytes)
-        weakref.finalize(mapping, _unforked.pop, id(mapping), None)
-    if nbytes >= HUGE_PAGE:
-        _madvise(mapping, "MADV_HUGEPAGE")
+    _madvise(mapping, _MADV_WIPEONFORK)
+    if huge and nbytes >= HUGE_PAGE:
+        _madvise(mapping, getattr(mmap, "MADV_HUGEPAGE", None))
     return mapping
 
 
-def _madvise(mapping: mmap.mmap, option: str) -> bool:
-    """Whether the kernel took the advice (one this Python or kernel lacks is skipped)."""
-    if not hasattr(mmap, option):
-        return False
-    try:
-        mapping.madvise(getattr(mmap, option))
-        return True
-    except OSError:
-        return False
+_MADV_WIPEONFORK = getattr(mmap, "MADV_WIPEONFORK", 18 if sys.platform.startswith("linux") else None)
 
 
-_unforked: dict[int, tuple[weakref.ref, int, int]] = {}  # id(mapping) -> (mapping, start, length)
-_unforked_lock = threading.Lock()
-# MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE (Linux): no memory, no clobbering
-_PLACEHOLDER = 0x02 | 0x20 | 0x4000 | 0x100000
-
-
-def _hold_in_child() -> None:
-    """In a forked child: map an inaccessible, unbacked placeholder over every range of
-    ``private_pages`` the parent held (the child has none of them)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    for ref, start, length in list(_unforked.values()):
-        mapping = ref()
-        if mapping is not None and not mapping.closed:
-            libc.mmap(start, length, 0, _PLACEHOLDER, -1, 0)  # PROT_NONE; fails harmlessly if taken
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_hold_in_child)
+def _madvise(mapping: mmap.mmap, option: int | None) -> None:
+    """Advice the kernel may not know (too old, another system): skipped."""
+    if option is not None:
+        try:
+            mapping.madvise(option)
+        except OSError:
+            pass
 
 
 def pinned_pages(nbytes: int) -> torch.Tensor:
@@ -117,9 +93,9 @@ class BouncePool:
         self._lock = threading.Lock()
 
     def forget(self) -> None:
-        """In a forked child: the buffers kept are the parent's, not mapped here (``private_pages``);
-        start empty, with a lock no parent thread may have held at the fork."""
-        self._free, self._lock = [], threading.Lock()
+        """In a forked child: start with a lock no parent thread may have held at the fork (the
+        buffers kept are the child's own, zeroed: ``private_pages``)."""
+        self._lock = threading.Lock()
 
     def take(self) -> memoryview:
         with self._lock:
@@ -141,5 +117,5 @@ class BouncePool:
 
 
 BOUNCE = BouncePool()
-if hasattr(os, "register_at_fork"):  # after _hold_in_child: dropping the views unmaps the placeholders
+if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=BOUNCE.forget)

@@ -173,16 +173,18 @@ class _LocalWriter(FileWriter):
 
 class _LocalReader(FileReader):
     def __init__(self, path: str):
-        self.path = path
         self.fd = os.open(path, os.O_RDONLY)
         self._mapping: mmap.mmap | None = None
         self._lock = threading.Lock()
 
-    def stream(self) -> FileReader:
+    def stream(self) -> FileReader | None:
         """A new open file description (its own readahead state) of the very file this one read,
-        even if another has taken its name since: ``/proc/self/fd`` reopens the inode."""
-        reopen = f"/proc/self/fd/{self.fd}"
-        return type(self)(reopen if os.path.exists(reopen) else self.path)
+        even if another has taken its name since: ``/proc/self/fd`` reopens the inode. None
+        (share this reader) where that cannot be done: no ``/proc``, or no descriptor left."""
+        try:
+            return type(self)(f"/proc/self/fd/{self.fd}")
+        except OSError:
+            return None
 
     def map(self, offset: int, nbytes: int) -> memoryview | None:
         if nbytes <= 0 or offset + nbytes > self.size():

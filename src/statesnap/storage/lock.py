@@ -364,19 +364,23 @@ class ClaimedBackend:
     """A claimed root's backend: each commit and deletion first checks that the claim still
     holds, so a job whose root was taken over cannot delete or replace the new owner's work.
 
-    Everything else passes through, except that any call which fails asks whether the claim
-    was lost meanwhile: the new owner's start-up cleanup deletes the old one's staging
-    directories, so the old owner's next write there fails with a bare ``FileNotFoundError``
-    whose real cause is the take-over, and that is what it reports."""
+    A write, a staging step, a commit or a deletion that fails asks whether the claim was lost
+    meanwhile: the new owner's start-up cleanup deletes the old one's staging directories, so
+    the old owner's next write there fails with a bare ``FileNotFoundError`` whose real cause is
+    the take-over, and that is what it reports. Reads pass through untouched: a missing file is
+    an answer there, not a failure."""
 
     _CHECKED_FIRST = frozenset({"commit", "remove", "retire", "recover"})
+    _EXPLAINED = _CHECKED_FIRST | {"write_bytes", "open_write", "begin", "abort"}
 
     def __init__(self, backend: StorageBackend, claim: RootClaim):
         self._backend, self.claim = backend, claim
 
     def __getattr__(self, name: str):
+        if name.startswith("_"):  # copy/pickle look for these before __init__ ran
+            raise AttributeError(name)
         found = getattr(self._backend, name)
-        if not callable(found):
+        if name not in self._EXPLAINED:
             return found
         check_first = name in self._CHECKED_FIRST
 
