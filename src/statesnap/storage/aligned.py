@@ -20,6 +20,7 @@ from .base import DIRECT_ALIGN
 
 BOUNCE_BYTES = 16 << 20
 HUGE_PAGE = 2 << 20
+_MADV_WIPEONFORK = getattr(mmap, "MADV_WIPEONFORK", 18 if sys.platform.startswith("linux") else None)  # not in 3.11
 
 
 def private_pages(nbytes: int, huge: bool = False) -> mmap.mmap:
@@ -44,9 +45,6 @@ def private_pages(nbytes: int, huge: bool = False) -> mmap.mmap:
     if huge and nbytes >= HUGE_PAGE:
         _madvise(mapping, getattr(mmap, "MADV_HUGEPAGE", None))
     return mapping
-
-
-_MADV_WIPEONFORK = getattr(mmap, "MADV_WIPEONFORK", 18 if sys.platform.startswith("linux") else None)
 
 
 def _madvise(mapping: mmap.mmap, option: int | None) -> None:
@@ -92,9 +90,9 @@ class BouncePool:
         self._keep = keep
         self._lock = threading.Lock()
 
-    def forget(self) -> None:
-        """In a forked child: start with a lock no parent thread may have held at the fork (the
-        buffers kept are the child's own, zeroed: ``private_pages``)."""
+    def after_fork(self) -> None:
+        """In a forked child: a lock no parent thread may have held at the fork (the buffers
+        kept are the child's own, zeroed: ``private_pages``)."""
         self._lock = threading.Lock()
 
     def take(self) -> memoryview:
@@ -118,4 +116,4 @@ class BouncePool:
 
 BOUNCE = BouncePool()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=BOUNCE.forget)
+    os.register_at_fork(after_in_child=BOUNCE.after_fork)
