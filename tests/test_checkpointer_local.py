@@ -311,6 +311,61 @@ def test_a_stream_that_fails_halfway_is_still_drained(failing):
     assert [marker for _, marker in results] == [15, 15]
 
 
+def _fetch_file(rank, world, directory, mappable):
+    """Rank 0 sends a file of 5.5 chunks as a restore's fetch does (from the page cache, or read
+    into alternating buffers where the backend maps nothing); rank 1 writes what arrives while
+    the next chunk comes in, into the two halves of its buffer."""
+    from statesnap.checkpointer import local as local_stage
+    from statesnap.checkpointer import recovery
+    from statesnap.storage.local import LocalBackend
+
+    chunk = 4096
+    local_stage.PEER_CHUNK_BYTES = recovery.PEER_CHUNK_BYTES = chunk
+    backend = LocalBackend()
+    if not mappable:
+        opened = backend.open_read
+        backend.open_read = lambda path: _Unmapped(opened(path))
+    fetch = recovery.LocalRecovery(type("Level", (), {"backend": backend})(), None, None, durable=False)
+    source, copy = os.path.join(directory, "source"), os.path.join(directory, f"copy-{mappable}")
+    failures = []
+    if rank == 0:
+        fetch._send(None, 1, source, failures)
+        return failures
+    buffers = []
+    writer = backend.open_write(copy, False)
+
+    def write(offset, view):
+        buffers.append(view.data_ptr())
+        writer.pwrite(offset, [memoryview(view.numpy())])
+    assert local_stage.recv_stream(None, 0, fetch._buffer(), write)
+    writer.close(False)
+    with open(source, "rb") as a, open(copy, "rb") as b:
+        return a.read() == b.read(), len(set(buffers))
+
+
+class _Unmapped:
+    """A reader whose backend cannot map files (an object store's)."""
+
+    def __init__(self, reader):
+        self.reader = reader
+
+    def map(self, offset, nbytes):
+        return None
+
+    def __getattr__(self, name):
+        return getattr(self.reader, name)
+
+
+@pytest.mark.parametrize("mappable", [True, False])
+def test_a_fetch_streams_chunks_two_at_a_time_bit_exact(tmp_path, mappable):
+    with open(tmp_path / "source", "wb") as f:
+        f.write(torch.randint(0, 256, (4096 * 5 + 2048,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+                .numpy().tobytes())
+    sent, (same, distinct_buffers) = run_ranks(2, _fetch_file, str(tmp_path), mappable)
+    assert sent == [] and same
+    assert distinct_buffers == 2  # the buffer's halves, in turn
+
+
 def test_a_step_is_complete_only_where_one_commit_of_it_is_held_whole():
     """Inventories carry each node's own files and a digest of the names, never the job's list.
     A node holding another commit of the same step (another run's) does not complete it."""

@@ -60,3 +60,37 @@ def test_a_strict_load_names_only_what_no_rank_loads(tmp_path):
     """Each rank sends one flag per stored name (Comm.any_of), not its names to every rank."""
     path = str(tmp_path / "c")
     assert run_ranks(3, _stage_loads, path) == [(["stage3"], True)] * 3
+
+
+def _comm_votes(rank, world):
+    from statesnap.engine.dist import Comm, RemoteFailure
+
+    comm = Comm(None, "voting", timeout_s=60)
+    flags = comm.any_of([i % world == rank and i < 11 for i in range(13)])
+    empty = comm.any_of([])
+    small = comm.all_gather(rank)
+    mixed = comm.all_gather("x" * 5000 if rank == 2 else (rank, None))  # one rank's does not fit the slot
+    comm.agree(None, "a step every rank did")
+    try:
+        comm.agree(ValueError("disk on fire") if rank == 1 else None, "a step rank 1 failed")
+        outcome = None
+    except RemoteFailure as exc:
+        outcome = ("remote", str(exc))
+    except ss.CheckpointError as exc:
+        outcome = ("own", str(exc))
+    return flags, empty, outcome, small, mixed
+
+
+def test_flags_are_or_ed_across_ranks_and_one_failure_reaches_every_rank():
+    """any_of packs flags into bits (13: not a whole number of bytes); all_gather serves small
+    objects in one round and larger ones in a second; agree exchanges messages only when a rank
+    failed, and then every rank raises, naming the rank and its error."""
+    results = run_ranks(3, _comm_votes)
+    for rank, (flags, empty, outcome, small, mixed) in enumerate(results):
+        assert small == [0, 1, 2] and mixed == [(0, None), (1, None), "x" * 5000]
+        assert flags == [True] * 11 + [False] * 2
+        assert empty == []
+        if rank == 1:
+            assert outcome == ("own", "a step rank 1 failed failed on rank 1: disk on fire")
+        else:
+            assert outcome[0] == "remote" and "rank 1: ValueError: disk on fire" in outcome[1]

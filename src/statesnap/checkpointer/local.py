@@ -15,6 +15,7 @@ snapshot itself until this stage is done with it, as it does for the persistent 
 from __future__ import annotations
 
 import uuid
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -29,12 +30,14 @@ from ..monitor.events import EventLog, now
 from .levels import StorageLevel
 from .pipeline import Snapshot, _Stage
 
-PEER_CHUNK_BYTES = 16 << 20  # the receiver's bounce buffer; transfers go in pieces of this size
+PEER_CHUNK_BYTES = 8 << 20  # transfers go in pieces of this size,
+IN_FLIGHT = 2  # this many at a time: one is written (or read) while the next is on the wire
 
 
 def peer_buffer_bytes(host_memory_bytes: int) -> int:
-    """The bounce buffer taken out of the host budget: 16 MiB, or an eighth of a small budget."""
-    return max(4096, min(PEER_CHUNK_BYTES, host_memory_bytes // 8))
+    """The receiver's bounce buffer taken out of the host budget: room for the chunks in flight
+    (16 MiB), or an eighth of a small budget (chunks then arrive in buffers of their own)."""
+    return max(4096, min(IN_FLIGHT * PEER_CHUNK_BYTES, host_memory_bytes // 8))
 
 
 @dataclass
@@ -75,10 +78,13 @@ def _global(group, rank: int) -> int:
 
 def send_stream(group, dst: int, ranges: list[tuple[int, int]], read) -> None:
     """Send byte ranges ``(offset, nbytes)`` of a file; ``read(offset, nbytes)`` gives a uint8
-    tensor of at most a chunk. ``ranges`` None says the sender has nothing (it failed). A read
-    that fails halfway does not stop the stream, which would leave the receiver waiting until
-    the group's timeout: zeros stand in for the rest, and the failure is raised at the end (the
-    caller then fails the transfer on every rank, so the zeros are never used)."""
+    tensor of at most a chunk, which must stay as it is until two more reads were made: chunks
+    go out ``IN_FLIGHT`` at a time, so the next one is read while the last is on the wire (a
+    reader into a buffer alternates between two). ``ranges`` None says the sender has nothing
+    (it failed). A read that fails halfway does not stop the stream, which would leave the
+    receiver waiting until the group's timeout: zeros stand in for the rest, and the failure is
+    raised at the end (the caller then fails the transfer on every rank, so the zeros are never
+    used)."""
     dst = _global(group, dst)
     if ranges is None:
         dist.send(torch.tensor([-1], dtype=torch.int64), dst, group)
@@ -86,26 +92,29 @@ def send_stream(group, dst: int, ranges: list[tuple[int, int]], read) -> None:
     dist.send(torch.tensor([len(ranges)], dtype=torch.int64), dst, group)
     if ranges:
         dist.send(torch.tensor(ranges, dtype=torch.int64), dst, group)
-    failure = None
-    for offset, nbytes in ranges:
-        for k in range(0, nbytes, PEER_CHUNK_BYTES):
-            n = min(PEER_CHUNK_BYTES, nbytes - k)
-            chunk = None
-            if failure is None:
-                try:
-                    chunk = read(offset + k, n)
-                except Exception as exc:  # noqa: BLE001 (raised once the stream is sent)
-                    failure = exc
-            dist.send(chunk if chunk is not None else torch.zeros(n, dtype=torch.uint8), dst, group)
+    failure, sending = None, deque()
+    for position, nbytes in _chunks(ranges):
+        if len(sending) == IN_FLIGHT:
+            sending.popleft().wait()
+        chunk = None
+        if failure is None:
+            try:
+                chunk = read(position, nbytes)
+            except Exception as exc:  # noqa: BLE001 (raised once the stream is sent)
+                failure = exc
+        sending.append(dist.isend(chunk if chunk is not None else torch.zeros(nbytes, dtype=torch.uint8), dst, group))
+    while sending:
+        sending.popleft().wait()
     if failure is not None:
         raise failure
 
 
 def recv_stream(group, src: int, buffer: torch.Tensor, write) -> bool:
     """Receive what :func:`send_stream` sends; ``write(offset, uint8 tensor)`` takes each chunk
-    (None: receive and drop). False if the sender had nothing to send. A ``write`` that fails
-    does not stop the receiving: the sender would wait for it until the group's timeout, so the
-    rest is received and dropped, and the failure is raised at the end."""
+    while the next one arrives, in the other half of ``buffer`` (None: receive and drop). False
+    if the sender had nothing to send. A ``write`` that fails does not stop the receiving: the
+    sender would wait for it until the group's timeout, so the rest is received and dropped,
+    and the failure is raised at the end."""
     src = _global(group, src)
     failure = None
     count = torch.empty(1, dtype=torch.int64)
@@ -115,20 +124,32 @@ def recv_stream(group, src: int, buffer: torch.Tensor, write) -> bool:
     table = torch.empty((int(count), 2), dtype=torch.int64)
     if int(count):
         dist.recv(table, src, group)
-    chunk = min(PEER_CHUNK_BYTES, buffer.numel())
-    for offset, nbytes in table.tolist():
-        for k in range(0, nbytes, PEER_CHUNK_BYTES):
-            n = min(PEER_CHUNK_BYTES, nbytes - k)
-            view = buffer[:n] if n <= chunk else torch.empty(n, dtype=torch.uint8)
-            dist.recv(view, src, group)
+    chunks = _chunks(table.tolist())
+    slots = [buffer[k:k + PEER_CHUNK_BYTES] for k in range(0, buffer.numel(), PEER_CHUNK_BYTES)][:IN_FLIGHT]
+    arriving = deque()
+    for index in range(len(chunks) + 1):
+        if index < len(chunks):  # the next chunk is posted before the last one is written
+            nbytes = chunks[index][1]
+            slot = slots[index % IN_FLIGHT] if len(slots) == IN_FLIGHT else None
+            view = slot[:nbytes] if slot is not None and slot.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8)
+            arriving.append((chunks[index][0], view, dist.irecv(view, src, group)))
+        if len(arriving) == IN_FLIGHT or index == len(chunks) and arriving:
+            position, view, work = arriving.popleft()
+            work.wait()
             if write is not None and failure is None:
                 try:
-                    write(offset + k, view)
+                    write(position, view)
                 except Exception as exc:  # noqa: BLE001 (raised once the stream is drained)
                     failure = exc
     if failure is not None:
         raise failure
     return True
+
+
+def _chunks(ranges: list) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` ranges cut into the stream's chunks of at most ``PEER_CHUNK_BYTES``."""
+    return [(offset + k, min(PEER_CHUNK_BYTES, nbytes - k)) for offset, nbytes in ranges
+            for k in range(0, nbytes, PEER_CHUNK_BYTES)]
 
 
 def pwriter(writer):

@@ -231,11 +231,16 @@ class Checkpointer:
         flat = matching_target(snap, state) if snap is not None else None
         borrowed = flat is not None and self._arena.borrow(snap.region)
         try:
-            memory_steps = self._comm.all_gather(snap.step if borrowed else None)
-            memory_step = memory_steps[0] if None not in memory_steps and len(set(memory_steps)) == 1 else None
             levels = [level for level in (self.persistent, self.further) if level is not None]
-            stored = self._comm.broadcast(self._newest_stored(levels) if self.rank == 0 else None)
-            inventories = self._comm.all_gather(inventory(self.local)) if self.local is not None else []
+            # what each rank holds in memory and on its node, and rank 0's listing of the stored
+            # levels, in one exchange: a restart's time is its slowest rank's, collectives included
+            held = self._comm.all_gather((snap.step if borrowed else None,
+                                          inventory(self.local) if self.local is not None else None,
+                                          self._newest_stored(levels) if self.rank == 0 else None))
+            memory_steps = [step for step, _, _ in held]
+            memory_step = memory_steps[0] if None not in memory_steps and len(set(memory_steps)) == 1 else None
+            inventories = [node for _, node, _ in held] if self.local is not None else []
+            stored = held[0][2]
             local_step = (complete_steps(inventories) or [None])[0] if inventories else None
             choices = [(memory_step, 0, "memory"), (local_step, 1, "local")] + [
                 (s, i + 2, lv.name) for i, (s, lv) in enumerate(zip(stored, levels))]

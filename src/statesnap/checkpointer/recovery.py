@@ -24,7 +24,7 @@ from ..format.manifest import MANIFEST_NAME, Manifest
 from ..plan import plan_target
 from ..state.flatten import flatten_for_load
 from .levels import StorageLevel
-from .local import PEER_CHUNK_BYTES, Topology, pwriter, recv_stream, send_stream
+from .local import IN_FLIGHT, PEER_CHUNK_BYTES, Topology, pwriter, recv_stream, send_stream
 
 
 def inventory(level: StorageLevel) -> dict[int, tuple[list[str], int, int]]:
@@ -192,7 +192,8 @@ class LocalRecovery:
                 writer.close(self.durable)
 
     def _buffer(self) -> torch.Tensor:
-        return torch.empty(PEER_CHUNK_BYTES, dtype=torch.uint8)
+        """Room for the chunks of one stream in flight (``send_stream``, ``recv_stream``)."""
+        return torch.empty(IN_FLIGHT * PEER_CHUNK_BYTES, dtype=torch.uint8)
 
     def _send(self, group, dst: int, path: str, failures: list) -> None:
         backend, reader, size = self.level.backend, None, None
@@ -201,13 +202,18 @@ class LocalRecovery:
             size = reader.size()
         except OSError as exc:  # the receiver is told there is nothing
             failures.append(exc)
-        buffer = self._buffer()
+        buffer, sent = self._buffer(), [0]
 
         def read(offset: int, nbytes: int) -> torch.Tensor:
-            got = reader.readinto(offset, [memoryview(buffer[:nbytes].numpy())])
+            mapped = reader.map(offset, nbytes)  # a local file's page cache, sent without a copy
+            if mapped is not None:
+                return torch.frombuffer(mapped, dtype=torch.uint8)
+            slot = buffer[sent[0] % IN_FLIGHT * PEER_CHUNK_BYTES:][:nbytes]  # one per chunk in flight
+            sent[0] += 1
+            got = reader.readinto(offset, [memoryview(slot.numpy())])
             if got != nbytes:
                 raise CheckpointError(f"{path} ended at byte {offset + got}, before its {offset + nbytes}")
-            return buffer[:nbytes]
+            return slot
         try:
             send_stream(group, dst, None if size is None else [(0, size)] if size else [], read)
         except Exception as exc:  # noqa: BLE001 (a failed read; the stream was sent whole)
