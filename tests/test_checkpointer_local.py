@@ -311,16 +311,17 @@ def test_a_stream_that_fails_halfway_is_still_drained(failing):
     assert [marker for _, marker in results] == [15, 15]
 
 
-def _fetch_file(rank, world, directory, mappable):
+def _fetch_file(rank, world, directory, mappable, in_flight):
     """Rank 0 sends a file of 5.5 chunks as a restore's fetch does (from the page cache, or read
-    into alternating buffers where the backend maps nothing); rank 1 writes what arrives while
-    the next chunk comes in, into the two halves of its buffer."""
+    into a buffer's slots in turn where the backend maps nothing); rank 1 writes what arrives
+    while the next chunks come in, into the other slots of its buffer."""
     from statesnap.checkpointer import local as local_stage
     from statesnap.checkpointer import recovery
     from statesnap.storage.local import LocalBackend
 
     chunk = 4096
     local_stage.PEER_CHUNK_BYTES = recovery.PEER_CHUNK_BYTES = chunk
+    local_stage.IN_FLIGHT = recovery.IN_FLIGHT = in_flight
     backend = LocalBackend()
     if not mappable:
         opened = backend.open_read
@@ -356,14 +357,14 @@ class _Unmapped:
         return getattr(self.reader, name)
 
 
-@pytest.mark.parametrize("mappable", [True, False])
-def test_a_fetch_streams_chunks_two_at_a_time_bit_exact(tmp_path, mappable):
+@pytest.mark.parametrize("mappable,in_flight", [(True, 2), (False, 2), (False, 3)])
+def test_a_fetch_streams_chunks_in_flight_bit_exact(tmp_path, mappable, in_flight):
     with open(tmp_path / "source", "wb") as f:
         f.write(torch.randint(0, 256, (4096 * 5 + 2048,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
                 .numpy().tobytes())
-    sent, (same, distinct_buffers) = run_ranks(2, _fetch_file, str(tmp_path), mappable)
+    sent, (same, distinct_buffers) = run_ranks(2, _fetch_file, str(tmp_path), mappable, in_flight)
     assert sent == [] and same
-    assert distinct_buffers == 2  # the buffer's halves, in turn
+    assert distinct_buffers == in_flight  # the buffer's slots, in turn
 
 
 def test_a_step_is_complete_only_where_one_commit_of_it_is_held_whole():

@@ -78,9 +78,9 @@ def _global(group, rank: int) -> int:
 
 def send_stream(group, dst: int, ranges: list[tuple[int, int]], read) -> None:
     """Send byte ranges ``(offset, nbytes)`` of a file; ``read(offset, nbytes)`` gives a uint8
-    tensor of at most a chunk, which must stay as it is until two more reads were made: chunks
-    go out ``IN_FLIGHT`` at a time, so the next one is read while the last is on the wire (a
-    reader into a buffer alternates between two). ``ranges`` None says the sender has nothing
+    tensor of at most a chunk, which must stay as it is until ``IN_FLIGHT`` more reads were
+    made: chunks go out that many at a time, so the next one is read while the last is on the
+    wire (a reader into a buffer takes its slots in turn). ``ranges`` None says the sender has nothing
     (it failed). A read that fails halfway does not stop the stream, which would leave the
     receiver waiting until the group's timeout: zeros stand in for the rest, and the failure is
     raised at the end (the caller then fails the transfer on every rank, so the zeros are never
@@ -111,7 +111,7 @@ def send_stream(group, dst: int, ranges: list[tuple[int, int]], read) -> None:
 
 def recv_stream(group, src: int, buffer: torch.Tensor, write) -> bool:
     """Receive what :func:`send_stream` sends; ``write(offset, uint8 tensor)`` takes each chunk
-    while the next one arrives, in the other half of ``buffer`` (None: receive and drop). False
+    while the next ones arrive, in the other slots of ``buffer`` (None: receive and drop). False
     if the sender had nothing to send. A ``write`` that fails does not stop the receiving: the
     sender would wait for it until the group's timeout, so the rest is received and dropped,
     and the failure is raised at the end."""
@@ -124,23 +124,26 @@ def recv_stream(group, src: int, buffer: torch.Tensor, write) -> bool:
     table = torch.empty((int(count), 2), dtype=torch.int64)
     if int(count):
         dist.recv(table, src, group)
-    chunks = _chunks(table.tolist())
     slots = [buffer[k:k + PEER_CHUNK_BYTES] for k in range(0, buffer.numel(), PEER_CHUNK_BYTES)][:IN_FLIGHT]
     arriving = deque()
-    for index in range(len(chunks) + 1):
-        if index < len(chunks):  # the next chunk is posted before the last one is written
-            nbytes = chunks[index][1]
-            slot = slots[index % IN_FLIGHT] if len(slots) == IN_FLIGHT else None
-            view = slot[:nbytes] if slot is not None and slot.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8)
-            arriving.append((chunks[index][0], view, dist.irecv(view, src, group)))
-        if len(arriving) == IN_FLIGHT or index == len(chunks) and arriving:
-            position, view, work = arriving.popleft()
-            work.wait()
-            if write is not None and failure is None:
-                try:
-                    write(position, view)
-                except Exception as exc:  # noqa: BLE001 (raised once the stream is drained)
-                    failure = exc
+
+    def land() -> None:
+        nonlocal failure
+        position, view, work = arriving.popleft()
+        work.wait()
+        if write is not None and failure is None:
+            try:
+                write(position, view)
+            except Exception as exc:  # noqa: BLE001 (raised once the stream is drained)
+                failure = exc
+    for index, (position, nbytes) in enumerate(_chunks(table.tolist())):
+        if len(arriving) == IN_FLIGHT:  # the chunk that last used this slot is written first
+            land()
+        slot = slots[index % IN_FLIGHT] if len(slots) == IN_FLIGHT else None
+        view = slot[:nbytes] if slot is not None and slot.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8)
+        arriving.append((position, view, dist.irecv(view, src, group)))
+    while arriving:
+        land()
     if failure is not None:
         raise failure
     return True
