@@ -220,12 +220,17 @@ def test_peer_replicas_need_two_nodes(tmp_path):
         ss.Checkpointer(tmp_path / "root", peer_replicas=1)
 
 
-def test_recovery_bench_runs_and_checks_both_sources(tmp_path):
+@pytest.mark.parametrize("local", ["disk", "shm"])
+def test_recovery_bench_runs_and_checks_both_sources(tmp_path, local):
     from statesnap.bench import recovery
 
-    result = recovery.run(ranks=2, mb_per_rank=0.1, repeat=1, out=str(tmp_path))
+    result = recovery.run(ranks=2, mb_per_rank=0.1, repeat=1, out=str(tmp_path), local=local)
     assert set(result["seconds"]) == {"peer", "root"} and result["root_vs_peer"] > 0
+    assert result["local"] == local and f"levels on {local}" in recovery.report(result)
     assert not (tmp_path / "recovery").exists(), "the scratch checkpoints must be removed"
+    for root in result["local_roots"]:  # shm://NAME is SHM_ROOT/NAME
+        assert root.startswith("shm://" if local == "shm" else str(tmp_path))
+        assert not os.path.exists(os.path.join(SHM_ROOT, root[len("shm://"):]) if local == "shm" else root)
 
 
 def _replica_faults(rank, world, root, local_roots):

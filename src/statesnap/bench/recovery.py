@@ -4,7 +4,9 @@ One job of ``--ranks`` gloo processes (4 by default) on this machine, simulating
 first half of the ranks on node 0), each with its own node-local directory. Every rank holds
 ``--mb-per-rank`` of sharded fp32 state. One step is saved with ``peer_replicas=1`` to the
 node-local levels and to ``root``, which is ``throttled://``: the same files served like an object
-store (each request pays ``--remote-latency-ms``, each process reads at ``--remote-mbps``). Then,
+store (each request pays ``--remote-latency-ms``, each process reads at ``--remote-mbps``). The
+node-local levels are directories on this machine's disk (``--local disk``) or in its shared
+memory (``--local shm``: ``shm://`` roots, a tmpfs, as a node keeps them in RAM). Then,
 ``--repeat`` times, node 1's level is wiped and a restarted job's ``load_latest`` is timed, from a
 barrier to a barrier (the slowest rank counts):
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -26,8 +29,10 @@ import torch.distributed as dist
 from .common import DEFAULT_OUT, add_output_arguments, format_table, fresh_dir, median, publish
 from .job import run_job
 from .reshard import _barrier_timed, remote_url
+from ..storage import SHM_ROOT, SHM_SCHEME
 
 SOURCES = ("peer", "root")
+LOCAL_KINDS = ("disk", "shm")
 
 
 def _state(rank: int, world: int, mb_per_rank: float, fill: bool) -> dict:
@@ -40,12 +45,11 @@ def _state(rank: int, world: int, mb_per_rank: float, fill: bool) -> dict:
 
 
 def measure(rank: int, world: int, mb_per_rank: float, repeat: int, out: str, remote_mb_per_s: float,
-            remote_latency_ms: float) -> dict:
+            remote_latency_ms: float, local_roots: list[str]) -> dict:
     import statesnap as ss
 
     node = int(rank >= world // 2)
     root = remote_url(os.path.join(out, "root"), remote_mb_per_s, remote_latency_ms)
-    local_roots = [os.path.join(out, f"node{n}") for n in (0, 1)]
     levels = dict(local_root=local_roots[node], node_id=node, peer_replicas=1, durable=False, host_memory_gb=
                   max(0.05, 3 * mb_per_rank / 1e3))
     saved = _state(rank, world, mb_per_rank, fill=True)
@@ -55,7 +59,7 @@ def measure(rank: int, world: int, mb_per_rank: float, repeat: int, out: str, re
     for _ in range(repeat):  # interleaved, so drifts in machine load hit both alike
         for source in SOURCES:
             if rank == 0:
-                shutil.rmtree(local_roots[1], ignore_errors=True)  # node 1 was replaced
+                shutil.rmtree(_on_disk(local_roots[1]), ignore_errors=True)  # node 1 was replaced
             dist.barrier()
             target = _state(rank, world, mb_per_rank, fill=False)
             ckpt = ss.Checkpointer(root, **(levels if source == "peer" else dict(durable=False)))
@@ -71,28 +75,39 @@ def measure(rank: int, world: int, mb_per_rank: float, repeat: int, out: str, re
     return times
 
 
+def _on_disk(root: str) -> str:
+    return os.path.join(SHM_ROOT, root[len(SHM_SCHEME):]) if root.startswith(SHM_SCHEME) else root
+
+
 def run(ranks: int = 4, mb_per_rank: float = 64.0, repeat: int = 3, out: str = DEFAULT_OUT,
-        remote_mb_per_s: float = 100.0, remote_latency_ms: float = 10.0) -> dict:
+        remote_mb_per_s: float = 100.0, remote_latency_ms: float = 10.0, local: str = "disk") -> dict:
     """Spawn the job; return median seconds per source (slowest rank) and root / peer."""
     if ranks < 2 or ranks % 2:
         raise ValueError(f"--ranks must be even and at least 2 (two simulated nodes), not {ranks}")
+    if local not in LOCAL_KINDS:
+        raise ValueError(f"--local must be one of {', '.join(LOCAL_KINDS)}, not {local!r}")
     scratch = fresh_dir(os.path.join(out, "recovery"))
     os.makedirs(os.path.join(scratch, "root"))  # the local file system under throttled:// makes no parents
+    base = os.path.join(scratch, "") if local == "disk" else f"{SHM_SCHEME}statesnap-bench-{uuid.uuid4().hex[:8]}/"
+    local_roots = [f"{base}node{n}" for n in (0, 1)]
     args = dict(mb_per_rank=mb_per_rank, repeat=repeat, out=scratch, remote_mb_per_s=remote_mb_per_s,
-                remote_latency_ms=remote_latency_ms)
+                remote_latency_ms=remote_latency_ms, local_roots=local_roots)
     try:
         per_rank = run_job(ranks, measure, args)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(os.path.dirname(_on_disk(local_roots[0])), ignore_errors=True)
     seconds = {source: median(max(t[source][i] for t in per_rank) for i in range(repeat)) for source in SOURCES}
-    return {"ranks": ranks, "mb_per_rank": mb_per_rank, "repeat": repeat, "seconds": seconds,
+    return {"ranks": ranks, "mb_per_rank": mb_per_rank, "repeat": repeat, "local": local, "local_roots": local_roots,
+            "seconds": seconds,
             "remote": {"mb_per_s": remote_mb_per_s, "latency_ms": remote_latency_ms},
             "root_vs_peer": seconds["root"] / seconds["peer"]}
 
 
 def report(result: dict) -> str:
     rows = [(source, result["seconds"][source]) for source in SOURCES]
-    return (f"{result['ranks']} ranks on 2 simulated nodes, {result['mb_per_rank']:g} MB per rank; root: "
+    return (f"{result['ranks']} ranks on 2 simulated nodes, {result['mb_per_rank']:g} MB per rank, node-local "
+            f"levels on {result['local']}; root: "
             f"{result['remote']['mb_per_s']:g} MB/s per process, {result['remote']['latency_ms']:g} ms per request\n"
             + format_table(["restart after node loss, from", "seconds (median)"], rows)
             + f"\n\nroot / peer: {result['root_vs_peer']:.2f}x (aim: >= 5x)")
@@ -106,8 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--remote-mbps", type=float, default=100.0,
                         help="bandwidth of each process to the simulated object store (root), MB/s")
     parser.add_argument("--remote-latency-ms", type=float, default=10.0, help="latency of each request to it")
+    parser.add_argument("--local", choices=LOCAL_KINDS, default="disk",
+                        help="where the node-local levels live: this machine's disk, or its shared memory (shm://)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
-    result = run(args.ranks, args.mb_per_rank, args.repeat, args.out, args.remote_mbps, args.remote_latency_ms)
+    result = run(args.ranks, args.mb_per_rank, args.repeat, args.out, args.remote_mbps, args.remote_latency_ms,
+                 args.local)
     publish(result, report(result), args.json)
     return 0
