@@ -4,9 +4,11 @@ A step is complete on these levels when the nodes together hold every data file 
 names (a node lost, or wiped, holds nothing). To load it, each node first gets the files its
 ranks' load reads and it lacks, from a node that has them, over the dedicated group: the node
 leader writes them into its own ``step-N`` (creating and committing it if the node had lost it).
-Then every rank loads from its own node's ``step-N`` with ``ss.load``, which verifies every
-piece against its checksum: a damaged copy fails the load on every rank, and the caller falls
-back to the next level. The load is labelled ``"local"`` when no file moved, ``"peer"`` when one
+Every rank loads from its own node's ``step-N`` (``engine.load.Loading``): the target is matched
+against the manifest before the transfers, a rank whose node holds every file it reads fills its
+state while they run, the others once their files are in. Every piece is verified against its
+checksum: a damaged copy fails the load on every rank, and the caller falls back to the next
+level. The load is labelled ``"local"`` when no file moved, ``"peer"`` when one
 did.
 """
 from __future__ import annotations
@@ -14,11 +16,12 @@ from __future__ import annotations
 import uuid
 import zlib
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..engine.dist import Comm
-from ..engine.load import prefix_lookup, load
+from ..engine.load import Loading, prefix_lookup
 from ..errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..plan import plan_target
@@ -104,9 +107,12 @@ class LocalRecovery:
         manifest = Manifest.from_bytes(raw, where=f"{self.level.path(step)} (node of rank {holders[0]})")
         lacking = sorted(files_needed(manifest, state) - set(mine))
         transfers = self._plan_transfers(step, comm.all_gather(lacking), inventories)
-        self._fetch(step, raw, transfers, inventories)
-        info = load(state, self.level.path(step), shared_reads=False, **load_options)
-        return info.bytes, bool(transfers)
+        loading = Loading(state, self.level.path(step), manifest=manifest, shared_reads=False, **load_options)
+        # a rank whose node holds every file it reads fills its state while the others' transfers run
+        self._fetch(step, raw, transfers, inventories, meanwhile=None if lacking else loading.fill)
+        if lacking:
+            loading.fill()
+        return loading.finish().bytes, bool(transfers)
 
     def _plan_transfers(self, step: int, wants: list[list[str]], inventories: list[dict]) -> list[tuple]:
         """(file, sending rank, receiving rank) for every file a node lacks, computed alike on every
@@ -128,12 +134,13 @@ class LocalRecovery:
                 transfers.append((name, src, dst))
         return transfers
 
-    def _fetch(self, step: int, raw: bytes, transfers: list, inventories: list[dict]) -> None:
+    def _fetch(self, step: int, raw: bytes, transfers: list, inventories: list[dict], meanwhile=None) -> None:
         """Run the transfers in one global order, each rank its own (see ``LocalFlusher._exchange``
-        for why that order cannot deadlock). A node that lacks the step gets it created by its
-        leader, with the manifest, and committed once every rank of the job has its files in.
-        Every rank takes part in every transfer of its own whatever failed, so none is left
-        waiting; failures are raised on every rank together."""
+        for why that order cannot deadlock), and ``meanwhile()`` at the same time (on a rank
+        that only sends). A node that lacks the step gets it created by its leader, with the
+        manifest, and committed once every rank of the job has its files in. Every rank takes
+        part in every transfer of its own whatever failed, so none is left waiting; failures
+        are raised on every rank together."""
         comm, topo, backend, rank = self.comm, self.topology, self.level.backend, self.comm.rank
         final = self.level.path(step)
         node_receives = any(topo.nodes[dst] == topo.nodes[rank] for _, _, dst in transfers)
@@ -144,12 +151,21 @@ class LocalRecovery:
         failures = [CheckpointError(problem)] if problem else []
         target = None if problem else staging or final
         group = comm.transport() if comm.world_size > 1 else None
-        for name, src, dst in transfers:
-            if rank == src:
-                self._send(group, dst, backend.join(final, name), failures)
-            elif rank == dst:
-                self._receive(group, src, name, step, None if target is None else backend.join(target, name),
-                              failures)
+
+        def transfer() -> None:
+            for name, src, dst in transfers:
+                if rank == src:
+                    self._send(group, dst, backend.join(final, name), failures)
+                elif rank == dst:
+                    self._receive(group, src, name, step, None if target is None else backend.join(target, name),
+                                  failures)
+        if meanwhile is None:
+            transfer()
+        else:
+            with ThreadPoolExecutor(1, thread_name_prefix="statesnap-peer-send") as pool:
+                sending = pool.submit(transfer)
+                meanwhile()
+                sending.result()
         mine = staging if topo.is_leader else None
         try:
             comm.agree(failures[0] if failures else None, f"fetching the files of step {step} from other nodes")

@@ -6,6 +6,7 @@ the planner finds the stored bytes for exactly that part, whatever layout wrote 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -295,42 +296,86 @@ def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_p
     read by each (False), or shared only when storage is not local (None; see engine/shared.py).
     Every collective waits at most ``timeout_s`` for the other ranks; a rank that vanishes or
     hangs makes the load raise a ``CheckpointError`` on the others."""
-    started = time.perf_counter()
-    path = normalize(path)
-    comm = Comm(process_group, f"loading {path}", timeout_s)
-    backend = backend_for(path, storage_options)
-    created: list[torch.Tensor] = []  # a fresh optimizer's state, created unfilled (state/flatten.py)
-    try:
-        error, nbytes = None, 0
+    loading = Loading(state, path, strict=strict, verify=verify, allow_pickle=allow_pickle,
+                      storage_options=storage_options, process_group=process_group, threads=threads,
+                      shared_reads=shared_reads, timeout_s=timeout_s, cast=cast, progress=progress)
+    loading.fill()
+    return loading.finish()
+
+
+class Loading:
+    """One load (``load``'s arguments) in its three steps, for a caller with other work to run
+    between checking the target and reading its bytes: a restore from the node-local level
+    fetches the files a node lacks meanwhile, and the ranks that lack none read theirs at the
+    same time instead of after the slowest transfer.
+
+    Making it is collective: the manifest (read, or ``manifest`` as given), the target matched
+    against it. ``fill`` reads this rank's bytes and involves no other rank; ``finish`` is
+    collective again: every rank's outcome, shared reads, plain values. A failure anywhere
+    leaves a fresh optimizer's state zero, and is raised on every rank together."""
+
+    def __init__(self, state: dict, path, *, manifest: Manifest | None = None, strict: bool = True,
+                 verify: bool = True, allow_pickle: bool = False, storage_options: dict | None = None,
+                 process_group=None, threads: int | None = None, shared_reads: bool | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, cast: bool = False, progress: bool | None = None):
+        self.started = time.perf_counter()
+        self.path = normalize(path)
+        self.comm = Comm(process_group, f"loading {self.path}", timeout_s)
+        self.backend = backend_for(self.path, storage_options)
+        self.strict, self.verify, self.allow_pickle, self.threads, self.progress = (
+            strict, verify, allow_pickle, threads, progress)
+        self.created: list[torch.Tensor] = []  # a fresh optimizer's state, created unfilled (state/flatten.py)
+        self.nbytes, self._error = 0, None
+        with self._zeroed_on_failure():
+            self._begin(state, manifest, cast, shared_reads)
+
+    def _begin(self, state: dict, manifest: Manifest | None, cast: bool, shared_reads: bool | None) -> None:
+        error = None
         try:
-            manifest = read_manifest(backend, path)
-            flat = flatten_for_load(state, prefix_lookup(manifest), created)
+            self.manifest = manifest if manifest is not None else read_manifest(self.backend, self.path)
+            self.flat = flatten_for_load(state, prefix_lookup(self.manifest), self.created)
         except Exception as exc:
             error = exc
-        comm.agree(error, f"loading {path}")
+        self.comm.agree(error, f"loading {self.path}")
         try:
-            skip = _match(flat, manifest, comm, strict, path, cast)
-            zero_unfilled(created, [item.local for item in flat.tensors if item.fqn in skip])
+            self.skip = _match(self.flat, self.manifest, self.comm, self.strict, self.path, cast)
+            zero_unfilled(self.created, [item.local for item in self.flat.tensors if item.fqn in self.skip])
         except Exception as exc:
             error = exc
-        comm.agree(error, f"loading {path}")
-        local = isinstance(backend, LocalBackend)
-        exchange = plan_shared_reads(comm, flat, skip, should_share(shared_reads, comm, local))
+        self.comm.agree(error, f"loading {self.path}")
+        local = isinstance(self.backend, LocalBackend)
+        self.exchange = plan_shared_reads(self.comm, self.flat, self.skip,
+                                          should_share(shared_reads, self.comm, local))
+
+    def fill(self) -> None:
+        """Read this rank's tensors. A failure is kept for ``finish`` to raise on every rank: the
+        others are on their way there."""
+        with self._zeroed_on_failure():
+            try:
+                self.nbytes = fill_tensors(self.flat, self.manifest, self.backend, self.path, self.skip, self.verify,
+                                           self.threads, self.strict, self.exchange.received, self.progress)
+            except Exception as exc:
+                self._error = exc
+
+    def finish(self) -> LoadInfo:
+        with self._zeroed_on_failure():
+            self.comm.agree(self._error, f"loading {self.path}")
+            error = None
+            try:
+                self.exchange.run(self.flat)
+                fill_objects(self.flat, self.manifest, self.backend, self.path, self.skip, self.allow_pickle,
+                             self.comm)
+                for finalize in self.flat.finalizers:
+                    finalize()
+            except Exception as exc:
+                error = exc
+            self.comm.agree(error, f"loading {self.path}")
+        return LoadInfo(self.path, self.nbytes, time.perf_counter() - self.started)
+
+    @contextlib.contextmanager
+    def _zeroed_on_failure(self):
         try:
-            nbytes = fill_tensors(flat, manifest, backend, path, skip, verify, threads, strict, exchange.received,
-                                  progress)
-        except Exception as exc:
-            error = exc
-        comm.agree(error, f"loading {path}")
-        try:
-            exchange.run(flat)
-            fill_objects(flat, manifest, backend, path, skip, allow_pickle, comm)
-            for finalize in flat.finalizers:
-                finalize()
-        except Exception as exc:
-            error = exc
-        comm.agree(error, f"loading {path}")
-    except BaseException:
-        zero_unfilled(created)  # a failed load leaves a fresh optimizer's state zero, not garbage
-        raise
-    return LoadInfo(path, nbytes, time.perf_counter() - started)
+            yield
+        except BaseException:
+            zero_unfilled(self.created)  # a failed load leaves a fresh optimizer's state zero, not garbage
+            raise
