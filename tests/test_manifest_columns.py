@@ -203,7 +203,7 @@ def test_the_one_piece_quick_check_accepts_only_what_the_full_rules_accept(layou
 
     def general_accepts(fields):
         with monkeypatch.context() as m:
-            m.setattr(TensorEntry, "_one_whole_piece_valid", lambda *a: False)
+            m.setattr(TensorEntry, "_plainly_valid", lambda *a: False)
             try:
                 entry(fields)._validate("x", files, sizes, block)
                 return True
@@ -217,10 +217,66 @@ def test_the_one_piece_quick_check_accepts_only_what_the_full_rules_accept(layou
         except ManifestError:
             return False
 
-    verdicts = [entry(fields)._one_whole_piece_valid(files, sizes, block) for fields in damaged]
+    verdicts = [entry(fields)._plainly_valid(files, sizes, block) for fields in damaged]
     assert verdicts[0] and not any(verdicts[1:])
     assert [accepts(fields) for fields in damaged] == [general_accepts(fields) for fields in damaged]
     assert accepts(damaged[0]) and not any(accepts(fields) for fields in damaged[1:])
+
+
+def _tilings(layout):
+    """Two-piece entries of a (4, 6) float32 tensor (flat: 24 elements): one good, and one for
+    each way a tiling can be wrong or a column damaged."""
+    if layout == "box":
+        start, size = [[0, 0], [0, 3]], [[4, 3], [4, 3]]
+        wrong = [("start", [[0, 0], [0, 2]]), ("size", [[4, 2], [4, 3]]), ("start", [[0, 0], [1, 3]]),
+                 ("size", [[4, 3], [4, 4]]), ("start", [[0, 0], [0, -1]])]
+    else:
+        start, size = [[0], [12]], [[12], [12]]
+        wrong = [("start", [[0], [11]]), ("size", [[11], [12]]), ("start", [[0], [13]]), ("start", [[0], [-1]])]
+    good = {"dtype": "float32", "shape": [4, 6], "layout": layout, "file": [0, 1], "offset": [0, 64],
+            "nbytes": [48, 48], "start": start, "size": size, "checksum": [[1, 2], [3, 4]]}
+    wrong += [("nbytes", [48, 44]), ("offset", [0, 960]), ("file", [0, 2]), ("checksum", [[1], [3, 4]]),
+              ("checksum", [[1, 2], [3, True]]), ("file", [0, 1, 1])]
+    return good, [good] + [{**good, key: value} for key, value in wrong]
+
+
+@pytest.mark.parametrize("layout", ["box", "flat"])
+def test_the_plain_python_reading_of_few_piece_entries_agrees_with_the_general_path(layout, monkeypatch):
+    """Entries of a few pieces are read and their tiling checked in plain Python: a good one is
+    read as the general path reads it, and an overlap, a hole, a piece outside the tensor or its
+    file, a wrong byte count or checksum count, more pieces than ranks, each gives the general
+    path's own error."""
+    from statesnap.format.manifest import ManifestError
+
+    files, sizes = ["a", "b"], [1000, 1000]
+    good, variants = _tilings(layout)
+    variants.append({**good, "file": [0, 1, 1], "offset": [0, 64, 200], "nbytes": [48, 48, 0],
+                     "start": good["start"] + [good["start"][0]], "size": good["size"] + [[0] * len(good["size"][0])],
+                     "checksum": [[1, 2], [3, 4], 5]})  # an empty third piece: still a tiling
+
+    def read(doc, world_size=4):
+        try:
+            return TensorEntry.from_json("t", json.loads(json.dumps(doc)), files, sizes, 32, world_size=world_size)
+        except ManifestError as exc:
+            return str(exc)
+
+    quick = [read(doc) for doc in variants] + [read(good, world_size=1)]
+    with monkeypatch.context() as m:
+        m.setattr(TensorEntry, "_few_pieces", classmethod(lambda *a: None))
+        general = [read(doc) for doc in variants] + [read(good, world_size=1)]
+    assert [not isinstance(q, str) for q in quick] == [True] + [False] * (len(variants) - 2) + [True, False]
+    for q, g in zip(quick, general):
+        if isinstance(g, str):
+            assert q == g
+        else:
+            for name in ("file", "offset", "nbytes", "start", "size", "checksum", "checksum_bounds"):
+                a, b = getattr(q, name), getattr(g, name)
+                assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all(), name
+    with monkeypatch.context() as m:
+        planned = TensorEntry.from_json("t", good, files, sizes, 32)
+        m.setattr(TensorEntry, "_plainly_valid", lambda *a: False)
+        planned._validate("t", files, sizes, 32)  # the general checks accept what the quick ones did
+    assert planned._plainly_valid(files, sizes, 32)
 
 
 @pytest.mark.parametrize("layout", ["box", "flat"])
@@ -250,7 +306,7 @@ def test_the_plain_python_reading_of_one_piece_entries_agrees_with_the_general_p
 
     quick = [read(doc) for doc in variants]
     with monkeypatch.context() as m:
-        m.setattr(TensorEntry, "_whole_piece", classmethod(lambda *a: None))
+        m.setattr(TensorEntry, "_few_pieces", classmethod(lambda *a: None))
         general = [read(doc) for doc in variants]
     assert not isinstance(quick[0], str) and not isinstance(quick[-1], str)
     accepted = [doc for doc, q in zip(variants, quick) if not isinstance(q, str)]

@@ -21,7 +21,7 @@ import torch
 from ..errors import CorruptCheckpointError, MissingFileError
 from ..format.checksum import checksum_blocks
 from ..format.manifest import Manifest, TensorEntry
-from ..plan.load_plan import PieceRead, Segment, TargetPlan
+from ..plan.load_plan import PieceRead, Segment, TargetPlan, row_major_strides
 from ..storage.base import FileReader, StorageBackend
 from .buffers import byte_view
 from .write import default_threads
@@ -248,7 +248,7 @@ class ReadExecutor:
         if read.box is not None:
             box = read.box
             elems = scratch[read.lo - lo:].view(job.target.dtype)
-            strides = _row_major(box.piece_shape)
+            strides = row_major_strides(box.piece_shape)
             src = torch.as_strided(elems, box.sizes, strides, elems.storage_offset())
             dst = job.target
             for dim, (start, size) in enumerate(zip(box.dst_start, box.sizes)):
@@ -285,11 +285,3 @@ def _streams(groups: list[list[_Job]], count: int) -> list[list[list[_Job]]]:
         streams[-1].append(group)
         filled += size
     return streams
-
-
-def _row_major(shape: tuple) -> tuple:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= s
-    return tuple(reversed(strides))

@@ -53,6 +53,20 @@ def region(lo: Sequence[int], hi: Sequence[int]) -> str:
     return "[" + ", ".join(f"{int(a)}:{int(b)}" for a, b in zip(lo, hi)) + "]"
 
 
+def few_boxes_tile(shape: Sequence[int], start: list[list[int]], size: list[list[int]]) -> bool:
+    """Whether a few boxes, each already inside ``shape`` (plain integers), cover it exactly
+    once: their elements add up to the shape's and no two that hold any overlap. Pairwise, so
+    for a handful of pieces only; ``tiling_problem`` decides the rest and says what is wrong."""
+    total = math.prod(shape)
+    if total == 0:
+        return True  # an empty tensor: every piece inside it is empty too
+    held = [(lo, extent) for lo, extent in zip(start, size) if math.prod(extent)]
+    if sum(math.prod(extent) for _, extent in held) != total:
+        return False
+    return not any(all(max(a, b) < min(a + x, b + y) for a, x, b, y in zip(lo1, ext1, lo2, ext2))
+                   for k, (lo1, ext1) in enumerate(held) for lo2, ext2 in held[k + 1:])
+
+
 def tiling_problem(shape: Sequence[int], start: np.ndarray, size: np.ndarray,
                    describe: Callable[[int], str]) -> str | None:
     """None if the boxes (one row of ``start``/``size`` per piece, all inside ``shape``) cover

@@ -15,6 +15,7 @@ no block checksum covers) is a ``CorruptCheckpointError``, not a silent load.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -29,13 +30,14 @@ import xxhash
 from ..collector import collector_paused
 from ..errors import CorruptCheckpointError, ManifestError
 from .checksum import DEFAULT_BLOCK_BYTES
-from .boxes import first_outside, region, tiling_problem
+from .boxes import few_boxes_tile, first_outside, region, tiling_problem
 from .columns import (INT64_MAX, PACK_MIN_PIECES, PACK_ZLIB_MAX_DIMS, UINT64_MAX, InflationBudget, integer,
                       pack, unpack)
 from .dtypes import dtype_from_name, dtype_name
 from .split import (Fetch, SectionReader, TensorRow, pack_files, pack_json, parse_rows, region_problem, row_json,
                     unpack_files, unpack_json)
 
+FEW_PIECES = 8  # entries with at most this many pieces are read and checked in plain Python
 FORMAT_NAME = "statesnap"
 FORMAT_VERSION = 2  # the newest this reads; a one-document manifest is still written as version 1
 MANIFEST_NAME = "manifest.json"
@@ -130,7 +132,7 @@ class TensorEntry:
         layout = data.get("layout")
         if layout not in (BOX, FLAT):
             raise ManifestError(f"{where}: unknown layout {layout!r}")
-        entry = cls._whole_piece(data, dtype, shape, layout, files, file_sizes, block_bytes)
+        entry = cls._few_pieces(data, dtype, shape, layout, files, file_sizes, block_bytes, world_size)
         if entry is not None:
             return entry
         # the file column first: the piece count it declares is capped by the world size, and a
@@ -153,42 +155,53 @@ class TensorEntry:
         return entry
 
     @classmethod
-    def _whole_piece(cls, data: dict, dtype: torch.dtype, shape: tuple, layout: str, files: list[str],
-                     file_sizes: list[int] | np.ndarray, block_bytes: int) -> "TensorEntry | None":
-        """The commonest entry, one piece holding the whole tensor in JSON arrays, checked in plain
-        Python (``_whole_piece_rules``) once its values are plain JSON integers, then made with one
-        numpy call: the general path below, a few numpy calls per column, was half of a load of a
-        thousand small tensors. None sends the entry through the general path, which names what is
-        wrong or decides the rest."""
+    def _few_pieces(cls, data: dict, dtype: torch.dtype, shape: tuple, layout: str, files: list[str],
+                    file_sizes: list[int] | np.ndarray, block_bytes: int,
+                    world_size: int | None) -> "TensorEntry | None":
+        """The commonest entries, up to ``FEW_PIECES`` pieces in JSON arrays (a tensor saved by
+        one rank, or split over a few), checked in plain Python (``_plain_rules``) once their
+        values are plain JSON integers, then made with one numpy call: the general path below, a
+        few numpy calls per column, was half of a load of a thousand small tensors. None sends
+        the entry through the general path, which names what is wrong or decides the rest."""
         try:
-            (file,), (offset,), (nbytes,), (start,), (size,), (sums,) = (
+            file, offset, nbytes, start, size, sums = (
                 data[name] for name in ("file", "offset", "nbytes", "start", "size", "checksum"))
-        except (KeyError, TypeError, ValueError):
+        except KeyError:
             return None
-        sums = sums if isinstance(sums, list) else [sums]
-        if ("checksum_blocks" in data or not isinstance(start, list) or not isinstance(size, list)
-                or len(start) != len(size) or any(type(v) is not int for v in (file, offset, nbytes, *start, *size))
-                or any(type(c) is not int or not 0 <= c <= UINT64_MAX for c in sums)):
+        columns = (file, offset, nbytes, start, size, sums)
+        if "checksum_blocks" in data or any(type(c) is not list for c in columns):
             return None
-        if not _whole_piece_rules(dtype, shape, layout, files, file_sizes, block_bytes,
-                                  file, offset, nbytes, start, size, len(sums)):
+        n, dims = len(file), len(shape) if layout == BOX else 1
+        if (not 0 < n <= min(FEW_PIECES, world_size or FEW_PIECES) or any(len(c) != n for c in columns)
+                or any(type(box) is not list or len(box) != dims for box in (*start, *size))):
             return None
-        dims = len(start)
-        ints = np.array([file, offset, nbytes, *start, *size, 0, len(sums)], dtype=np.int64)
-        return cls(dtype=dtype, shape=shape, layout=layout, file=ints[0:1], offset=ints[1:2], nbytes=ints[2:3],
-                   start=ints[3:3 + dims].reshape(1, dims), size=ints[3 + dims:3 + 2 * dims].reshape(1, dims),
-                   checksum=np.array(sums, dtype=np.uint64), checksum_bounds=ints[3 + 2 * dims:])
+        sums = [c if type(c) is list else [c] for c in sums]
+        if (any(type(v) is not int for v in itertools.chain(file, offset, nbytes, *start, *size))
+                or any(type(c) is not int or not 0 <= c <= UINT64_MAX for c in itertools.chain(*sums))):
+            return None
+        counts = [len(c) for c in sums]
+        if not _plain_rules(dtype, shape, layout, files, file_sizes, block_bytes, file, offset, nbytes, start, size,
+                            counts):
+            return None
+        ints = np.array([*file, *offset, *nbytes, *itertools.chain(*start), *itertools.chain(*size), 0,
+                         *itertools.accumulate(counts)], dtype=np.int64)
+        boxes = 3 * n + 2 * n * dims
+        return cls(dtype=dtype, shape=shape, layout=layout, file=ints[:n], offset=ints[n:2 * n],
+                   nbytes=ints[2 * n:3 * n], start=ints[3 * n:3 * n + n * dims].reshape(n, dims),
+                   size=ints[3 * n + n * dims:boxes].reshape(n, dims),
+                   checksum=np.array(list(itertools.chain(*sums)), dtype=np.uint64), checksum_bounds=ints[boxes:])
 
-    def _one_whole_piece_valid(self, files: list[str], file_sizes: list[int] | np.ndarray, block_bytes: int) -> bool:
-        """Whether the entry is one piece holding the whole tensor that passes every rule of
-        :meth:`_validate`, decided in plain Python: numpy's per-call cost made the general checks
-        most of a load of many small tensors. False sends the entry through the general checks
-        (which then name what is wrong, or accept what this does not decide)."""
-        if len(self.file) != 1 or self.checksum_bounds.tolist()[0] != 0:
+    def _plainly_valid(self, files: list[str], file_sizes: list[int] | np.ndarray, block_bytes: int) -> bool:
+        """Whether an entry of up to ``FEW_PIECES`` pieces passes every rule of :meth:`_validate`,
+        decided in plain Python: numpy's per-call cost made the general checks most of a load of
+        many small tensors. False sends the entry through the general checks (which then name
+        what is wrong, or accept what this does not decide)."""
+        bounds = self.checksum_bounds.tolist()
+        if not 0 < len(self.file) <= FEW_PIECES or len(bounds) != len(self.file) + 1 or bounds[0] != 0:
             return False
-        return _whole_piece_rules(self.dtype, self.shape, self.layout, files, file_sizes, block_bytes,
-                                  int(self.file[0]), int(self.offset[0]), int(self.nbytes[0]), self.start.tolist()[0],
-                                  self.size.tolist()[0], int(self.checksum_bounds[1]))
+        return _plain_rules(self.dtype, self.shape, self.layout, files, file_sizes, block_bytes, self.file.tolist(),
+                            self.offset.tolist(), self.nbytes.tolist(), self.start.tolist(), self.size.tolist(),
+                            [b - a for a, b in zip(bounds, bounds[1:])])
 
     def _validate(self, where: str, files: list[str], file_sizes: list[int] | np.ndarray, block_bytes: int,
                   tiling: bool = True) -> None:
@@ -196,7 +209,7 @@ class TensorEntry:
         before it (all values non-negative and inside the shape before any sum or product).
         ``tiling=False``: the entry holds only some of the tensor's pieces (a split manifest read
         in part), so rule 6 is checked by the reader for the region it reads instead."""
-        if tiling and self._one_whole_piece_valid(files, file_sizes, block_bytes):
+        if tiling and self._plainly_valid(files, file_sizes, block_bytes):
             return
 
         def bad(msg):
@@ -250,16 +263,20 @@ def _checksum_columns(column: Any, blocks: Any, n: int, where: str,
     return unpack(column, "u8", (int(bounds[-1]),), f"{where}: column 'checksum'", budget), bounds
 
 
-def _whole_piece_rules(dtype: torch.dtype, shape: tuple, layout: str, files: list[str],
-                       file_sizes: list[int] | np.ndarray, block_bytes: int, file: int, offset: int, nbytes: int,
-                       start: list[int], size: list[int], checksums: int) -> bool:
-    """The rules of docs/format.md §8 for one piece holding the whole tensor, on plain integers:
-    it starts at the origin and spans the shape, lies inside its file, holds exactly the tensor's
-    bytes, and has one checksum per block (one for no bytes)."""
-    whole = list(shape) if layout == BOX else [math.prod(shape)]
-    return (start == [0] * len(whole) and size == whole and 0 <= file < len(files) and offset >= 0
-            and nbytes == math.prod(whole) * dtype.itemsize and nbytes <= int(file_sizes[file]) - offset
-            and checksums == max(1, -(-nbytes // block_bytes)))
+def _plain_rules(dtype: torch.dtype, shape: tuple, layout: str, files: list[str], file_sizes: list[int] | np.ndarray,
+                 block_bytes: int, file: list[int], offset: list[int], nbytes: list[int], start: list[list[int]],
+                 size: list[list[int]], checksums: list[int]) -> bool:
+    """The rules of docs/format.md §8 on plain integers, for a few pieces: each lies inside the
+    tensor and inside its file, holds exactly its extent's bytes and has one checksum per block
+    (one for no bytes), and together they cover the tensor exactly once."""
+    limit = list(shape) if layout == BOX else [math.prod(shape)]
+    for f, o, n, lo, extent, count in zip(file, offset, nbytes, start, size, checksums):
+        if not (0 <= f < len(files) and o >= 0 and all(0 <= a and 0 <= b <= end - a
+                                                        for a, b, end in zip(lo, extent, limit))):
+            return False
+        if n != math.prod(extent) * dtype.itemsize or n > int(file_sizes[f]) - o or count != max(1, -(-n // block_bytes)):
+            return False
+    return few_boxes_tile(limit, start, size)
 
 
 @dataclass

@@ -13,13 +13,14 @@ row-major flattened tensor it covers, and runs intersect as 1-D intervals.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
 from ..format.dtypes import itemsize
-from ..format.manifest import BOX, FLAT, TensorEntry
+from ..format.manifest import BOX, FEW_PIECES, FLAT, TensorEntry
 
 
 @dataclass
@@ -58,11 +59,16 @@ class TargetPlan:
     covered: int
 
 
-def _strides(shape: Sequence[int]) -> np.ndarray:
-    out = np.ones(len(shape), dtype=np.int64)
+def row_major_strides(shape: Sequence[int]) -> list[int]:
+    """Element strides of a contiguous row-major array of ``shape``, as plain integers."""
+    out = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         out[d] = out[d + 1] * shape[d + 1]
     return out
+
+
+def _strides(shape: Sequence[int]) -> np.ndarray:
+    return np.array(row_major_strides([int(x) for x in shape]), dtype=np.int64)
 
 
 def is_contiguous_part(sizes: Sequence[int], full: Sequence[int]) -> bool:
@@ -108,29 +114,34 @@ def _plan_box_box(entry: TensorEntry, t0: tuple, ts: tuple, isz: int) -> TargetP
         reads = [PieceRead(i, 0, int(entry.nbytes[i]), [Segment(0, 0, int(entry.nbytes[i]))])
                  for i in range(min(1, entry.num_pieces))]
         return TargetPlan(reads, len(reads))
-    t0a, tea = np.asarray(t0, np.int64), np.asarray(t0, np.int64) + np.asarray(ts, np.int64)
-    lo = np.maximum(entry.start, t0a)
-    hi = np.minimum(entry.start + entry.size, tea)
-    hit = np.nonzero((hi > lo).all(axis=1))[0]
+    te = tuple(a + b for a, b in zip(t0, ts))
+    if entry.num_pieces > FEW_PIECES:  # the overlap search vectorised, the few hits in plain Python
+        lo = np.maximum(entry.start, np.asarray(t0, np.int64))
+        hi = np.minimum(entry.start + entry.size, np.asarray(te, np.int64))
+        hit = np.nonzero((hi > lo).all(axis=1))[0].tolist()
+        pieces = zip(hit, entry.start[hit].tolist(), entry.size[hit].tolist())
+    else:  # numpy's per-call cost would be most of planning a tensor of a few pieces
+        pieces = zip(range(entry.num_pieces), entry.start.tolist(), entry.size.tolist())
     reads, covered = [], 0
-    tstride = _strides(ts)
-    for i in hit:
-        pshape = tuple(int(x) for x in entry.size[i])
-        a = lo[i] - entry.start[i]
-        n = hi[i] - lo[i]
-        b = lo[i] - t0a
-        pstride = _strides(pshape)
-        first = int((a * pstride).sum())
-        last = int(((a + n - 1) * pstride).sum())
-        count = int(np.prod(n))
+    tstride = row_major_strides(ts)
+    for i, pstart, pshape in pieces:
+        lo = [max(p, t) for p, t in zip(pstart, t0)]
+        n = [min(p + z, t) - l for p, z, t, l in zip(pstart, pshape, te, lo)]
+        if min(n) <= 0:
+            continue
+        a = [l - p for l, p in zip(lo, pstart)]
+        b = [l - t for l, t in zip(lo, t0)]
+        pstride = row_major_strides(pshape)
+        first = sum(x * y for x, y in zip(a, pstride))
+        last = sum((x + m - 1) * y for x, m, y in zip(a, n, pstride))
+        count = math.prod(n)
         covered += count
-        nt = tuple(int(x) for x in n)
-        if is_contiguous_part(nt, pshape) and is_contiguous_part(nt, ts):
-            dst = int((b * tstride).sum()) * isz
-            reads.append(PieceRead(int(i), first * isz, (first + count) * isz, [Segment(first * isz, dst, count * isz)]))
+        if is_contiguous_part(n, pshape) and is_contiguous_part(n, ts):
+            dst = sum(x * y for x, y in zip(b, tstride)) * isz
+            reads.append(PieceRead(i, first * isz, (first + count) * isz, [Segment(first * isz, dst, count * isz)]))
         else:
-            reads.append(PieceRead(int(i), first * isz, (last + 1) * isz,
-                                   box=BoxCopy(pshape, tuple(int(x) for x in a), nt, tuple(int(x) for x in b))))
+            reads.append(PieceRead(i, first * isz, (last + 1) * isz,
+                                   box=BoxCopy(tuple(pshape), tuple(a), tuple(n), tuple(b))))
     return TargetPlan(reads, covered)
 
 
