@@ -387,3 +387,55 @@ def test_a_step_is_complete_only_where_one_commit_of_it_is_held_whole():
     partner = {6: (names[2:], *ours)}  # a peer replica of node 1's files on a third node
     assert complete_steps(inventories + [partner]) == [6, 5]
     assert copy_of([node0, node0], 5) is None
+
+
+def test_a_fill_reads_a_file_as_it_arrives_and_fails_when_its_transfer_does(tmp_path):
+    """A restore's fill reads the files its rank receives while they arrive: each read waits for
+    its range to be written, gets exactly those bytes, and a transfer that fails or stops before
+    the range comes fails the read with the file named, instead of leaving it waiting."""
+    import threading
+
+    from statesnap.checkpointer.arrivals import Arrivals
+    from statesnap.checkpointer.local import pwriter
+    from statesnap.storage.local import LocalBackend
+
+    backend, directory = LocalBackend(), str(tmp_path)
+    (tmp_path / "held.bin").write_bytes(b"h" * 10)
+    arrivals = Arrivals(["a.bin", "b.bin", "c.bin"])
+    view = arrivals.backend(backend, directory)
+    writer = backend.open_write(str(tmp_path / "a.bin"), False)
+    write = arrivals.recorded("a.bin", str(tmp_path / "a.bin"), pwriter(writer))
+    got, errors = {}, {}
+
+    def read(name, offset, nbytes):
+        reader = view.open_read(os.path.join(directory, name))
+        buf = bytearray(nbytes)
+        try:
+            reader.readinto(offset, [memoryview(buf)])
+            got[name] = bytes(buf)
+        except ss.CheckpointError as exc:
+            errors[name] = str(exc)
+        finally:
+            reader.close()
+    readers = [threading.Thread(target=read, args=args) for args in
+               [("a.bin", 4, 8), ("b.bin", 0, 4), ("c.bin", 0, 4), ("held.bin", 2, 3)]]
+    for thread in readers:
+        thread.start()
+    write(0, torch.arange(8, dtype=torch.uint8))
+    readers[0].join(0.2)
+    assert readers[0].is_alive(), "bytes 4-12 are not all written yet"
+    write(8, torch.arange(8, 16, dtype=torch.uint8))
+    readers[0].join(5)
+    assert got["a.bin"] == bytes(range(4, 12))
+    arrivals.ended("a.bin")  # received whole: 16 bytes
+    arrivals.ended("b.bin", "OSError: [Errno 28] No space left on device")
+    arrivals.end_all("the transfers stopped")
+    for thread in readers:
+        thread.join(5)
+        assert not thread.is_alive()
+    writer.close(False)
+    assert errors["b.bin"] == "b.bin could not be fetched from another node: OSError: [Errno 28] No space left on device"
+    assert errors["c.bin"] == "c.bin could not be fetched from another node: the transfers stopped"
+    assert got["held.bin"] == b"hhh"  # a file the node already held is read as it is
+    with pytest.raises(ss.CheckpointError, match=r"a.bin could not .*ended at byte 16, before 20"):
+        view.open_read(os.path.join(directory, "a.bin")).readinto(12, [memoryview(bytearray(8))])

@@ -5,10 +5,10 @@ names (a node lost, or wiped, holds nothing). To load it, each node first gets t
 ranks' load reads and it lacks, from a node that has them, over the dedicated group: the node
 leader writes them into its own ``step-N`` (creating and committing it if the node had lost it).
 Every rank loads from its own node's ``step-N`` (``engine.load.Loading``): the target is matched
-against the manifest before the transfers, a rank whose node holds every file it reads fills its
-state while they run, the others once their files are in. Every piece is verified against its
-checksum: a damaged copy fails the load on every rank, and the caller falls back to the next
-level. The load is labelled ``"local"`` when no file moved, ``"peer"`` when one
+against the manifest before the transfers, and the state fills while they run, reading the files
+the rank receives as their bytes arrive (``arrivals.py``); a rank that needs a file another rank
+of its node receives fills once the node has it. Every piece is verified against its checksum: a
+damaged copy fails the load on every rank, and the caller falls back to the next level. The load is labelled ``"local"`` when no file moved, ``"peer"`` when one
 did.
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ from ..format.manifest import MANIFEST_NAME, Manifest
 from ..plan import plan_target
 from ..state.flatten import flatten_for_load
 from .levels import StorageLevel
+from .arrivals import Arrivals
 from .local import IN_FLIGHT, PEER_CHUNK_BYTES, Topology, pwriter, recv_stream, send_stream
 
 
@@ -107,10 +108,14 @@ class LocalRecovery:
         manifest = Manifest.from_bytes(raw, where=f"{self.level.path(step)} (node of rank {holders[0]})")
         lacking = sorted(files_needed(manifest, state) - set(mine))
         transfers = self._plan_transfers(step, comm.all_gather(lacking), inventories)
+        arrivals = Arrivals([name for name, _, dst in transfers if dst == comm.rank])
         loading = Loading(state, self.level.path(step), manifest=manifest, shared_reads=False, **load_options)
-        # a rank whose node holds every file it reads fills its state while the others' transfers run
-        self._fetch(step, raw, transfers, inventories, meanwhile=None if lacking else loading.fill)
-        if lacking:
+        # The state fills while the transfers run, reading the files this rank receives as their
+        # bytes arrive; a rank that needs a file another rank of its node receives fills after.
+        early = set(lacking) <= set(arrivals.names)
+        self._fetch(step, raw, transfers, inventories, arrivals, meanwhile=lambda: loading.fill(
+            arrivals.backend(backend, self.level.path(step))) if early else None)
+        if not early:
             loading.fill()
         return loading.finish().bytes, bool(transfers)
 
@@ -134,10 +139,11 @@ class LocalRecovery:
                 transfers.append((name, src, dst))
         return transfers
 
-    def _fetch(self, step: int, raw: bytes, transfers: list, inventories: list[dict], meanwhile=None) -> None:
+    def _fetch(self, step: int, raw: bytes, transfers: list, inventories: list[dict], arrivals: Arrivals,
+               meanwhile=None) -> None:
         """Run the transfers in one global order, each rank its own (see ``LocalFlusher._exchange``
-        for why that order cannot deadlock), and ``meanwhile()`` at the same time (on a rank
-        that only sends). A node that lacks the step gets it created by its leader, with the
+        for why that order cannot deadlock), telling ``arrivals`` how far each file received is
+        written, and ``meanwhile()`` at the same time, on this thread. A node that lacks the step gets it created by its leader, with the
         manifest, and committed once every rank of the job has its files in. Every rank takes
         part in every transfer of its own whatever failed, so none is left waiting; failures
         are raised on every rank together."""
@@ -153,12 +159,15 @@ class LocalRecovery:
         group = comm.transport() if comm.world_size > 1 else None
 
         def transfer() -> None:
-            for name, src, dst in transfers:
-                if rank == src:
-                    self._send(group, dst, backend.join(final, name), failures)
-                elif rank == dst:
-                    self._receive(group, src, name, step, None if target is None else backend.join(target, name),
-                                  failures)
+            try:
+                for name, src, dst in transfers:
+                    if rank == src:
+                        self._send(group, dst, backend.join(final, name), failures)
+                    elif rank == dst:
+                        self._receive(group, src, name, step, None if target is None else backend.join(target, name),
+                                      failures, arrivals)
+            finally:
+                arrivals.end_all("the transfers stopped")  # a fill waiting for more bytes fails, never hangs
         if meanwhile is None:
             transfer()
         else:
@@ -191,21 +200,25 @@ class LocalRecovery:
         except Exception as exc:  # noqa: BLE001 (every rank learns it)
             return None, f"rank {self.comm.rank} cannot create {final}: {type(exc).__name__}: {exc}"
 
-    def _receive(self, group, src: int, name: str, step: int, path: str | None, failures: list) -> None:
+    def _receive(self, group, src: int, name: str, step: int, path: str | None, failures: list,
+                 arrivals: Arrivals) -> None:
         """Receive ``name`` from ``src`` into ``path`` (None: receive and drop, something failed)."""
-        writer = None
+        writer, failed = None, len(failures)
         try:
             writer = self.level.backend.open_write(path, self.durable) if path is not None else None
         except Exception as exc:  # noqa: BLE001 (the stream is still received)
             failures.append(exc)
+        write = arrivals.recorded(name, path, pwriter(writer)) if writer is not None else None
         try:
-            if not recv_stream(group, src, self._buffer(), pwriter(writer) if writer else None):
+            if not recv_stream(group, src, self._buffer(), write):
                 failures.append(CheckpointError(f"rank {src} could not send {name} of step {step}"))
         except Exception as exc:  # noqa: BLE001 (a failed write; the stream was received whole)
             failures.append(exc)
         finally:
             if writer is not None:
                 writer.close(self.durable)
+            problems = failures[failed:] if writer is not None else failures[failed:] or ["nowhere to write it"]
+            arrivals.ended(name, "; ".join(f"{type(p).__name__}: {p}" for p in problems) if problems else None)
 
     def _buffer(self) -> torch.Tensor:
         """Room for the chunks of one stream in flight (``send_stream``, ``recv_stream``)."""

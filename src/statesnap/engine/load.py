@@ -347,13 +347,15 @@ class Loading:
         self.exchange = plan_shared_reads(self.comm, self.flat, self.skip,
                                           should_share(shared_reads, self.comm, local))
 
-    def fill(self) -> None:
-        """Read this rank's tensors. A failure is kept for ``finish`` to raise on every rank: the
-        others are on their way there."""
+    def fill(self, backend: StorageBackend | None = None) -> None:
+        """Read this rank's tensors (through ``backend`` if given: a restore reads files as they
+        arrive). A failure is kept for ``finish`` to raise on every rank: the others are on
+        their way there."""
         with self._zeroed_on_failure():
             try:
-                self.nbytes = fill_tensors(self.flat, self.manifest, self.backend, self.path, self.skip, self.verify,
-                                           self.threads, self.strict, self.exchange.received, self.progress)
+                self.nbytes = fill_tensors(self.flat, self.manifest, backend or self.backend, self.path, self.skip,
+                                           self.verify, self.threads, self.strict, self.exchange.received,
+                                           self.progress)
             except Exception as exc:
                 self._error = exc
 
