@@ -318,19 +318,18 @@ def test_a_stream_that_fails_halfway_is_still_drained(failing):
 
 def _fetch_file(rank, world, directory, mappable, in_flight):
     """Rank 0 sends a file of 5.5 chunks as a restore's fetch does (from the page cache, or read
-    into a buffer's slots in turn where the backend maps nothing); rank 1 writes what arrives
-    while the next chunks come in, into the other slots of its buffer."""
+    into a buffer's slots in turn where the backend maps nothing or mapping fails); rank 1
+    writes what arrives while the next chunks come in, into the other slots of its buffer."""
     from statesnap.checkpointer import local as local_stage
     from statesnap.checkpointer import recovery
     from statesnap.storage.local import LocalBackend
 
     chunk = 4096
-    local_stage.PEER_CHUNK_BYTES = recovery.PEER_CHUNK_BYTES = chunk
-    local_stage.IN_FLIGHT = recovery.IN_FLIGHT = in_flight
+    local_stage.PEER_CHUNK_BYTES, local_stage.IN_FLIGHT = chunk, in_flight
     backend = LocalBackend()
-    if not mappable:
+    if mappable is not True:
         opened = backend.open_read
-        backend.open_read = lambda path: _Unmapped(opened(path))
+        backend.open_read = lambda path: _Unmapped(opened(path), fails=mappable == "fails")
     fetch = recovery.LocalRecovery(type("Level", (), {"backend": backend})(), None, None, durable=False)
     source, copy = os.path.join(directory, "source"), os.path.join(directory, f"copy-{mappable}")
     failures = []
@@ -343,26 +342,29 @@ def _fetch_file(rank, world, directory, mappable, in_flight):
     def write(offset, view):
         buffers.append(view.data_ptr())
         writer.pwrite(offset, [memoryview(view.numpy())])
-    assert local_stage.recv_stream(None, 0, fetch._buffer(), write)
+    assert local_stage.recv_stream(None, 0, local_stage.stream_buffer(), write)
     writer.close(False)
     with open(source, "rb") as a, open(copy, "rb") as b:
         return a.read() == b.read(), len(set(buffers))
 
 
 class _Unmapped:
-    """A reader whose backend cannot map files (an object store's)."""
+    """A reader whose backend cannot map files (an object store's), or whose mapping fails (no
+    room under a strict overcommit policy)."""
 
-    def __init__(self, reader):
-        self.reader = reader
+    def __init__(self, reader, fails):
+        self.reader, self.fails = reader, fails
 
     def map(self, offset, nbytes):
+        if self.fails:
+            raise OSError(12, "Cannot allocate memory")
         return None
 
     def __getattr__(self, name):
         return getattr(self.reader, name)
 
 
-@pytest.mark.parametrize("mappable,in_flight", [(True, 2), (False, 2), (False, 3)])
+@pytest.mark.parametrize("mappable,in_flight", [(True, 2), (False, 2), ("fails", 2), (False, 3)])
 def test_a_fetch_streams_chunks_in_flight_bit_exact(tmp_path, mappable, in_flight):
     with open(tmp_path / "source", "wb") as f:
         f.write(torch.randint(0, 256, (4096 * 5 + 2048,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))

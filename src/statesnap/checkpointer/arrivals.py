@@ -88,19 +88,26 @@ class _ArrivingReader(FileReader):
     def __init__(self, backend: StorageBackend, name: str, arrivals: Arrivals):
         self._backend, self._name, self._arrivals = backend, name, arrivals
         self._reader: FileReader | None = None
+        self._opening = threading.Lock()  # the read threads of a load share this reader
 
     def readinto(self, offset: int, views: Sequence[memoryview]) -> int:
-        path = self._arrivals.wait(self._name, offset + sum(len(v) for v in views))
-        if self._reader is None:
-            self._reader = self._backend.open_read(path)
-        return self._reader.readinto(offset, views)
+        return self._opened(offset + sum(len(v) for v in views)).readinto(offset, views)
 
     def size(self) -> int:
-        path = self._arrivals.wait(self._name)
-        if self._reader is None:
-            self._reader = self._backend.open_read(path)
-        return self._reader.size()
+        return self._opened(None).size()
+
+    def stream(self) -> FileReader:
+        """A reader of the same file for one read thread: its own descriptor, its own readahead."""
+        return _ArrivingReader(self._backend, self._name, self._arrivals)
+
+    def _opened(self, end: int | None) -> FileReader:
+        path = self._arrivals.wait(self._name, end)
+        with self._opening:
+            if self._reader is None:
+                self._reader = self._backend.open_read(path)
+            return self._reader
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
+        with self._opening:
+            if self._reader is not None:
+                self._reader.close()

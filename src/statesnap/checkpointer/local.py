@@ -149,6 +149,11 @@ def recv_stream(group, src: int, buffer: torch.Tensor, write) -> bool:
     return True
 
 
+def stream_buffer() -> torch.Tensor:
+    """Room for the chunks of one stream in flight (``send_stream``, ``recv_stream``)."""
+    return torch.empty(IN_FLIGHT * PEER_CHUNK_BYTES, dtype=torch.uint8)
+
+
 def _chunks(ranges: list) -> list[tuple[int, int]]:
     """``(offset, nbytes)`` ranges cut into the stream's chunks of at most ``PEER_CHUNK_BYTES``."""
     return [(offset + k, min(PEER_CHUNK_BYTES, nbytes - k)) for offset, nbytes in ranges
@@ -287,6 +292,8 @@ class LocalFlusher(_Stage):
             recv_stream(group, src, self._buffer, pwriter(writer) if writer else None)
         except Exception as exc:  # noqa: BLE001 (a failed write; a broken transport fails the gather next)
             failures.append(exc)
+            # a transport that broke mid-stream may still complete a receive into the old buffer
+            self._buffer = torch.empty_like(self._buffer)
         finally:
             if writer is not None:
                 writer.close(self._durable)

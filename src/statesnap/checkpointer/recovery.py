@@ -28,7 +28,8 @@ from ..plan import plan_target
 from ..state.flatten import flatten_for_load
 from .levels import StorageLevel
 from .arrivals import Arrivals
-from .local import IN_FLIGHT, PEER_CHUNK_BYTES, Topology, pwriter, recv_stream, send_stream
+from . import local as streams
+from .local import Topology, pwriter, recv_stream, send_stream
 
 
 def inventory(level: StorageLevel) -> dict[int, tuple[list[str], int, int]]:
@@ -113,8 +114,8 @@ class LocalRecovery:
         # The state fills while the transfers run, reading the files this rank receives as their
         # bytes arrive; a rank that needs a file another rank of its node receives fills after.
         early = set(lacking) <= set(arrivals.names)
-        self._fetch(step, raw, transfers, inventories, arrivals, meanwhile=lambda: loading.fill(
-            arrivals.backend(backend, self.level.path(step))) if early else None)
+        fill = (lambda: loading.fill(arrivals.backend(backend, self.level.path(step)))) if early else None
+        self._fetch(step, raw, transfers, inventories, arrivals, meanwhile=fill)
         if not early:
             loading.fill()
         return loading.finish().bytes, bool(transfers)
@@ -210,7 +211,7 @@ class LocalRecovery:
             failures.append(exc)
         write = arrivals.recorded(name, path, pwriter(writer)) if writer is not None else None
         try:
-            if not recv_stream(group, src, self._buffer(), write):
+            if not recv_stream(group, src, streams.stream_buffer(), write):
                 failures.append(CheckpointError(f"rank {src} could not send {name} of step {step}"))
         except Exception as exc:  # noqa: BLE001 (a failed write; the stream was received whole)
             failures.append(exc)
@@ -220,10 +221,6 @@ class LocalRecovery:
             problems = failures[failed:] if writer is not None else failures[failed:] or ["nowhere to write it"]
             arrivals.ended(name, "; ".join(f"{type(p).__name__}: {p}" for p in problems) if problems else None)
 
-    def _buffer(self) -> torch.Tensor:
-        """Room for the chunks of one stream in flight (``send_stream``, ``recv_stream``)."""
-        return torch.empty(IN_FLIGHT * PEER_CHUNK_BYTES, dtype=torch.uint8)
-
     def _send(self, group, dst: int, path: str, failures: list) -> None:
         backend, reader, size = self.level.backend, None, None
         try:
@@ -231,13 +228,19 @@ class LocalRecovery:
             size = reader.size()
         except OSError as exc:  # the receiver is told there is nothing
             failures.append(exc)
-        buffer, sent = self._buffer(), [0]
+        buffer, sent, mappable = streams.stream_buffer(), [0], [True]
 
         def read(offset: int, nbytes: int) -> torch.Tensor:
-            mapped = reader.map(offset, nbytes)  # a local file's page cache, sent without a copy
-            if mapped is not None:
-                return torch.frombuffer(mapped, dtype=torch.uint8)
-            slot = buffer[sent[0] % IN_FLIGHT * PEER_CHUNK_BYTES:][:nbytes]  # one per chunk in flight
+            if mappable[0]:  # a local file's page cache, sent without a copy
+                try:
+                    mapped = reader.map(offset, nbytes)
+                except (OSError, ValueError):  # no room to map it (a strict overcommit policy), or no mmap
+                    mapped = None
+                if mapped is not None:
+                    return torch.frombuffer(mapped, dtype=torch.uint8)
+                mappable[0] = False
+            # read into the buffer's slots in turn: one per chunk in flight (send_stream)
+            slot = buffer[sent[0] % streams.IN_FLIGHT * streams.PEER_CHUNK_BYTES:][:nbytes]
             sent[0] += 1
             got = reader.readinto(offset, [memoryview(slot.numpy())])
             if got != nbytes:
