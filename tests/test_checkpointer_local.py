@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import statesnap as ss
 from dist_utils import run_ranks
-from statesnap.storage import SHM_ROOT
+from statesnap.storage import SHM_ROOT, normalize
 from test_checkpointer import assert_state_equals, make_training, reference, train_step
 
 STEPS, PERSIST_EVERY, GLOBAL_ROWS = 13, 10, 24
@@ -228,9 +228,9 @@ def test_recovery_bench_runs_and_checks_both_sources(tmp_path, local):
     assert set(result["seconds"]) == {"peer", "root"} and result["root_vs_peer"] > 0
     assert result["local"] == local and f"levels on {local}" in recovery.report(result)
     assert not (tmp_path / "recovery").exists(), "the scratch checkpoints must be removed"
-    for root in result["local_roots"]:  # shm://NAME is SHM_ROOT/NAME
+    for root in result["local_roots"]:
         assert root.startswith("shm://" if local == "shm" else str(tmp_path))
-        assert not os.path.exists(os.path.join(SHM_ROOT, root[len("shm://"):]) if local == "shm" else root)
+        assert not os.path.exists(normalize(root))
 
 
 def _replica_faults(rank, world, root, local_roots):

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from .common import DEFAULT_OUT, add_output_arguments, format_table, fresh_dir, median, publish
 from .job import run_job
 from .reshard import _barrier_timed, remote_url
-from ..storage import SHM_ROOT, SHM_SCHEME
+from ..storage import SHM_SCHEME, normalize
 
 SOURCES = ("peer", "root")
 LOCAL_KINDS = ("disk", "shm")
@@ -59,7 +59,7 @@ def measure(rank: int, world: int, mb_per_rank: float, repeat: int, out: str, re
     for _ in range(repeat):  # interleaved, so drifts in machine load hit both alike
         for source in SOURCES:
             if rank == 0:
-                shutil.rmtree(_on_disk(local_roots[1]), ignore_errors=True)  # node 1 was replaced
+                shutil.rmtree(normalize(local_roots[1]), ignore_errors=True)  # node 1 was replaced
             dist.barrier()
             target = _state(rank, world, mb_per_rank, fill=False)
             ckpt = ss.Checkpointer(root, **(levels if source == "peer" else dict(durable=False)))
@@ -73,10 +73,6 @@ def measure(rank: int, world: int, mb_per_rank: float, repeat: int, out: str, re
             if not torch.equal(target["weights"].local, saved["weights"].local):
                 raise RuntimeError(f"rank {rank}: the state restored from {source} differs from the one saved")
     return times
-
-
-def _on_disk(root: str) -> str:
-    return os.path.join(SHM_ROOT, root[len(SHM_SCHEME):]) if root.startswith(SHM_SCHEME) else root
 
 
 def run(ranks: int = 4, mb_per_rank: float = 64.0, repeat: int = 3, out: str = DEFAULT_OUT,
@@ -96,7 +92,7 @@ def run(ranks: int = 4, mb_per_rank: float = 64.0, repeat: int = 3, out: str = D
         per_rank = run_job(ranks, measure, args)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-        shutil.rmtree(os.path.dirname(_on_disk(local_roots[0])), ignore_errors=True)
+        shutil.rmtree(os.path.dirname(normalize(local_roots[0])), ignore_errors=True)
     seconds = {source: median(max(t[source][i] for t in per_rank) for i in range(repeat)) for source in SOURCES}
     return {"ranks": ranks, "mb_per_rank": mb_per_rank, "repeat": repeat, "local": local, "local_roots": local_roots,
             "seconds": seconds,

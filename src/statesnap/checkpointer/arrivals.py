@@ -33,12 +33,12 @@ class Arrivals:
         with self._changed:
             self._paths[name] = path
 
-        def recorded(offset: int, view) -> None:
+        def write_and_record(offset: int, view) -> None:
             write(offset, view)
             with self._changed:
                 self._written[name] = max(self._written[name], offset + view.numel())
                 self._changed.notify_all()
-        return recorded
+        return write_and_record
 
     def ended(self, name: str, problem: str | None = None) -> None:
         """Nothing more comes for ``name``; ``problem`` says why its bytes cannot be trusted."""

@@ -8,8 +8,8 @@ Every rank loads from its own node's ``step-N`` (``engine.load.Loading``): the t
 against the manifest before the transfers, and the state fills while they run, reading the files
 the rank receives as their bytes arrive (``arrivals.py``); a rank that needs a file another rank
 of its node receives fills once the node has it. Every piece is verified against its checksum: a
-damaged copy fails the load on every rank, and the caller falls back to the next level. The load is labelled ``"local"`` when no file moved, ``"peer"`` when one
-did.
+damaged copy fails the load on every rank, and the caller falls back to the next level. The load
+is labelled ``"local"`` when no file moved, ``"peer"`` when one did.
 """
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ from ..errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..plan import plan_target
 from ..state.flatten import flatten_for_load
-from .levels import StorageLevel
+from . import local as streams  # the stream constants, read where they live: one value for both ends
 from .arrivals import Arrivals
-from . import local as streams
+from .levels import StorageLevel
 from .local import Topology, pwriter, recv_stream, send_stream
 
 
@@ -144,10 +144,10 @@ class LocalRecovery:
                meanwhile=None) -> None:
         """Run the transfers in one global order, each rank its own (see ``LocalFlusher._exchange``
         for why that order cannot deadlock), telling ``arrivals`` how far each file received is
-        written, and ``meanwhile()`` at the same time, on this thread. A node that lacks the step gets it created by its leader, with the
-        manifest, and committed once every rank of the job has its files in. Every rank takes
-        part in every transfer of its own whatever failed, so none is left waiting; failures
-        are raised on every rank together."""
+        written, and ``meanwhile()`` at the same time, on this thread. A node that lacks the step
+        gets it created by its leader, with the manifest, and committed once every rank of the
+        job has its files in. Every rank takes part in every transfer of its own whatever failed,
+        so none is left waiting; failures are raised on every rank together."""
         comm, topo, backend, rank = self.comm, self.topology, self.level.backend, self.comm.rank
         final = self.level.path(step)
         node_receives = any(topo.nodes[dst] == topo.nodes[rank] for _, _, dst in transfers)
@@ -218,8 +218,10 @@ class LocalRecovery:
         finally:
             if writer is not None:
                 writer.close(self.durable)
-            problems = failures[failed:] if writer is not None else failures[failed:] or ["nowhere to write it"]
-            arrivals.ended(name, "; ".join(f"{type(p).__name__}: {p}" for p in problems) if problems else None)
+            problems = "; ".join(f"{type(p).__name__}: {p}" for p in failures[failed:])
+            if writer is None and not problems:  # an earlier step failed: nowhere to write it
+                problems = "the node could not take it"
+            arrivals.ended(name, problems or None)
 
     def _send(self, group, dst: int, path: str, failures: list) -> None:
         backend, reader, size = self.level.backend, None, None
@@ -228,20 +230,21 @@ class LocalRecovery:
             size = reader.size()
         except OSError as exc:  # the receiver is told there is nothing
             failures.append(exc)
-        buffer, sent, mappable = streams.stream_buffer(), [0], [True]
+        buffer, sent, mappable = streams.stream_buffer(), 0, True
 
         def read(offset: int, nbytes: int) -> torch.Tensor:
-            if mappable[0]:  # a local file's page cache, sent without a copy
+            nonlocal sent, mappable
+            if mappable:  # a local file's page cache, sent without a copy
                 try:
                     mapped = reader.map(offset, nbytes)
                 except (OSError, ValueError):  # no room to map it (a strict overcommit policy), or no mmap
                     mapped = None
                 if mapped is not None:
                     return torch.frombuffer(mapped, dtype=torch.uint8)
-                mappable[0] = False
+                mappable = False
             # read into the buffer's slots in turn: one per chunk in flight (send_stream)
-            slot = buffer[sent[0] % streams.IN_FLIGHT * streams.PEER_CHUNK_BYTES:][:nbytes]
-            sent[0] += 1
+            slot = buffer[sent % streams.IN_FLIGHT * streams.PEER_CHUNK_BYTES:][:nbytes]
+            sent += 1
             got = reader.readinto(offset, [memoryview(slot.numpy())])
             if got != nbytes:
                 raise CheckpointError(f"{path} ended at byte {offset + got}, before its {offset + nbytes}")
