@@ -153,3 +153,42 @@ def test_load_plan_coverage_counts_each_element_once():
     assert part.covered == 2 and [r.piece for r in part.reads] == [int(np.flatnonzero(entry.start[:, 0] == 1)[0])]
     assert plan_target(entry, "flat", (3,), (4,)).covered == 4
     assert plan_target(entry, "box", (0, 0), (0, 4)).covered == 0
+
+
+def _grid_tiling(rng, shape):
+    """Pieces of ``shape`` cut along a random grid (some of them empty), in a random order."""
+    cuts = [sorted({0, n, *rng.integers(0, n + 1, size=rng.integers(0, 2)).tolist()}) for n in shape]
+    boxes = [[]]
+    for c in cuts:
+        boxes = [b + [(lo, hi)] for b in boxes for lo, hi in zip(c, c[1:])] or [b + [(0, 0)] for b in boxes]
+    rng.shuffle(boxes)
+    return [[lo for lo, _ in b] for b in boxes], [[hi - lo for lo, hi in b] for b in boxes]
+
+
+def test_a_whole_target_of_a_few_pieces_is_planned_as_the_general_search_plans_it(monkeypatch):
+    """A checkpoint of a few ranks loaded by one process: every piece lands whole, planned without
+    the overlap search, exactly as the search plans it (contiguous pieces as one segment at their
+    place, strided ones as box copies)."""
+    from statesnap.format.manifest import TensorEntry
+    from statesnap.plan import load_plan
+
+    rng = np.random.default_rng(5)
+    cases = []
+    for _ in range(300):
+        shape = tuple(int(n) for n in rng.integers(0, 6, size=rng.integers(1, 4)))
+        start, size = _grid_tiling(rng, shape)
+        if len(start) > load_plan.FEW_PIECES:
+            continue
+        n = len(start)
+        entry = TensorEntry(dtype=torch.float32, shape=shape, layout="box", file=np.arange(n), offset=np.zeros(n, np.int64),
+                            nbytes=np.array([4 * int(np.prod(s)) for s in size], np.int64),
+                            start=np.array(start, np.int64).reshape(n, len(shape)),
+                            size=np.array(size, np.int64).reshape(n, len(shape)), checksum=np.zeros(n, np.uint64),
+                            checksum_bounds=np.arange(n + 1))
+        cases.append((entry, plan_target(entry, "box", (0,) * len(shape), shape)))
+    assert len(cases) > 200 and any(any(r.box for r in plan.reads) for _, plan in cases)
+    monkeypatch.setattr(load_plan, "FEW_PIECES", 0)  # every entry through the vectorised search
+    for entry, plan in cases:
+        searched = plan_target(entry, "box", (0,) * len(entry.shape), entry.shape)
+        assert plan.covered == searched.covered == int(np.prod(entry.shape))
+        assert plan.reads == searched.reads, entry

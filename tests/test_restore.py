@@ -286,9 +286,8 @@ def test_streams_hold_one_descriptor_each_besides_one_per_file(tmp_path, monkeyp
     and one more per stream, not one per file and stream."""
     import types
 
-    from statesnap.engine.buffers import byte_view
-    from statesnap.engine.read import ReadExecutor, _Job
-    from statesnap.plan.load_plan import PieceRead, Segment
+    from statesnap.engine.read import ReadExecutor
+    from statesnap.plan.load_plan import PieceRead, Segment, TargetPlan
     from statesnap.storage import local
 
     names = [f"f{i}" for i in range(64)]
@@ -312,7 +311,7 @@ def test_streams_hold_one_descriptor_each_besides_one_per_file(tmp_path, monkeyp
     targets = [torch.empty(8192, dtype=torch.uint8) for _ in names]
     for i, target in enumerate(targets):
         entry = types.SimpleNamespace(file=[i], offset=[0], nbytes=[8192])
-        executor.jobs.append(_Job(f"t{i}", entry, target, byte_view(target), PieceRead(0, 0, 8192, [Segment(0, 0, 8192)])))
+        executor.add(f"t{i}", entry, target, TargetPlan([PieceRead(0, 0, 8192, [Segment(0, 0, 8192)])], 8192))
     executor.run()
     assert all(int(t[0]) == i and int(t[-1]) == i for i, t in enumerate(targets))
     assert peak[0] <= len(names) + 4

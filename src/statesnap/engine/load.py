@@ -17,8 +17,8 @@ import torch
 from ..collector import collector_paused
 from ..errors import CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, StateMismatchError
 from ..format.checksum import checksum_whole
-from ..format.manifest import BOX, MANIFEST_NAME, Manifest, TensorEntry
-from ..plan.load_plan import PieceRead, Segment, TargetPlan, plan_target
+from ..format.manifest import BOX, FEW_PIECES, MANIFEST_NAME, Manifest, TensorEntry
+from ..plan.load_plan import TargetPlan, plan_target, plan_whole
 from ..progress import bar
 from ..state.flatten import flatten_for_load
 from ..state.items import Flattened
@@ -232,13 +232,11 @@ def _plan_reads(wanted: list, entries: list, executor: ReadExecutor, path: str, 
 
 
 def _plan(entry: TensorEntry, item) -> TargetPlan:
-    """``plan_target``, short-cut for the common case of a whole tensor stored as one piece and
-    wanted whole (a same-layout load on one process): it needs no overlap search, and with a
-    thousand small tensors the search costs more than reading them."""
-    nbytes = int(entry.nbytes[0]) if entry.num_pieces == 1 else 0
-    if (nbytes and entry.layout == item.layout == BOX and tuple(item.size) == tuple(entry.shape)
-            and tuple(int(s) for s in entry.size[0]) == tuple(entry.shape)):
-        return TargetPlan([PieceRead(0, 0, nbytes, [Segment(0, 0, nbytes)])], item.local.numel())
+    """``plan_target``, short-cut for the commonest case, a whole tensor stored as a few pieces
+    and wanted whole: with a thousand small tensors the overlap search costs more than reading."""
+    if (entry.layout == item.layout == BOX and entry.num_pieces <= FEW_PIECES
+            and tuple(item.size) == tuple(entry.shape)):
+        return plan_whole(entry)
     return plan_target(entry, item.layout, item.start, item.size)
 
 

@@ -9,11 +9,11 @@ tensor and the byte range.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -40,21 +40,16 @@ def read_threads() -> int:
     return max(4, default_threads())
 
 
-@dataclass
+@dataclasses.dataclass
 class _Job:
     fqn: str
     entry: TensorEntry
     target: torch.Tensor  # contiguous CPU tensor shaped like the target's local box
     view: memoryview
     read: PieceRead
-
-    @property
-    def file(self) -> int:
-        return int(self.entry.file[self.read.piece])
-
-    @property
-    def base(self) -> int:
-        return int(self.entry.offset[self.read.piece])
+    file: int  # the piece's file, offset there and size, looked up once: sorting and grouping ask often
+    base: int
+    size: int
 
 
 class ReadExecutor:
@@ -71,7 +66,8 @@ class ReadExecutor:
 
     def add(self, fqn: str, entry: TensorEntry, target: torch.Tensor, plan: TargetPlan) -> None:
         view = byte_view(target)
-        self.jobs.extend(_Job(fqn, entry, target, view, r) for r in plan.reads)
+        self.jobs.extend(_Job(fqn, entry, target, view, r, int(entry.file[r.piece]), int(entry.offset[r.piece]),
+                              int(entry.nbytes[r.piece])) for r in plan.reads)
 
     def run(self) -> None:
         tasks = self._tasks()
@@ -114,8 +110,7 @@ class ReadExecutor:
         if not self.verify:
             return lo, hi
         block = self.manifest.block_bytes
-        size = int(job.entry.nbytes[job.read.piece])
-        return lo // block * block, min(-(-hi // block) * block, size)
+        return lo // block * block, min(-(-hi // block) * block, job.size)
 
     def _is_direct(self, job: _Job) -> bool:
         read = job.read
@@ -139,7 +134,7 @@ class ReadExecutor:
             hi = min(lo + step, read.hi)
             segments = [Segment(max(s.src, lo), s.dst + max(s.src, lo) - s.src, min(s.src + s.nbytes, hi) - max(s.src, lo))
                         for s in read.segments if s.src < hi and s.src + s.nbytes > lo]
-            parts.append(_Job(job.fqn, job.entry, job.target, job.view, PieceRead(read.piece, lo, hi, segments)))
+            parts.append(dataclasses.replace(job, read=PieceRead(read.piece, lo, hi, segments)))
         return parts
 
     def _coalesce(self, jobs: list[_Job]) -> list[list[_Job]]:
@@ -214,20 +209,21 @@ class ReadExecutor:
 
     def _run_direct(self, group: list[_Job], reader: FileReader) -> None:
         first = group[0]
-        views, owners, end = [], [], first.base + first.read.lo
+        views, owners, parts_of, end = [], [], [], first.base + first.read.lo
         for job in group:
             gap = job.base + job.read.lo - end
             if gap:
                 views.append(self._gap_sink[:gap])
                 owners.append(None)
             parts = [job.view[s.dst:s.dst + s.nbytes] for s in job.read.segments]
+            parts_of.append(parts)
             views += parts
             owners += [job] * len(parts)
             end = job.base + job.read.hi
         self._read(reader, first.base + first.read.lo, views, owners)
         if self.verify:
-            for job in group:
-                self._check(job, job.read.lo, job.read.hi, [job.view[s.dst:s.dst + s.nbytes] for s in job.read.segments])
+            for job, parts in zip(group, parts_of):
+                self._check(job, job.read.lo, job.read.hi, parts)
 
     def _run_staged(self, job: _Job) -> None:
         lo, hi = self._widened(job)

@@ -34,4 +34,4 @@ def dtype_from_name(name: str, where: str = "") -> torch.dtype:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize

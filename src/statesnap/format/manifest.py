@@ -38,6 +38,7 @@ from .split import (Fetch, SectionReader, TensorRow, pack_files, pack_json, pars
                     unpack_files, unpack_json)
 
 FEW_PIECES = 8  # entries with at most this many pieces are read and checked in plain Python
+_LIST, _INT = {list}, {int}  # the one type a plain JSON column or value of such an entry may have
 FORMAT_NAME = "statesnap"
 FORMAT_VERSION = 2  # the newest this reads; a one-document manifest is still written as version 1
 MANIFEST_NAME = "manifest.json"
@@ -168,28 +169,29 @@ class TensorEntry:
                 data[name] for name in ("file", "offset", "nbytes", "start", "size", "checksum"))
         except KeyError:
             return None
+        # (sets of types through map: a generator per check cost more than the checks, here)
         columns = (file, offset, nbytes, start, size, sums)
-        if "checksum_blocks" in data or any(type(c) is not list for c in columns):
+        if "checksum_blocks" in data or {*map(type, columns)} != _LIST:
             return None
-        n, dims = len(file), len(shape) if layout == BOX else 1
-        if (not 0 < n <= min(FEW_PIECES, world_size or FEW_PIECES) or any(len(c) != n for c in columns)
-                or any(type(box) is not list or len(box) != dims for box in (*start, *size))):
+        n, dims, boxes = len(file), len(shape) if layout == BOX else 1, (*start, *size)
+        if (not 0 < n <= min(FEW_PIECES, world_size or FEW_PIECES) or {*map(len, columns)} != {n}
+                or {*map(type, boxes)} != _LIST or {*map(len, boxes)} != {dims}):
             return None
         sums = [c if type(c) is list else [c] for c in sums]
-        if (any(type(v) is not int for v in itertools.chain(file, offset, nbytes, *start, *size))
-                or any(type(c) is not int or not 0 <= c <= UINT64_MAX for c in itertools.chain(*sums))):
+        values, flat_sums = [*file, *offset, *nbytes, *itertools.chain(*boxes)], [*itertools.chain(*sums)]
+        if ({*map(type, values)} != _INT or {*map(type, flat_sums)} != _INT or min(flat_sums) < 0
+                or max(flat_sums) > UINT64_MAX):
             return None
         counts = [len(c) for c in sums]
         if not _plain_rules(dtype, shape, layout, files, file_sizes, block_bytes, file, offset, nbytes, start, size,
                             counts):
             return None
-        ints = np.array([*file, *offset, *nbytes, *itertools.chain(*start), *itertools.chain(*size), 0,
-                         *itertools.accumulate(counts)], dtype=np.int64)
-        boxes = 3 * n + 2 * n * dims
+        ints = np.array([*values, 0, *itertools.accumulate(counts)], dtype=np.int64)
+        end = 3 * n + 2 * n * dims
         return cls(dtype=dtype, shape=shape, layout=layout, file=ints[:n], offset=ints[n:2 * n],
                    nbytes=ints[2 * n:3 * n], start=ints[3 * n:3 * n + n * dims].reshape(n, dims),
-                   size=ints[3 * n + n * dims:boxes].reshape(n, dims),
-                   checksum=np.array(list(itertools.chain(*sums)), dtype=np.uint64), checksum_bounds=ints[boxes:])
+                   size=ints[3 * n + n * dims:end].reshape(n, dims),
+                   checksum=np.array(flat_sums, dtype=np.uint64), checksum_bounds=ints[end:])
 
     def _plainly_valid(self, files: list[str], file_sizes: list[int] | np.ndarray, block_bytes: int) -> bool:
         """Whether an entry of up to ``FEW_PIECES`` pieces passes every rule of :meth:`_validate`,

@@ -14,6 +14,7 @@ row-major flattened tensor it covers, and runs intersect as 1-D intervals.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -114,6 +115,8 @@ def _plan_box_box(entry: TensorEntry, t0: tuple, ts: tuple, isz: int) -> TargetP
         reads = [PieceRead(i, 0, int(entry.nbytes[i]), [Segment(0, 0, int(entry.nbytes[i]))])
                  for i in range(min(1, entry.num_pieces))]
         return TargetPlan(reads, len(reads))
+    if entry.num_pieces <= FEW_PIECES and ts == tuple(entry.shape) and not any(t0):
+        return plan_whole(entry)
     te = tuple(a + b for a, b in zip(t0, ts))
     if entry.num_pieces > FEW_PIECES:  # the overlap search vectorised, the few hits in plain Python
         lo = np.maximum(entry.start, np.asarray(t0, np.int64))
@@ -142,6 +145,27 @@ def _plan_box_box(entry: TensorEntry, t0: tuple, ts: tuple, isz: int) -> TargetP
         else:
             reads.append(PieceRead(i, first * isz, (last + 1) * isz,
                                    box=BoxCopy(tuple(pshape), tuple(a), tuple(n), tuple(b))))
+    return TargetPlan(reads, covered)
+
+
+def plan_whole(entry: TensorEntry) -> TargetPlan:
+    """The plan of a target that is the whole tensor, for an entry of up to ``FEW_PIECES`` box
+    pieces (a same-layout load in one process, or a checkpoint of a few ranks loaded by one):
+    each piece lands whole at its own box, so there is nothing to intersect."""
+    shape, isz = entry.shape, entry.dtype.itemsize
+    reads, covered, stride = [], 0, None
+    for i, (pstart, pshape) in enumerate(zip(entry.start.tolist(), entry.size.tolist())):
+        count = math.prod(pshape)
+        if not count:
+            continue
+        covered += count
+        nbytes = count * isz
+        if is_contiguous_part(pshape, shape):
+            stride = stride or row_major_strides(shape)
+            reads.append(PieceRead(i, 0, nbytes, [Segment(0, sum(map(operator.mul, pstart, stride)) * isz, nbytes)]))
+        else:
+            reads.append(PieceRead(i, 0, nbytes, box=BoxCopy(tuple(pshape), (0,) * len(shape), tuple(pshape),
+                                                            tuple(pstart))))
     return TargetPlan(reads, covered)
 
 
