@@ -17,6 +17,18 @@ from dist_utils import pin_threads
 pin_threads()
 
 
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: ignored where xdist is not installed
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``-n`` with the default distribution (``load``), a module's tests stay on one worker:
+    its module-scoped fixtures (DeepSpeed, Megatron and UCP producer runs, tens of seconds each)
+    are then made once instead of once per worker that runs some of its tests."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    return LoadFileScheduling(config, log)
+
+
 @pytest.fixture(autouse=True)
 def _one_torch_thread():
     if torch.get_num_threads() != 1:
