@@ -235,7 +235,7 @@ def _plan(entry: TensorEntry, item) -> TargetPlan:
     """``plan_target``, short-cut for the commonest case, a whole tensor stored as a few pieces
     and wanted whole: with a thousand small tensors the overlap search costs more than reading."""
     if (entry.layout == item.layout == BOX and entry.num_pieces <= FEW_PIECES
-            and tuple(item.size) == tuple(entry.shape)):
+            and tuple(item.size) == tuple(entry.shape) and not any(item.start)):
         return plan_whole(entry)
     return plan_target(entry, item.layout, item.start, item.size)
 
