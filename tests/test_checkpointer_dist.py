@@ -161,3 +161,88 @@ def test_a_layout_change_on_one_rank_only_is_explained_not_left_hanging(tmp_path
     assert messages[1] is None
     assert "changed layout" in messages[0] and "optimizer" in messages[0] and "same save" in messages[0]
     assert ss.open(str(tmp_path / "ckpt" / "step-1")).read("w").tolist() == [0.0, 0.0, 1.0, 1.0]
+
+
+class _Experts(torch.nn.Module):
+    """A shared layer, replicated, and two experts of this rank's own (expert parallel: their
+    names differ by rank, so each rank saves its own); ``forward(x, expert)`` routes every
+    token to one."""
+
+    def __init__(self, rank=0):
+        super().__init__()
+        torch.manual_seed(3)
+        self.shared = torch.nn.Linear(8, 8)
+        self.experts = torch.nn.ModuleDict({f"r{rank}e{i}": torch.nn.Linear(8, 8) for i in range(2)})
+
+    def forward(self, x, expert):
+        return list(self.experts.values())[expert](self.shared(x))
+
+
+def _experts_reached_at_different_steps(rank, world, root):
+    """Rank 0's expert 1 gets its first token at step 2, rank 1's at step 4, so the ranks'
+    optimizers create those experts' states at different steps."""
+    model = _Experts(rank)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    state = {"model": model, "optim": optim}
+    ckpt = ss.Checkpointer(root, commit_timeout_s=20, host_memory_gb=0.02, durable=False, keep_last=10)
+    first_token = 2 if rank == 0 else 4
+    g = torch.Generator().manual_seed(rank)
+    for step in range(1, 6):
+        optim.zero_grad()
+        expert = 1 if step >= first_token else 0
+        model(torch.randn(4, 8, generator=g), expert).pow(2).sum().backward()
+        for p in model.shared.parameters():  # the replicated layer: DDP by hand
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        optim.step()
+        ckpt.save(step, state).wait()
+    live = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {n: optim.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+    steps = {n: float(optim.state[p]["step"]) for n, p in model.named_parameters()}
+    ckpt.close()
+    fresh = _Experts(rank)
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    reader = ss.Checkpointer(root, durable=False)
+    reader.load_latest({"model": fresh, "optim": fresh_optim})
+    reader.close()
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in live.items())
+    assert all(torch.equal(fresh_optim.state[p]["exp_avg"], moments[n]) for n, p in fresh.named_parameters())
+    return steps, sorted(os.listdir(root))
+
+
+def test_experts_reached_at_different_steps_on_different_ranks_still_checkpoint_every_step(tmp_path):
+    """Each rank's optimizer creates an expert's state at that expert's first token, which ranks
+    reach at different steps. Every save commits, and the last loads back exactly."""
+    results = run_ranks(2, _experts_reached_at_different_steps, str(tmp_path / "ckpt"))
+    (steps0, listed), (steps1, _) = results
+    assert [n for n in listed if n.startswith("step-")] == [f"step-{s}" for s in range(1, 6)]
+    assert steps0["experts.r0e1.weight"] == 4 and steps1["experts.r1e1.weight"] == 2  # the steps it had a gradient
+    assert steps0["experts.r0e0.weight"] == 1 and steps1["experts.r1e0.weight"] == 3
+
+
+@pytest.mark.parametrize("kind", ["Adam", "AdamW", "AdamW-amsgrad"])
+def test_adam_state_created_ahead_trains_exactly_as_state_created_at_the_first_gradient(kind):
+    """The state given ahead (zero moments, step 0) is what the optimizer makes itself at a
+    parameter's first gradient: training with it is bit for bit the same, and state that
+    exists is left as it is."""
+    from statesnap.state.flatten import create_adam_state
+
+    def run(ahead):
+        model = _Experts()
+        cls = torch.optim.Adam if kind == "Adam" else torch.optim.AdamW
+        optim = cls(model.parameters(), lr=0.05, weight_decay=0.1, amsgrad=kind.endswith("amsgrad"))
+        g = torch.Generator().manual_seed(7)
+        kept = None
+        for step in range(6):
+            optim.zero_grad()
+            model(torch.randn(4, 8, generator=g), int(step >= 3)).pow(2).sum().backward()
+            optim.step()
+            if ahead and step == 0:
+                kept = {id(v) for p in model.experts.r0e0.parameters() for v in optim.state[p].values()}
+                create_adam_state(optim)
+                created = optim.state[model.experts.r0e1.weight]
+                assert float(created["step"]) == 0 and not created["exp_avg"].any()
+                assert kept == {id(v) for p in model.experts.r0e0.parameters() for v in optim.state[p].values()}
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(run(False), run(True)))

@@ -250,10 +250,12 @@ def test_threads_read_their_own_stretch_of_the_file_in_order_through_their_own_d
     gen = torch.Generator().manual_seed(0)
     state = {f"t{i}": torch.randn(2 << 20, generator=gen) for i in range(16)}  # 128 MiB: 8 requests of 16
     ss.save(state, tmp_path / "c", block_bytes=MIB)
-    reads: dict[int, list[int]] = {}  # descriptor -> offsets it read, in order
+    # reader -> offsets it read, in order; keyed by the reader itself, which the dict keeps alive:
+    # a descriptor's number is reused once a stream that finished early closes it
+    reads: dict[object, list[int]] = {}
     real = local._LocalReader.readinto
     monkeypatch.setattr(local._LocalReader, "readinto",
-                        lambda self, offset, views: reads.setdefault(self.fd, []).append(offset)
+                        lambda self, offset, views: reads.setdefault(self, []).append(offset)
                         or real(self, offset, views))
     target = {k: torch.full_like(v, float("nan")) for k, v in state.items()}
     info = ss.load(target, tmp_path / "c", threads=4)

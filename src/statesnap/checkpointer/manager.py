@@ -27,6 +27,7 @@ from ..engine.write import default_threads
 from ..errors import CheckpointError, StateMismatchError
 from ..format.manifest import MANIFEST_NAME
 from ..monitor.events import EventLog, now
+from ..state.flatten import create_adam_state
 from ..storage import backend_for, is_url, normalize
 from .config import CheckpointerConfig
 from .gpu import CudaCopier, mark_devices
@@ -153,6 +154,13 @@ class Checkpointer:
         # optimizers hooked before (found in an earlier state, or given to guard()) write what
         # they own in this state too, and wait for it
         optimizers += [optim for optim in self._guard.watched() if all(optim is not o for o in optimizers)]
+        if self._comm.world_size > 1:
+            # Ranks plan a new layout together, and an optimizer creates a parameter's state at
+            # its first gradient, which some ranks may reach steps after the others (an expert
+            # no token reached): those would change layout alone. All of it from the start
+            # instead, as the optimizer itself would make it.
+            for optim in optimizers:
+                create_adam_state(optim)
         with self.events.timed("plan", step):
             snap = self._snapshot(int(step), state, optimizers)
         if snap is None:
@@ -530,11 +538,12 @@ class Checkpointer:
                 raise CheckpointError(
                     f"{exc}. This rank's state changed layout since its last save and waited for the other ranks "
                     "to plan the new one with it; they did not, so their layout did not change at this save. "
-                    "Every rank must change layout at the same save: an optimizer creates a parameter's state "
-                    "at its first gradient, so a parameter some ranks leave without one (an expert no token "
-                    "reached, an unused branch) changes those ranks' layout at a later save. Give every "
-                    "parameter its optimizer state before the first save (a step in which each gets a "
-                    "gradient), or save such states with ss.save") from exc
+                    "Every rank must change layout at the same save: an optimizer other than Adam/AdamW (whose "
+                    "state save() creates ahead) creates a parameter's state at its first gradient, so a "
+                    "parameter some ranks leave without one (an expert no token reached, an unused branch) "
+                    "changes those ranks' layout at a later save. Give every parameter its optimizer state "
+                    "before the first save (a step in which each gets a gradient), or save such states with "
+                    "ss.save") from exc
             self._plan_key = key
         return self._plan
 

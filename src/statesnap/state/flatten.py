@@ -169,7 +169,7 @@ class _Walker:
             return
         fresh = not optim.state
         if fresh and self.for_load and self.stored_prefixes(join(fqn, "state") + SEP):
-            _create_adam_state(optim, self.created)
+            create_adam_state(optim, self.created)
         # Otherwise the helper initialises a fresh optimizer's state with a zero-lr step, which
         # would shift Adam's step count; undo that unless the checkpoint brings state to fill in.
         sd = get_optimizer_state_dict(model, optim)
@@ -192,21 +192,28 @@ class _Walker:
         return None
 
 
-def _create_adam_state(optim: torch.optim.Optimizer, created: list[torch.Tensor] | None) -> None:
-    """Give a fresh Adam/AdamW the state its first step would create (as ``Adam._init_group``
-    does: same dtypes, devices and memory formats), without running a step: the zero-lr step
-    PyTorch's helper takes instead costs a pass over every parameter and three zeroed copies of
-    them, only for the load to overwrite them. The moments are left unfilled when the caller
-    collects them in ``created`` (it fills them from the checkpoint, and zeroes what it does not
-    fill), zeroed otherwise. Other optimizers keep the helper's step."""
+def create_adam_state(optim: torch.optim.Optimizer, created: list[torch.Tensor] | None = None) -> None:
+    """Give each parameter of an Adam/AdamW that has no state yet the state its first step would
+    create (as ``Adam._init_group`` does: same dtypes, devices and memory formats), without
+    running a step; parameters that have state keep it. The moments are left unfilled when the
+    caller collects them in ``created`` (a load fills them from the checkpoint and zeroes what it
+    does not fill), zeroed otherwise: zero moments at step 0 are what the optimizer would create
+    itself at the parameter's first gradient, so its updates do not change. Other optimizers are
+    left alone: SGD's first momentum is the gradient, not zero.
+
+    A load uses it instead of the zero-lr step PyTorch's helper takes (a pass over every
+    parameter and three zeroed copies, only to be overwritten); a Checkpointer of several ranks
+    at every save, so that every rank's layout is complete from its first save on."""
     if type(optim) not in (torch.optim.Adam, torch.optim.AdamW):
         return
+    if len(optim.state) == sum(len(group["params"]) for group in optim.param_groups):
+        return  # every parameter has its state (the steady state of a run): nothing to look at
     new = torch.empty_like if created is not None else torch.zeros_like
     for group in optim.param_groups:
         device_step = group.get("capturable") or group.get("fused")
         scalar = torch.float32 if group.get("fused") or torch.get_default_dtype() != torch.float64 else torch.float64
         for p in group["params"]:
-            if not p.requires_grad:
+            if not p.requires_grad or optim.state.get(p):
                 continue
             state = optim.state[p]
             state["step"] = torch.zeros((), dtype=scalar, device=p.device if device_step else "cpu")
