@@ -206,14 +206,12 @@ def create_adam_state(optim: torch.optim.Optimizer, created: list[torch.Tensor] 
     at every save, so that every rank's layout is complete from its first save on."""
     if type(optim) not in (torch.optim.Adam, torch.optim.AdamW):
         return
-    if len(optim.state) == sum(len(group["params"]) for group in optim.param_groups):
-        return  # every parameter has its state (the steady state of a run): nothing to look at
     new = torch.empty_like if created is not None else torch.zeros_like
     for group in optim.param_groups:
         device_step = group.get("capturable") or group.get("fused")
         scalar = torch.float32 if group.get("fused") or torch.get_default_dtype() != torch.float64 else torch.float64
         for p in group["params"]:
-            if not p.requires_grad or optim.state.get(p):
+            if not p.requires_grad or optim.state.get(p):  # (reading optim.state[p] makes an empty one)
                 continue
             state = optim.state[p]
             state["step"] = torch.zeros((), dtype=scalar, device=p.device if device_step else "cpu")
