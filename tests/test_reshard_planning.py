@@ -180,7 +180,8 @@ def test_a_whole_target_of_a_few_pieces_is_planned_as_the_general_search_plans_i
         if len(start) > load_plan.FEW_PIECES:
             continue
         n = len(start)
-        entry = TensorEntry(dtype=torch.float32, shape=shape, layout="box", file=np.arange(n), offset=np.zeros(n, np.int64),
+        entry = TensorEntry(dtype=torch.float32, shape=shape, layout="box", file=np.arange(n),
+                            offset=np.zeros(n, np.int64),
                             nbytes=np.array([4 * int(np.prod(s)) for s in size], np.int64),
                             start=np.array(start, np.int64).reshape(n, len(shape)),
                             size=np.array(size, np.int64).reshape(n, len(shape)), checksum=np.zeros(n, np.uint64),
