@@ -153,14 +153,14 @@ def plan_whole(entry: TensorEntry) -> TargetPlan:
     pieces (a same-layout load in one process, or a checkpoint of a few ranks loaded by one):
     each piece lands whole at its own box, so there is nothing to intersect."""
     shape, isz = entry.shape, entry.dtype.itemsize
-    reads, covered, stride = [], 0, None
+    reads, covered, stride, rows = [], 0, None, list(shape[1:])
     for i, (pstart, pshape) in enumerate(zip(entry.start.tolist(), entry.size.tolist())):
         count = math.prod(pshape)
         if not count:
             continue
         covered += count
         nbytes = count * isz
-        if is_contiguous_part(pshape, shape):
+        if pshape[1:] == rows or is_contiguous_part(pshape, shape):  # whole rows (the commonest split) first
             stride = stride or row_major_strides(shape)
             reads.append(PieceRead(i, 0, nbytes, [Segment(0, sum(map(operator.mul, pstart, stride)) * isz, nbytes)]))
         else:
