@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-import types
 
 import pytest
 import torch
@@ -75,9 +74,9 @@ class NoStream:
 
 
 def test_a_failed_wave_stops_the_reads_and_closes_every_file(tmp_path, monkeypatch):
-    from statesnap.engine.load import _plan
     from statesnap.engine.read import ReadExecutor
     from statesnap.format.manifest import BOX
+    from statesnap.plan import plan_target
     from statesnap.storage import LocalBackend
     from statesnap.storage import local
 
@@ -116,8 +115,7 @@ def test_a_failed_wave_stops_the_reads_and_closes_every_file(tmp_path, monkeypat
     targets = []
     for fqn, t in state.items():
         entry = manifest.tensor_part(fqn, BOX, (0,), tuple(t.shape))
-        item = types.SimpleNamespace(layout=BOX, start=(0,), size=tuple(t.shape), local=t, fqn=fqn)
-        targets.append((fqn, entry, torch.full_like(t, -1.0), _plan(entry, item)))
+        targets.append((fqn, entry, torch.full_like(t, -1.0), plan_target(entry, BOX, (0,), tuple(t.shape))))
     with open(tmp_path / "c" / manifest.files[0], "r+b") as f:
         f.seek(100)  # inside w0
         f.write(b"\xff" * 8)

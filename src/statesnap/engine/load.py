@@ -17,8 +17,8 @@ import torch
 from ..collector import collector_paused
 from ..errors import CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, StateMismatchError
 from ..format.checksum import checksum_whole
-from ..format.manifest import BOX, FEW_PIECES, MANIFEST_NAME, Manifest, TensorEntry
-from ..plan.load_plan import TargetPlan, plan_target, plan_whole
+from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
+from ..plan.load_plan import TargetPlan, plan_target
 from ..progress import bar
 from ..state.flatten import flatten_for_load
 from ..state.items import Flattened
@@ -215,7 +215,7 @@ def _plan_reads(wanted: list, entries: list, executor: ReadExecutor, path: str, 
     copy, and those of another dtype."""
     on_device, indirect, casts = [], [], []
     for item, entry in zip(wanted, entries):
-        plan = _plan(entry, item)
+        plan = plan_target(entry, item.layout, item.start, item.size)
         if plan.covered != item.local.numel() and strict:
             raise CorruptCheckpointError(f"{item.fqn}: the checkpoint {path} stores only {plan.covered} of the "
                                          f"{item.local.numel()} elements this rank needs; it is incomplete")
@@ -229,15 +229,6 @@ def _plan_reads(wanted: list, entries: list, executor: ReadExecutor, path: str, 
         else:
             indirect.append((item.fqn, entry, local, plan))
     return on_device, indirect, casts
-
-
-def _plan(entry: TensorEntry, item) -> TargetPlan:
-    """``plan_target``, short-cut for the commonest case, a whole tensor stored as a few pieces
-    and wanted whole: with a thousand small tensors the overlap search costs more than reading."""
-    if (entry.layout == item.layout == BOX and entry.num_pieces <= FEW_PIECES
-            and tuple(item.size) == tuple(entry.shape) and not any(item.start)):
-        return plan_whole(entry)
-    return plan_target(entry, item.layout, item.start, item.size)
 
 
 def _fill_cast(backend: StorageBackend, path: str, manifest: Manifest, verify: bool, threads: int | None,
