@@ -15,13 +15,14 @@ trap 'rm -rf "$scratch"' EXIT
 nvidia-smi -L 2>&1 | tee "$out/device.txt"
 $py -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())' \
     2>&1 | tee -a "$out/device.txt"
-echo "== tests"
-timeout "${TEST_S:-180}" $py -m pytest -q -p no:cacheprovider -x tests/test_gpu.py tests/test_checkpointer.py \
-    tests/test_restore.py 2>&1 | tee "$out/tests.log" | tail -20
+echo "== tests"  # the CUDA tests all run (no -x); then the CPU suites that share their code paths
+timeout "${TEST_S:-120}" $py -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/tests-gpu.log" | tail -30
+timeout "${CPU_TEST_S:-90}" $py -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" tests/test_checkpointer.py \
+    tests/test_checkpointer_staging.py tests/test_restore.py tests/test_save_load.py 2>&1 | tee "$out/tests-cpu.log" | tail -15
 echo "== gpu suite"
 timeout "${GPU_S:-200}" $py -m statesnap.bench.gpu --out "$scratch" --json "$out/gpu.json" 2>&1 | tee "$out/gpu.log"
 echo "== training suite on cuda"
 timeout "${TRAIN_S:-240}" $py -m statesnap.bench.training --device cuda --size-gb "${SIZE_GB:-1}" --batch 16 \
-    --steps "${STEPS:-40}" --warmup 3 --runs "${RUNS:-2}" --modes none,dcp_async,statesnap_p10,statesnap_p1 \
+    --steps "${STEPS:-40}" --every "${EVERY:-1}" --warmup 3 --runs "${RUNS:-2}" --modes none,dcp_async,statesnap_p10,statesnap_p1 \
     --sweep-gb '' --out "$scratch" --json "$out/training.json" 2>&1 | tee "$out/training.log"
 df -h "$scratch" | tail -1
