@@ -93,18 +93,25 @@ class DCPAsyncSave(Mode):
     """DCP ``async_save`` with its own reusable CPU staging (DefaultStager), as torchtitan uses it.
 
     The call stages (copies) the state synchronously, then writes in a thread. Before the next
-    call the loop must wait for the previous upload: DCP allows one in flight.
+    call the loop must wait for the previous upload: DCP allows one in flight. PyTorch 2.11 and
+    2.12 close a ``DefaultStager`` at the end of each staging, so it fails when reused (PyTorch
+    issue 183413: ``KeyError: <class 'type'>``); there each call gets a stager of its own.
     """
 
     label = "DCP async_save"
 
     def __init__(self, *args):
         super().__init__(*args)
+        self.reuse_stager = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13)
+        self.stager = self._new_stager()
+        self.pending = None
+
+    @staticmethod
+    def _new_stager():
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                   use_async_staging=False, use_non_blocking_copy=False))
-        self.pending = None
+        return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                            use_async_staging=False, use_non_blocking_copy=False))
 
     def checkpoint(self, step: int) -> float:
         import torch.distributed.checkpoint as dcp
@@ -112,6 +119,8 @@ class DCPAsyncSave(Mode):
         started = time.perf_counter()
         self._wait_pending()
         path, called = self.path(step), time.perf_counter()
+        if not self.reuse_stager:  # the last one closed itself (it has no threads to stop)
+            self.stager = self._new_stager()
         future = dcp.async_save(self.state_dict(), checkpoint_id=path, async_stager=self.stager, no_dist=True)
         future.add_done_callback(lambda _: self.done_at.append((called, time.perf_counter())))
         self.pending = (future, path)
