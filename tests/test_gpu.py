@@ -73,18 +73,73 @@ class NoStream:
         pass
 
 
-def test_a_failed_wave_stops_the_reads_and_closes_every_file(tmp_path, monkeypatch):
+@pytest.fixture
+def host_streams(monkeypatch) -> list[int]:
+    """The wave pipeline on the CPU (NoStream); returns the sizes of the rings it allocates."""
+    rings = []
+    monkeypatch.setattr(torch.cuda, "Stream", NoStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: NoStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(device_load, "pinned_pages", lambda n: rings.append(n) or torch.empty(n, dtype=torch.uint8))
+    monkeypatch.setattr(device_load, "WAVE_BYTES", 1 << 16)
+    return rings
+
+
+def _save_rows(rank, world, path):
+    """Two ranks, each a block of rows of ``big`` that ends off any wave or block boundary."""
+    cut = 137
+    rows = slice(0, cut) if rank == 0 else slice(cut, None)
+    whole = tall()
+    ss.save({"big": ss.Sharded(whole[rows].contiguous(), tuple(whole.shape), (rows.start, 0))}, path, block_bytes=4096)
+
+
+def tall() -> torch.Tensor:
+    return torch.randn(300, 1000, generator=torch.Generator().manual_seed(3))  # 1.2 MB: 19 waves of 64 KiB
+
+
+@pytest.mark.parametrize("source", ["whole, 16 MiB blocks", "whole, 4 KiB blocks", "two row blocks"])
+def test_a_tensor_larger_than_a_wave_loads_in_parts_through_a_ring_of_three_waves(tmp_path, host_streams, source):
+    """The ring stays about three waves whatever the largest tensor, and every part (rows that
+    cross the stored pieces' edges and checksum blocks, a target that is a box of the tensor, a
+    1-D tensor) lands bit for bit."""
+    from dist_utils import run_ranks
+    from statesnap.engine.read import ReadExecutor
+    from statesnap.format.manifest import BOX
+    from statesnap.plan import plan_target
+    from statesnap.storage import LocalBackend
+
+    path = str(tmp_path / "c")
+    expected = {"big": tall()}
+    if source == "two row blocks":
+        run_ranks(2, _save_rows, path)
+    else:
+        expected["long"] = torch.arange(300_000, dtype=torch.float32)  # 1-D: parts of elements
+        ss.save(expected, path, block_bytes=4096 if "4 KiB" in source else 16 << 20)
+    manifest = ss.open(path).manifest
+    wanted = {name: (t, (0,) * t.dim(), tuple(t.shape)) for name, t in expected.items()}
+    wanted["big rows 50-250"] = (expected["big"][50:250], (50, 0), (200, 1000))
+    targets, filled = [], {}
+    for name, (values, start, size) in wanted.items():
+        fqn = name.split()[0]
+        entry = manifest.tensor_part(fqn, BOX, start, size)
+        filled[name] = torch.full(size, -1.0)
+        targets += device_load.wave_parts(fqn, entry, filled[name], BOX, start, size,
+                                          plan_target(entry, BOX, start, size), manifest.block_bytes)
+    assert len(targets) > 3 * len(wanted)
+    nbytes = device_load.fill_device_targets(targets, lambda: ReadExecutor(LocalBackend(), path, manifest))
+    assert nbytes >= sum(t.numel() * 4 for t in filled.values())
+    for name, (values, _, _) in wanted.items():
+        assert torch.equal(filled[name].view(torch.int32), values.reshape(filled[name].shape).view(torch.int32)), name
+    assert host_streams and max(host_streams) <= 3 * (1 << 16) + 4096
+
+
+def test_a_failed_wave_stops_the_reads_and_closes_every_file(tmp_path, host_streams):
     from statesnap.engine.read import ReadExecutor
     from statesnap.format.manifest import BOX
     from statesnap.plan import plan_target
     from statesnap.storage import LocalBackend
     from statesnap.storage import local
 
-    monkeypatch.setattr(torch.cuda, "Stream", NoStream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: NoStream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(device_load, "pinned_pages", lambda n: torch.empty(n, dtype=torch.uint8))
-    monkeypatch.setattr(device_load, "WAVE_BYTES", 1 << 16)
     state = {f"w{i}": torch.full((1 << 14,), float(i)) for i in range(8)}  # 64 KiB each: a wave each
     ss.save(state, tmp_path / "c")
     opened, closed, failures = [], [], []

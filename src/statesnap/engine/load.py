@@ -25,7 +25,7 @@ from ..state.items import Flattened
 from ..storage import LocalBackend, backend_for, normalize
 from ..storage.base import StorageBackend
 from .buffers import host_contiguous
-from .device_load import fill_device_targets
+from .device_load import fill_device_targets, wave_parts
 from .dist import DEFAULT_TIMEOUT_S, Comm
 from .objects import decode_value
 from .read import ReadExecutor
@@ -223,7 +223,8 @@ def _plan_reads(wanted: list, entries: list, executor: ReadExecutor, path: str, 
         if local.dtype != entry.dtype:  # cast=True (checked by _match): filled after the others
             casts.append((item.fqn, entry, local, plan))
         elif local.device.type == "cuda" and plan.covered == local.numel():
-            on_device.append((item.fqn, entry, local, plan))
+            on_device += wave_parts(item.fqn, entry, local, item.layout, item.start, item.size, plan,
+                                    executor.manifest.block_bytes)
         elif local.device.type == "cpu" and local.is_contiguous():
             executor.add(item.fqn, entry, local.detach(), plan)
         else:
