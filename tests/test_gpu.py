@@ -86,7 +86,7 @@ def host_streams(monkeypatch) -> list[int]:
 
 
 def _save_rows(rank, world, path):
-    """Two ranks, each a block of rows of ``big`` that ends off any wave or block boundary."""
+    """Two ranks, each a block of rows of ``big`` that ends off any wave or block boundary (4 KiB)."""
     cut = 137
     rows = slice(0, cut) if rank == 0 else slice(cut, None)
     whole = tall()
@@ -97,15 +97,19 @@ def tall() -> torch.Tensor:
     return torch.randn(300, 1000, generator=torch.Generator().manual_seed(3))  # 1.2 MB: 19 waves of 64 KiB
 
 
-@pytest.mark.parametrize("source", ["whole, 16 MiB blocks", "whole, 4 KiB blocks", "two row blocks"])
-def test_a_tensor_larger_than_a_wave_loads_in_parts_through_a_ring_of_three_waves(tmp_path, host_streams, source):
+@pytest.mark.parametrize("source, block_bytes", [("whole", 16 << 10), ("whole", 4096), ("whole", 1000),
+                                                 ("two row blocks", 4096)],
+                         ids=["16 KiB blocks", "4 KiB blocks", "1000-byte blocks", "two row blocks"])
+def test_a_tensor_larger_than_a_wave_loads_in_parts_through_a_ring_of_three_waves(tmp_path, host_streams, source,
+                                                                                   block_bytes):
     """The ring stays about three waves whatever the largest tensor, and every part (rows that
     cross the stored pieces' edges and checksum blocks, a target that is a box of the tensor, a
-    1-D tensor) lands bit for bit."""
+    1-D tensor, a flat shard) lands bit for bit."""
     from dist_utils import run_ranks
     from statesnap.engine.read import ReadExecutor
-    from statesnap.format.manifest import BOX
+    from statesnap.format.manifest import BOX, FLAT
     from statesnap.plan import plan_target
+    from statesnap.state.items import TensorItem
     from statesnap.storage import LocalBackend
 
     path = str(tmp_path / "c")
@@ -114,22 +118,24 @@ def test_a_tensor_larger_than_a_wave_loads_in_parts_through_a_ring_of_three_wave
         run_ranks(2, _save_rows, path)
     else:
         expected["long"] = torch.arange(300_000, dtype=torch.float32)  # 1-D: parts of elements
-        ss.save(expected, path, block_bytes=4096 if "4 KiB" in source else 16 << 20)
+        ss.save(expected, path, block_bytes=block_bytes)
     manifest = ss.open(path).manifest
-    wanted = {name: (t, (0,) * t.dim(), tuple(t.shape)) for name, t in expected.items()}
-    wanted["big rows 50-250"] = (expected["big"][50:250], (50, 0), (200, 1000))
-    targets, filled = [], {}
-    for name, (values, start, size) in wanted.items():
-        fqn = name.split()[0]
-        entry = manifest.tensor_part(fqn, BOX, start, size)
-        filled[name] = torch.full(size, -1.0)
-        targets += device_load.wave_parts(fqn, entry, filled[name], BOX, start, size,
-                                          plan_target(entry, BOX, start, size), manifest.block_bytes)
+    big = expected["big"]
+    wanted = {name: (t, TensorItem(name, torch.full_like(t, -1.0), tuple(t.shape))) for name, t in expected.items()}
+    wanted["big rows 50-250"] = (big[50:250], TensorItem("big", torch.full((200, 1000), -1.0), (300, 1000),
+                                                         BOX, (50, 0), (200, 1000)))
+    wanted["big, a flat shard"] = (big.view(-1)[1234:251234], TensorItem("big", torch.full((250_000,), -1.0),
+                                                                        (300, 1000), FLAT, (1234,), (250_000,)))
+    targets = []
+    for values, item in wanted.values():
+        entry = manifest.tensor_part(item.fqn, item.layout, item.start, item.size)
+        plan = plan_target(entry, item.layout, item.start, item.size)
+        targets += device_load.wave_parts(item, entry, plan, manifest.block_bytes)
     assert len(targets) > 3 * len(wanted)
     nbytes = device_load.fill_device_targets(targets, lambda: ReadExecutor(LocalBackend(), path, manifest))
-    assert nbytes >= sum(t.numel() * 4 for t in filled.values())
-    for name, (values, _, _) in wanted.items():
-        assert torch.equal(filled[name].view(torch.int32), values.reshape(filled[name].shape).view(torch.int32)), name
+    assert nbytes >= sum(item.local.numel() * 4 for _, item in wanted.values())
+    for name, (values, item) in wanted.items():
+        assert torch.equal(item.local.view(torch.int32), values.reshape(item.local.shape).view(torch.int32)), name
     assert host_streams and max(host_streams) <= 3 * (1 << 16) + 4096
 
 

@@ -90,7 +90,7 @@ class DCPSave(BlockingMode):
 
 
 class DCPAsyncSave(Mode):
-    """DCP ``async_save`` with its own reusable CPU staging (DefaultStager), as torchtitan uses it.
+    """DCP ``async_save`` with its own CPU staging (DefaultStager), reused as torchtitan does where it can be.
 
     The call stages (copies) the state synchronously, then writes in a thread. Before the next
     call the loop must wait for the previous upload: DCP allows one in flight. PyTorch 2.11 and

@@ -6,13 +6,13 @@ second copy of the state), and copying back from pageable memory, which the driv
 more. Instead the GPU targets are taken in waves of about ``WAVE_BYTES``: each wave is read and
 verified straight into a pinned staging ring, then copied to its device on a side stream without
 waiting. The read threads are shared by two waves at a time, so they go on to the next wave's
-reads while the last reads of one finish, and the copies run behind the reads. The ring holds
-the largest tensor (at least one wave) plus two waves, locked for the load alone: that, and a
-read thread's scratch for a piece that cannot be read in place, bound the extra host memory
-whatever the size of the state. A contiguous target larger than a wave is loaded in parts of
-whole rows (:func:`wave_parts`), so the ring is about three waves even for a tensor of gigabytes:
-locking memory with ``cudaHostRegister`` runs at about 3 GB/s (768 MiB took 0.25-0.3 s on an
-H200 machine), which a ring sized for the largest tensor paid at every load. Targets that the
+reads while the last reads of one finish, and the copies run behind the reads. A contiguous
+target larger than a wave is loaded in parts (:func:`wave_parts`): locking memory with
+``cudaHostRegister`` runs at about 3 GB/s (a 768 MiB ring took 0.25-0.37 s on an H200 machine),
+which a ring sized for the largest tensor paid at every load. The ring holds the largest part
+(a wave or a checksum block; a strided target, or a row larger than that, whole) plus two
+waves, locked for the load alone: that, and a read thread's scratch for a piece that cannot be
+read in place, bound the extra host memory whatever the size of the state. Targets that the
 checkpoint covers only in part (``strict=False``) go the CPU way (``load.py``), which leaves what
 it does not cover as it was.
 """
@@ -25,9 +25,10 @@ from typing import Callable
 
 import torch
 
-from ..format.manifest import BOX, TensorEntry
+from ..format.manifest import FLAT, TensorEntry
 from ..plan.load_plan import TargetPlan, plan_target
 from ..storage.aligned import pinned_pages
+from ..state.items import TensorItem
 from ..storage.base import DIRECT_ALIGN
 from .read import ReadExecutor
 
@@ -103,29 +104,32 @@ class _Wave:
 
     def release(self) -> None:
         """Free the slot: wait for the copies (finishing the reads first when the ring is too small
-        to hold this wave and the next, which happens only with tensors larger than two waves)."""
+        to hold this wave and the next, which happens only with parts larger than two waves)."""
         self.copy_to_devices()
         for event in self.events:
             event.synchronize()
 
 
-def wave_parts(fqn: str, entry: TensorEntry, local: torch.Tensor, layout: str, start: tuple, size: tuple,
-               plan: TargetPlan, block_bytes: int) -> list[tuple]:
-    """``local``'s target as (fqn, entry, tensor, plan) parts of whole rows of about ``WAVE_BYTES``
-    each, or whole where it is smaller, strided or not a box. Parts end on a checksum-block
-    boundary of a tensor stored whole where a row's size allows it, so that they read in place."""
+def wave_parts(item: TensorItem, entry: TensorEntry, plan: TargetPlan, block_bytes: int) -> list[tuple]:
+    """``item``'s target as (fqn, entry, tensor, plan) parts of about a wave each, or whole where
+    it is no larger or strided: whole rows of a box, element ranges of a flat shard. A part is
+    never smaller than a checksum block, and ends on a block boundary of a tensor stored whole
+    where a row's size allows it, so that it reads in place and no block is read twice."""
+    local = item.local
     nbytes = local.numel() * local.element_size()
-    if nbytes <= WAVE_BYTES or layout != BOX or local.dim() == 0 or not local.is_contiguous():
-        return [(fqn, entry, local, plan)]
-    rows = local.shape[0]
-    row_bytes = nbytes // rows
+    part_bytes = max(WAVE_BYTES, block_bytes)
+    if nbytes <= part_bytes or local.dim() == 0 or not local.is_contiguous():
+        return [(item.fqn, entry, local, plan)]
+    rows = local.view(-1) if item.layout == FLAT else local
+    row_bytes = nbytes // len(rows)
     rows_per_block = block_bytes // math.gcd(row_bytes, block_bytes)  # fewest rows that end on a block
-    step = max(1, WAVE_BYTES // row_bytes)
+    step = max(1, part_bytes // row_bytes)
     if step >= rows_per_block:
         step -= step % rows_per_block
-    return [(fqn, entry, local[a:a + step],
-             plan_target(entry, BOX, (start[0] + a, *start[1:]), (min(step, rows - a), *size[1:])))
-            for a in range(0, rows, step)]
+    start, size = item.start, item.size
+    return [(item.fqn, entry, rows[a:a + step],
+             plan_target(entry, item.layout, (start[0] + a, *start[1:]), (min(step, len(rows) - a), *size[1:])))
+            for a in range(0, len(rows), step)]
 
 
 def fill_device_targets(targets: list, make_executor: Callable[[], ReadExecutor]) -> int:

@@ -223,8 +223,7 @@ def _plan_reads(wanted: list, entries: list, executor: ReadExecutor, path: str, 
         if local.dtype != entry.dtype:  # cast=True (checked by _match): filled after the others
             casts.append((item.fqn, entry, local, plan))
         elif local.device.type == "cuda" and plan.covered == local.numel():
-            on_device += wave_parts(item.fqn, entry, local, item.layout, item.start, item.size, plan,
-                                    executor.manifest.block_bytes)
+            on_device += wave_parts(item, entry, plan, executor.manifest.block_bytes)
         elif local.device.type == "cpu" and local.is_contiguous():
             executor.add(item.fqn, entry, local.detach(), plan)
         else:

@@ -95,11 +95,11 @@ class ReadExecutor:
     def _tasks(self) -> list[Callable[[], None]]:
         """One task per stream of direct reads (``_streams``) and one per staged read."""
         direct, staged = [], []
-        for job in self.jobs:
-            if self._is_direct(job):
-                direct.extend(self._split(job))
+        for part in itertools.chain.from_iterable(map(self._carve, self.jobs)):
+            if self._is_direct(part):
+                direct.extend(self._split(part))
             else:
-                staged.append(job)
+                staged.append(part)
         streams = _streams(self._coalesce(direct), self.threads)
         return ([functools.partial(self._run_stream, groups, len(streams) > 1) for groups in streams]
                 + [functools.partial(self._run_staged, job) for job in staged])
@@ -123,19 +123,28 @@ class ReadExecutor:
             pos += seg.nbytes
         return pos == read.hi
 
+    def _carve(self, job: _Job) -> list[_Job]:
+        """A verified read that starts or ends inside a checksum block but spans whole ones (a
+        part of a piece: a row range, another rank's split) as those whole blocks, read in place
+        like any direct read, and the partial blocks at its ends, staged (widened to their
+        blocks to be verified). Staged whole, one thread would map, hash and copy all of it."""
+        read, block = job.read, self.manifest.block_bytes
+        if not self.verify or read.box is not None:
+            return [job]
+        inner_lo = -(-read.lo // block) * block
+        inner_hi = read.hi if read.hi == job.size else read.hi // block * block
+        if inner_hi <= inner_lo or (inner_lo, inner_hi) == (read.lo, read.hi):
+            return [job]
+        return [_part(job, lo, hi) for lo, hi in ((read.lo, inner_lo), (inner_lo, inner_hi), (inner_hi, read.hi))
+                if lo < hi]
+
     def _split(self, job: _Job) -> list[_Job]:
         """Cut a large direct read at checksum-block boundaries: each part is hashed right after it
         lands, while it is still in the CPU caches, and the parts of one piece load in parallel."""
         read, step = job.read, self.manifest.block_bytes
         if read.hi - read.lo <= step:
             return [job]
-        parts = []
-        for lo in range(read.lo, read.hi, step):
-            hi = min(lo + step, read.hi)
-            segments = [Segment(max(s.src, lo), s.dst + max(s.src, lo) - s.src, min(s.src + s.nbytes, hi) - max(s.src, lo))
-                        for s in read.segments if s.src < hi and s.src + s.nbytes > lo]
-            parts.append(dataclasses.replace(job, read=PieceRead(read.piece, lo, hi, segments)))
-        return parts
+        return [_part(job, lo, min(lo + step, read.hi)) for lo in range(read.lo, read.hi, step)]
 
     def _coalesce(self, jobs: list[_Job]) -> list[list[_Job]]:
         jobs = sorted(jobs, key=lambda j: (j.file, j.base + j.read.lo))
@@ -243,7 +252,10 @@ class ReadExecutor:
             job.view[seg.dst:seg.dst + seg.nbytes] = raw[seg.src - lo:seg.src - lo + seg.nbytes]
         if read.box is not None:
             box = read.box
-            elems = scratch[read.lo - lo:].view(job.target.dtype)
+            elems = scratch[read.lo - lo:read.hi - lo]
+            if (read.lo - lo) % job.target.element_size():  # a block size no multiple of the dtype's
+                elems = elems.clone()
+            elems = elems.view(job.target.dtype)
             strides = row_major_strides(box.piece_shape)
             src = torch.as_strided(elems, box.sizes, strides, elems.storage_offset())
             dst = job.target
@@ -262,6 +274,13 @@ class ReadExecutor:
                 f"checksum mismatch in data file {self.manifest.files[job.file]} of {self.directory}: "
                 f"tensor {job.fqn!r}, piece {job.read.piece}, bytes [{start}, {min(start + block, job.base + hi)}) "
                 "are damaged; restore this checkpoint from another copy or load an earlier one")
+
+
+def _part(job: _Job, lo: int, hi: int) -> _Job:
+    """``job`` narrowed to the piece's bytes ``[lo, hi)``."""
+    segments = [Segment(max(s.src, lo), s.dst + max(s.src, lo) - s.src, min(s.src + s.nbytes, hi) - max(s.src, lo))
+                for s in job.read.segments if s.src < hi and s.src + s.nbytes > lo]
+    return dataclasses.replace(job, read=PieceRead(job.read.piece, lo, hi, segments))
 
 
 def _streams(groups: list[list[_Job]], count: int) -> list[list[list[_Job]]]:
