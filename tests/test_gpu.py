@@ -228,18 +228,18 @@ def test_save_and_load_gpu_state_bit_exact_through_many_waves_and_a_wrapping_rin
     model, opt = gpu_state()
     for i in range(3):
         step(model, opt, i)
-    big = torch.randn(1 << 18, device="cuda")  # 1 MiB: a wave alone; two of them overflow the ring
-    big2 = torch.randn(1 << 18, device="cuda")
-    strided = torch.randn(48, 96, device="cuda").t()  # a strided GPU target
+    big = torch.randn(1 << 18, device="cuda")  # 1 MiB: 16 parts of a wave, in 16 KiB checksum blocks
+    big2 = torch.randn(1000, 300, device="cuda")  # rows of 1200 bytes: parts end inside blocks
+    strided = torch.randn(400, 96, device="cuda").t()  # a strided GPU target larger than a wave: staged whole
     half = torch.randn(1000, device="cuda").to(torch.bfloat16)
     ss.save({"model": model, "optim": opt, "extra": {"big": big, "big2": big2, "strided": strided, "half": half}},
-            tmp_path / "c")
+            tmp_path / "c", block_bytes=16 << 10)
     expected = snapshot(model, opt)
     extras = {"big": big.cpu(), "big2": big2.cpu(), "strided": strided.cpu(), "half": half.cpu()}
 
     fresh, fresh_opt = gpu_state()
     step(fresh, fresh_opt, 99)  # different values everywhere
-    targets = {"big": torch.zeros_like(big), "big2": torch.zeros_like(big2), "strided": torch.zeros(48, 96, device="cuda").t(),
+    targets = {"big": torch.zeros_like(big), "big2": torch.zeros_like(big2), "strided": torch.zeros(400, 96, device="cuda").t(),
                "half": torch.zeros_like(half)}
     ss.load({"model": fresh, "optim": fresh_opt, "extra": targets}, tmp_path / "c")
     assert_bit_exact(expected, fresh, fresh_opt)
