@@ -113,8 +113,9 @@ class _Wave:
 def wave_parts(item: TensorItem, entry: TensorEntry, plan: TargetPlan, block_bytes: int) -> list[tuple]:
     """``item``'s target as (fqn, entry, tensor, plan) parts of about a wave each, or whole where
     it is no larger or strided: whole rows of a box, element ranges of a flat shard. A part is
-    never smaller than a checksum block, and ends on a block boundary of a tensor stored whole
-    where a row's size allows it, so that it reads in place and no block is read twice."""
+    never smaller than a checksum block. Where a row's size allows it, parts of a tensor stored
+    whole end on block boundaries; elsewhere (odd row sizes, a shard starting inside a stored
+    piece) the block a boundary falls in is read, and verified, by both parts beside it."""
     local = item.local
     nbytes = local.numel() * local.element_size()
     part_bytes = max(WAVE_BYTES, block_bytes)

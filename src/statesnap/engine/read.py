@@ -124,10 +124,12 @@ class ReadExecutor:
         return pos == read.hi
 
     def _carve(self, job: _Job) -> list[_Job]:
-        """A verified read that starts or ends inside a checksum block but spans whole ones (a
-        part of a piece: a row range, another rank's split) as those whole blocks, read in place
-        like any direct read, and the partial blocks at its ends, staged (widened to their
-        blocks to be verified). Staged whole, one thread would map, hash and copy all of it."""
+        """Cut a verified read that starts or ends inside a checksum block but spans whole ones
+        (part of a piece: a row range, another rank's split) into those whole blocks, read in
+        place like any direct read, and the partial blocks at its ends, staged (widened to their
+        blocks to be verified). Staged whole, one thread would map, hash and copy all of it.
+        (A partial block within ``GAP_BYTES`` of a neighbouring direct read may be read twice:
+        once into the gap of the neighbour's request, once staged.)"""
         read, block = job.read, self.manifest.block_bytes
         if not self.verify or read.box is not None:
             return [job]
@@ -277,7 +279,8 @@ class ReadExecutor:
 
 
 def _part(job: _Job, lo: int, hi: int) -> _Job:
-    """``job`` narrowed to the piece's bytes ``[lo, hi)``."""
+    """``job`` narrowed to the piece's bytes ``[lo, hi)`` (its segments cut to them; ``lo`` and
+    ``hi`` need not fall on a segment's edge)."""
     segments = [Segment(max(s.src, lo), s.dst + max(s.src, lo) - s.src, min(s.src + s.nbytes, hi) - max(s.src, lo))
                 for s in job.read.segments if s.src < hi and s.src + s.nbytes > lo]
     return dataclasses.replace(job, read=PieceRead(job.read.piece, lo, hi, segments))
