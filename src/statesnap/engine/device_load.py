@@ -27,8 +27,8 @@ import torch
 
 from ..format.manifest import FLAT, TensorEntry
 from ..plan.load_plan import TargetPlan, plan_target
-from ..storage.aligned import pinned_pages
 from ..state.items import TensorItem
+from ..storage.aligned import pinned_pages
 from ..storage.base import DIRECT_ALIGN
 from .read import ReadExecutor
 

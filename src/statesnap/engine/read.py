@@ -131,7 +131,7 @@ class ReadExecutor:
         (A partial block within ``GAP_BYTES`` of a neighbouring direct read may be read twice:
         once into the gap of the neighbour's request, once staged.)"""
         read, block = job.read, self.manifest.block_bytes
-        if not self.verify or read.box is not None:
+        if not self.verify or read.box is not None or (read.lo == 0 and read.hi == job.size):  # whole pieces first
             return [job]
         inner_lo = -(-read.lo // block) * block
         inner_hi = read.hi if read.hi == job.size else read.hi // block * block
