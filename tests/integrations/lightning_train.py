@@ -141,6 +141,10 @@ def main(argv=None):
         with open(os.path.join(args.out, "checkpoints.json"), "w") as f:
             json.dump({"files": names, "best": os.path.basename(checkpoints.best_model_path),
                        "kth": sorted(os.path.basename(p) for p in checkpoints.best_k_models)}, f)
+    if args.devices > 1:  # every rank's files are written: out together, before gloo's teardown at exit can
+        from statesnap.bench.teardown import leave_together  # abort a rank whose peer left first (exit -6)
+
+        leave_together()
 
 
 if __name__ == "__main__":

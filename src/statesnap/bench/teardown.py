@@ -1,13 +1,14 @@
-"""How every run of a third-party trainer that writes a checkpoint ends (the test suite's
-producers under tests/producers, and ``ds_producer`` of the convert suite): all ranks together,
-then out without C++ teardown.
+"""How every multi-rank run of a third-party trainer that writes a checkpoint ends (the test
+suite's producers under tests/producers and its Lightning runs, tests/integrations/lightning_train.py,
+and ``ds_producer`` of the convert suite): all ranks together, then out without C++ teardown.
 
 A rank that reaches interpreter exit while its gloo process group is still alive tears it down in
 the C++ destructors; if a peer has already closed its connections by then, gloo's background
 threads abort the process ('terminate called without an active exception', exit -6), failing a
 run whose checkpoint was complete (seen in test runs of ds_train.py and of ds_autotp.py's Phi-3,
 and in the convert suite's ``ds_producer``, each after a barrier and ``destroy_process_group``:
-DeepSpeed keeps threads and groups of its own). So the ranks meet at a barrier once every file
+DeepSpeed keeps threads and groups of its own; and once in 2026-11 in a 2-rank Lightning FSDP2
+run, whose default group Lightning destroys only in an ``atexit`` handler). So the ranks meet at a barrier once every file
 is written and closed, destroy the groups, flush the output and leave with ``os._exit(0)``,
 which runs no destructors. That also
 skips multiprocessing's exit handler, which stops the helper processes a library started
