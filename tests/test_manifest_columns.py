@@ -262,7 +262,7 @@ def test_the_plain_python_reading_of_few_piece_entries_agrees_with_the_general_p
 
     quick = [read(doc) for doc in variants] + [read(good, world_size=1)]
     with monkeypatch.context() as m:
-        m.setattr(TensorEntry, "_few_pieces", classmethod(lambda *a: None))
+        _general_path_only(m)
         general = [read(doc) for doc in variants] + [read(good, world_size=1)]
     assert [not isinstance(q, str) for q in quick] == [True] + [False] * (len(variants) - 2) + [True, False]
     for q, g in zip(quick, general):
@@ -279,10 +279,19 @@ def test_the_plain_python_reading_of_few_piece_entries_agrees_with_the_general_p
     assert planned._plainly_valid(files, sizes, 32)
 
 
+def _general_path_only(m, keep: str | None = None) -> None:
+    """Send entries past the plain-Python readings, all but ``keep``, to the general path."""
+    for name in ("_one_piece", "_few_pieces"):
+        if name != keep:
+            m.setattr(TensorEntry, name, classmethod(lambda *a: None))
+
+
+@pytest.mark.parametrize("quick_path", [None, "_one_piece", "_few_pieces"])
 @pytest.mark.parametrize("layout", ["box", "flat"])
-def test_the_plain_python_reading_of_one_piece_entries_agrees_with_the_general_path(layout, monkeypatch):
-    """One-piece entries in JSON arrays are read without numpy's per-column calls: whatever is
-    damaged in them, the entry read (or the error raised) is the one the general path gives."""
+def test_the_plain_python_reading_of_one_piece_entries_agrees_with_the_general_path(layout, quick_path, monkeypatch):
+    """One-piece entries in JSON arrays are read without numpy's per-column calls (by the
+    one-piece reading, else the few-piece one, or each alone): whatever is damaged in them, the
+    entry read (or the error raised) is the one the general path gives."""
     from statesnap.format.manifest import ManifestError
 
     shape, block = [3, 5], 32
@@ -294,7 +303,10 @@ def test_the_plain_python_reading_of_one_piece_entries_agrees_with_the_general_p
         ("file", [2]), ("file", [True]), ("offset", [10.0]), ("offset", [41]), ("offset", [-1]), ("nbytes", [56]),
         ("start", [[False] * len(whole)]), ("start", [[1] + [0] * (len(whole) - 1)]), ("size", [[True] * len(whole)]),
         ("size", [whole[:-1]]), ("checksum", [7]), ("checksum", [[7, 2**64]]), ("checksum", [[7, -1]]),
-        ("checksum", [[7, 8, 9]]), ("checksum", [[7.0, 8]]), ("checksum_blocks", [2]), ("file", [1, 0])]]
+        ("checksum", [[7, 8, 9]]), ("checksum", [[7.0, 8]]), ("start", [[0.0] * len(whole)]),
+        ("size", [[float(x) for x in whole]]), ("start", [0] * len(whole)), ("nbytes", [60.0]), ("file", [[1]]),
+        ("checksum", [[]]), ("checksum", [True]), ("checksum", [[7, 2]] * 2), ("file", "1"),
+        ("checksum_blocks", [2]), ("file", [1, 0])]]
     variants.append({**good, "shape": [0, 5] if layout == "box" else [0], "nbytes": [0], "checksum": [5],
                      "size": [[0, 5] if layout == "box" else [0]], "start": [[0, 0] if layout == "box" else [0]]})
 
@@ -304,9 +316,12 @@ def test_the_plain_python_reading_of_one_piece_entries_agrees_with_the_general_p
         except ManifestError as exc:
             return str(exc)
 
-    quick = [read(doc) for doc in variants]
     with monkeypatch.context() as m:
-        m.setattr(TensorEntry, "_few_pieces", classmethod(lambda *a: None))
+        if quick_path is not None:
+            _general_path_only(m, keep=quick_path)
+        quick = [read(doc) for doc in variants]
+    with monkeypatch.context() as m:
+        _general_path_only(m)
         general = [read(doc) for doc in variants]
     assert not isinstance(quick[0], str) and not isinstance(quick[-1], str)
     accepted = [doc for doc, q in zip(variants, quick) if not isinstance(q, str)]

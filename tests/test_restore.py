@@ -392,3 +392,85 @@ def test_a_row_range_of_a_stored_tensor_is_read_in_place_in_several_requests(tmp
     assert torch.equal(rows, values[33:7933])
     assert len(staged) <= 2 and sum(staged) <= 2 * block
     assert len(in_place) >= 2 and sum(in_place) >= rows.numel() * 4 - 2 * block
+
+
+class Derived(nn.Module):
+    """A module that recomputes a cached value whenever its weights are loaded."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(4))
+        self.norm = None
+        if how == "hook":
+            self.register_load_state_dict_post_hook(lambda module, keys: module.recompute())
+        self.how = how
+
+    def recompute(self):
+        self.norm = float(self.weight.detach().norm())
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        if self.how == "override":
+            self.recompute()
+
+
+class WithExtraState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(3))
+        self.extra = {"calls": 0}
+
+    def get_extra_state(self):
+        return self.extra
+
+    def set_extra_state(self, state):
+        self.extra = dict(state)
+
+
+@pytest.mark.parametrize("how", ["hook", "override"])
+def test_loading_a_module_still_runs_its_load_hooks_and_overrides(tmp_path, how):
+    """A load fills a plain module's tensors in place and does not hand them back through
+    load_state_dict (a copy of each onto itself); a module that reacts to loading (a hook, its
+    own _load_from_state_dict, extra state) still sees the load_state_dict call."""
+    source = Derived(how)
+    with torch.no_grad():
+        source.weight.copy_(torch.tensor([3.0, 4.0, 0.0, 0.0]))
+    ss.save({"model": nn.Sequential(source)}, tmp_path / "c")
+    target = Derived(how)
+    ss.load({"model": nn.Sequential(target)}, tmp_path / "c")
+    assert same_bits(target.weight.detach(), source.weight.detach()) and target.norm == 5.0
+
+    extra = WithExtraState()
+    extra.extra = {"calls": 7}
+    ss.save({"model": extra}, tmp_path / "e")
+    fresh = WithExtraState()
+    ss.load({"model": fresh}, tmp_path / "e")
+    assert fresh.extra == {"calls": 7}
+
+
+def test_a_plain_module_is_filled_in_place_without_load_state_dict(tmp_path, monkeypatch):
+    source, target = model_of(0), model_of(1)
+    ss.save({"model": source}, tmp_path / "c")
+    calls, original = [], nn.Module.load_state_dict
+    monkeypatch.setattr(nn.Module, "load_state_dict", lambda self, *a, **k: calls.append(self) or original(self, *a, **k))
+    ss.load({"model": target}, tmp_path / "c")
+    monkeypatch.undo()
+    assert not calls
+    for a, b in zip(source.state_dict().values(), target.state_dict().values()):
+        assert same_bits(a, b)
+
+
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_lazily_conjugated_or_negated_tensors_save_and_load_their_values(tmp_path, view):
+    """A conjugate (or negative) view's memory does not hold its values: saving one stores its
+    values, and loading into one puts the stored values where reading it gives them back."""
+    base = torch.tensor([1 + 2j, 3 - 1j, -2 + 0.5j], dtype=torch.complex64)
+    lazy = base.conj() if view == "conj" else base._neg_view()
+    ss.save({"x": lazy}, tmp_path / "c")
+    plain = torch.zeros(3, dtype=torch.complex64)
+    ss.load({"x": plain}, tmp_path / "c")
+    assert torch.equal(plain, lazy.resolve_conj().resolve_neg())
+    into = torch.zeros(3, dtype=torch.complex64)
+    target = into.conj() if view == "conj" else into._neg_view()
+    ss.load({"x": target}, tmp_path / "c")
+    assert torch.equal(target.resolve_conj().resolve_neg(), lazy.resolve_conj().resolve_neg())

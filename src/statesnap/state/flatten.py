@@ -139,7 +139,7 @@ class _Walker:
         buffers = {join(fqn, name) for name, _ in inner.named_buffers()}
         self.declare_replicated(lambda: self.walk_dict(fqn, sd), buffers)
         if self.for_load:
-            self.out.finalizers.append(lambda: set_model_state_dict(module, sd))
+            self.out.finalizers.append(lambda: _load_module(module, sd))
         elif self.cache is not None:
             self.cache.store_module(fqn, module, self.out.tensors[first_tensor:], self.out.objects[first_object:],
                                     tuple(map(id, self.modules)))
@@ -220,6 +220,28 @@ def create_adam_state(optim: torch.optim.Optimizer, created: list[torch.Tensor] 
                 state[key] = new(p, memory_format=torch.preserve_format)
                 if created is not None:
                     created.append(state[key])
+
+
+def _load_module(module: nn.Module, sd: dict) -> None:
+    if not _filled_in_place(module, sd):
+        set_model_state_dict(module, sd)
+
+
+def _filled_in_place(module: nn.Module, sd: dict) -> bool:
+    """Whether the load has already put every value of ``sd`` where the module keeps it: all are
+    plain tensors sharing the memory of the module's own parameters and buffers (as
+    ``get_model_state_dict`` returns them when no FSDP wrapping copies them), and no module in it
+    customises loading (hooks, its own ``_load_from_state_dict`` or ``load_state_dict``). Then
+    ``load_state_dict`` would only copy each tensor onto itself, which for a thousand small
+    tensors took longer than reading them."""
+    if type(module).load_state_dict is not nn.Module.load_state_dict:
+        return False
+    for m in module.modules():
+        if (m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks
+                or type(m)._load_from_state_dict is not nn.Module._load_from_state_dict):
+            return False
+    own = {(t.data_ptr(), t.dtype, t.shape, t.stride()) for t in (*module.parameters(), *module.buffers())}
+    return all(type(v) is torch.Tensor and (v.data_ptr(), v.dtype, v.shape, v.stride()) in own for v in sd.values())
 
 
 def _load_optimizer(model: nn.Module, optim: torch.optim.Optimizer, sd: dict) -> None:
