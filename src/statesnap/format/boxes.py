@@ -32,6 +32,7 @@ that the tensor's element count fits in 63 bits, so no product or sum here can o
 from __future__ import annotations
 
 import math
+import operator
 from typing import Callable, Sequence
 
 import numpy as np
@@ -60,11 +61,16 @@ def few_boxes_tile(shape: Sequence[int], start: list[list[int]], size: list[list
     total = math.prod(shape)
     if total == 0:
         return True  # an empty tensor: every piece inside it is empty too
-    held = [(lo, extent) for lo, extent in zip(start, size) if math.prod(extent)]
-    if sum(math.prod(extent) for _, extent in held) != total:
+    counts = [*map(math.prod, size)]
+    if sum(counts) != total:
         return False
-    return not any(all(max(a, b) < min(a + x, b + y) for a, x, b, y in zip(lo1, ext1, lo2, ext2))
-                   for k, (lo1, ext1) in enumerate(held) for lo2, ext2 in held[k + 1:])
+    # (map over operators: generators per pair cost half as much again, measured)
+    held = [(lo, [*map(operator.add, lo, extent)]) for lo, extent, count in zip(start, size, counts) if count]
+    for k, (lo1, hi1) in enumerate(held):
+        for lo2, hi2 in held[k + 1:]:
+            if all(map(operator.lt, map(max, lo1, lo2), map(min, hi1, hi2))):
+                return False
+    return True
 
 
 def tiling_problem(shape: Sequence[int], start: np.ndarray, size: np.ndarray,

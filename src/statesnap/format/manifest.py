@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import operator
 import re
 import time
 from dataclasses import dataclass, field
@@ -307,11 +308,13 @@ def _plain_rules(dtype: torch.dtype, shape: tuple, layout: str, files: list[str]
     tensor and inside its file, holds exactly its extent's bytes and has one checksum per block
     (one for no bytes), and together they cover the tensor exactly once."""
     limit = list(shape) if layout == BOX else [math.prod(shape)]
+    if min(file) < 0 or max(file) >= len(files) or min(offset) < 0:
+        return False
+    isz = dtype.itemsize
     for f, o, n, lo, extent, count in zip(file, offset, nbytes, start, size, checksums):
-        if not (0 <= f < len(files) and o >= 0 and all(0 <= a and 0 <= b <= end - a
-                                                        for a, b, end in zip(lo, extent, limit))):
+        if lo and (min(lo) < 0 or min(extent) < 0 or not all(map(operator.le, extent, map(operator.sub, limit, lo)))):
             return False
-        if n != math.prod(extent) * dtype.itemsize or n > int(file_sizes[f]) - o or count != max(1, -(-n // block_bytes)):
+        if n != math.prod(extent) * isz or n > int(file_sizes[f]) - o or count != max(1, -(-n // block_bytes)):
             return False
     return few_boxes_tile(limit, start, size)
 
