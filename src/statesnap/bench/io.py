@@ -39,7 +39,7 @@ from ..storage.aligned import private_pages
 from ..storage.base import DIRECT_ALIGN
 from .common import (
     DEFAULT_OUT, add_output_arguments, drop_page_cache, format_table, gbps, machine_description, median,
-    parse_choices, settle_disk, timed, publish,
+    parse_choices, rotated, settle_disk, timed, publish,
 )
 
 SYSTEMS = ("raw", "raw_parallel", "raw_direct", "torch", "dcp", "statesnap")
@@ -305,7 +305,7 @@ def run(size_gb: float = 1.0, repeat: int = 3, out: str = DEFAULT_OUT, systems=S
         for rep in range(repeat):
             # Each repeat starts one system further on: the disk's state depends on what ran
             # before (see ``remove``), so no system always follows the same one.
-            for system in systems[rep % len(systems):] + systems[:rep % len(systems)]:
+            for system in rotated(systems, rep):
                 path = os.path.join(scratch, f"{system}.ckpt")
                 for op, sec in measure_system(system, state, target, path, rep == 0, settle_s).items():
                     samples[system][op].append(sec)

@@ -20,6 +20,8 @@ KiB), ``large`` (three tensors of 400 MB). Modes: ``warm`` (files in the page ca
 whole: strided pieces), and ``first_step``: a fresh process that imports, builds the model,
 loads (statesnap through ``Checkpointer.load_latest``) and runs one training step, timed from
 its start to its end. Every load of the first round is compared bit for bit with the source.
+Each round starts one system further on, and every load goes into a target built after the
+memory freed before was handed back to the system: into fresh pages, as after a restart.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from torch import nn
 
 from .common import (
     DEFAULT_OUT, add_output_arguments, drop_page_cache, files_under, format_table, fresh_dir, machine_description,
-    median, parse_choices, publish, timed,
+    median, parse_choices, publish, release_freed_memory, rotated, timed,
 )
 
 SYSTEMS = ("torch", "torch_mmap", "dcp", "statesnap", "raw_parallel")
@@ -285,7 +287,7 @@ def measure_state(state: str, small: bool, rounds: int, scratch: str, systems, m
     phases: dict[str, list[dict]] = {}
     for rnd in range(rounds):
         for mode in modes:
-            for system in systems:
+            for system in rotated(systems, rnd):
                 if mode == "resharded" and system not in RESHARDED_SYSTEMS:
                     continue
                 if mode == "first_step":
@@ -297,6 +299,7 @@ def measure_state(state: str, small: bool, rounds: int, scratch: str, systems, m
                     phases.setdefault(system, []).append(parts)
                 else:
                     path = (resharded if mode == "resharded" else paths)[PATH_OF.get(system, system)]
+                    release_freed_memory()  # every load into fresh memory, as after a restart
                     target = build(state, small, source=False)
                     if mode == "cold":
                         drop_page_cache([path])
