@@ -217,6 +217,30 @@ def test_saves_with_an_optimizer_step_or_an_inference_tensor_between_are_never_s
     assert torch.equal(io.load_checkpoint(str(tmp_path / "d.ckpt"))["ema"], torch.full((2,), 5.0))
 
 
+def test_a_save_after_ss_load_into_the_module_stores_the_loaded_values(tmp_path):
+    """ss.load writes a module's parameters in place: the next save must see them changed and
+    store them, not point at the step saved before the load."""
+    import statesnap as ss
+    from statesnap.integrations.lightning import StatesnapCheckpointIO
+
+    model, best = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    with torch.no_grad():
+        best.weight.fill_(7.0)
+        best.bias.fill_(7.0)
+    ss.save({"model": best}, tmp_path / "best")
+    io = StatesnapCheckpointIO()
+
+    def checkpoint():
+        return {"state_dict": model.state_dict(), "optimizer_states": [], "epoch": 0, "global_step": 2}
+    io.save_checkpoint(checkpoint(), str(tmp_path / "a.ckpt"))
+    ss.load({"model": model}, tmp_path / "best")
+    io.save_checkpoint(checkpoint(), str(tmp_path / "b.ckpt"))
+    io.teardown()
+    assert len(_stored_steps(tmp_path)) == 2
+    loaded = StatesnapCheckpointIO().load_checkpoint(str(tmp_path / "b.ckpt"))["state_dict"]
+    assert torch.equal(loaded["weight"], torch.full((1, 4), 7.0)) and torch.equal(loaded["bias"], torch.full((1,), 7.0))
+
+
 def test_a_pointer_that_cannot_be_written_is_raised_and_the_others_are_written(tmp_path, monkeypatch):
     import statesnap.integrations.lightning as lightning_io
     from statesnap import CheckpointError

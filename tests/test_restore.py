@@ -474,3 +474,57 @@ def test_lazily_conjugated_or_negated_tensors_save_and_load_their_values(tmp_pat
     target = into.conj() if view == "conj" else into._neg_view()
     ss.load({"x": target}, tmp_path / "c")
     assert torch.equal(target.resolve_conj().resolve_neg(), lazy.resolve_conj().resolve_neg())
+
+
+def test_a_load_counts_as_an_in_place_change_of_what_it_fills(tmp_path):
+    """Autograd's version counters see the load: a backward through activations computed before
+    it fails instead of mixing old activations with new weights, and anything keyed on versions
+    (the Lightning integration's unchanged-state check) sees new values."""
+    source, target = model_of(0), model_of(1)
+    plain = torch.zeros(5)
+    ss.save({"model": source, "x": torch.arange(5.0)}, tmp_path / "c")
+    before = [p._version for p in target.parameters()] + [plain._version]
+    loss = target(torch.ones(2, 16, requires_grad=True)).square().sum()
+    ss.load({"model": target, "x": plain}, tmp_path / "c")
+    assert all(a > b for a, b in zip([p._version for p in target.parameters()] + [plain._version], before))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_loading_hooks_set_on_the_instance_or_extra_state_in_a_buffer_still_get_load_state_dict(tmp_path):
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(2))
+            self.register_buffer("scale", torch.zeros(1))
+            self.restored = None
+
+        def get_extra_state(self):
+            return self.scale  # extra state that is one of the module's own buffers
+
+        def set_extra_state(self, state):
+            self.restored = state.clone()
+
+    source = Scaled()
+    with torch.no_grad():
+        source.scale.fill_(3.0)
+    ss.save({"model": source}, tmp_path / "c")
+    target = Scaled()
+    ss.load({"model": target}, tmp_path / "c")
+    assert target.restored is not None and target.restored.item() == 3.0
+
+    seen = []
+    plain = model_of(1)
+    original = plain.load_state_dict
+    plain.load_state_dict = lambda *a, **k: seen.append(1) or original(*a, **k)
+    ss.save({"model": model_of(0)}, tmp_path / "p")
+    ss.load({"model": plain}, tmp_path / "p")
+    assert seen
+
+
+def test_lazily_conjugated_small_tensors_inside_plain_data_save_their_values(tmp_path):
+    c = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
+    ss.save({"l": [c.conj(), c._neg_view(), 7]}, tmp_path / "c")
+    out = {"l": None}
+    ss.load(out, tmp_path / "c")
+    assert torch.equal(out["l"][0], c.conj().resolve_conj()) and torch.equal(out["l"][1], -c)

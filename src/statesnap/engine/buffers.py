@@ -1,24 +1,27 @@
 """Byte views of tensors: the one place tensors become buffers for the storage layer."""
 from __future__ import annotations
 
-import ctypes
-
 import torch
+
+# dtypes numpy has: their tensors become arrays directly, without the reshape and uint8 view the
+# others need (4.8 -> 3.4 us per tensor, which a load of many small tensors pays for each)
+_NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.complex128, torch.complex64, torch.int64,
+                 torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """A flat writable byte view of a contiguous CPU tensor's memory (no copy). A tensor whose
-    conjugate or negative bit is set is refused: its memory does not hold its values."""
+    conjugate or negative bit is set is refused (its memory does not hold its values), and so is
+    one without memory of its own (a wrapper subclass)."""
     if not t.is_contiguous() or t.device.type != "cpu" or t.is_conj() or t.is_neg():
         raise ValueError("byte_view needs a contiguous CPU tensor without a conjugate or negative bit")
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
+    t = t.detach()
+    if t.numel() == 0:
         return memoryview(bytearray(0))
-    # ctypes over the tensor's address costs a quarter of reshape/view/numpy, which a load of
-    # many small tensors paid once per tensor
-    buffer = (ctypes.c_char * nbytes).from_address(t.data_ptr())
-    buffer.owner = t  # the memory lives as long as the view
-    return memoryview(buffer).cast("B")
+    if t.data_ptr() == 0:
+        raise ValueError(f"a {type(t).__name__} has no memory of its own to read or write")
+    array = t.numpy() if t.dtype in _NUMPY_DTYPES else t.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
 
 
 def host_contiguous(t: torch.Tensor) -> torch.Tensor:

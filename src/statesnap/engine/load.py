@@ -190,6 +190,17 @@ def fill_tensors(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
 
 def _fill_wanted(wanted: list, manifest: Manifest, backend: StorageBackend, path: str, verify: bool,
                  threads: int | None, strict: bool, advance: Callable[[int], None]) -> int:
+    try:
+        return _read_into(wanted, manifest, backend, path, verify, threads, strict, advance)
+    finally:
+        # The bytes went in behind autograd's back: count them as the in-place change they are,
+        # so a backward through values saved before the load fails loudly and caches keyed on
+        # tensor versions (integrations/lightning.py's) see the change.
+        torch.autograd.graph.increment_version([item.local for item in wanted])
+
+
+def _read_into(wanted: list, manifest: Manifest, backend: StorageBackend, path: str, verify: bool,
+               threads: int | None, strict: bool, advance: Callable[[int], None]) -> int:
     executor = ReadExecutor(backend, path, manifest, verify, threads, advance)
     # (a split manifest's sections are fetched here, outside the pause below)
     entries = [manifest.tensor_part(item.fqn, item.layout, item.start, item.size) for item in wanted]

@@ -50,7 +50,7 @@ def encode(value: Any) -> Any:
     if isinstance(value, torch.dtype):
         return {TAG + "dtype": dtype_name(value)}
     if isinstance(value, torch.Tensor) and inlinable(value):
-        raw = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        raw = value.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         return {TAG + "tensor": {"dtype": dtype_name(value.dtype), "shape": list(value.shape),
                                  "data": base64.b64encode(raw).decode("ascii")}}
     raise NotPlainData(f"{type(value).__name__} is not plain data")

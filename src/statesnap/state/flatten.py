@@ -231,17 +231,22 @@ def _filled_in_place(module: nn.Module, sd: dict) -> bool:
     """Whether the load has already put every value of ``sd`` where the module keeps it: all are
     plain tensors sharing the memory of the module's own parameters and buffers (as
     ``get_model_state_dict`` returns them when no FSDP wrapping copies them), and no module in it
-    customises loading (hooks, its own ``_load_from_state_dict`` or ``load_state_dict``). Then
-    ``load_state_dict`` would only copy each tensor onto itself, which for a thousand small
-    tensors took longer than reading them."""
-    if type(module).load_state_dict is not nn.Module.load_state_dict:
+    customises loading (hooks, its own ``_load_from_state_dict``, ``load_state_dict`` or extra
+    state, on its class or on the instance). Then ``load_state_dict`` would only copy each tensor
+    onto itself, which for a thousand small tensors took longer than reading them. (The load
+    counts its writes as in-place changes itself: engine/load.py.)"""
+    if _customised(module, "load_state_dict"):
         return False
     for m in module.modules():
-        if (m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks
-                or type(m)._load_from_state_dict is not nn.Module._load_from_state_dict):
+        if (m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks or _customised(m, "_load_from_state_dict")
+                or _customised(m, "set_extra_state")):
             return False
     own = {(t.data_ptr(), t.dtype, t.shape, t.stride()) for t in (*module.parameters(), *module.buffers())}
     return all(type(v) is torch.Tensor and (v.data_ptr(), v.dtype, v.shape, v.stride()) in own for v in sd.values())
+
+
+def _customised(module: nn.Module, method: str) -> bool:
+    return getattr(type(module), method) is not getattr(nn.Module, method) or method in vars(module)
 
 
 def _load_optimizer(model: nn.Module, optim: torch.optim.Optimizer, sd: dict) -> None:
