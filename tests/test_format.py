@@ -546,3 +546,19 @@ def test_checking_the_manifest_costs_little_next_to_parsing_it():
     parsing = best(lambda: Manifest.from_bytes(raw), 3)
     assert _self_check(raw, doc, "m") is None
     assert hashing < parsing / 10, (hashing, parsing)
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: torch.empty(3, device="meta"), "meta device"),
+    (lambda: torch.zeros(4).to_sparse(), "sparse_coo: only dense"),
+    (lambda: torch.quantize_per_tensor(torch.zeros(2), 0.1, 0, torch.quint8), "dtype torch.quint8"),
+])
+def test_tensors_without_plain_values_are_refused_by_name(tmp_path, make, words):
+    """A tensor whose values are not plain bytes in memory is refused up front, naming it, by a
+    save (nothing is written) and by a load into it (nothing is read)."""
+    with pytest.raises(ss.CheckpointError, match=f"tensor 'odd' .*{words}"):
+        ss.save({"ok": torch.ones(2), "odd": make()}, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+    ss.save({"ok": torch.ones(2), "odd": torch.zeros(2)}, tmp_path / "good")
+    with pytest.raises(ss.CheckpointError, match=f"tensor 'odd' .*{words}"):
+        ss.load({"ok": torch.zeros(2), "odd": make()}, tmp_path / "good")

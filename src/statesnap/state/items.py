@@ -6,6 +6,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from ..errors import CheckpointError
+from ..format.dtypes import DTYPE_TO_NAME
 from ..format.manifest import BOX, FLAT
 
 
@@ -41,6 +43,9 @@ class TensorItem:
     replicated: bool = False
 
     def __post_init__(self):
+        problem = _unstorable(self.local)
+        if problem:
+            raise CheckpointError(f"tensor {self.fqn!r} {problem}")
         if not self.size and self.layout == BOX:
             self.start, self.size = (0,) * len(self.global_shape), tuple(self.global_shape)
         self.global_shape = tuple(int(s) for s in self.global_shape)
@@ -56,6 +61,19 @@ class TensorItem:
     def meta(self, dtype_name: str) -> ItemMeta:
         return ItemMeta(self.fqn, dtype_name, self.global_shape, self.layout,
                         tuple(self.start), tuple(self.size), self.nbytes)
+
+
+def _unstorable(t: torch.Tensor) -> str | None:
+    """Why ``t``'s values cannot be read or written as plain bytes, or None."""
+    if t.layout != torch.strided:
+        return f"is {str(t.layout)[6:]}: only dense tensors are stored; pass t.to_dense()"
+    if t.dtype not in DTYPE_TO_NAME:
+        return f"has dtype {t.dtype}, which the statesnap format does not store"
+    if t.is_meta:
+        return "is on the meta device: it has no values (materialise it, e.g. with to_empty, first)"
+    if t.numel() and not t.data_ptr():
+        return f"is a {type(t).__name__} without memory of its own: store the tensors it wraps"
+    return None
 
 
 @dataclass
