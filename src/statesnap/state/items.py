@@ -66,7 +66,7 @@ class TensorItem:
 def _unstorable(t: torch.Tensor) -> str | None:
     """Why ``t``'s values cannot be read or written as plain bytes, or None."""
     if t.layout != torch.strided:
-        return f"is {str(t.layout)[6:]}: only dense tensors are stored; pass t.to_dense()"
+        return f"is {str(t.layout)[6:]}: only dense (strided) tensors are saved or loaded into (t.to_dense() gives one)"
     if t.dtype not in DTYPE_TO_NAME:
         return f"has dtype {t.dtype}, which the statesnap format does not store"
     if t.is_meta:
