@@ -240,60 +240,88 @@ def _tilings(layout):
     return good, [good] + [{**good, key: value} for key, value in wrong]
 
 
-@pytest.mark.parametrize("layout", ["box", "flat"])
-def test_the_plain_python_reading_of_few_piece_entries_agrees_with_the_general_path(layout, monkeypatch):
-    """Entries of a few pieces are read and their tiling checked in plain Python: a good one is
-    read as the general path reads it, and an overlap, a hole, a piece outside the tensor or its
-    file, a wrong byte count or checksum count, more pieces than ranks, each gives the general
-    path's own error."""
+def _read(docs: dict, files, sizes, block, world_size=4, general=False, monkeypatch=None):
+    """``TensorEntry.read_all`` of ``docs`` (after a JSON round trip), or the error it raises;
+    ``general``: with the batch reading of plain entries off, every entry read one by one."""
+    from statesnap.format import manifest as manifest_module
     from statesnap.format.manifest import ManifestError
 
+    with monkeypatch.context() as m:
+        if general:
+            m.setattr(manifest_module, "read_plain_entries", lambda *a: {})
+        try:
+            return TensorEntry.read_all(json.loads(json.dumps(docs)), files, sizes, block, world_size=world_size)
+        except ManifestError as exc:
+            return str(exc)
+
+
+def _same_entries(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for fqn in a:
+        assert a[fqn].dtype == b[fqn].dtype and a[fqn].shape == b[fqn].shape and a[fqn].layout == b[fqn].layout
+        for name in ("file", "offset", "nbytes", "start", "size", "checksum", "checksum_bounds"):
+            x, y = getattr(a[fqn], name), getattr(b[fqn], name)
+            assert x.dtype == y.dtype and x.shape == y.shape and (x == y).all(), (fqn, name)
+        assert a[fqn].to_json() == b[fqn].to_json()
+
+
+def _agrees_with_the_general_path(variants: list, files, sizes, block, monkeypatch,
+                                  world_size=4) -> tuple[list[bool], list[bool]]:
+    """Read each variant alone, and all of them in one manifest, both ways; assert the batch
+    reading gives the general reading's entries or its very error; return which were accepted,
+    and which of them the batch reading took (the others it left to the general one)."""
+    from statesnap.format.plain_entries import read_plain_entries
+
+    accepted = []
+    for doc in variants:
+        quick, general = (_read({"t": doc}, files, sizes, block, world_size, g, monkeypatch) for g in (False, True))
+        if isinstance(general, str):
+            assert quick == general
+        else:
+            _same_entries(quick, general)
+        accepted.append(not isinstance(general, str))
+    # together, as one manifest's entries: the good ones read alike, and with the bad ones among
+    # them the first bad one's error is raised, as when each is read in turn
+    together = {f"t{i}": doc for i, doc in enumerate(variants)}
+    good = {k: v for (k, v), ok in zip(together.items(), accepted) if ok}
+    _same_entries(_read(good, files, sizes, block, world_size, False, monkeypatch),
+                  _read(good, files, sizes, block, world_size, True, monkeypatch))
+    mixed = dict(reversed(together.items()))
+    quick = _read(mixed, files, sizes, block, world_size, False, monkeypatch)
+    assert quick == _read(mixed, files, sizes, block, world_size, True, monkeypatch)
+    assert isinstance(quick, str) == (not all(accepted))
+    taken = read_plain_entries(json.loads(json.dumps(together)), files, np.asarray(sizes, dtype=np.int64), block,
+                               world_size, TensorEntry)
+    assert set(taken) <= set(good)
+    return accepted, [key in taken for key in together]
+
+
+@pytest.mark.parametrize("layout", ["box", "flat"])
+def test_the_batch_reading_of_few_piece_entries_agrees_with_the_general_path(layout, monkeypatch):
+    """Entries of a few pieces are checked all together, rule by rule over numpy arrays: a good
+    one is read as the general path reads it, and an overlap, a hole, a piece outside the tensor
+    or its file, a wrong byte count or checksum count, more pieces than ranks, each gives the
+    general path's own error, alone or among other entries."""
     files, sizes = ["a", "b"], [1000, 1000]
     good, variants = _tilings(layout)
     variants.append({**good, "file": [0, 1, 1], "offset": [0, 64, 200], "nbytes": [48, 48, 0],
                      "start": good["start"] + [good["start"][0]], "size": good["size"] + [[0] * len(good["size"][0])],
                      "checksum": [[1, 2], [3, 4], 5]})  # an empty third piece: still a tiling
-
-    def read(doc, world_size=4):
-        try:
-            return TensorEntry.from_json("t", json.loads(json.dumps(doc)), files, sizes, 32, world_size=world_size)
-        except ManifestError as exc:
-            return str(exc)
-
-    quick = [read(doc) for doc in variants] + [read(good, world_size=1)]
+    accepted, taken = _agrees_with_the_general_path(variants, files, sizes, 32, monkeypatch)
+    assert accepted == taken == [True] + [False] * (len(variants) - 2) + [True]
+    assert _agrees_with_the_general_path([good], files, sizes, 32, monkeypatch, world_size=1) == ([False], [False])
+    planned = TensorEntry.read_all({"t": good}, files, sizes, 32)["t"]
     with monkeypatch.context() as m:
-        _general_path_only(m)
-        general = [read(doc) for doc in variants] + [read(good, world_size=1)]
-    assert [not isinstance(q, str) for q in quick] == [True] + [False] * (len(variants) - 2) + [True, False]
-    for q, g in zip(quick, general):
-        if isinstance(g, str):
-            assert q == g
-        else:
-            for name in ("file", "offset", "nbytes", "start", "size", "checksum", "checksum_bounds"):
-                a, b = getattr(q, name), getattr(g, name)
-                assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all(), name
-    with monkeypatch.context() as m:
-        planned = TensorEntry.from_json("t", good, files, sizes, 32)
         m.setattr(TensorEntry, "_plainly_valid", lambda *a: False)
-        planned._validate("t", files, sizes, 32)  # the general checks accept what the quick ones did
+        planned._validate("t", files, sizes, 32)  # the general checks accept what the batch accepted
     assert planned._plainly_valid(files, sizes, 32)
 
 
-def _general_path_only(m, keep: str | None = None) -> None:
-    """Send entries past the plain-Python readings, all but ``keep``, to the general path."""
-    for name in ("_one_piece", "_few_pieces"):
-        if name != keep:
-            m.setattr(TensorEntry, name, classmethod(lambda *a: None))
-
-
-@pytest.mark.parametrize("quick_path", [None, "_one_piece", "_few_pieces"])
 @pytest.mark.parametrize("layout", ["box", "flat"])
-def test_the_plain_python_reading_of_one_piece_entries_agrees_with_the_general_path(layout, quick_path, monkeypatch):
-    """One-piece entries in JSON arrays are read without numpy's per-column calls (by the
-    one-piece reading, else the few-piece one, or each alone): whatever is damaged in them, the
+def test_the_batch_reading_of_one_piece_entries_agrees_with_the_general_path(layout, monkeypatch):
+    """One-piece entries in JSON arrays are checked all together: whatever is damaged in them
+    (values of other JSON types or beyond 64 bits, pieces outside the tensor or the file), the
     entry read (or the error raised) is the one the general path gives."""
-    from statesnap.format.manifest import ManifestError
-
     shape, block = [3, 5], 32
     files, sizes = ["a", "b"], [1000, 100]
     whole = shape if layout == "box" else [15]
@@ -306,34 +334,34 @@ def test_the_plain_python_reading_of_one_piece_entries_agrees_with_the_general_p
         ("checksum", [[7, 8, 9]]), ("checksum", [[7.0, 8]]), ("start", [[0.0] * len(whole)]),
         ("size", [[float(x) for x in whole]]), ("start", [0] * len(whole)), ("nbytes", [60.0]), ("file", [[1]]),
         ("checksum", [[]]), ("checksum", [True]), ("checksum", [[7, 2]] * 2), ("file", "1"),
+        ("offset", [2**63]), ("offset", [-2**64]), ("shape", [3, 2**63]), ("shape", [0, 2**64]),
+        ("dtype", ["float32"]), ("shape", "35"), ("layout", None),
         ("checksum_blocks", [2]), ("file", [1, 0])]]
     variants.append({**good, "shape": [0, 5] if layout == "box" else [0], "nbytes": [0], "checksum": [5],
                      "size": [[0, 5] if layout == "box" else [0]], "start": [[0, 0] if layout == "box" else [0]]})
+    accepted, taken = _agrees_with_the_general_path(variants, files, sizes, block, monkeypatch)
+    # (checksum_blocks: ignored beside a plain list by the general reading, left to it by the batch)
+    assert [doc for doc, ok in zip(variants, accepted) if ok] == [good, variants[-3], variants[-1]]
+    assert [doc for doc, ok in zip(variants, taken) if ok] == [good, variants[-1]]
 
-    def read(doc):
-        try:
-            return TensorEntry.from_json("t", json.loads(json.dumps(doc)), files, sizes, block, world_size=4)
-        except ManifestError as exc:
-            return str(exc)
 
-    with monkeypatch.context() as m:
-        if quick_path is not None:
-            _general_path_only(m, keep=quick_path)
-        quick = [read(doc) for doc in variants]
-    with monkeypatch.context() as m:
-        _general_path_only(m)
-        general = [read(doc) for doc in variants]
-    assert not isinstance(quick[0], str) and not isinstance(quick[-1], str)
-    accepted = [doc for doc, q in zip(variants, quick) if not isinstance(q, str)]
-    assert accepted == [good, variants[-3], variants[-1]]  # (checksum_blocks: ignored beside a plain list)
-    for q, g in zip(quick, general):
-        if isinstance(g, str):
-            assert q == g
-        else:
-            assert q.to_json() == g.to_json()
-            for name in ("file", "offset", "nbytes", "start", "size", "checksum", "checksum_bounds"):
-                a, b = getattr(q, name), getattr(g, name)
-                assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all(), name
+def test_entries_read_together_keep_the_manifest_order_and_their_own_values():
+    """A thousand one-piece entries and a few two-piece ones, interleaved, read together: in the
+    manifest's order, each with its own values (no entry sees another's row of its group)."""
+    files, sizes = ["a", "b"], [1 << 20, 1 << 20]
+    docs = {}
+    for i in range(1000):
+        docs[f"w{i:04d}"] = {"dtype": "float32", "shape": [i % 7 + 1], "layout": "box", "file": [i % 2],
+                             "offset": [64 * i], "nbytes": [4 * (i % 7 + 1)], "start": [[0]], "size": [[i % 7 + 1]],
+                             "checksum": [i]}
+        if i % 100 == 0:
+            docs[f"s{i:04d}"] = {"dtype": "int64", "shape": [2, 4], "layout": "box", "file": [0, 1],
+                                 "offset": [8 * i, 8 * i], "nbytes": [32, 32], "start": [[0, 0], [1, 0]],
+                                 "size": [[1, 4], [1, 4]], "checksum": [i, i + 1]}
+    entries = TensorEntry.read_all(docs, files, sizes, 1 << 16, world_size=2)
+    assert list(entries) == list(docs)
+    for fqn, doc in docs.items():
+        assert entries[fqn].to_json() == doc
 
 
 @pytest.mark.parametrize("enabled", [True, False])

@@ -15,7 +15,6 @@ no block checksum covers) is a ``CorruptCheckpointError``, not a silent load.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import operator
@@ -35,16 +34,14 @@ from .boxes import few_boxes_tile, first_outside, region, tiling_problem
 from .columns import (INT64_MAX, PACK_MIN_PIECES, PACK_ZLIB_MAX_DIMS, UINT64_MAX, InflationBudget, integer,
                       pack, unpack)
 from .dtypes import dtype_from_name, dtype_name
+from .plain_entries import BOX, FEW_PIECES, FLAT, read_plain_entries
 from .split import (Fetch, SectionReader, TensorRow, pack_files, pack_json, parse_rows, region_problem, row_json,
                     unpack_files, unpack_json)
 
-FEW_PIECES = 8  # entries with at most this many pieces are read and checked in plain Python
-_LIST, _INT = {list}, {int}  # the one type a plain JSON column or value of such an entry may have
 FORMAT_NAME = "statesnap"
 FORMAT_VERSION = 2  # the newest this reads; a one-document manifest is still written as version 1
 MANIFEST_NAME = "manifest.json"
 _SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
-BOX, FLAT = "box", "flat"
 # The manifest's checksum of itself: its last member, written exactly as `,"manifest_xxh3":<int>}`
 # at the end of the file, the xxh3-64 of the manifest's bytes without it (ending in `}`).
 SELF_CHECKSUM = "manifest_xxh3"
@@ -115,6 +112,19 @@ class TensorEntry:
         return out
 
     @classmethod
+    def read_all(cls, docs: dict, files: list[str], file_sizes: np.ndarray, block_bytes: int,
+                 where: str = "manifest", world_size: int | None = None,
+                 budget: InflationBudget | None = None) -> dict[str, "TensorEntry"]:
+        """The entries of ``docs`` (fqn -> JSON object), validated, in their order: the plain
+        ones of a few pieces all together (format/plain_entries.py), the others one by one
+        (:meth:`from_json`, which also names what is wrong with any entry)."""
+        file_sizes = np.asarray(file_sizes, dtype=np.int64)
+        plain = read_plain_entries(docs, files, file_sizes, block_bytes, world_size or FEW_PIECES, cls)
+        return {fqn: plain[fqn] if fqn in plain else
+                cls.from_json(fqn, data, files, file_sizes, block_bytes, where, world_size, budget)
+                for fqn, data in docs.items()}
+
+    @classmethod
     def from_json(cls, fqn: str, data: dict, files: list[str], file_sizes: list[int] | np.ndarray,
                   block_bytes: int, where: str = "manifest", world_size: int | None = None,
                   budget: InflationBudget | None = None) -> "TensorEntry":
@@ -134,10 +144,6 @@ class TensorEntry:
         layout = data.get("layout")
         if layout not in (BOX, FLAT):
             raise ManifestError(f"{where}: unknown layout {layout!r}")
-        entry = (cls._one_piece(data, dtype, shape, layout, files, file_sizes, block_bytes)
-                 or cls._few_pieces(data, dtype, shape, layout, files, file_sizes, block_bytes, world_size))
-        if entry is not None:
-            return entry
         # the file column first: the piece count it declares is capped by the world size, and a
         # packed column's length is checked against its bytes and the manifest's inflation budget,
         # so a made-up piece count never sizes an allocation below
@@ -157,83 +163,13 @@ class TensorEntry:
         entry._validate(where, files, file_sizes, block_bytes)
         return entry
 
-    @classmethod
-    def _one_piece(cls, data: dict, dtype: torch.dtype, shape: tuple, layout: str, files: list[str],
-                   file_sizes: list[int] | np.ndarray, block_bytes: int) -> "TensorEntry | None":
-        """An entry of one piece that is the whole tensor (saved by one process, or replicated):
-        the commonest of all, checked with a few comparisons, which took a load of a thousand small
-        tensors' manifest from 14.6 to 10.7 ms. None sends the entry on to ``_few_pieces``."""
-        columns = [data.get(name) for name in ("file", "offset", "nbytes", "start", "size", "checksum")]
-        if {*map(type, columns)} != _LIST or "checksum_blocks" in data:
-            return None
-        try:
-            (file,), (offset,), (nbytes,), (start,), (size,), (sums,) = columns
-        except ValueError:  # not one piece
-            return None
-        whole = list(shape) if layout == BOX else [math.prod(shape)]
-        sums = sums if type(sums) is list else [sums]
-        if (type(start) is not list or type(size) is not list or len(start) != len(whole) or any(start)
-                or size != whole or {type(file), type(offset), type(nbytes), *map(type, start), *map(type, size),
-                                     *map(type, sums)} != _INT):
-            return None
-        if (not 0 <= file < len(files) or offset < 0 or nbytes != math.prod(whole) * dtype.itemsize
-                or nbytes > int(file_sizes[file]) - offset or len(sums) != max(1, -(-nbytes // block_bytes))
-                or min(sums) < 0 or max(sums) > UINT64_MAX):
-            return None
-        return cls._plain(dtype, shape, layout, [file, offset, nbytes, *start, *size], [len(sums)], sums)
-
-    @classmethod
-    def _plain(cls, dtype: torch.dtype, shape: tuple, layout: str, values: list[int], counts: list[int],
-               flat_sums: list[int]) -> "TensorEntry":
-        """An entry from checked plain integers: ``values`` are the file, offset, nbytes, start and
-        size columns back to back, ``counts`` the checksums of each piece; one numpy call."""
-        n = len(counts)
-        dims = (len(values) - 3 * n) // (2 * n)
-        ints = np.array([*values, 0, *itertools.accumulate(counts)], dtype=np.int64)
-        end = 3 * n + 2 * n * dims
-        return cls(dtype=dtype, shape=shape, layout=layout, file=ints[:n], offset=ints[n:2 * n],
-                   nbytes=ints[2 * n:3 * n], start=ints[3 * n:3 * n + n * dims].reshape(n, dims),
-                   size=ints[3 * n + n * dims:end].reshape(n, dims),
-                   checksum=np.array(flat_sums, dtype=np.uint64), checksum_bounds=ints[end:])
-
-    @classmethod
-    def _few_pieces(cls, data: dict, dtype: torch.dtype, shape: tuple, layout: str, files: list[str],
-                    file_sizes: list[int] | np.ndarray, block_bytes: int,
-                    world_size: int | None) -> "TensorEntry | None":
-        """The commonest entries, up to ``FEW_PIECES`` pieces in JSON arrays (a tensor saved by
-        one rank, or split over a few), checked in plain Python (``_plain_rules``) once their
-        values are plain JSON integers, then made with one numpy call: the general path below, a
-        few numpy calls per column, was half of a load of a thousand small tensors. None sends
-        the entry through the general path, which names what is wrong or decides the rest."""
-        try:
-            file, offset, nbytes, start, size, sums = (
-                data[name] for name in ("file", "offset", "nbytes", "start", "size", "checksum"))
-        except KeyError:
-            return None
-        # (sets of types through map: a generator per check cost more than the checks, here)
-        columns = (file, offset, nbytes, start, size, sums)
-        if "checksum_blocks" in data or {*map(type, columns)} != _LIST:
-            return None
-        n, dims, boxes = len(file), len(shape) if layout == BOX else 1, (*start, *size)
-        if (not 0 < n <= min(FEW_PIECES, world_size or FEW_PIECES) or {*map(len, columns)} != {n}
-                or {*map(type, boxes)} != _LIST or {*map(len, boxes)} != {dims}):
-            return None
-        sums = [c if type(c) is list else [c] for c in sums]
-        values, flat_sums = [*file, *offset, *nbytes, *itertools.chain(*boxes)], [*itertools.chain(*sums)]
-        if ({*map(type, values)} != _INT or {*map(type, flat_sums)} != _INT or min(flat_sums) < 0
-                or max(flat_sums) > UINT64_MAX):
-            return None
-        counts = [len(c) for c in sums]
-        if not _plain_rules(dtype, shape, layout, files, file_sizes, block_bytes, file, offset, nbytes, start, size,
-                            counts):
-            return None
-        return cls._plain(dtype, shape, layout, values, counts, flat_sums)
-
     def _plainly_valid(self, files: list[str], file_sizes: list[int] | np.ndarray, block_bytes: int) -> bool:
         """Whether an entry of up to ``FEW_PIECES`` pieces passes every rule of :meth:`_validate`,
-        decided in plain Python: numpy's per-call cost made the general checks most of a load of
-        many small tensors. False sends the entry through the general checks (which then name
-        what is wrong, or accept what this does not decide)."""
+        decided in plain Python, for entries checked one at a time (a split manifest's, read as a
+        load needs them): the general checks cost 40 us per entry in numpy calls, these 6 us.
+        (Entries of a one-document manifest are checked all together: format/plain_entries.py.)
+        False sends the entry through the general checks (which then name what is wrong, or
+        accept what this does not decide)."""
         bounds = self.checksum_bounds.tolist()
         if not 0 < len(self.file) <= FEW_PIECES or len(bounds) != len(self.file) + 1 or bounds[0] != 0:
             return False
@@ -547,9 +483,8 @@ class Manifest:
             reader = None if fetch is None else SectionReader(fetch, [files[i] for i in sections], world_size, where)
             manifest.tensors = SplitTensors(tensors_doc, reader, manifest)
         else:
-            sizes = np.asarray(file_sizes, dtype=np.int64)  # once, not per tensor
-            manifest.tensors = {k: TensorEntry.from_json(k, v, files, sizes, block_bytes, where, world_size, budget)
-                                for k, v in tensors_doc.items()}
+            manifest.tensors = TensorEntry.read_all(tensors_doc, files, file_sizes, block_bytes, where, world_size,
+                                                    budget)
         return manifest
 
 

@@ -1,0 +1,145 @@
+"""Reading the commonest tensor entries of a one-document manifest all together.
+
+Most entries hold one piece (a tensor saved by one rank, or replicated) or a few (split over a
+few ranks), in JSON arrays of plain integers. Read one at a time, each entry cost 8 to 21 us
+(one-piece to two-piece), most of a load of a thousand small tensors. Here each entry is only
+unpacked into a row of integers in plain Python; the rows of entries with as many pieces and
+dimensions are checked together against the rules of docs/format.md §8, one numpy call per rule,
+and the entries handed out as views of their group's arrays. An entry that is not plain, or
+breaks a rule, is left out: the general reader (``TensorEntry.from_json``) reads it and names
+what is wrong.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Callable
+
+import numpy as np
+
+from .columns import INT64_MAX, UINT64_MAX
+from .dtypes import NAME_TO_DTYPE
+
+FEW_PIECES = 8  # entries with more pieces are left to the general reader
+BOX, FLAT = "box", "flat"
+_COLUMNS = ("file", "offset", "nbytes", "start", "size", "checksum")
+_LIST, _INT = {list}, {int}  # the one type a plain JSON column or value may have
+
+
+class _Group:
+    """The unpacked entries of one (pieces, dimensions) shape, in the manifest's order."""
+
+    def __init__(self):
+        self.names, self.heads, self.rows, self.sums = [], [], [], []
+
+
+def read_plain_entries(docs: dict, files: list[str], file_sizes: np.ndarray, block_bytes: int,
+                       world_size: int, make: Callable) -> dict:
+    """fqn -> ``make(dtype, shape, layout, file, offset, nbytes, start, size, checksum,
+    checksum_bounds)`` for each entry of ``docs`` that is plain and valid; the rest are absent."""
+    groups: dict[tuple[int, int], _Group] = {}
+    most = min(FEW_PIECES, world_size)
+    for fqn, data in docs.items():
+        unpacked = _unpacked(data, most)
+        if unpacked is not None:
+            key, head, row, sums = unpacked
+            group = groups.get(key) or groups.setdefault(key, _Group())
+            group.names.append(fqn)
+            group.heads.append(head)
+            group.rows.append(row)
+            group.sums.append(sums)
+    out = {}
+    for (n, dims), group in groups.items():
+        matrix, kept = _matrix(group.rows)
+        valid = _valid(matrix, n, dims, len(files), file_sizes, block_bytes)
+        _hand_out(matrix, valid, [group.names[i] for i in kept], [group.heads[i] for i in kept],
+                  [group.sums[i] for i in kept], n, dims, make, out)
+    return out
+
+
+def _unpacked(data, most: int) -> tuple | None:
+    """((pieces, dims), (dtype, shape, layout), row, flat checksums) of a plain entry of at most
+    ``most`` pieces, or None. The row holds, back to back: file, offset, nbytes (one per piece),
+    start, size (pieces x dims), checksum counts (one per piece), the limit of each dimension
+    (the shape; a flat entry's one: its element count) and the item size."""
+    if type(data) is not dict or "checksum_blocks" in data:
+        return None
+    try:
+        dtype, shape, layout = NAME_TO_DTYPE[data["dtype"]], data["shape"], data["layout"]
+        columns = [data[name] for name in _COLUMNS]
+    except (KeyError, TypeError):  # (an unhashable dtype name)
+        return None
+    if type(shape) is not list or {*map(type, shape)} - _INT or (shape and min(shape) < 0):
+        return None
+    total = math.prod(shape)
+    if total * dtype.itemsize > INT64_MAX or layout not in (BOX, FLAT) or {*map(type, columns)} != _LIST:
+        return None
+    file, offset, nbytes, start, size, sums = columns
+    n, dims, boxes = len(file), len(shape) if layout == BOX else 1, (*start, *size)
+    if (not 0 < n <= most or {*map(len, columns)} != {n} or {*map(type, boxes)} != _LIST
+            or {*map(len, boxes)} != {dims}):
+        return None
+    sums = [c if type(c) is list else [c] for c in sums]
+    flat_sums = [*itertools.chain(*sums)]
+    limit = shape if layout == BOX else [total]
+    row = [*file, *offset, *nbytes, *itertools.chain(*boxes), *map(len, sums), *limit, dtype.itemsize]
+    if ({*map(type, row)} != _INT or {*map(type, flat_sums)} != _INT or min(flat_sums) < 0
+            or max(flat_sums) > UINT64_MAX):
+        return None
+    return (n, dims), (dtype, tuple(shape), layout), row, flat_sums
+
+
+def _matrix(rows: list[list[int]]) -> tuple[np.ndarray, list[int]]:
+    """The rows as one int64 array, and their indices: a row with a value beyond 64 bits
+    (possible only in a hand-made manifest) is left out."""
+    try:
+        return np.array(rows, dtype=np.int64), list(range(len(rows)))
+    except OverflowError:
+        kept = [i for i, row in enumerate(rows) if -INT64_MAX <= min(row) and max(row) <= INT64_MAX]
+        return np.array([rows[i] for i in kept], dtype=np.int64).reshape(len(kept), len(rows[0])), kept
+
+
+def _columns(matrix: np.ndarray, n: int, dims: int) -> tuple[np.ndarray, ...]:
+    """file, offset, nbytes (entries x pieces), start, size (entries x pieces x dims), checksum
+    counts (entries x pieces), limit (entries x dims) and item size (entries) of ``matrix``."""
+    k, cut = len(matrix), np.cumsum([0, n, n, n, n * dims, n * dims, n, dims, 1])
+    file, offset, nbytes, start, size, counts, limit, item = (matrix[:, a:b] for a, b in zip(cut, cut[1:]))
+    return file, offset, nbytes, start.reshape(k, n, dims), size.reshape(k, n, dims), counts, limit, item[:, 0]
+
+
+def _valid(matrix: np.ndarray, n: int, dims: int, file_count: int, file_sizes: np.ndarray,
+           block_bytes: int) -> np.ndarray:
+    """Which rows keep every rule: each piece lies inside the tensor and inside its file, holds
+    exactly its extent's bytes and has one checksum per block (one for no bytes), and the
+    pieces cover the tensor exactly once. A value that wraps around in int64 does so only in a
+    row that an earlier rule refuses (all values non-negative and each piece inside a tensor of
+    fewer than 2**63 bytes before any product or sum is trusted)."""
+    if not file_count:  # (no piece can be valid, and no file size be looked up)
+        return np.zeros(len(matrix), dtype=bool)
+    file, offset, nbytes, start, size, counts, limit, item = _columns(matrix, n, dims)
+    ok = ((file >= 0) & (file < file_count) & (offset >= 0)).all(axis=1)
+    ok &= ((start >= 0) & (size >= 0) & (size <= limit[:, None, :] - start)).all(axis=(1, 2))
+    elems = size.prod(axis=2)
+    ok &= (nbytes == elems * item[:, None]).all(axis=1)
+    ok &= (nbytes <= file_sizes[np.where(ok[:, None], file, 0)] - offset).all(axis=1)
+    ok &= (counts == np.maximum(1, -(-nbytes // block_bytes))).all(axis=1)
+    # Tiling: no two pieces share an element and together they hold as many as the tensor. (Two
+    # boxes share one where they overlap in every dimension; an empty one shares none.)
+    end = start + size
+    shared = (np.maximum(start[:, :, None], start[:, None]) < np.minimum(end[:, :, None], end[:, None])).all(axis=3)
+    shared &= ~np.eye(n, dtype=bool)
+    total = limit.prod(axis=1)
+    return ok & ((total == 0) | (~shared.any(axis=(1, 2)) & (elems.sum(axis=1) == total)))
+
+
+def _hand_out(matrix: np.ndarray, valid: np.ndarray, names: list, heads: list, sums: list,
+              n: int, dims: int, make: Callable, out: dict) -> None:
+    """Entries of the valid rows into ``out``, as views of the group's arrays."""
+    file, offset, nbytes, start, size, counts, _, _ = _columns(matrix, n, dims)
+    bounds = np.zeros((len(matrix), n + 1), dtype=np.int64)
+    np.cumsum(counts, axis=1, out=bounds[:, 1:])
+    flat = np.array([*itertools.chain(*sums)], dtype=np.uint64)
+    ends = [*itertools.accumulate(map(len, sums), initial=0)]
+    for i in np.flatnonzero(valid).tolist():
+        out[names[i]] = make(*heads[i], file[i], offset[i], nbytes[i], start[i], size[i], flat[ends[i]:ends[i + 1]],
+                             bounds[i])
