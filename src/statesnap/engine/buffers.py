@@ -13,9 +13,11 @@ def byte_view(t: torch.Tensor) -> memoryview:
     """A flat writable byte view of a contiguous CPU tensor's memory (no copy). A tensor whose
     conjugate or negative bit is set is refused (its memory does not hold its values), and so is
     one without memory of its own (a wrapper subclass)."""
-    if not t.is_contiguous() or t.device.type != "cpu" or t.is_conj() or t.is_neg():
+    # (the cheapest of torch's attribute calls: a load of many small tensors makes one per tensor)
+    if not t.is_contiguous() or not t.is_cpu or t.is_conj() or t.is_neg():
         raise ValueError("byte_view needs a contiguous CPU tensor without a conjugate or negative bit")
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if t.numel() == 0:
         return memoryview(bytearray(0))
     if t.data_ptr() == 0:

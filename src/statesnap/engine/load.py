@@ -233,9 +233,9 @@ def _plan_reads(wanted: list, entries: list, executor: ReadExecutor, path: str, 
         local = item.local
         if local.dtype != entry.dtype:  # cast=True (checked by _match): filled after the others
             casts.append((item.fqn, entry, local, plan))
-        elif local.device.type == "cuda" and plan.covered == local.numel():
+        elif local.is_cuda and plan.covered == local.numel():
             on_device += wave_parts(item, entry, plan, executor.manifest.block_bytes)
-        elif local.device.type == "cpu" and local.is_contiguous() and not (local.is_conj() or local.is_neg()):
+        elif local.is_cpu and local.is_contiguous() and not (local.is_conj() or local.is_neg()):
             executor.add(item.fqn, entry, local.detach(), plan)
         else:
             indirect.append((item.fqn, entry, local, plan))
