@@ -63,9 +63,13 @@ def test_a_strict_load_names_only_what_no_rank_loads(tmp_path):
 
 
 def _comm_votes(rank, world):
-    from statesnap.engine.dist import Comm, RemoteFailure
+    from statesnap.engine.dist import BROADCAST_SLOT, Comm, RemoteFailure
 
     comm = Comm(None, "voting", timeout_s=60)
+    # broadcasts from any rank: small objects in one round, larger in two, sizes across the slot's edge
+    sent = [(src, b"%d" % src * k) for src, k in [(0, 3), (2, 1 << 20)] +
+            [(k % world, k) for k in range(BROADCAST_SLOT - 64, BROADCAST_SLOT + 64, 8)]]
+    broadcasts = [comm.broadcast(value if rank == src else None, src=src) == value for src, value in sent]
     flags = comm.any_of([i % world == rank and i < 11 for i in range(13)])
     empty = comm.any_of([])
     small = comm.all_gather(rank)
@@ -78,15 +82,16 @@ def _comm_votes(rank, world):
         outcome = ("remote", str(exc))
     except ss.CheckpointError as exc:
         outcome = ("own", str(exc))
-    return flags, empty, outcome, small, mixed
+    return flags, empty, outcome, small, mixed, broadcasts
 
 
 def test_flags_are_or_ed_across_ranks_and_one_failure_reaches_every_rank():
-    """any_of packs flags into bits (13: not a whole number of bytes); all_gather serves small
-    objects in one round and larger ones in a second; agree exchanges messages only when a rank
-    failed, and then every rank raises, naming the rank and its error."""
+    """any_of packs flags into bits (13: not a whole number of bytes); all_gather and broadcast
+    serve small objects in one round and larger ones in a second; agree exchanges messages only
+    when a rank failed, and then every rank raises, naming the rank and its error."""
     results = run_ranks(3, _comm_votes)
-    for rank, (flags, empty, outcome, small, mixed) in enumerate(results):
+    for rank, (flags, empty, outcome, small, mixed, broadcasts) in enumerate(results):
+        assert broadcasts and all(broadcasts)
         assert small == [0, 1, 2] and mixed == [(0, None), (1, None), "x" * 5000]
         assert flags == [True] * 11 + [False] * 2
         assert empty == []

@@ -108,14 +108,24 @@ class LocalRecovery:
         raw = comm.broadcast(raw, src=holders[0])
         manifest = Manifest.from_bytes(raw, where=f"{self.level.path(step)} (node of rank {holders[0]})")
         lacking = sorted(files_needed(manifest, state) - set(mine))
-        transfers = self._plan_transfers(step, comm.all_gather(lacking), inventories)
-        arrivals = Arrivals([name for name, _, dst in transfers if dst == comm.rank])
-        loading = Loading(state, self.level.path(step), manifest=manifest, shared_reads=False, **load_options)
-        # The state fills while the transfers run, reading the files this rank receives as their
-        # bytes arrive; a rank that needs a file another rank of its node receives fills after.
-        early = set(lacking) <= set(arrivals.names)
-        fill = (lambda: loading.fill(arrivals.backend(backend, self.level.path(step)))) if early else None
-        self._fetch(step, raw, transfers, inventories, arrivals, meanwhile=fill)
+        # The leader of a node without the step creates it now, and every rank learns where in
+        # the exchange of what each lacks: one collective round less before the transfers.
+        lost = self.topology.is_leader and step not in inventories[comm.rank]
+        opened = self._open_staging(step, raw) if lost else (None, None)
+        try:
+            gathered = comm.all_gather((lacking, opened))
+            transfers = self._plan_transfers(step, [wants for wants, _ in gathered], inventories)
+            arrivals = Arrivals([name for name, _, dst in transfers if dst == comm.rank])
+            loading = Loading(state, self.level.path(step), manifest=manifest, shared_reads=False, **load_options)
+            # The state fills while the transfers run, reading the files this rank receives as
+            # their bytes arrive; a rank that needs a file another rank of its node receives fills after.
+            early = set(lacking) <= set(arrivals.names)
+            fill = (lambda: loading.fill(arrivals.backend(backend, self.level.path(step)))) if early else None
+            self._fetch(step, gathered[self.topology.leader(comm.rank)][1], transfers, arrivals, meanwhile=fill)
+        except BaseException:
+            if opened[0] is not None:
+                backend.abort(opened[0], self.level.path(step))  # never touches the step once it is committed
+            raise
         if not early:
             loading.fill()
         return loading.finish().bytes, bool(transfers)
@@ -140,21 +150,18 @@ class LocalRecovery:
                 transfers.append((name, src, dst))
         return transfers
 
-    def _fetch(self, step: int, raw: bytes, transfers: list, inventories: list[dict], arrivals: Arrivals,
+    def _fetch(self, step: int, opened: tuple[str | None, str | None], transfers: list, arrivals: Arrivals,
                meanwhile=None) -> None:
         """Run the transfers in one global order, each rank its own (see ``LocalFlusher._exchange``
         for why that order cannot deadlock), telling ``arrivals`` how far each file received is
-        written, and ``meanwhile()`` at the same time, on this thread. A node that lacks the step
-        gets it created by its leader, with the manifest, and committed once every rank of the
-        job has its files in. Every rank takes part in every transfer of its own whatever failed,
-        so none is left waiting; failures are raised on every rank together."""
+        written, and ``meanwhile()`` at the same time, on this thread. ``opened``: the (staging
+        location, problem) of this node's leader, who created the step there if the node lacked
+        it, and commits it once every rank of the job has its files in. Every rank takes part in
+        every transfer of its own whatever failed, so none is left waiting; failures are raised
+        on every rank together."""
         comm, topo, backend, rank = self.comm, self.topology, self.level.backend, self.comm.rank
         final = self.level.path(step)
-        node_receives = any(topo.nodes[dst] == topo.nodes[rank] for _, _, dst in transfers)
-        opened = (None, None)
-        if topo.is_leader and node_receives and step not in inventories[rank]:
-            opened = self._open_staging(step, raw)
-        staging, problem = comm.all_gather(opened)[topo.leader(rank)]
+        staging, problem = opened
         failures = [CheckpointError(problem)] if problem else []
         target = None if problem else staging or final
         group = comm.transport() if comm.world_size > 1 else None
@@ -176,20 +183,17 @@ class LocalRecovery:
                 sending = pool.submit(transfer)
                 meanwhile()
                 sending.result()
-        mine = staging if topo.is_leader else None
-        try:
-            comm.agree(failures[0] if failures else None, f"fetching the files of step {step} from other nodes")
-            error = None
-            if mine is not None:
-                try:
-                    backend.commit(mine, final, False, self.durable, keep=backend.listdir(mine))
-                except Exception as exc:  # noqa: BLE001 (every rank raises together below)
-                    error = exc
-            comm.agree(error, f"committing the files of step {step} fetched from other nodes")
-        except BaseException:
-            if mine is not None:
-                backend.abort(mine, final)  # never touches the step once it is committed
-            raise
+        comm.agree(failures[0] if failures else None, f"fetching the files of step {step} from other nodes")
+        error = None
+        if topo.is_leader and staging is not None:
+            try:
+                if any(topo.nodes[dst] == topo.nodes[rank] for _, _, dst in transfers):
+                    backend.commit(staging, final, False, self.durable, keep=backend.listdir(staging))
+                else:  # its ranks need none of the files: no step to make of the manifest alone
+                    backend.abort(staging, final)
+            except Exception as exc:  # noqa: BLE001 (every rank raises together below)
+                error = exc
+        comm.agree(error, f"committing the files of step {step} fetched from other nodes")
 
     def _open_staging(self, step: int, raw: bytes) -> tuple[str | None, str | None]:
         """Leader of a node that lost the step: (its staging location with the manifest, problem)."""
