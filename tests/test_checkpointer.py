@@ -209,18 +209,48 @@ def test_tensors_no_optimizer_writes_are_copied_inside_save(tmp_path, monkeypatc
 
 
 def test_unguarded_tensors_over_the_eager_limit_are_checked(tmp_path, monkeypatch):
-    """Past ``eager_copy_mb`` they are copied in the background, and a change before the copy is
-    caught by the version check (the checkpoint fails instead of mixing two steps)."""
+    """Past ``eager_copy_mb`` those that did not change since the last save (frozen weights) are
+    copied in the background, and a change before the copy is caught by the version check (the
+    checkpoint fails instead of mixing two steps)."""
     state = {"frozen": torch.randn(1000)}
-    gate = Gate(monkeypatch)
     ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, eager_copy_mb=0)
-    handle = ckpt.save(1, state)
+    ckpt.save(1, state).wait()
+    gate = Gate(monkeypatch)
+    handle = ckpt.save(2, state)
     state["frozen"].add_(1.0)
     gate.open()
     with pytest.raises(ss.ConsistencyError, match="'frozen'"):
         handle.wait()
     ckpt.close()
-    assert not os.path.exists(tmp_path / "step-1")
+    assert not os.path.exists(tmp_path / "step-2")
+
+
+def test_save_waits_for_the_copies_of_unguarded_tensors_that_change_between_saves(tmp_path, monkeypatch):
+    """Past ``eager_copy_mb``, tensors no optimizer writes that changed since the last save (an
+    EMA updated in place by the loop; at the first save, every one of them) are copied before
+    ``save`` returns: on the CPU a version check misses an in-place change still running when
+    it looks, so a change right after ``save`` could otherwise tear the copy. With every copy
+    slowed down, the change right after ``save`` never reaches the checkpoint. A save after
+    which nothing changed waits for nothing."""
+    real = pipeline.copy_into
+
+    def slow(*args, **kwargs):
+        time.sleep(0.02)
+        real(*args, **kwargs)
+    monkeypatch.setattr(pipeline, "copy_into", slow)
+    state = {"ema": torch.zeros(1000), "frozen": torch.ones(3000)}
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, eager_copy_mb=0, keep_last=5)
+    for step in range(1, 4):
+        handle = ckpt.save(step, state)
+        expected = state["ema"].clone()
+        state["ema"].add_(1.0)  # the loop's EMA update, at once
+        assert torch.equal(ss.open(handle.wait()).read("ema"), expected)
+        assert torch.equal(ss.open(handle.wait()).read("frozen"), torch.ones(3000))
+    ckpt.save(4, state).wait()  # the EMA changed after step 3's save
+    assert ckpt.stats()["phases"]["wait-unguarded"]["count"] == 4
+    ckpt.save(5, state).wait()  # nothing changed since step 4's
+    ckpt.close()
+    assert ckpt.stats()["phases"]["wait-unguarded"]["count"] == 4
 
 
 def test_pickled_values_larger_than_a_checksum_block(tmp_path):

@@ -331,14 +331,16 @@ def test_what_cannot_be_guarded_is_a_checkpoint_error(tmp_path):
 
 @pytest.mark.parametrize("eager_copy_mb", [64, 0])
 def test_a_data_write_outside_any_guard(tmp_path, monkeypatch, eager_copy_mb):
-    """The documented limit. A tensor no optimizer writes, changed through ``.data`` by code
-    that no guard holds back: the eager copy inside ``save`` keeps the checkpoint right; without
-    it the version counter misses the write, and the checkpoint holds the new values with no
-    error. (If this starts failing, docs/checkpointer.md promises too little.)"""
+    """The documented limit. A tensor no optimizer writes, unchanged since the last save, then
+    changed through ``.data`` by code that no guard holds back: the eager copy inside ``save``
+    keeps the checkpoint right; without it the version counter misses the write, and the
+    checkpoint holds the new values with no error. (If this starts failing,
+    docs/checkpointer.md promises too little.)"""
     state = {"ema": torch.zeros(1000)}
-    gate = CopiesWaitForAWaiter(monkeypatch)
     ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, eager_copy_mb=eager_copy_mb)
-    handle = ckpt.save(1, state)
+    ckpt.save(1, state).wait()  # (the first save waits for every copy of such tensors)
+    gate = CopiesWaitForAWaiter(monkeypatch)
+    handle = ckpt.save(2, state)
     state["ema"].data.add_(1.0)
     gate.open()
     ckpt.close()

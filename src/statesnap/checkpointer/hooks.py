@@ -249,6 +249,10 @@ class StepGuard:
                 warnings.warn(f"{exc}; its step is not held back until the snapshot copies are done: call "
                               "ckpt.wait_staged() before it", RuntimeWarning, stacklevel=3)
 
+    def guards_methods(self) -> bool:
+        """Whether some method is guarded (``guard``, or the step of an optimizer-like wrapper)."""
+        return bool(self._guarded)
+
     def watched(self) -> list[torch.optim.Optimizer]:
         """The torch optimizers whose step is hooked now (those still alive)."""
         return [optim for ref, _ in self._handles.values() if (optim := ref()) is not None]

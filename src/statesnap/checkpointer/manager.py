@@ -36,7 +36,7 @@ from .further import FurtherCopier
 from .levels import MemoryLevel, StorageLevel, matching_target, restore_from_memory
 from .local import LocalFlusher, Topology, peer_buffer_bytes
 from .recovery import LocalRecovery, complete_steps, inventory
-from .pipeline import Flusher, FlushTarget, Snapshot, Stager, as_checkpoint_error
+from .pipeline import UNGUARDED, Flusher, FlushTarget, Snapshot, Stager, as_checkpoint_error
 from .staging import MAX_SEGMENT_BYTES, REGION_ALIGN, Arena, align_up
 from .state_cache import StateCache
 
@@ -162,7 +162,7 @@ class Checkpointer:
             for optim in optimizers:
                 create_adam_state(optim)
         with self.events.timed("plan", step):
-            snap = self._snapshot(int(step), state, optimizers)
+            snap = self._snapshot(int(step), state, optimizers, trust_guards=bool(wrappers) or self._guard.guards_methods())
         if snap is None:
             self._count("skipped")
             done = Future()
@@ -180,6 +180,9 @@ class Checkpointer:
             self._flusher.submit(snap)
         if snap.local:
             self._local_flusher.submit(snap)
+        if snap.hot:  # (the stager copies them first)
+            with self.events.timed("wait-unguarded", step):
+                snap.gates[UNGUARDED].wait()
         self.events.add("save", step, started, now(), snap.nbytes)
         return SaveHandle(snap.step, snap.staged, snap.durable, snap)
 
@@ -482,7 +485,9 @@ class Checkpointer:
 
     # ----------------------------------------------------------------- planning (training thread)
 
-    def _snapshot(self, step: int, state: dict, optimizers: list) -> Snapshot | None:
+    def _snapshot(self, step: int, state: dict, optimizers: list, trust_guards: bool = False) -> Snapshot | None:
+        """What ``save`` records. ``trust_guards``: methods are guarded, and the tensors no
+        optimizer writes are taken to change only through them (see ``_copy_unguarded_now``)."""
         flat = self._state_cache.flatten(state)
         layout = self._state_cache.layout(flat, optimizers)
         metas = layout.metas
@@ -500,31 +505,38 @@ class Checkpointer:
                 self._warned_streaming = True
             return None
         owners = layout.owners
-        self._copy_unguarded_now(flat, layout)
+        copied_now = self._copy_unguarded_now(flat, layout)
         locals_ = [item.local for item in flat.tensors]
+        versions = layout.versions(locals_)
+        hot = frozenset() if copied_now else self._state_cache.changed_unguarded(layout, flat, versions)
+        hot = frozenset() if trust_guards else hot
         cuda_ready = mark_devices(locals_) if layout.on_cuda else {}
         if cuda_ready and self._cuda is None:
             self._cuda = CudaCopier()
         return Snapshot(
             step=step, flat=flat, metas=metas, plan=plan, elsewhere=elsewhere, owned=owned, persist=persist,
             resident=resident,
-            versions=layout.versions(locals_), owners=owners, writers=layout.writers, nbytes=layout.nbytes,
+            versions=versions, owners=owners, writers=layout.writers, hot=hot, nbytes=layout.nbytes,
             objects=objects, blobs=blobs, per_rank=per_rank_names(flat), cuda_ready=cuda_ready,
             object_digests=object_digests(flat, objects) if persist and self._compares_objects else {},
             rank=self.rank, path=self.persistent.path(step),
             local=self.local is not None and step % self.config.local_every == 0)
 
-    def _copy_unguarded_now(self, flat, layout) -> None:
+    def _copy_unguarded_now(self, flat, layout) -> bool:
         """No optimizer hook holds back a change to a tensor no optimizer writes, and some change
         right away (a BatchNorm's running statistics, in the very next forward). Copy those here,
         on the training thread and, on a GPU, its stream, so the background stages the copies;
         the version check alone could miss a change still under way when it looks. Larger sets
-        (frozen weights, which do not change) stay lazy."""
+        stay lazy, and ``save`` waits for the copies of those that changed since the last save
+        (``StateCache.changed_unguarded``), unless methods are guarded: a user who guards the writer
+        of such tensors (an EMA's update), or a wrapper whose guarded step writes the weights,
+        has said what changes them. Whether they were copied here."""
         if not layout.unguarded or layout.unguarded_bytes > self.config.eager_copy_bytes:
-            return
+            return False
         for index in layout.unguarded:  # new items: later saves reuse the unchanged ones
             item = flat.tensors[index]
             flat.tensors[index] = dataclasses.replace(item, local=item.local.detach().clone())
+        return True
 
     def _plan_for(self, metas: list, objects: list) -> tuple:
         """The save plan (``engine.save.plan_by_owners``: no rank plans more than about its own

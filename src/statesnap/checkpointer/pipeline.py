@@ -29,6 +29,8 @@ from ..storage.base import StorageBackend
 from .hooks import Countdown, check_unchanged
 from .staging import FREE, Arena, Batch, Region, build_batches, copy_into
 
+UNGUARDED = "unguarded"  # the gate of the items no optimizer writes that save() waits for
+
 
 @dataclass(eq=False)
 class Snapshot:
@@ -45,6 +47,9 @@ class Snapshot:
     versions: list
     owners: list  # per item: the id of the optimizer that writes it, or None
     writers: frozenset  # the ids of the optimizers that write some item
+    # items no optimizer writes that changed since the previous save: save() waits for their
+    # copies (the UNGUARDED gate), as nothing would hold back their next change
+    hot: frozenset
     nbytes: int  # of all items
     objects: dict  # fqn -> ObjectEntry of every object (the memory level restores all of them)
     blobs: dict  # fqn -> pickled bytes
@@ -155,7 +160,7 @@ class Stager(_Stage):
 
     def submit(self, snap: Snapshot) -> None:
         snap.copied = Countdown(on_zero=lambda: self._copies_done(snap))
-        snap.gates = {owner: Countdown() for owner in snap.writers}
+        snap.gates = {owner: Countdown() for owner in (*snap.writers, *([UNGUARDED] if snap.hot else []))}
         super().submit(snap)
 
     def _handle(self, snap: Snapshot) -> None:
@@ -177,10 +182,13 @@ class Stager(_Stage):
         if self._file_order and writes:
             # An object store uploads each file as one stream: copies in file order keep its writer
             # from holding parts that arrive early (what it is not written comes last).
-            order = sorted(range(len(items)), key=lambda i: writes.get(i, float("inf")))
+            # (Those save() waits for still come first.)
+            order = sorted(range(len(items)), key=lambda i: (i not in snap.hot, writes.get(i, float("inf"))))
         else:
-            # Tensors no optimizer changes go first (something else may touch them), then by optimizer.
-            order = sorted(range(len(items)), key=lambda i: (snap.owners[i] is not None, str(snap.owners[i])))
+            # Tensors no optimizer changes go first (something else may touch them: those that
+            # changed since the last save, which save() waits for, first of all), then by optimizer.
+            order = sorted(range(len(items)), key=lambda i: (snap.owners[i] is not None, i not in snap.hot,
+                                                             str(snap.owners[i])))
         splittable = [item.local.is_contiguous() for item in items]
         batches, snap.item_offsets = build_batches(order, sizes, splittable, snap.owners, writes,
                                                    snap.resident, self._segment_bytes_of())
@@ -190,6 +198,8 @@ class Stager(_Stage):
         for batch in batches:
             if snap.error is not None:
                 break
+            if not snap.hot.isdisjoint(seg.item for seg in batch.segments):
+                batch.owners.add(UNGUARDED)
             if not snap.resident:
                 batch.region = self._allocate(arena, batch.arena_span[1], snap)
             queued = now()

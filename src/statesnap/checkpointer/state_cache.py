@@ -71,6 +71,7 @@ class StateCache:
         self._providers = ProviderCache() if reuse else None
         self._layout: Layout | None = None
         self._stale = False
+        self._unguarded_versions: dict[tuple, int | None] = {}  # (fqn, id, address) -> counter at the last save
 
     def forget(self) -> None:
         """Drop everything cached at the next save (callable from any thread): a snapshot found a
@@ -83,6 +84,23 @@ class StateCache:
             self._providers = ProviderCache() if self._providers is not None else None
             self._layout = None
         return flatten_for_save(state, self._providers)
+
+    def changed_unguarded(self, layout: Layout, flat: Flattened, versions: list) -> frozenset:
+        """The CPU items no optimizer writes that changed in place since the last save (all of
+        them at the first), by name, tensor and version counter. On the CPU PyTorch moves a
+        version counter when an in-place operation ends: one still running on such a tensor
+        while its lazy copy is checked would go unseen, and something changes these tensors
+        between saves (an EMA's update), which no hook holds back. Frozen weights do not
+        change, and stay lazy."""
+        previous, self._unguarded_versions = self._unguarded_versions, {}
+        changed = []
+        for index in layout.unguarded:
+            local = flat.tensors[index].local
+            key = (flat.tensors[index].fqn, id(local), local.data_ptr())
+            self._unguarded_versions[key] = versions[index]
+            if local.is_cpu and (versions[index] is None or previous.get(key, -1) != versions[index]):
+                changed.append(index)
+        return frozenset(changed)
 
     def layout(self, flat: Flattened, optimizers: list) -> Layout:
         items, key, cached = flat.tensors, _optimizers_key(optimizers), self._layout
