@@ -135,6 +135,52 @@ def test_fresh_optimizer_loads_state_and_next_step_matches(tmp_path):
     assert_same_optim(optim, optim2)
 
 
+def _encoder_decoder(seed: int):
+    torch.manual_seed(seed)
+    enc, dec = nn.Linear(4, 3), nn.Sequential(nn.Linear(3, 2))
+    return enc, dec, torch.optim.AdamW([*enc.parameters(), *dec.parameters()], lr=0.1)
+
+
+def _step(enc, dec, optim, seed: int) -> float:
+    torch.manual_seed(seed)
+    optim.zero_grad()
+    loss = dec(enc(torch.randn(5, 4))).square().sum()
+    loss.backward()
+    optim.step()
+    return loss.item()
+
+
+def test_an_optimizer_over_several_modules_of_the_state_is_keyed_by_their_names(tmp_path):
+    """An encoder and a decoder under their own keys, one optimizer over both: its state is
+    keyed by the parameters' names in the state (not by position), so it loads into a fresh
+    optimizer, as after a restart, and training continues bit for bit."""
+    enc, dec, optim = _encoder_decoder(0)
+    _step(enc, dec, optim, 1)
+    ss.save({"enc": enc, "models": {"dec": dec}, "optim": optim}, tmp_path / "c")
+    keys = ss.open(tmp_path / "c").keys()
+    assert "optim.state.enc.weight.exp_avg" in keys and "optim.state.models.dec.0.bias.step" in keys
+
+    enc2, dec2, optim2 = _encoder_decoder(7)
+    assert not optim2.state
+    ss.load({"enc": enc2, "models": {"dec": dec2}, "optim": optim2}, tmp_path / "c")
+    assert_same_optim(optim, optim2)
+    assert _step(enc2, dec2, optim2, 2) == _step(enc, dec, optim, 2)
+    assert_same_params(enc, enc2)
+    assert_same_params(dec, dec2)
+
+
+def test_an_optimizer_alone_in_the_state_loads_into_a_fresh_one(tmp_path):
+    """No module in the state holds its parameters: its state is kept by position, and a fresh
+    Adam(W) takes it (before, the load found nothing to fill and a strict one failed)."""
+    enc, dec, optim = _encoder_decoder(0)
+    _step(enc, dec, optim, 1)
+    ss.save({"optim": optim}, tmp_path / "c")
+    assert "optim.state.0.exp_avg" in ss.open(tmp_path / "c").keys()
+    enc2, dec2, optim2 = _encoder_decoder(0)
+    ss.load({"optim": optim2}, tmp_path / "c")
+    assert_same_optim(optim, optim2)
+
+
 def test_saving_a_fresh_optimizer_leaves_it_fresh(tmp_path):
     model, optim, sched = make_training()
     ss.save({"model": model, "optim": optim}, tmp_path / "c")

@@ -45,6 +45,7 @@ class _Walker:
         self.out = Flattened([], [], [])
         self.seen: set[str] = set()
         self.modules: list[nn.Module] = []
+        self.named_modules: list[tuple[str, nn.Module]] = []  # (fqn in the state, module)
 
     def _claim(self, fqn: str) -> None:
         if fqn in self.seen:
@@ -54,7 +55,8 @@ class _Walker:
     def run(self, state: dict) -> Flattened:
         if not isinstance(state, dict):
             raise CheckpointError(f"state must be a dict, not {type(state).__name__}")
-        self.modules = [v for v in _values(state) if isinstance(v, nn.Module)]
+        self.named_modules = [(fqn, v) for fqn, v in _named_values(state) if isinstance(v, nn.Module)]
+        self.modules = [module for _, module in self.named_modules]
         if self.cache is None:
             self.walk_dict("", state)
             return self.out
@@ -162,6 +164,8 @@ class _Walker:
         model = self._owner_of(optim)
         if model is None:
             # No module in the state owns these parameters: fall back to positional state.
+            if not optim.state and self.for_load and self.stored_prefixes(join(fqn, "state") + SEP):
+                create_adam_state(optim, self.created)
             sd = optim.state_dict()
             self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
             if self.for_load:
@@ -185,10 +189,19 @@ class _Walker:
                                        self.out.objects[first_object:], join, tuple(map(id, self.modules)))
 
     def _owner_of(self, optim: torch.optim.Optimizer) -> nn.Module | None:
+        """The module of the state whose parameter names key the optimizer's state: one that
+        holds all its parameters, else the modules of the state that hold them together (an
+        encoder and a decoder under their own keys), under their names in the state."""
         wanted = {id(p) for group in optim.param_groups for p in group["params"]}
-        for module in self.modules:
-            if wanted <= {id(p) for p in module.parameters()}:
+        held = []
+        for fqn, module in self.named_modules:
+            mine = {id(p) for p in module.parameters()}
+            if wanted <= mine:
                 return module
+            if not wanted.isdisjoint(mine):
+                held.append((fqn, module))
+        if wanted <= {id(p) for _, module in held for p in module.parameters()}:
+            return _container(held)
         return None
 
 
@@ -258,11 +271,31 @@ def _load_optimizer(model: nn.Module, optim: torch.optim.Optimizer, sd: dict) ->
         group.update({k: v for k, v in loaded.items() if k != "params"})
 
 
-def _values(state: dict):
-    for value in state.values():
-        yield value
+def _named_values(state: dict, prefix: str = ""):
+    for key, value in state.items():
+        yield join(prefix, key), value
         if isinstance(value, dict):
-            yield from _values(value)
+            yield from _named_values(value, join(prefix, key))
+
+
+def _container(named: list[tuple[str, nn.Module]]) -> nn.Module | None:
+    """One module holding ``named`` modules under their names in the state (``enc``,
+    ``models.dec``), so that ``named_parameters`` names a parameter as the state does; None if a
+    name cannot be a module path (an empty part, or one that is an attribute of nn.Module)."""
+    root = nn.Module()
+    try:
+        for fqn, module in named:
+            parent, (*path, last) = root, fqn.split(SEP)
+            for part in path:
+                if part not in parent._modules:
+                    parent.add_module(part, nn.Module())
+                parent = parent._modules[part]
+            if last in parent._modules:
+                return None
+            parent.add_module(last, module)
+    except (KeyError, TypeError):  # add_module's refusals
+        return None
+    return root
 
 
 def flatten_for_save(state: dict, cache: ProviderCache | None = None) -> Flattened:
