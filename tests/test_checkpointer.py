@@ -186,6 +186,47 @@ def test_in_place_change_outside_the_optimizer_fails_the_checkpoint(tmp_path, mo
     assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == [".statesnap-lock"]  # no staging left
 
 
+@pytest.mark.parametrize("how", ["changed", "after wait_staged", "by the optimizer's step"])
+def test_a_change_after_the_copy_is_looked_for_again_before_the_commit(tmp_path, monkeypatch, how):
+    """On the CPU the check right after a copy misses an in-place change still under way, so
+    the version counters are looked at once more when the checkpoint is about to commit (or
+    the optimizer about to step). A change outside the optimizer found then fails the
+    checkpoint, even one made after the copy; one made after ``wait_staged()``, or by the
+    optimizer's own step, is the writer's own, and the checkpoint commits with the values of
+    ``save()``."""
+    model, optim = make_training()
+    train_step(model, optim, 1)
+    state = {"model": model, "optim": optim}
+    ref = reference(state)
+    writing = threading.Event()
+    real_write = pipeline.Flusher._write
+
+    def held_write(self, *args, **kwargs):
+        writing.wait(60)
+        return real_write(self, *args, **kwargs)
+    monkeypatch.setattr(pipeline.Flusher, "_write", held_write)
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01)
+    handle = ckpt.save(1, state)
+    assert handle.staged.result() == 1  # every copy is done and checked
+    if how == "changed":
+        with torch.no_grad():
+            model[1].bias.add_(1.0)
+    elif how == "after wait_staged":
+        ckpt.wait_staged()
+        with torch.no_grad():
+            model[1].bias.add_(1.0)
+    else:
+        train_step(model, optim, 2)
+    writing.set()
+    if how == "changed":
+        with pytest.raises(ss.ConsistencyError, match=r"step 1.*'model\.1\.bias'.*wait_staged"):
+            handle.wait()
+        assert not os.path.exists(tmp_path / "step-1")
+    else:
+        assert_checkpoint_equals(handle.wait(), ref)
+    ckpt.close()  # (a failure the handle reported is not raised again)
+
+
 def test_tensors_no_optimizer_writes_are_copied_inside_save(tmp_path, monkeypatch):
     """A BatchNorm's running statistics change in the very next forward, before any optimizer
     step: save() copies such tensors itself, so the checkpoint holds their values at save()."""
@@ -398,10 +439,30 @@ def test_an_error_reported_by_wait_is_not_raised_again(tmp_path):
 
 @pytest.mark.parametrize("bad", [dict(keep_last=0), dict(persist_every=0), dict(on_error="ignore"),
                                  dict(persist_every=3, further_root="x", further_every=4),
-                                 dict(host_memory_gb=1e-9), dict(max_in_flight=0)])
+                                 dict(host_memory_gb=1e-9), dict(max_in_flight=0), dict(keep_last=None),
+                                 dict(keep_last=2.5), dict(persist_every=True), dict(host_memory_gb="1"),
+                                 dict(threads=1.0), dict(eager_copy_mb=None)])
 def test_invalid_settings_fail_at_construction(tmp_path, bad):
     with pytest.raises(ss.CheckpointError, match="invalid Checkpointer setting"):
         CheckpointerConfig(root=str(tmp_path), **bad)
+
+
+def test_settings_take_numpy_numbers(tmp_path):
+    import numpy as np
+
+    config = CheckpointerConfig(root=str(tmp_path), keep_last=np.int64(2), host_memory_gb=np.float32(0.5))
+    assert config.keep_last == 2
+
+
+@pytest.mark.parametrize("step", [-1, "7", 8.9, True, None])
+def test_a_step_is_a_non_negative_integer(tmp_path, step):
+    """``step-N`` is where a checkpoint lives: ``step--1`` or ``step-8`` for 8.9 would be saved
+    where neither a restart nor retention looks."""
+    with ss.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(ss.CheckpointError, match="step must be a non-negative integer"):
+            ckpt.save(step, {"t": torch.ones(2)})
+        ckpt.save(0, {"t": torch.ones(2)}).wait()
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step")) == ["step-0"]
 
 
 # ----------------------------------------------------------------------------- levels and retention

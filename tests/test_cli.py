@@ -131,6 +131,25 @@ def test_diff_reads_large_tensors_in_slabs(tmp_path, monkeypatch, capsys):
     assert "t: max abs diff 3" in capsys.readouterr().out
 
 
+def test_diff_is_bit_for_bit_by_default(tmp_path, capsys):
+    """Values that float64 cannot tell apart still differ: 64-bit integers one apart, 0.0 and
+    -0.0. Without --atol every one is reported; with one, integers are compared exactly."""
+    left = {"i": torch.tensor([2**62, 7]), "u": torch.tensor([2**63 + 2], dtype=torch.uint64),
+            "z": torch.tensor([0.0, 1.0]), "same": torch.arange(4)}
+    right = {"i": torch.tensor([2**62 + 1, 7]), "u": torch.tensor([2**63 + 3], dtype=torch.uint64),
+             "z": torch.tensor([-0.0, 1.0]), "same": torch.arange(4)}
+    ss.save(left, tmp_path / "l")
+    ss.save(right, tmp_path / "r")
+    assert main(["diff", str(tmp_path / "l"), str(tmp_path / "r")]) == 1
+    out = capsys.readouterr().out
+    assert "i: max abs diff 1\n" in out and "u: max abs diff 1\n" in out
+    assert "z: max abs diff 0 (the values' bits differ)" in out and "same" not in out
+    assert main(["diff", "--atol", "0.5", str(tmp_path / "l"), str(tmp_path / "r")]) == 1
+    out = capsys.readouterr().out
+    assert "i: max abs diff 1\n" in out and "z:" not in out
+    assert main(["diff", "--atol", "1", str(tmp_path / "l"), str(tmp_path / "r")]) == 0
+
+
 def test_console_command_in_a_subprocess(ckpt):
     run = lambda *args: subprocess.run([sys.executable, "-m", "statesnap.cli", *args],  # noqa: E731
                                        capture_output=True, text=True, timeout=120)

@@ -153,6 +153,38 @@ def test_plain_data_round_trips(tmp_path):
     assert reader.read("extra.bytes") == PLAIN["bytes"]
 
 
+@pytest.mark.parametrize("tagged", [
+    {"__ss_float": "1.5"}, {"__ss_float": 7}, {"__ss_tuple": "abc"}, {"__ss_tuple": {"a": 1}},
+    {"__ss_bytes": "!!!"}, {"__ss_bytes": 5}, {"__ss_dict": [[1]]}, {"__ss_dict": [[[1], 2]]},
+    {"__ss_tensor": {"dtype": "float32", "shape": [-1], "data": ""}},
+    {"__ss_tensor": {"dtype": "float32", "shape": [2], "data": "AAAA"}},
+    {"__ss_tensor": {"dtype": "bool", "shape": [1], "data": "Ag=="}},
+    {"__ss_tensor": {"dtype": "float32", "shape": [True], "data": "AAAAAA=="}},
+    {"__ss_tensor": {"dtype": "float32", "shape": [1], "data": "AAAAAA==", "extra": 1}},
+    {"__ss_float": "nan", "__ss_tuple": []}, {"__ss_float": "nan", "x": 1}, {"__ss_what": 1},
+])
+def test_plain_data_that_encode_never_writes_is_refused_not_guessed_at(tagged):
+    """docs/format.md §6: a tagged value is exactly what the writer writes, or a ManifestError
+    naming where it is: no float parsed from any string, no tuple of a string's letters, no
+    bytes from bad base64, no tensor of another size than its shape, no bool byte of 2."""
+    from statesnap.format.manifest import ManifestError
+    from statesnap.format.plaindata import decode
+
+    with pytest.raises(ManifestError, match="at extra.x"):
+        decode({"ok": [1, 2], "v": tagged}, "extra.x")
+
+
+def test_plain_data_nested_too_deeply_is_a_manifest_error():
+    from statesnap.format.manifest import ManifestError
+    from statesnap.format.plaindata import decode
+
+    deep = 1
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(ManifestError, match="nested too deeply"):
+        decode(deep, "extra.x")
+
+
 def test_plain_data_inside_a_list_keeps_non_str_keys(tmp_path):
     value = [{1: "a", (2, 3): {None: 1.5}}, ({"x": float("inf")},)]
     ss.save({"v": value}, tmp_path / "c")

@@ -139,6 +139,30 @@ def test_missing_data_file(ckpt):
     assert_good_neighbour_loads(path, state)
 
 
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_data_file_that_is_not_a_regular_file(ckpt, kind):
+    """A FIFO where a data file was used to block every reader forever (waiting for a writer),
+    and a directory raised a bare IsADirectoryError: each is a CorruptCheckpointError naming
+    the file and the tensor, from load, read and verify alike, and the manifest too."""
+    import os
+
+    path, state = ckpt
+    file, _, _ = piece(path, "model.big")
+    file.unlink()
+    os.mkfifo(file) if kind == "fifo" else file.mkdir()
+    for attempt in (lambda: ss.load(blank_like(state), path), lambda: ss.open(path).read("model.big"),
+                    lambda: ss.open(path).verify()):
+        with pytest.raises(ss.CorruptCheckpointError) as caught:
+            attempt()
+        assert file.name in str(caught.value) and "model.big" in str(caught.value)
+    assert_good_neighbour_loads(path, state)
+    if kind == "fifo":
+        (path / MANIFEST_NAME).unlink()
+        os.mkfifo(path / MANIFEST_NAME)
+        with pytest.raises(ss.CorruptCheckpointError, match="manifest.json is a FIFO"):
+            ss.open(path)
+
+
 @pytest.mark.parametrize("content", [b"", b"\x80\x04garbage", b"{not json", b"[1, 2]", b'{"format": "other"}'])
 def test_garbage_manifest(ckpt, content):
     path, state = ckpt

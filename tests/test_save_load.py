@@ -181,6 +181,36 @@ def test_an_optimizer_alone_in_the_state_loads_into_a_fresh_one(tmp_path):
     assert_same_optim(optim, optim2)
 
 
+def test_a_fresh_optimizer_whose_step_needs_a_closure_is_refused_clearly(tmp_path):
+    """PyTorch's helper creates a fresh optimizer's state with a step at lr 0 and no closure,
+    which LBFGS refuses: a CheckpointError that says so, and the lr is put back."""
+    model = nn.Linear(4, 2)
+    optim = torch.optim.LBFGS(model.parameters(), lr=0.5)
+
+    def closure():
+        optim.zero_grad()
+        loss = model(torch.ones(3, 4)).square().sum()
+        loss.backward()
+        return loss
+    optim.step(closure)
+    ss.save({"model": model, "optim": optim}, tmp_path / "c")
+    target = nn.Linear(4, 2)
+    fresh = torch.optim.LBFGS(target.parameters(), lr=0.5)
+    with pytest.raises(ss.CheckpointError, match="LBFGS has no state yet.*closure"):
+        ss.load({"model": target, "optim": fresh}, tmp_path / "c")
+    assert fresh.param_groups[0]["lr"] == 0.5 and not fresh.state
+
+
+def test_reading_a_name_the_checkpoint_lacks(tmp_path):
+    """A CheckpointError, as every error of statesnap, and a KeyError, as a missing key is."""
+    ss.save({"t": torch.ones(2)}, tmp_path / "c")
+    reader = ss.open(tmp_path / "c")
+    for lookup in (reader.read, reader.info):
+        with pytest.raises(ss.NotInCheckpointError, match="'u' is not in checkpoint") as caught:
+            lookup("u")
+        assert isinstance(caught.value, ss.CheckpointError) and isinstance(caught.value, KeyError)
+
+
 def test_saving_a_fresh_optimizer_leaves_it_fresh(tmp_path):
     model, optim, sched = make_training()
     ss.save({"model": model, "optim": optim}, tmp_path / "c")

@@ -29,7 +29,8 @@ _WHERE = {
     "flat_partition": "state.wrappers",
     **{name: "errors" for name in (
         "CheckpointError", "CorruptCheckpointError", "MissingFileError", "ManifestError", "StateMismatchError",
-        "CheckpointExistsError", "UnsafeCheckpointError", "ConsistencyError", "ReshardError")},
+        "CheckpointExistsError", "UnsafeCheckpointError", "ConsistencyError", "ReshardError",
+        "NotInCheckpointError")},
 }
 
 __all__ = list(_WHERE)

@@ -18,6 +18,11 @@ class MissingFileError(CheckpointError):
     """A file the manifest refers to is not there."""
 
 
+class NotInCheckpointError(CheckpointError, KeyError):
+    """A name the checkpoint does not hold (``Reader.read``, ``Reader.info``); also a KeyError,
+    as a lookup by a missing key is."""
+
+
 class ManifestError(CheckpointError):
     """The manifest is unreadable, from a future format version, or unsafe (paths escape)."""
 

@@ -11,7 +11,7 @@ from .engine.load import blob_reader, read_manifest
 from .engine.objects import decode_value
 from .engine.read import ReadExecutor
 from .engine.write import default_threads
-from .errors import CheckpointError, CorruptCheckpointError, MissingFileError
+from .errors import CheckpointError, CorruptCheckpointError, MissingFileError, NotInCheckpointError
 from .format.checksum import checksum_blocks
 from .format.manifest import BOX, Manifest
 from .plan.load_plan import plan_target
@@ -72,7 +72,7 @@ class Reader:
             return TensorInfo(fqn, entry.dtype, entry.shape, entry.stored_bytes, entry.num_pieces, entry.layout, files)
         if fqn in self.manifest.objects:
             return ObjectInfo(fqn, self.manifest.objects[fqn].kind)
-        raise KeyError(self._unknown(fqn))
+        raise NotInCheckpointError(self._unknown(fqn))
 
     def read(self, fqn: str, index: Any = None) -> Any:
         """The logical tensor ``fqn`` assembled from its pieces, or only ``tensor[index]`` (basic
@@ -82,7 +82,7 @@ class Reader:
             if fqn in self.manifest.objects:
                 return decode_value(fqn, self.manifest.objects[fqn], self.allow_pickle,
                                     blob_reader(self.backend, self.path, self.manifest))
-            raise KeyError(self._unknown(fqn))
+            raise NotInCheckpointError(self._unknown(fqn))
         start, size, squeeze = _region(entry.shape, index, fqn)
         out = torch.empty(size, dtype=entry.dtype)
         plan = plan_target(entry, BOX, start, size)
@@ -137,7 +137,10 @@ class Reader:
         intact. A shorter one is not reported here: what it lacks of a piece or blob fails that
         piece's read, and checkpoints written before sizes were exact record the ALIGN padding
         after the last piece that was never written (docs/format.md §1)."""
-        reader = self.backend.open_read(where)
+        try:
+            reader = self.backend.open_read(where)
+        except (OSError, CorruptCheckpointError):
+            return []  # (each of its pieces reports why it cannot be read)
         try:
             size = reader.size()
         finally:
@@ -175,8 +178,9 @@ class Reader:
         name = self.manifest.files[int(entry.file[i])]
         block = self.manifest.block_bytes
         base, nbytes = int(entry.offset[i]), int(entry.nbytes[i])
-        reader = self.backend.open_read(self.backend.join(self.path, name))
+        reader = None
         try:
+            reader = self.backend.open_read(self.backend.join(self.path, name))
             sums, pos, chunk = [], 0, block * VERIFY_CHUNK_BLOCKS
             buf = bytearray(min(chunk, nbytes))
             while pos < nbytes or not sums:
@@ -186,8 +190,11 @@ class Reader:
                     return f"{fqn} in {name}: file truncated before byte {base + nbytes}"
                 sums += checksum_blocks([view], block)
                 pos += take
+        except (OSError, CorruptCheckpointError) as exc:  # not a regular file, an I/O error
+            return f"{fqn} in {name}: cannot be read ({type(exc).__name__}: {exc})"
         finally:
-            reader.close()
+            if reader is not None:
+                reader.close()
         if sums != entry.piece_checksums(i):
             return f"{fqn} in {name}: checksum mismatch in bytes [{base}, {base + nbytes})"
         return None

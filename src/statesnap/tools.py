@@ -153,34 +153,39 @@ def verify_main(argv: list[str]) -> int:
 
 
 # -- diff ---------------------------------------------------------------------------------------
-def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest |a - b| over elements whose bits differ (NaN where either side is NaN)."""
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, bool]:
+    """(Largest |a - b| over the elements whose bits differ, NaN where either side is NaN;
+    whether any bits differ). Bits can differ where values do not (0.0 and -0.0, NaN payloads),
+    and integers are compared exactly: through float64, 2**62 and 2**62 + 1 would be equal."""
     if a.numel() == 0:
-        return 0.0
-    wide = torch.complex128 if a.is_complex() else torch.float64
+        return 0.0, False
     as_bytes = lambda t: t.reshape(-1).view(torch.uint8).reshape(t.numel(), -1)  # noqa: E731
     differs = (as_bytes(a) != as_bytes(b)).any(dim=1)
     if not differs.any():
-        return 0.0
-    delta = (a.reshape(-1)[differs].to(wide) - b.reshape(-1)[differs].to(wide)).abs()
-    return math.nan if delta.isnan().any() else float(delta.max())
+        return 0.0, False
+    x, y = a.reshape(-1)[differs], b.reshape(-1)[differs]
+    if not (x.is_floating_point() or x.is_complex()):  # (Python integers: no 64-bit overflow)
+        return float(max(abs(int(p) - int(q)) for p, q in zip(x.tolist(), y.tolist()))), True
+    wide = torch.complex128 if x.is_complex() else torch.float64
+    delta = (x.to(wide) - y.to(wide)).abs()
+    return (math.nan if delta.isnan().any() else float(delta.max())), True
 
 
-def compare_tensor(left: Reader, right: Reader, fqn: str) -> float:
-    """Max abs difference of ``fqn`` in two checkpoints (0.0: bit-identical), a slab at a time."""
+def compare_tensor(left: Reader, right: Reader, fqn: str) -> tuple[float, bool]:
+    """``max_abs_diff`` of ``fqn`` in two checkpoints, read a slab at a time."""
     entry = left.manifest.tensors[fqn]
     if not entry.shape or entry.numel == 0:
         return max_abs_diff(left.read(fqn).contiguous(), right.read(fqn).contiguous())
     row_bytes = max(1, entry.numel // entry.shape[0] * entry.dtype.itemsize)
     rows = max(1, DIFF_SLAB_BYTES // row_bytes)
-    worst = 0.0
+    worst, differs = 0.0, False
     for start in range(0, entry.shape[0], rows):
         region = slice(start, min(start + rows, entry.shape[0]))
-        found = max_abs_diff(left.read(fqn, region), right.read(fqn, region))
+        found, bits = max_abs_diff(left.read(fqn, region), right.read(fqn, region))
         if math.isnan(found):
-            return found
-        worst = max(worst, found)
-    return worst
+            return found, True
+        worst, differs = max(worst, found), differs or bits
+    return worst, differs
 
 
 def diff(left: Reader, right: Reader, atol: float = 0.0) -> list[str]:
@@ -203,9 +208,9 @@ def diff(left: Reader, right: Reader, atol: float = 0.0) -> list[str]:
         if a.dtype != b.dtype or a.shape != b.shape:
             lines.append(f"{fqn}: {dtype_name(a.dtype)}{list(a.shape)} vs {dtype_name(b.dtype)}{list(b.shape)}")
             continue
-        worst = compare_tensor(left, right, fqn)
-        if math.isnan(worst) or worst > atol:
-            lines.append(f"{fqn}: max abs diff {worst:.6g}")
+        worst, differs = compare_tensor(left, right, fqn)
+        if differs and (atol == 0 or math.isnan(worst) or worst > atol):  # atol 0: bit for bit
+            lines.append(f"{fqn}: max abs diff {worst:.6g}" + (" (the values' bits differ)" if worst == 0 else ""))
     return lines
 
 

@@ -5,6 +5,7 @@ confusing error in a background thread an hour into training.
 """
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -106,6 +107,7 @@ class CheckpointerConfig:
             self.node_id = int(os.environ.get("GROUP_RANK", "0"))
         if self.host_memory_gb is None:
             self.host_memory_gb = default_host_memory_gb()
+        self._check_types()
         checks = [
             (self.keep_last >= 1, f"keep_last must be at least 1 (got {self.keep_last}): the newest "
                                   "committed checkpoint is never deleted"),
@@ -139,6 +141,20 @@ class CheckpointerConfig:
         for ok, message in checks:
             if not ok:
                 raise CheckpointError(f"invalid Checkpointer setting: {message}")
+
+    def _check_types(self) -> None:
+        """Numbers where numbers belong, before the ranges are compared (``keep_last=None``
+        would otherwise be a bare TypeError, and ``keep_last=2.5`` pass)."""
+        whole = ("keep_last", "persist_every", "further_every", "further_keep_last", "max_in_flight", "copy_threads",
+                 "block_bytes", "local_every", "local_keep_last", "peer_replicas", "node_id")
+        real = ("host_memory_gb", "eager_copy_mb", "commit_timeout_s", "lease_s", "replica_check_mb")
+        for name in (*whole, *real, "threads"):
+            value = getattr(self, name)
+            kinds = numbers.Integral if name in whole or name == "threads" else numbers.Real
+            if (value is None and name == "threads") or (isinstance(value, kinds) and not isinstance(value, bool)):
+                continue
+            wanted = "an integer" if name in whole or name == "threads" else "a number"
+            raise CheckpointError(f"invalid Checkpointer setting: {name} must be {wanted} (got {value!r})")
 
     @property
     def host_memory_bytes(self) -> int:

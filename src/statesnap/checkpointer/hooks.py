@@ -153,6 +153,17 @@ def version_of(t: torch.Tensor) -> int | None:
     return local._version
 
 
+def changed_since_save(fqn: str, step: int) -> ConsistencyError:
+    """A tensor changed in place after ``save()`` by neither its optimizer's step nor a guarded
+    method, found before the checkpoint commits or the next step: the copy may have run while
+    the change did, and on the CPU the check right after the copy can miss one still under way."""
+    return ConsistencyError(
+        f"checkpoint of step {step}: tensor {fqn!r} was changed in place after save() by something other "
+        "than its optimizer's step or a method given to ckpt.guard(), so this checkpoint may mix two steps "
+        "and was dropped. Call ckpt.wait_staged() before changing saved tensors outside optimizer.step(), "
+        "or guard the method that changes them")
+
+
 def check_unchanged(t: torch.Tensor, expected: int | None, fqn: str, step: int) -> None:
     if expected is not None and version_of(t) != expected:
         raise ConsistencyError(
@@ -226,9 +237,11 @@ class StepGuard:
     writer was held back.
     """
 
-    def __init__(self, gates_for: Callable[[int | None], list], on_wait: Callable[[int, float, float], None]):
+    def __init__(self, gates_for: Callable[[int | None], list], on_wait: Callable[[int, float, float], None],
+                 released: Callable[[int | None], None] = lambda optimizer_id: None):
         self._gates_for = gates_for
         self._on_wait = on_wait
+        self._released = released  # (optimizer id, or None: a guarded method) after its wait
         self._handles: dict[int, tuple[weakref.ref, object]] = {}
         self._guarded: dict[tuple[int, str], tuple[weakref.ref, _ClassPatch]] = {}
 
@@ -319,6 +332,7 @@ class StepGuard:
                 start = now()
                 gate.wait()
                 self._on_wait(step, start, now())
+        self._released(optimizer_id)  # what the writer changes from now on is its own
 
     def close(self) -> None:
         """Remove every hook and guard; a class gets its method back when no guard needs it."""

@@ -214,6 +214,8 @@ class LocalFlusher(_Stage):
                 raise CheckpointError(f"step {snap.step} does not fit in host memory whole, which the "
                                       "node-local level copies from; raise host_memory_gb")
             output = self._write_own(snap, staging, token)
+            if snap.release() is not None:
+                raise snap.error
         except BaseException as exc:  # noqa: BLE001 (every rank must reach the exchange and the gather)
             error = exc
         try:

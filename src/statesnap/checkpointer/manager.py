@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import threading
 import warnings
 from collections import deque
@@ -122,7 +123,8 @@ class Checkpointer:
         self._warned_streaming = False
         self._closed = False
         self._closing = False
-        self._guard = StepGuard(self._gates_for, lambda step, s, e: self.events.add("wait-in-hook", step, s, e))
+        self._guard = StepGuard(self._gates_for, lambda step, s, e: self.events.add("wait-in-hook", step, s, e),
+                                self._release_inflight)
         self._stager = Stager(lambda: self._arena, cfg.copy_threads, lambda: self._segment_bytes, self.events,
                               self._copies_done, lambda: self._cuda, lambda: self._state_cache.forget(),
                               file_order=is_url(root))
@@ -146,6 +148,9 @@ class Checkpointer:
 
     def save(self, step: int, state: dict) -> SaveHandle:
         """Snapshot ``state`` as step ``step`` and return at once (no tensor byte is copied here)."""
+        if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
+            # (step-N is its name: "-1" or 8.9 would be saved where no restart looks)
+            raise CheckpointError(f"step must be a non-negative integer, not {step!r}")
         self._check_open()
         self._raise_pending()
         started = now()
@@ -210,6 +215,7 @@ class Checkpointer:
                 start = now()
                 snap.copied.wait()
                 self.events.add("wait-staged", snap.step, start, now())
+            snap.release()
         self._raise_pending()
 
     def guard(self, obj, method: str = "step") -> None:
@@ -510,13 +516,21 @@ class Checkpointer:
         versions = layout.versions(locals_)
         hot = frozenset() if copied_now else self._state_cache.changed_unguarded(layout, flat, versions)
         hot = frozenset() if trust_guards else hot
+        # looked at once more before their writer steps or the checkpoint commits (Snapshot.release):
+        # all but the copies made here, those save() waits for, and, with methods guarded, every
+        # item no optimizer writes (a guarded method may change them after its wait)
+        late_checks: dict = {}
+        for index, owner in enumerate(owners):
+            if owner is not None or not (copied_now or trust_guards or index in hot):
+                late_checks.setdefault(owner, []).append(index)
         cuda_ready = mark_devices(locals_) if layout.on_cuda else {}
         if cuda_ready and self._cuda is None:
             self._cuda = CudaCopier()
         return Snapshot(
             step=step, flat=flat, metas=metas, plan=plan, elsewhere=elsewhere, owned=owned, persist=persist,
             resident=resident,
-            versions=versions, owners=owners, writers=layout.writers, hot=hot, nbytes=layout.nbytes,
+            versions=versions, owners=owners, writers=layout.writers, hot=hot, late_checks=late_checks,
+            nbytes=layout.nbytes,
             objects=objects, blobs=blobs, per_rank=per_rank_names(flat), cuda_ready=cuda_ready,
             object_digests=object_digests(flat, objects) if persist and self._compares_objects else {},
             rank=self.rank, path=self.persistent.path(step),
@@ -596,6 +610,14 @@ class Checkpointer:
             inflight = list(self._inflight)
         for snap in inflight:
             snap.finished.wait()
+
+    def _release_inflight(self, optimizer_id: int | None) -> None:
+        """A writer waited and is about to change tensors: an optimizer's step (its own items),
+        or a guarded method or ``wait_staged`` (None: every item)."""
+        with self._lock:
+            inflight = list(self._inflight)
+        for snap in inflight:
+            snap.release(optimizer_id)
 
     def _gates_for(self, optimizer_id: int | None) -> list:
         """What a writer waits for: an optimizer's copies, or (None) every snapshot's whole copy."""

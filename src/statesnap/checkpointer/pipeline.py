@@ -26,7 +26,7 @@ from ..monitor.events import EventLog, now
 from ..plan.save_plan import SavePlan, align_up
 from ..state.items import Flattened, ItemMeta
 from ..storage.base import StorageBackend
-from .hooks import Countdown, check_unchanged
+from .hooks import Countdown, changed_since_save, check_unchanged, version_of
 from .staging import FREE, Arena, Batch, Region, build_batches, copy_into
 
 UNGUARDED = "unguarded"  # the gate of the items no optimizer writes that save() waits for
@@ -50,6 +50,9 @@ class Snapshot:
     # items no optimizer writes that changed since the previous save: save() waits for their
     # copies (the UNGUARDED gate), as nothing would hold back their next change
     hot: frozenset
+    # owner -> items whose version counters are looked at once more (``release``), when their
+    # optimizer is about to step or the checkpoint is about to commit
+    late_checks: dict
     nbytes: int  # of all items
     objects: dict  # fqn -> ObjectEntry of every object (the memory level restores all of them)
     blobs: dict  # fqn -> pickled bytes
@@ -70,6 +73,7 @@ class Snapshot:
     reported: bool = False
     path: str = ""
     finished: threading.Event = field(default_factory=threading.Event)  # nothing of it runs any more
+    released: set = field(default_factory=set)  # owners whose late checks are done (None: all of them)
     _stages_left: int | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -93,6 +97,24 @@ class Snapshot:
         for gate in [*self.gates.values(), self.copied]:
             if gate is not None:
                 gate.release()
+
+    def release(self, owner=None) -> BaseException | None:
+        """The last look at the version counters of ``owner``'s items (None: every owner's), for
+        the moment their writer may change them, or the checkpoint commits: on the CPU PyTorch
+        moves a counter when an in-place operation ends, so the check right after a copy misses
+        a change still under way, which it finds here. A change found fails the checkpoint.
+        After this, changes to those items are their writer's own: nothing looks again."""
+        with self._lock:
+            if None in self.released or owner in self.released:
+                return self.error
+            owners = [o for o in self.late_checks if o not in self.released] if owner is None else [owner]
+            self.released.add(owner)
+            items = self.flat.tensors
+            changed = next((i for o in owners for i in self.late_checks.get(o, ())
+                            if self.versions[i] is not None and version_of(items[i].local) != self.versions[i]), None)
+        if changed is not None:
+            self.fail(changed_since_save(items[changed].fqn, self.step))
+        return self.error
 
     def mark_staged(self) -> None:
         with self._lock:
@@ -330,6 +352,7 @@ class Flusher(_Stage):
                 raise CheckpointError(f"could not start checkpoint {snap.path}: {problem}")
             output = self._write(snap, staging, token)
             self._drain(snap)  # every copy is done, also on a rank that writes nothing
+            snap.release()
             output.replicas = self._hash_replicas(snap)
             output.object_digests = snap.object_digests
         except BaseException as exc:  # noqa: BLE001 (every rank must reach the gather below)

@@ -176,6 +176,9 @@ class ReadExecutor:
                 except FileNotFoundError:
                     raise MissingFileError(f"data file {name} of {self.directory} is missing "
                                            f"(needed for tensor {job.fqn!r})") from None
+                except (OSError, CorruptCheckpointError) as exc:
+                    raise CorruptCheckpointError(f"data file {name} of {self.directory} cannot be read (needed "
+                                                 f"for tensor {job.fqn!r}): {exc}") from None
                 self._files[job.file] = reader
             return reader
 
@@ -204,7 +207,12 @@ class ReadExecutor:
         pieces, discarded). A short read names the tensor whose bytes it stopped in."""
         want = sum(len(v) for v in views)
         first = owners[0]  # a request starts with a piece
-        got = reader.readinto(offset, views)
+        try:
+            got = reader.readinto(offset, views)
+        except OSError as exc:  # an I/O error of the device, say
+            raise CorruptCheckpointError(
+                f"data file {self.manifest.files[first.file]} of {self.directory} could not be read at byte "
+                f"{offset} (tensor {first.fqn!r}): {type(exc).__name__}: {exc}") from None
         gaps = sum(len(v) for v, job in zip(views, owners) if job is None)
         self.bytes_read += max(got - gaps, 0)
         self.advance(max(got - gaps, 0))

@@ -57,34 +57,58 @@ def encode(value: Any) -> Any:
 
 
 def decode(data: Any, where: str = "") -> Any:
+    """The value ``encode`` gave ``data`` for. Anything ``encode`` never writes is refused with a
+    ManifestError saying where, never guessed at (docs/format.md §6)."""
+    try:
+        return _decode(data, where)
+    except RecursionError:
+        raise ManifestError(f"plain data at {where or 'plain data'} is nested too deeply to read") from None
+
+
+def _decode(data: Any, where: str) -> Any:
     if isinstance(data, list):
-        return [decode(v, where) for v in data]
+        return [_decode(v, where) for v in data]
     if not isinstance(data, dict):
         return data
-    if len(data) == 1:
+    if any(key.startswith(TAG) for key in data):
+        if len(data) != 1:  # (encode writes a mapping with such keys as a tagged dict)
+            raise ManifestError(f"malformed plain data at {where or 'plain data'}: an object with a "
+                                f"{TAG}... key beside others")
         (key, inner), = data.items()
-        if key.startswith(TAG):
-            return _decode_tagged(key[len(TAG):], inner, where)
-    return {k: decode(v, where) for k, v in data.items()}
+        return _decode_tagged(key[len(TAG):], inner, where)
+    return {k: _decode(v, where) for k, v in data.items()}
+
+
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 def _decode_tagged(tag: str, inner: Any, where: str) -> Any:
+    def expect(ok: bool, what: str) -> None:
+        if not ok:
+            raise ValueError(what)
     try:
         if tag == "float":
-            return float(inner)
+            expect(isinstance(inner, str) and inner in _NON_FINITE, "only 'nan', 'inf' and '-inf' are tagged")
+            return _NON_FINITE[inner]
         if tag == "tuple":
-            return tuple(decode(v, where) for v in inner)
+            expect(isinstance(inner, list), "a list of its elements is expected")
+            return tuple(_decode(v, where) for v in inner)
         if tag == "dict":
-            return {_hashable(decode(k, where)): decode(v, where) for k, v in inner}
+            expect(isinstance(inner, list) and all(isinstance(p, list) and len(p) == 2 for p in inner),
+                   "a list of [key, value] pairs is expected")
+            out = {}
+            for k, v in inner:
+                key = _decode(k, where)
+                hash(key)  # a list where encode wrote a hashable key is malformed (TypeError)
+                out[key] = _decode(v, where)
+            return out
         if tag == "bytes":
-            return base64.b64decode(inner)
+            expect(isinstance(inner, str), "base64 text is expected")
+            return base64.b64decode(inner, validate=True)
         if tag == "dtype":
             return dtype_from_name(inner, where)
         if tag == "tensor":
-            dtype = dtype_from_name(inner["dtype"], where)
-            raw = bytearray(base64.b64decode(inner["data"]))
-            flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-            return flat.view(dtype).reshape(inner["shape"]).clone()
+            return _decode_tensor(inner, where, expect)
     except ManifestError:
         raise
     except Exception as exc:  # malformed tagged value: report where, never guess
@@ -92,5 +116,14 @@ def _decode_tagged(tag: str, inner: Any, where: str) -> Any:
     raise ManifestError(f"unknown plain-data tag {TAG + tag!r} at {where or 'plain data'}")
 
 
-def _hashable(key: Any) -> Any:
-    return tuple(_hashable(k) for k in key) if isinstance(key, (list, tuple)) else key
+def _decode_tensor(inner: Any, where: str, expect) -> torch.Tensor:
+    expect(isinstance(inner, dict) and set(inner) == {"dtype", "shape", "data"}, "dtype, shape and data are expected")
+    dtype = dtype_from_name(inner["dtype"], where)
+    shape = inner["shape"]
+    expect(isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape), "a shape of sizes is expected")
+    expect(isinstance(inner["data"], str), "base64 text is expected")
+    raw = bytearray(base64.b64decode(inner["data"], validate=True))
+    expect(len(raw) == math.prod(shape) * dtype.itemsize, f"{len(raw)} bytes for a {dtype_name(dtype)}{shape}")
+    flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    expect(dtype != torch.bool or not raw or int(flat.max()) <= 1, "a bool tensor holds bytes 0 and 1 only")
+    return flat.view(dtype).reshape(shape).clone()

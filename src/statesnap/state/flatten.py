@@ -176,7 +176,7 @@ class _Walker:
             create_adam_state(optim, self.created)
         # Otherwise the helper initialises a fresh optimizer's state with a zero-lr step, which
         # would shift Adam's step count; undo that unless the checkpoint brings state to fill in.
-        sd = get_optimizer_state_dict(model, optim)
+        sd = _optimizer_state_dict(model, optim, fqn) if fresh else get_optimizer_state_dict(model, optim)
         if fresh and not (self.for_load and self.stored_prefixes(join(fqn, "state") + SEP)):
             optim.state.clear()
             sd["state"] = {}
@@ -203,6 +203,24 @@ class _Walker:
         if wanted <= {id(p) for _, module in held for p in module.parameters()}:
             return _container(held)
         return None
+
+
+def _optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, fqn: str) -> dict:
+    """``get_optimizer_state_dict`` of an optimizer without state, which that helper creates with
+    one step at lr 0. An optimizer whose step needs a closure (LBFGS) refuses it, and the
+    helper then left the lr at 0: put the hyperparameters back, and say what went wrong."""
+    hyper = [{k: v for k, v in group.items() if k != "params"} for group in optim.param_groups]
+    try:
+        return get_optimizer_state_dict(model, optim)
+    except Exception as exc:
+        for group, saved in zip(optim.param_groups, hyper):
+            group.update(saved)
+        optim.state.clear()
+        raise CheckpointError(
+            f"{fqn}: the {type(optim).__name__} has no state yet, and PyTorch's state-dict helper, which "
+            f"creates it with one step at lr 0 and no closure, failed ({type(exc).__name__}: {exc}). An "
+            "optimizer whose step needs a closure (LBFGS) cannot be stepped so: take one step with it before "
+            "saving or loading its state") from exc
 
 
 def create_adam_state(optim: torch.optim.Optimizer, created: list[torch.Tensor] | None = None) -> None:

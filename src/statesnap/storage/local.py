@@ -14,10 +14,11 @@ import errno
 import mmap
 import os
 import shutil
+import stat
 import threading
 from typing import Sequence
 
-from ..errors import CheckpointExistsError, CheckpointError
+from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .aligned import BOUNCE, address
 from .base import DIRECT_ALIGN, FileReader, FileWriter, StorageBackend
 
@@ -171,9 +172,25 @@ class _LocalWriter(FileWriter):
                 os.close(self._direct_fd)
 
 
+def _open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file at ``path``. Opened non-blocking, so that a
+    FIFO put where a checkpoint's file was opens at once instead of waiting for a writer forever
+    (reads of regular files ignore the flag); anything but a regular file is refused unread."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    kind = stat.S_IFMT(os.fstat(fd).st_mode)
+    if kind != stat.S_IFREG:
+        os.close(fd)
+        if kind == stat.S_IFDIR:  # as open() itself says it
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        what = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
+                stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}.get(kind, "not a regular file")
+        raise CorruptCheckpointError(f"{path} is {what}, not the regular file a checkpoint holds there")
+    return fd
+
+
 class _LocalReader(FileReader):
     def __init__(self, path: str):
-        self.fd = os.open(path, os.O_RDONLY)
+        self.fd = _open_regular(path)
         self._mapping: mmap.mmap | None = None
         self._lock = threading.Lock()
 
@@ -262,7 +279,7 @@ class LocalBackend(StorageBackend):
             writer.close(durable)
 
     def read_bytes(self, path: str) -> bytes:
-        with open(path, "rb") as f:
+        with open(_open_regular(path), "rb") as f:
             return f.read()
 
     def begin(self, final: str, token: str) -> str:
