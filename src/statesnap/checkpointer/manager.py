@@ -519,10 +519,9 @@ class Checkpointer:
         # looked at once more before their writer steps or the checkpoint commits (Snapshot.release):
         # all but the copies made here, those save() waits for, and, with methods guarded, every
         # item no optimizer writes (a guarded method may change them after its wait)
-        late_checks: dict = {}
-        for index, owner in enumerate(owners):
-            if owner is not None or not (copied_now or trust_guards or index in hot):
-                late_checks.setdefault(owner, []).append(index)
+        late_checks = {owner: items for owner, items in layout.by_owner.items() if owner is not None}
+        if layout.unguarded and not (copied_now or trust_guards):
+            late_checks[None] = [index for index in layout.unguarded if index not in hot]
         cuda_ready = mark_devices(locals_) if layout.on_cuda else {}
         if cuda_ready and self._cuda is None:
             self._cuda = CudaCopier()

@@ -39,13 +39,17 @@ class Layout:
     plain: bool  # no DTensor or inference tensor: each item's ``_version`` is its counter
     # derived once, not at every save: the items no optimizer writes, their bytes, the optimizers
     # that write some item (by id) and the bytes of all items
+    by_owner: dict = field(init=False)
     unguarded: list[int] = field(init=False)
     unguarded_bytes: int = field(init=False)
     writers: frozenset = field(init=False)
     nbytes: int = field(init=False)
 
     def __post_init__(self):
-        self.unguarded = [index for index, owner in enumerate(self.owners) if owner is None]
+        self.by_owner: dict = {}  # optimizer id (None: no optimizer) -> the indices of its items
+        for index, owner in enumerate(self.owners):
+            self.by_owner.setdefault(owner, []).append(index)
+        self.unguarded = self.by_owner.get(None, [])
         self.unguarded_bytes = sum(self.metas[index].nbytes for index in self.unguarded)
         self.writers = frozenset(owner for owner in self.owners if owner is not None)
         self.nbytes = sum(meta.nbytes for meta in self.metas)
