@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from ..errors import CorruptCheckpointError, MissingFileError
-from ..format.checksum import checksum_blocks
+from ..format.checksum import checksum_blocks, checksum_whole
 from ..format.manifest import Manifest, TensorEntry
 from ..plan.load_plan import PieceRead, Segment, TargetPlan, row_major_strides
 from ..storage.base import FileReader, StorageBackend
@@ -94,12 +94,18 @@ class ReadExecutor:
 
     def _tasks(self) -> list[Callable[[], None]]:
         """One task per stream of direct reads (``_streams``) and one per staged read."""
-        direct, staged = [], []
-        for part in itertools.chain.from_iterable(map(self._carve, self.jobs)):
-            if self._is_direct(part):
-                direct.extend(self._split(part))
-            else:
-                staged.append(part)
+        direct, staged, block = [], [], self.manifest.block_bytes
+        for job in self.jobs:
+            read = job.read
+            if (read.lo == 0 and read.hi == job.size <= block and read.box is None and len(read.segments) == 1
+                    and read.segments[0].src == 0 and read.segments[0].nbytes == job.size):
+                direct.append(job)  # the commonest, decided at once: a whole piece of a block at most, in one run
+                continue
+            for part in self._carve(job):
+                if self._is_direct(part):
+                    direct.extend(self._split(part))
+                else:
+                    staged.append(part)
         streams = _streams(self._coalesce(direct), self.threads)
         return ([functools.partial(self._run_stream, groups, len(streams) > 1) for groups in streams]
                 + [functools.partial(self._run_staged, job) for job in staged])
@@ -274,8 +280,11 @@ class ReadExecutor:
             dst.copy_(src)
 
     def _check(self, job: _Job, lo: int, hi: int, views: list[memoryview]) -> None:
-        block = self.manifest.block_bytes
-        expected = job.entry.piece_checksums(job.read.piece)[lo // block: -(-hi // block) if hi else 1]
+        block, entry = self.manifest.block_bytes, job.entry
+        if len(views) == 1 and lo % block == 0 and hi - lo <= block:  # one block in one view: the commonest
+            if checksum_whole(views[0]) == entry.checksum[entry.checksum_bounds[job.read.piece] + lo // block]:
+                return
+        expected = entry.piece_checksums(job.read.piece)[lo // block: -(-hi // block) if hi else 1]
         actual = checksum_blocks(views, block)
         if actual != expected:
             bad = next(i for i, (a, e) in enumerate(zip(actual, expected)) if a != e) if len(actual) == len(expected) else 0
