@@ -294,6 +294,35 @@ def test_save_waits_for_the_copies_of_unguarded_tensors_that_change_between_save
     assert ckpt.stats()["phases"]["wait-unguarded"]["count"] == 4
 
 
+def test_in_a_state_larger_than_the_arena_save_waits_for_those_copies_alone(tmp_path, monkeypatch):
+    """A state larger than the host budget streams through the arena: its later batches are
+    copied only as the flush frees space. ``save`` waits for the changed unguarded tensors'
+    copies, which go first, not for the rest: here the flush is held back, and ``save`` still
+    returns, with the EMA's copy done."""
+    writing = threading.Event()
+    real_write = pipeline.Flusher._write
+
+    def held_write(self, *args, **kwargs):
+        writing.wait(60)
+        return real_write(self, *args, **kwargs)
+    monkeypatch.setattr(pipeline.Flusher, "_write", held_write)
+    model = nn.Linear(256, 256)
+    optim = torch.optim.AdamW(model.parameters())
+    train_step(nn.Sequential(model), optim, 1)
+    state = {"model": model, "optim": optim, "ema": torch.zeros(2000)}
+    ref = reference(state)
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=(128 << 10) / 1e9, eager_copy_mb=0)  # state: 0.8 MB
+    saved: list = []
+    saving = threading.Thread(target=lambda: saved.append(ckpt.save(1, state)), daemon=True)
+    saving.start()
+    saving.join(30)
+    assert not saving.is_alive(), "save() waited for the whole streaming snapshot"
+    state["ema"].add_(1.0)
+    writing.set()
+    assert_checkpoint_equals(saved[0].wait(), ref)
+    ckpt.close()
+
+
 def test_pickled_values_larger_than_a_checksum_block(tmp_path):
     """A pickled value is checked by one hash of all its bytes, whatever its size."""
     big = set(range(20_000))  # about 100 KB pickled, far over the small arena's blocks

@@ -74,6 +74,7 @@ class Snapshot:
     path: str = ""
     finished: threading.Event = field(default_factory=threading.Event)  # nothing of it runs any more
     released: set = field(default_factory=set)  # owners whose late checks are done (None: all of them)
+    hot_queued: bool = False  # the copies of ``hot`` are all queued (the UNGUARDED gate's own count is done)
     _stages_left: int | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -192,8 +193,9 @@ class Stager(_Stage):
             snap.fail(as_checkpoint_error(exc, snap.step, snap.path))
         finally:
             snap.batches.put(None)
-            for gate in [*snap.gates.values(), snap.copied]:
-                gate.finish()
+            for owner, gate in [*snap.gates.items(), (None, snap.copied)]:
+                if owner != UNGUARDED or not snap.hot_queued:
+                    gate.finish()
 
     def _stage(self, snap: Snapshot) -> None:
         arena: Arena = self._arena_of()
@@ -217,11 +219,14 @@ class Stager(_Stage):
         if snap.resident:
             end = batches[-1].arena_span[1] if batches else 0
             snap.region = self._allocate(arena, end, snap)
+        hot = [batch for batch in batches if not snap.hot.isdisjoint(seg.item for seg in batch.segments)]
+        for batch in hot:
+            batch.owners.add(UNGUARDED)
+        if not hot:
+            self._hot_queued(snap)
         for batch in batches:
             if snap.error is not None:
                 break
-            if not snap.hot.isdisjoint(seg.item for seg in batch.segments):
-                batch.owners.add(UNGUARDED)
             if not snap.resident:
                 batch.region = self._allocate(arena, batch.arena_span[1], snap)
             queued = now()
@@ -234,6 +239,16 @@ class Stager(_Stage):
                 snap.gates[owner].add()
             snap.copied.add()
             snap.batches.put((batch, self._pool.submit(self._copy, arena, snap, batch, on_device, queued)))
+            if hot and batch is hot[-1]:
+                self._hot_queued(snap)
+
+    @staticmethod
+    def _hot_queued(snap: Snapshot) -> None:
+        """Every copy ``save()`` waits for is queued (they come first): open its gate to them
+        alone, not to the rest, which a snapshot larger than the arena queues only as space frees."""
+        if UNGUARDED in snap.gates and not snap.hot_queued:
+            snap.hot_queued = True
+            snap.gates[UNGUARDED].finish()
 
     def _check_described(self, snap: Snapshot) -> None:
         """Every tensor still has the shape and size it was described with. ``save()`` reuses its
