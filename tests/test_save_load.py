@@ -169,6 +169,23 @@ def test_an_optimizer_over_several_modules_of_the_state_is_keyed_by_their_names(
     assert_same_params(dec, dec2)
 
 
+def test_a_positional_checkpoint_of_such_an_optimizer_still_loads(tmp_path, monkeypatch):
+    """Before the state was named, an optimizer over several modules was saved by position: such
+    a checkpoint still loads into an optimizer that has stepped, as it did."""
+    from statesnap.state import flatten
+
+    enc, dec, optim = _encoder_decoder(0)
+    _step(enc, dec, optim, 1)
+    with monkeypatch.context() as m:
+        m.setattr(flatten._Walker, "_owner_of", lambda self, optim: None)  # what the old save did
+        ss.save({"enc": enc, "dec": dec, "optim": optim}, tmp_path / "c")
+    assert "optim.state.0.exp_avg" in ss.open(tmp_path / "c").keys()
+    enc2, dec2, optim2 = _encoder_decoder(7)
+    _step(enc2, dec2, optim2, 3)
+    ss.load({"enc": enc2, "dec": dec2, "optim": optim2}, tmp_path / "c")
+    assert_same_optim(optim, optim2)
+
+
 def test_an_optimizer_alone_in_the_state_loads_into_a_fresh_one(tmp_path):
     """No module in the state holds its parameters: its state is kept by position, and a fresh
     Adam(W) takes it (before, the load found nothing to fill and a strict one failed)."""

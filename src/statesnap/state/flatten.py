@@ -162,6 +162,8 @@ class _Walker:
         if self._reused(fqn, optim):
             return
         model = self._owner_of(optim)
+        if isinstance(model, _Container) and self.for_load and self.stored_prefixes(join(join(fqn, "state"), 0) + SEP):
+            model = None  # saved by position, as statesnap did before it named such optimizers' state
         if model is None:
             # No module in the state owns these parameters: fall back to positional state.
             if not optim.state and self.for_load and self.stored_prefixes(join(fqn, "state") + SEP):
@@ -296,11 +298,15 @@ def _named_values(state: dict, prefix: str = ""):
             yield from _named_values(value, join(prefix, key))
 
 
+class _Container(nn.Module):
+    """Modules of the state, gathered under their names in it (``_container``)."""
+
+
 def _container(named: list[tuple[str, nn.Module]]) -> nn.Module | None:
     """One module holding ``named`` modules under their names in the state (``enc``,
     ``models.dec``), so that ``named_parameters`` names a parameter as the state does; None if a
     name cannot be a module path (an empty part, or one that is an attribute of nn.Module)."""
-    root = nn.Module()
+    root = _Container()
     try:
         for fqn, module in named:
             parent, (*path, last) = root, fqn.split(SEP)
