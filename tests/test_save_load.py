@@ -169,6 +169,21 @@ def test_an_optimizer_over_several_modules_of_the_state_is_keyed_by_their_names(
     assert_same_params(dec, dec2)
 
 
+def test_modules_under_digit_keys_share_an_optimizer(tmp_path):
+    """Names under digit keys (``optim.state.0.weight.exp_avg``) are not taken for positions."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 3), nn.Linear(3, 2)
+    optim = torch.optim.Adam([*a.parameters(), *b.parameters()])
+    b(a(torch.randn(5, 4))).sum().backward()
+    optim.step()
+    ss.save({"0": a, "1": b, "optim": optim}, tmp_path / "c")
+    assert "optim.state.0.weight.exp_avg" in ss.open(tmp_path / "c").keys()
+    a2, b2 = nn.Linear(4, 3), nn.Linear(3, 2)
+    optim2 = torch.optim.Adam([*a2.parameters(), *b2.parameters()])
+    ss.load({"0": a2, "1": b2, "optim": optim2}, tmp_path / "c")
+    assert_same_optim(optim, optim2)
+
+
 def test_a_positional_checkpoint_of_such_an_optimizer_still_loads(tmp_path, monkeypatch):
     """Before the state was named, an optimizer over several modules was saved by position: such
     a checkpoint still loads into an optimizer that has stepped, as it did."""

@@ -516,20 +516,14 @@ class Checkpointer:
         versions = layout.versions(locals_)
         hot = frozenset() if copied_now else self._state_cache.changed_unguarded(layout, flat, versions)
         hot = frozenset() if trust_guards else hot
-        # looked at once more before their writer steps or the checkpoint commits (Snapshot.release):
-        # all but the copies made here, those save() waits for, and, with methods guarded, every
-        # item no optimizer writes (a guarded method may change them after its wait)
-        late_checks = {owner: items for owner, items in layout.by_owner.items() if owner is not None}
-        if layout.unguarded and not (copied_now or trust_guards):
-            late_checks[None] = [index for index in layout.unguarded if index not in hot]
         cuda_ready = mark_devices(locals_) if layout.on_cuda else {}
         if cuda_ready and self._cuda is None:
             self._cuda = CudaCopier()
         return Snapshot(
             step=step, flat=flat, metas=metas, plan=plan, elsewhere=elsewhere, owned=owned, persist=persist,
             resident=resident,
-            versions=versions, owners=owners, writers=layout.writers, hot=hot, late_checks=late_checks,
-            nbytes=layout.nbytes,
+            versions=versions, owners=owners, writers=layout.writers, hot=hot, late_checks=layout.late_checks,
+            plain=layout.plain, nbytes=layout.nbytes,
             objects=objects, blobs=blobs, per_rank=per_rank_names(flat), cuda_ready=cuda_ready,
             object_digests=object_digests(flat, objects) if persist and self._compares_objects else {},
             rank=self.rank, path=self.persistent.path(step),

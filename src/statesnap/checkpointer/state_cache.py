@@ -40,6 +40,7 @@ class Layout:
     # derived once, not at every save: the items no optimizer writes, their bytes, the optimizers
     # that write some item (by id) and the bytes of all items
     by_owner: dict = field(init=False)
+    late_checks: dict = field(init=False)
     unguarded: list[int] = field(init=False)
     unguarded_bytes: int = field(init=False)
     writers: frozenset = field(init=False)
@@ -50,6 +51,10 @@ class Layout:
         for index, owner in enumerate(self.owners):
             self.by_owner.setdefault(owner, []).append(index)
         self.unguarded = self.by_owner.get(None, [])
+        # what Snapshot.release looks at again: the items of each optimizer on the CPU (a GPU's
+        # version counter moves when an operation is queued: the check after the copy is exact)
+        self.late_checks = {owner: [i for i in indices if self.items[i].local.is_cpu]
+                            for owner, indices in self.by_owner.items() if owner is not None}
         self.unguarded_bytes = sum(self.metas[index].nbytes for index in self.unguarded)
         self.writers = frozenset(owner for owner in self.owners if owner is not None)
         self.nbytes = sum(meta.nbytes for meta in self.metas)
@@ -75,7 +80,8 @@ class StateCache:
         self._providers = ProviderCache() if reuse else None
         self._layout: Layout | None = None
         self._stale = False
-        self._unguarded_versions: dict[tuple, int | None] = {}  # (fqn, id, address) -> counter at the last save
+        self._unguarded_versions: dict[tuple, int | None] = {}  # (fqn, address) -> counter at the last save
+        self._changing: set[str] = set()  # names of unguarded items seen changing between saves
 
     def forget(self) -> None:
         """Drop everything cached at the next save (callable from any thread): a snapshot found a
@@ -90,19 +96,24 @@ class StateCache:
         return flatten_for_save(state, self._providers)
 
     def changed_unguarded(self, layout: Layout, flat: Flattened, versions: list) -> frozenset:
-        """The CPU items no optimizer writes that changed in place since the last save (all of
-        them at the first), by name, tensor and version counter. On the CPU PyTorch moves a
-        version counter when an in-place operation ends: one still running on such a tensor
-        while its lazy copy is checked would go unseen, and something changes these tensors
-        between saves (an EMA's update), which no hook holds back. Frozen weights do not
-        change, and stay lazy."""
+        """The CPU items no optimizer writes that change in place between saves: those whose
+        version counter moved since the last save, and from then on always (an EMA updated every
+        few steps is one), and at the first save all of them. On the CPU PyTorch moves a version
+        counter when an in-place operation ends: one still running on such a tensor while its
+        lazy copy is checked would go unseen, and no hook holds back their changes. Frozen
+        weights never change, and stay lazy. Tensors are known by name and address: a state
+        dict made anew for every save holds new tensor objects of the same memory."""
         previous, self._unguarded_versions = self._unguarded_versions, {}
         changed = []
         for index in layout.unguarded:
-            local = flat.tensors[index].local
-            key = (flat.tensors[index].fqn, id(local), local.data_ptr())
+            item = flat.tensors[index]
+            key = (item.fqn, item.local.data_ptr())
             self._unguarded_versions[key] = versions[index]
-            if local.is_cpu and (versions[index] is None or previous.get(key, -1) != versions[index]):
+            if not item.local.is_cpu:
+                continue
+            if item.fqn in self._changing or versions[index] is None or previous.get(key, -1) != versions[index]:
+                if key in previous:  # (not at the first save: there every one is waited for once)
+                    self._changing.add(item.fqn)
                 changed.append(index)
         return frozenset(changed)
 

@@ -69,7 +69,7 @@ def _unpacked(data, most: int) -> tuple | None:
         columns = [data[name] for name in _COLUMNS]
     except (KeyError, TypeError):  # (an unhashable dtype name)
         return None
-    if type(shape) is not list or {*map(type, shape)} - _INT or (shape and min(shape) < 0):
+    if type(shape) is not list or {*map(type, shape)} - _INT or (shape and (min(shape) < 0 or max(shape) > INT64_MAX)):
         return None
     total = math.prod(shape)
     if total * dtype.itemsize > INT64_MAX or layout not in (BOX, FLAT) or {*map(type, columns)} != _LIST:

@@ -162,7 +162,7 @@ class _Walker:
         if self._reused(fqn, optim):
             return
         model = self._owner_of(optim)
-        if isinstance(model, _Container) and self.for_load and self.stored_prefixes(join(join(fqn, "state"), 0) + SEP):
+        if isinstance(model, _Container) and self.for_load and self._saved_by_position(fqn, model):
             model = None  # saved by position, as statesnap did before it named such optimizers' state
         if model is None:
             # No module in the state owns these parameters: fall back to positional state.
@@ -189,6 +189,14 @@ class _Walker:
         elif self.cache is not None:
             self.cache.store_optimizer(fqn, optim, model, sd, self.out.tensors[first_tensor:],
                                        self.out.objects[first_object:], join, tuple(map(id, self.modules)))
+
+    def _saved_by_position(self, fqn: str, container: nn.Module) -> bool:
+        """Whether the checkpoint keys optimizer ``fqn``'s state by position: some under
+        ``<fqn>.state.0.``, none under a parameter name of ``container`` (which may start with a
+        digit too, for modules under digit keys)."""
+        state = join(fqn, "state")
+        return self.stored_prefixes(join(state, 0) + SEP) and not any(
+            self.stored_prefixes(join(state, name) + SEP) for name, _ in container.named_parameters())
 
     def _owner_of(self, optim: torch.optim.Optimizer) -> nn.Module | None:
         """The module of the state whose parameter names key the optimizer's state: one that
