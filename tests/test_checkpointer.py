@@ -115,6 +115,18 @@ class Gate:
         self.opened.set()
 
 
+def hold_writes(monkeypatch) -> threading.Event:
+    """Hold every persistent flush's writing (after the copies) until the returned event is set."""
+    writing = threading.Event()
+    real_write = pipeline.Flusher._write
+
+    def held_write(self, *args, **kwargs):
+        writing.wait(60)
+        return real_write(self, *args, **kwargs)
+    monkeypatch.setattr(pipeline.Flusher, "_write", held_write)
+    return writing
+
+
 # ----------------------------------------------------------------------------- consistency
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -198,13 +210,7 @@ def test_a_change_after_the_copy_is_looked_for_again_before_the_commit(tmp_path,
     train_step(model, optim, 1)
     state = {"model": model, "optim": optim}
     ref = reference(state)
-    writing = threading.Event()
-    real_write = pipeline.Flusher._write
-
-    def held_write(self, *args, **kwargs):
-        writing.wait(60)
-        return real_write(self, *args, **kwargs)
-    monkeypatch.setattr(pipeline.Flusher, "_write", held_write)
+    writing = hold_writes(monkeypatch)
     ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01)
     handle = ckpt.save(1, state)
     assert handle.staged.result() == 1  # every copy is done and checked
@@ -300,13 +306,7 @@ def test_in_a_state_larger_than_the_arena_save_waits_for_those_copies_alone(tmp_
     copied only as the flush frees space. ``save`` waits for the changed unguarded tensors'
     copies, which go first, not for the rest: here the flush is held back, and ``save`` still
     returns, with the EMA's copy done."""
-    writing = threading.Event()
-    real_write = pipeline.Flusher._write
-
-    def held_write(self, *args, **kwargs):
-        writing.wait(60)
-        return real_write(self, *args, **kwargs)
-    monkeypatch.setattr(pipeline.Flusher, "_write", held_write)
+    writing = hold_writes(monkeypatch)
     model = nn.Linear(256, 256)
     optim = torch.optim.AdamW(model.parameters())
     train_step(nn.Sequential(model), optim, 1)

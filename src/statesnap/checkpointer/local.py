@@ -214,8 +214,9 @@ class LocalFlusher(_Stage):
                 raise CheckpointError(f"step {snap.step} does not fit in host memory whole, which the "
                                       "node-local level copies from; raise host_memory_gb")
             output = self._write_own(snap, staging, token)
-            if snap.release() is not None:
-                raise snap.error
+            failed = snap.release()  # (the last look at the counters, before this level commits)
+            if failed is not None:
+                raise failed
         except BaseException as exc:  # noqa: BLE001 (every rank must reach the exchange and the gather)
             error = exc
         try:

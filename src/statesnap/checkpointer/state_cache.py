@@ -38,8 +38,9 @@ class Layout:
     on_cuda: bool
     plain: bool  # no DTensor or inference tensor: each item's ``_version`` is its counter
     # derived once, not at every save: the items no optimizer writes, their bytes, the optimizers
-    # that write some item (by id) and the bytes of all items
-    by_owner: dict = field(init=False)
+    # that write some item (by id), the bytes of all items, and what Snapshot.release looks at
+    # again: each optimizer's items on the CPU (a GPU's version counter moves when an operation
+    # is queued, so the check after its copy is exact)
     late_checks: dict = field(init=False)
     unguarded: list[int] = field(init=False)
     unguarded_bytes: int = field(init=False)
@@ -47,16 +48,14 @@ class Layout:
     nbytes: int = field(init=False)
 
     def __post_init__(self):
-        self.by_owner: dict = {}  # optimizer id (None: no optimizer) -> the indices of its items
+        by_owner: dict = {}  # optimizer id (None: no optimizer) -> the indices of its items
         for index, owner in enumerate(self.owners):
-            self.by_owner.setdefault(owner, []).append(index)
-        self.unguarded = self.by_owner.get(None, [])
-        # what Snapshot.release looks at again: the items of each optimizer on the CPU (a GPU's
-        # version counter moves when an operation is queued: the check after the copy is exact)
+            by_owner.setdefault(owner, []).append(index)
+        self.unguarded = by_owner.pop(None, [])
         self.late_checks = {owner: [i for i in indices if self.items[i].local.is_cpu]
-                            for owner, indices in self.by_owner.items() if owner is not None}
+                            for owner, indices in by_owner.items()}
         self.unguarded_bytes = sum(self.metas[index].nbytes for index in self.unguarded)
-        self.writers = frozenset(owner for owner in self.owners if owner is not None)
+        self.writers = frozenset(by_owner)
         self.nbytes = sum(meta.nbytes for meta in self.metas)
 
     def versions(self, tensors: list[torch.Tensor]) -> list:
