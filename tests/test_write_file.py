@@ -3,6 +3,7 @@ saves straight from the tensors; either way the file holds exactly the jobs' byt
 them, and each job gets the checksums of its own bytes."""
 import errno
 import os
+import threading
 
 import numpy as np
 import torch
@@ -167,3 +168,32 @@ def test_a_forked_child_saves_with_buffers_of_its_own(tmp_path):
     assert os.waitpid(child, 0)[1] == 0
     assert set(np.frombuffer(bounce, dtype=np.uint8)[:4096].tolist()) == {1}
     assert set(arena.buffer[:4096].tolist()) == {1}
+
+
+def test_windows_are_written_while_the_next_ones_are_filled(tmp_path, small_windows):
+    """One copying thread (threads=1) still keeps DIRECT_DEPTH window writes in flight: the first
+    DIRECT_DEPTH writes wait for each other at a barrier, which only opens if they run at once."""
+    jobs, end = layout([4 * write.DIRECT_DEPTH * WINDOW + 5], seed=11)
+    backend = CountingBackend()
+    real_open = backend.open_write
+    barrier = threading.Barrier(write.DIRECT_DEPTH, timeout=30)
+
+    def open_meeting(path, durable=False):
+        writer = real_open(path, durable)
+        inner = writer.pwrite_bulk
+
+        def pwrite_bulk(offset, view):
+            if offset < write.DIRECT_DEPTH * WINDOW:
+                barrier.wait()
+            inner(offset, view)
+
+        writer.pwrite_bulk = pwrite_bulk
+        writer.bypasses_cache = lambda: True
+        return writer
+
+    backend.open_write = open_meeting
+    path = str(tmp_path / "data")
+    sums = write.write_file(backend, path, jobs, BLOCK, durable=True, threads=1, whole_file=True)
+    assert open(path, "rb").read() == expected_file(jobs, end)
+    assert sums == [checksum_blocks([view], BLOCK) for _, view in jobs]
+    assert len(small_windows._free) == 8

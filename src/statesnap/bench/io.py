@@ -168,7 +168,7 @@ def _direct_image(state: dict) -> tuple[mmap.mmap, int]:
     if id(state) not in _DIRECT_IMAGES:
         chunks = _chunks(state, RAW_CHUNK)
         nbytes = chunks[-1][0] + len(chunks[-1][1])
-        image = private_pages(-(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN)
+        image = private_pages(-(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN, huge=True)  # as the bounce buffers
         for offset, chunk in chunks:
             image[offset:offset + len(chunk)] = chunk
         _DIRECT_IMAGES[id(state)] = image, nbytes

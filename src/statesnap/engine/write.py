@@ -12,19 +12,19 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable, Sequence
 
 from ..format.checksum import checksum_blocks
 from ..plan.save_plan import ALIGN
-from ..storage.aligned import BOUNCE, BOUNCE_BYTES, address
+from ..storage.aligned import BOUNCE, BOUNCE_BYTES, KEPT_BOUNCES, address
 from ..storage.base import FileWriter, StorageBackend
 
 CHUNK_BLOCKS = 4
-# Workers of a windowed write unless the caller says otherwise (at least this many, so that this
-# many direct writes can be in flight): this VM's disk wrote 16 MiB O_DIRECT requests at about
-# 2 GB/s with two to sixteen in flight (the io suite's raw_direct keeps four); they wait on the
-# device, not the CPU.
+# Threads of a windowed write that only wait on the device, so that this many direct writes are
+# in flight: this VM's disk wrote 16 MiB O_DIRECT requests as fast with two to sixteen in flight
+# (the io suite's raw_direct keeps four).
 DIRECT_DEPTH = 4
 
 Job = tuple[int, memoryview]  # (file offset, bytes)
@@ -54,34 +54,70 @@ def write_file(backend: StorageBackend, path: str, jobs: Sequence[Job], block_by
         advance(len(part))
         return checksum_blocks([part], block_bytes)
 
-    # One task list in file order, so that checksums (CPU) run between window writes (device):
-    # (offset, chunk number or -1 for a window, task)
-    tasks: list[tuple[int, int, Callable[[], list[int] | None]]] = []
-    for number, (_, offset, part) in enumerate(chunks):
-        if windowed:
-            tasks.append((offset, number, lambda part=part: checksum_blocks([part], block_bytes)))
-        else:
-            tasks.append((offset, number, lambda offset=offset, part=part: write_and_checksum(offset, part)))
+    workers = threads or default_threads()
     if windowed:
-        for start, parts in _windows(jobs):
-            tasks.append((start, -1, lambda start=start, parts=parts: _write_window(writer, start, parts, advance)))
-        tasks.sort(key=lambda task: task[:2])
-    try:
-        workers = threads or (max(default_threads(), DIRECT_DEPTH) if windowed else default_threads())
-        if workers == 1 or len(tasks) <= 1:
-            results = [task() for _, _, task in tasks]
-        else:
-            with ThreadPoolExecutor(workers, thread_name_prefix="statesnap-write") as pool:
-                results = list(pool.map(lambda task: task[2](), tasks))
-    except BaseException:
-        writer.close(durable=False)
-        raise
+        results = _checksum_and_write_windows(writer, jobs, chunks, block_bytes, workers, advance)
+    else:
+        tasks = [lambda offset=offset, part=part: write_and_checksum(offset, part) for _, offset, part in chunks]
+        try:
+            results = _run_all(tasks, workers)
+        except BaseException:
+            writer.close(durable=False)
+            raise
     writer.close(durable)
-    sums = {number: result for (_, number, _), result in zip(tasks, results) if number >= 0}
     out: list[list[int]] = [[] for _ in jobs]
-    for number, (index, _, _) in enumerate(chunks):
-        out[index].extend(sums[number])
+    for (index, _, _), sums in zip(chunks, results):
+        out[index].extend(sums)
     return out
+
+
+def _run_all(tasks: list[Callable], workers: int) -> list:
+    if workers == 1 or len(tasks) <= 1:
+        return [task() for task in tasks]
+    with ThreadPoolExecutor(workers, thread_name_prefix="statesnap-write") as pool:
+        return list(pool.map(lambda task: task(), tasks))
+
+
+def _checksum_and_write_windows(writer: FileWriter, jobs: Sequence[Job], chunks: list, block_bytes: int,
+                                workers: int, advance: Callable[[int], None]) -> list[list[int]]:
+    """Checksum every chunk and write the file as windows, keeping :data:`DIRECT_DEPTH` writes in
+    flight whatever the CPU does: ``workers`` threads checksum chunks and copy windows into
+    bounce buffers in file order, and hand each filled window to threads that only wait on the
+    device. When the threads that copied a window also wrote it, the copy was time without a
+    write in flight. At most :data:`~statesnap.storage.aligned.KEPT_BOUNCES` windows are being
+    filled or written at once: the buffers the pool keeps between saves.
+    The writer is closed without syncing if anything fails; the caller syncs it otherwise."""
+    slots = threading.Semaphore(KEPT_BOUNCES)
+    writes: list[Future] = []
+    # (offset, chunk number or -1 for a window, task), in file order: checksums (CPU) run
+    # between window copies, and windows are filled in the order they are written
+    tasks: list[tuple[int, int, Callable[[], list[int] | None]]] = [
+        (offset, number, lambda part=part: checksum_blocks([part], block_bytes))
+        for number, (_, offset, part) in enumerate(chunks)]
+    with ThreadPoolExecutor(DIRECT_DEPTH, thread_name_prefix="statesnap-direct") as device:
+        def fill(start: int, parts: list[Job]) -> None:
+            slots.acquire()
+            try:
+                bounce, filled = _filled_window(parts)
+            except BaseException:
+                slots.release()
+                raise
+            writes.append(device.submit(_write_window, writer, start, bounce, filled, slots, advance))
+
+        tasks += [(start, -1, lambda start=start, parts=parts: fill(start, parts)) for start, parts in _windows(jobs)]
+        tasks.sort(key=lambda task: task[:2])
+        try:
+            try:
+                results = _run_all([task for _, _, task in tasks], workers)
+            finally:
+                wait(writes)  # no write may outlive the descriptor it writes through
+            for write in writes:
+                write.result()
+        except BaseException:
+            writer.close(durable=False)
+            raise
+    sums = {number: result for (_, number, _), result in zip(tasks, results) if number >= 0}
+    return [sums[number] for number in range(len(chunks))]
 
 
 def _windows(jobs: Sequence[Job]) -> list[tuple[int, list[Job]]]:
@@ -98,8 +134,8 @@ def _windows(jobs: Sequence[Job]) -> list[tuple[int, list[Job]]]:
     return sorted(windows.items())
 
 
-def _write_window(writer: FileWriter, start: int, parts: list[Job], advance: Callable[[int], None]) -> None:
-    """Copy the window's parts into an aligned buffer, zero the gaps between them, write it whole."""
+def _filled_window(parts: list[Job]) -> tuple[memoryview, int]:
+    """A bounce buffer holding the window's parts, the gaps between them zeroed, and its length."""
     bounce = BOUNCE.take()
     try:
         base, filled = address(bounce), 0
@@ -108,10 +144,20 @@ def _write_window(writer: FileWriter, start: int, parts: list[Job], advance: Cal
                 ctypes.memset(base + filled, 0, pos - filled)
             ctypes.memmove(base + pos, address(part), len(part))  # releases the GIL
             filled = pos + len(part)
+    except BaseException:
+        BOUNCE.give(bounce)
+        raise
+    return bounce, filled
+
+
+def _write_window(writer: FileWriter, start: int, bounce: memoryview, filled: int, slots: threading.Semaphore,
+                  advance: Callable[[int], None]) -> None:
+    try:
         writer.pwrite_bulk(start, bounce[:filled])
     finally:
         BOUNCE.give(bounce)
-    advance(sum(len(part) for _, part in parts))
+        slots.release()
+    advance(filled)
 
 
 __all__ = ["write_file", "default_threads"]
