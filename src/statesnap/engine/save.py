@@ -214,6 +214,10 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
     ``progress``: a bar on stderr for the bytes this rank writes; by default only on a terminal
     and once the save has taken a few seconds (True: at once, False: never).
 
+    ``threads``: the workers that checksum and write this rank's file; for a durable save to a
+    local file system, those that copy it into aligned windows and checksum it, while four more
+    wait on the direct writes (``engine/write.py``). By default from the number of cores.
+
     Every collective waits at most ``timeout_s`` for the other ranks; a rank that vanishes or
     hangs makes the save raise a ``CheckpointError`` on the others, and nothing is committed.
     Replicated pieces of at most ``replica_check_mb`` MiB, and shared plain values, are compared
