@@ -3,7 +3,9 @@ saves straight from the tensors; either way the file holds exactly the jobs' byt
 them, and each job gets the checksums of its own bytes."""
 import errno
 import os
+import signal
 import threading
+import time
 
 import numpy as np
 import torch
@@ -170,7 +172,7 @@ def test_a_forked_child_saves_with_buffers_of_its_own(tmp_path):
     assert set(arena.buffer[:4096].tolist()) == {1}
 
 
-def test_windows_are_written_while_the_next_ones_are_filled(tmp_path, small_windows):
+def test_one_copying_thread_keeps_several_window_writes_in_flight(tmp_path, small_windows):
     """One copying thread (threads=1) still keeps DIRECT_DEPTH window writes in flight: the first
     DIRECT_DEPTH writes wait for each other at a barrier, which only opens if they run at once."""
     jobs, end = layout([4 * write.DIRECT_DEPTH * WINDOW + 5], seed=11)
@@ -197,3 +199,92 @@ def test_windows_are_written_while_the_next_ones_are_filled(tmp_path, small_wind
     assert open(path, "rb").read() == expected_file(jobs, end)
     assert sums == [checksum_blocks([view], BLOCK) for _, view in jobs]
     assert len(small_windows._free) == 8
+
+
+def failing_writer(backend, monkeypatch, pwrite_bulk):
+    """``backend.open_write`` gives writers that go past the cache and write with ``pwrite_bulk``."""
+    real_open = backend.open_write
+
+    def open_with(path, durable=False):
+        writer = real_open(path, durable)
+        monkeypatch.setattr(writer, "bypasses_cache", lambda: True)
+        writer.pwrite_bulk = lambda offset, view: pwrite_bulk(writer, offset, view)
+        return writer
+
+    backend.open_write = open_with
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_failed_window_write_stops_the_copies_and_writes_after_it(tmp_path, small_windows, monkeypatch, threads):
+    """A full disk at the third window of forty: the save fails with it, without copying and
+    trying to write the whole file first."""
+    jobs, _ = layout([40 * WINDOW], seed=5)
+    tried = []
+
+    def pwrite_bulk(writer, offset, view):
+        tried.append(offset)
+        if offset == 2 * WINDOW:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    backend = LocalBackend()
+    failing_writer(backend, monkeypatch, pwrite_bulk)
+    with pytest.raises(OSError) as err:
+        write.write_file(backend, str(tmp_path / "data"), jobs, BLOCK, durable=True, threads=threads, whole_file=True)
+    assert err.value.errno == errno.ENOSPC
+    assert 2 * WINDOW in tried and len(tried) <= 2 * aligned.KEPT_BOUNCES
+    assert len(small_windows._free) == 8
+
+
+def test_ctrl_c_while_windows_are_written_closes_the_file_only_after_the_last_write(tmp_path, small_windows,
+                                                                                   monkeypatch):
+    """Ctrl-C at the end of a save, while its last windows are still being written: the
+    descriptor is closed only once no write runs any more (a write through a closed descriptor
+    number could land in whatever file opened next)."""
+    jobs, _ = layout([3 * WINDOW], seed=9)
+    started, release, log = threading.Semaphore(0), threading.Event(), []
+
+    def pwrite_bulk(writer, offset, view):
+        started.release()
+        release.wait(30)
+        log.append("write")
+
+    backend = LocalBackend()
+    failing_writer(backend, monkeypatch, pwrite_bulk)
+    real_open = backend.open_write
+
+    def open_logged(path, durable=False):
+        writer = real_open(path, durable)
+        close = writer.close
+        writer.close = lambda durable: (log.append("close"), close(durable))
+        return writer
+
+    backend.open_write = open_logged
+
+    def interrupt():
+        for _ in range(3):  # every window's write has begun: the copies are over
+            started.acquire(timeout=30)
+        time.sleep(0.1)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        time.sleep(0.3)
+        release.set()
+
+    def on_sigint(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        threading.Thread(target=interrupt, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            write.write_file(backend, str(tmp_path / "data"), jobs, BLOCK, durable=True, threads=1, whole_file=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert log == ["write"] * 3 + ["close"]
+    assert len(small_windows._free) == 8
+
+
+def test_progress_counts_the_jobs_bytes_not_the_gaps_between_them(tmp_path, small_windows):
+    jobs, _ = layout([WINDOW + 5, 12, 100, 2 * WINDOW + 1], seed=4)
+    told = []
+    write.write_file(LocalBackend(), str(tmp_path / "data"), jobs, BLOCK, durable=True, whole_file=True,
+                     advance=told.append)
+    assert sum(told) == sum(len(view) for _, view in jobs)

@@ -13,7 +13,7 @@ import ctypes
 import math
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 from ..format.checksum import checksum_blocks
@@ -87,44 +87,102 @@ def _run_all(tasks: list[Callable], workers: int) -> list:
 
 def _checksum_and_write_windows(writer: FileWriter, jobs: Sequence[Job], chunks: list, block_bytes: int,
                                 workers: int, advance: Callable[[int], None]) -> list[list[int]]:
-    """Checksum every chunk and write the file as windows, keeping :data:`DIRECT_DEPTH` writes in
-    flight whatever the CPU does: ``workers`` threads checksum chunks and copy windows into
-    bounce buffers in file order, and hand each filled window to threads that only wait on the
-    device. When the threads that copied a window also wrote it, the copy was time without a
-    write in flight. At most :data:`~statesnap.storage.aligned.KEPT_BOUNCES` windows are being
-    filled or written at once: the buffers the pool keeps between saves.
-    The writer is closed without syncing if anything fails; the caller syncs it otherwise."""
-    slots = threading.Semaphore(KEPT_BOUNCES)
-    writes: list[Future] = []
+    """Checksum every chunk and write the file as windows: ``workers`` threads checksum chunks
+    and copy windows into bounce buffers in file order, and hand each filled window to
+    :class:`_WindowWrites`. The writer is closed without syncing if anything fails (only once
+    no write is left running, even through Ctrl-C); the caller syncs it otherwise."""
+    writes = _WindowWrites(writer, advance)
     # (offset, chunk number or -1 for a window, task), in file order: checksums (CPU) run
     # between window copies, and windows are filled in the order they are written
     tasks: list[tuple[int, int, Callable[[], list[int] | None]]] = [
-        (offset, number, lambda part=part: checksum_blocks([part], block_bytes))
+        (offset, number, lambda part=part: None if writes.failed else checksum_blocks([part], block_bytes))
         for number, (_, offset, part) in enumerate(chunks)]
-    with ThreadPoolExecutor(DIRECT_DEPTH, thread_name_prefix="statesnap-direct") as device:
-        def fill(start: int, parts: list[Job]) -> None:
-            slots.acquire()
-            try:
-                bounce, filled = _filled_window(parts)
-            except BaseException:
-                slots.release()
-                raise
-            writes.append(device.submit(_write_window, writer, start, bounce, filled, slots, advance))
-
-        tasks += [(start, -1, lambda start=start, parts=parts: fill(start, parts)) for start, parts in _windows(jobs)]
-        tasks.sort(key=lambda task: task[:2])
+    tasks += [(start, -1, lambda start=start, parts=parts: writes.fill(start, parts))
+              for start, parts in _windows(jobs)]
+    tasks.sort(key=lambda task: task[:2])
+    try:
         try:
-            try:
-                results = _run_all([task for _, _, task in tasks], workers)
-            finally:
-                wait(writes)  # no write may outlive the descriptor it writes through
-            for write in writes:
-                write.result()
-        except BaseException:
-            writer.close(durable=False)
-            raise
+            results = _run_all([task for _, _, task in tasks], workers)
+        finally:
+            writes.finish()
+    except BaseException:
+        writer.close(durable=False)
+        raise
     sums = {number: result for (_, number, _), result in zip(tasks, results) if number >= 0}
     return [sums[number] for number in range(len(chunks))]
+
+
+class _WindowWrites:
+    """Filled windows written by :data:`DIRECT_DEPTH` threads that only wait on the device. When
+    the threads that copied a window also wrote it, the copy was time without a write in flight.
+    At most :data:`~statesnap.storage.aligned.KEPT_BOUNCES` windows are being filled or written
+    at once: the buffers the pool keeps between saves. Once a write fails, no more windows are
+    copied or written."""
+
+    def __init__(self, writer: FileWriter, advance: Callable[[int], None]):
+        self._writer, self._advance = writer, advance
+        self._slots = threading.Semaphore(KEPT_BOUNCES)
+        self._device = ThreadPoolExecutor(DIRECT_DEPTH, thread_name_prefix="statesnap-direct")
+        self._pending = 0  # windows handed to the device threads and not yet done with
+        self._idle = threading.Condition()
+        self.failed: list[BaseException] = []  # the first is raised by finish()
+
+    def fill(self, start: int, parts: list[Job]) -> None:
+        """Copy the window's parts into a bounce buffer and queue its write (a worker's task)."""
+        self._slots.acquire()
+        if self.failed:
+            self._slots.release()
+            return
+        try:
+            bounce, filled = _filled_window(parts)
+        except BaseException:
+            self._slots.release()
+            raise
+        with self._idle:
+            self._pending += 1
+        try:
+            self._device.submit(self._write, start, bounce, filled, sum(len(part) for _, part in parts))
+        except BaseException:  # the device threads were stopped: an interrupted save
+            self._done(bounce)
+            raise
+
+    def _write(self, start: int, bounce: memoryview, filled: int, nbytes: int) -> None:
+        try:
+            if not self.failed:
+                self._writer.pwrite_bulk(start, bounce[:filled])
+                self._advance(nbytes)
+        except BaseException as exc:
+            self.failed.append(exc)
+        finally:
+            self._done(bounce)
+
+    def _done(self, bounce: memoryview) -> None:
+        BOUNCE.give(bounce)
+        self._slots.release()
+        with self._idle:
+            self._pending -= 1
+            self._idle.notify_all()
+
+    def finish(self) -> None:
+        """Take no more windows and wait until none is being written, even when Ctrl-C
+        interrupts the wait (then re-raised): no write may outlive the descriptor it writes
+        through. A copying thread an interrupt left running can queue nothing after this.
+        (Waiting by joining the threads would not do: on Python 3.11 a join that Ctrl-C
+        interrupts marks a thread that is still running as stopped.) Raises the first failed
+        write."""
+        interrupted = None
+        while True:
+            try:
+                self._device.shutdown(wait=False)
+                with self._idle:
+                    self._idle.wait_for(lambda: self._pending == 0)
+                break
+            except KeyboardInterrupt as exc:
+                interrupted = exc
+        if interrupted is not None:
+            raise interrupted
+        if self.failed:
+            raise self.failed[0]
 
 
 def _windows(jobs: Sequence[Job]) -> list[tuple[int, list[Job]]]:
@@ -155,16 +213,6 @@ def _filled_window(parts: list[Job]) -> tuple[memoryview, int]:
         BOUNCE.give(bounce)
         raise
     return bounce, filled
-
-
-def _write_window(writer: FileWriter, start: int, bounce: memoryview, filled: int, slots: threading.Semaphore,
-                  advance: Callable[[int], None]) -> None:
-    try:
-        writer.pwrite_bulk(start, bounce[:filled])
-    finally:
-        BOUNCE.give(bounce)
-        slots.release()
-    advance(filled)
 
 
 __all__ = ["write_file", "default_threads"]

@@ -94,22 +94,28 @@ class BouncePool:
 
     def __init__(self, keep: int = KEPT_BOUNCES):
         self._free: list[memoryview] = []
+        self._lent = 0
         self._keep = keep
         self._lock = threading.Lock()
 
     def after_fork(self) -> None:
         """In a forked child: a lock no parent thread may have held at the fork (the buffers
-        kept are the child's own, zeroed: ``private_pages``)."""
+        kept are the child's own, zeroed: ``private_pages``); the parent's buffers in use are
+        not the child's to give back."""
         self._lock = threading.Lock()
+        self._lent = 0
 
     def take(self) -> memoryview:
         with self._lock:
+            self._lent += 1
             if self._free:
                 return self._free.pop()
-        return memoryview(private_pages(BOUNCE_BYTES + DIRECT_ALIGN, huge=True))
+            kept = self._lent <= self._keep  # huge pages for the buffers that will be kept only
+        return memoryview(private_pages(BOUNCE_BYTES + DIRECT_ALIGN, huge=kept))
 
     def give(self, bounce: memoryview) -> None:
         with self._lock:
+            self._lent -= 1
             if len(self._free) < self._keep:
                 self._free.append(bounce)
                 return
