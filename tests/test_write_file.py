@@ -74,6 +74,21 @@ class CountingBackend(LocalBackend):
         return writer
 
 
+def writing_with(backend, monkeypatch, pwrite_bulk):
+    """``backend.open_write`` gives writers that go past the cache and write windows with
+    ``pwrite_bulk(real_pwrite_bulk, offset, view)``."""
+    real_open = backend.open_write
+
+    def open_with(path, durable=False):
+        writer = real_open(path, durable)
+        monkeypatch.setattr(writer, "bypasses_cache", lambda: True)
+        real = writer.pwrite_bulk
+        writer.pwrite_bulk = lambda offset, view: pwrite_bulk(real, offset, view)
+        return writer
+
+    backend.open_write = open_with
+
+
 @pytest.mark.parametrize("threads", [1, 4])
 def test_durable_windows_write_exact_bytes_zero_gaps_and_checksums(tmp_path, small_windows, threads):
     sizes = [3 * WINDOW + 5, 12, 0, WINDOW - 60, 2 * BLOCK + 3, 7, 5 * WINDOW + 4097, 100]
@@ -113,21 +128,13 @@ def test_buffered_and_partial_files_write_from_the_tensors(tmp_path, small_windo
 
 def test_a_failed_window_write_raises_and_returns_its_buffer(tmp_path, small_windows, monkeypatch):
     jobs, _ = layout([6 * WINDOW], seed=3)
+
+    def pwrite_bulk(real, offset, view):
+        if offset >= 3 * WINDOW:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
     backend = LocalBackend()
-    real_open = backend.open_write
-
-    def open_failing(path, durable=False):
-        writer = real_open(path, durable)
-        monkeypatch.setattr(writer, "bypasses_cache", lambda: True)
-
-        def pwrite_bulk(offset, view):
-            if offset >= 3 * WINDOW:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-
-        writer.pwrite_bulk = pwrite_bulk
-        return writer
-
-    backend.open_write = open_failing
+    writing_with(backend, monkeypatch, pwrite_bulk)
     with pytest.raises(OSError) as err:
         write.write_file(backend, str(tmp_path / "data"), jobs, BLOCK, durable=True, threads=3, whole_file=True)
     assert err.value.errno == errno.ENOSPC
@@ -172,28 +179,19 @@ def test_a_forked_child_saves_with_buffers_of_its_own(tmp_path):
     assert set(arena.buffer[:4096].tolist()) == {1}
 
 
-def test_one_copying_thread_keeps_several_window_writes_in_flight(tmp_path, small_windows):
+def test_one_copying_thread_keeps_several_window_writes_in_flight(tmp_path, small_windows, monkeypatch):
     """One copying thread (threads=1) still keeps DIRECT_DEPTH window writes in flight: the first
     DIRECT_DEPTH writes wait for each other at a barrier, which only opens if they run at once."""
     jobs, end = layout([4 * write.DIRECT_DEPTH * WINDOW + 5], seed=11)
-    backend = CountingBackend()
-    real_open = backend.open_write
     barrier = threading.Barrier(write.DIRECT_DEPTH, timeout=30)
 
-    def open_meeting(path, durable=False):
-        writer = real_open(path, durable)
-        inner = writer.pwrite_bulk
+    def pwrite_bulk(real, offset, view):
+        if offset < write.DIRECT_DEPTH * WINDOW:
+            barrier.wait()
+        real(offset, view)
 
-        def pwrite_bulk(offset, view):
-            if offset < write.DIRECT_DEPTH * WINDOW:
-                barrier.wait()
-            inner(offset, view)
-
-        writer.pwrite_bulk = pwrite_bulk
-        writer.bypasses_cache = lambda: True
-        return writer
-
-    backend.open_write = open_meeting
+    backend = LocalBackend()
+    writing_with(backend, monkeypatch, pwrite_bulk)
     path = str(tmp_path / "data")
     sums = write.write_file(backend, path, jobs, BLOCK, durable=True, threads=1, whole_file=True)
     assert open(path, "rb").read() == expected_file(jobs, end)
@@ -201,17 +199,6 @@ def test_one_copying_thread_keeps_several_window_writes_in_flight(tmp_path, smal
     assert len(small_windows._free) == 8
 
 
-def failing_writer(backend, monkeypatch, pwrite_bulk):
-    """``backend.open_write`` gives writers that go past the cache and write with ``pwrite_bulk``."""
-    real_open = backend.open_write
-
-    def open_with(path, durable=False):
-        writer = real_open(path, durable)
-        monkeypatch.setattr(writer, "bypasses_cache", lambda: True)
-        writer.pwrite_bulk = lambda offset, view: pwrite_bulk(writer, offset, view)
-        return writer
-
-    backend.open_write = open_with
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -221,13 +208,13 @@ def test_a_failed_window_write_stops_the_copies_and_writes_after_it(tmp_path, sm
     jobs, _ = layout([40 * WINDOW], seed=5)
     tried = []
 
-    def pwrite_bulk(writer, offset, view):
+    def pwrite_bulk(real, offset, view):
         tried.append(offset)
         if offset == 2 * WINDOW:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     backend = LocalBackend()
-    failing_writer(backend, monkeypatch, pwrite_bulk)
+    writing_with(backend, monkeypatch, pwrite_bulk)
     with pytest.raises(OSError) as err:
         write.write_file(backend, str(tmp_path / "data"), jobs, BLOCK, durable=True, threads=threads, whole_file=True)
     assert err.value.errno == errno.ENOSPC
@@ -243,13 +230,13 @@ def test_ctrl_c_while_windows_are_written_closes_the_file_only_after_the_last_wr
     jobs, _ = layout([3 * WINDOW], seed=9)
     started, release, log = threading.Semaphore(0), threading.Event(), []
 
-    def pwrite_bulk(writer, offset, view):
+    def pwrite_bulk(real, offset, view):
         started.release()
         release.wait(30)
         log.append("write")
 
     backend = LocalBackend()
-    failing_writer(backend, monkeypatch, pwrite_bulk)
+    writing_with(backend, monkeypatch, pwrite_bulk)
     real_open = backend.open_write
 
     def open_logged(path, durable=False):

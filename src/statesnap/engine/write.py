@@ -62,15 +62,16 @@ def write_file(backend: StorageBackend, path: str, jobs: Sequence[Job], block_by
         advance(len(part))
         return checksum_blocks([part], block_bytes)
 
-    if windowed:
-        results = _checksum_and_write_windows(writer, jobs, chunks, block_bytes, threads or copy_threads(), advance)
-    else:
-        tasks = [lambda offset=offset, part=part: write_and_checksum(offset, part) for _, offset, part in chunks]
-        try:
+    try:
+        if windowed:
+            results = _checksum_and_write_windows(writer, jobs, chunks, block_bytes, threads or copy_threads(),
+                                                  advance)
+        else:
+            tasks = [lambda offset=offset, part=part: write_and_checksum(offset, part) for _, offset, part in chunks]
             results = _run_all(tasks, threads or default_threads())
-        except BaseException:
-            writer.close(durable=False)
-            raise
+    except BaseException:
+        writer.close(durable=False)
+        raise
     writer.close(durable)
     out: list[list[int]] = [[] for _ in jobs]
     for (index, _, _), sums in zip(chunks, results):
@@ -89,8 +90,8 @@ def _checksum_and_write_windows(writer: FileWriter, jobs: Sequence[Job], chunks:
                                 workers: int, advance: Callable[[int], None]) -> list[list[int]]:
     """Checksum every chunk and write the file as windows: ``workers`` threads checksum chunks
     and copy windows into bounce buffers in file order, and hand each filled window to
-    :class:`_WindowWrites`. The writer is closed without syncing if anything fails (only once
-    no write is left running, even through Ctrl-C); the caller syncs it otherwise."""
+    :class:`_WindowWrites`. Returns (or raises) only once no write is left running, even
+    through Ctrl-C, so that the caller may close the writer."""
     writes = _WindowWrites(writer, advance)
     # (offset, chunk number or -1 for a window, task), in file order: checksums (CPU) run
     # between window copies, and windows are filled in the order they are written
@@ -101,13 +102,9 @@ def _checksum_and_write_windows(writer: FileWriter, jobs: Sequence[Job], chunks:
               for start, parts in _windows(jobs)]
     tasks.sort(key=lambda task: task[:2])
     try:
-        try:
-            results = _run_all([task for _, _, task in tasks], workers)
-        finally:
-            writes.finish()
-    except BaseException:
-        writer.close(durable=False)
-        raise
+        results = _run_all([task for _, _, task in tasks], workers)
+    finally:
+        writes.finish()
     sums = {number: result for (_, number, _), result in zip(tasks, results) if number >= 0}
     return [sums[number] for number in range(len(chunks))]
 
