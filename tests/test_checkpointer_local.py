@@ -1,7 +1,7 @@
 """The node-local level and peer replicas: 4 gloo ranks as 2 simulated nodes (different
 ``GROUP_RANK`` and local roots) train and checkpoint, are SIGKILLed, node 1's level is wiped, and
 restarts on 4 and on 3 ranks restore the newest step from the partner's replica, bit for bit; a
-damaged replica sends the restart to ``root``."""
+damaged replica sends the restart to the step before, and to ``root`` past damaged ones."""
 import os
 import shutil
 import signal
@@ -54,7 +54,7 @@ def _train_then_die(rank, world, dirs, out):
     ckpt = _checkpointer(dirs, rank, world)
     for step in range(1, STEPS + 1):
         _train(state, rank, step)
-        if step in (PERSIST_EVERY, STEPS):
+        if step in (PERSIST_EVERY, STEPS - 1, STEPS):
             torch.save(state["shard"].local.clone(), os.path.join(out, f"shard-{step}-{rank}.pt"))
             if rank == 0:
                 torch.save(reference({"model": state["model"], "optim": state["optim"]}),
@@ -129,24 +129,31 @@ def test_restart_after_node_loss_restores_from_the_peer_replica(killed_job, worl
     assert results == [(STEPS, "peer")] * world
 
 
-@pytest.mark.parametrize("damage", ["flipped", "truncated"])
-def test_a_damaged_replica_falls_back_to_root(killed_job, damage):
+@pytest.mark.parametrize("damage, steps, expected", [
+    ("flipped", (STEPS,), (STEPS - 1, "peer")),
+    ("flipped", (STEPS, STEPS - 1), (PERSIST_EVERY, "persistent")),
+    ("truncated", (STEPS, STEPS - 1), (PERSIST_EVERY, "persistent")),
+])
+def test_a_damaged_replica_falls_back_to_the_next_copy(killed_job, damage, steps, expected):
     """Flipped bits and a truncated file, sent to the replaced node, fail the verified load there:
-    every rank falls back to root together."""
+    every rank goes on together to the step before from the replicas, and when that one is
+    damaged too, to root."""
     tmp_path, dirs, out = killed_job
-    copy, shm_name = _copy(tmp_path, dirs, f"damaged-{damage}")
-    step_dir = os.path.join(copy["local"][0], f"step-{STEPS}")
-    replica = next(n for n in os.listdir(step_dir) if n.endswith("-r00002.bin"))  # rank 2's, kept by rank 0
-    data = bytearray(open(os.path.join(step_dir, replica), "rb").read())
-    with open(os.path.join(step_dir, replica), "wb") as f:
-        f.write(bytes(b ^ 0xFF for b in data) if damage == "flipped" else data[:len(data) // 2])
+    copy, shm_name = _copy(tmp_path, dirs, f"damaged-{damage}-{len(steps)}")
+    for step in steps:
+        step_dir = os.path.join(copy["local"][0], f"step-{step}")
+        replica = next(n for n in os.listdir(step_dir) if n.endswith("-r00002.bin"))  # rank 2's, kept by rank 0
+        data = bytearray(open(os.path.join(step_dir, replica), "rb").read())
+        with open(os.path.join(step_dir, replica), "wb") as f:
+            f.write(bytes(b ^ 0xFF for b in data) if damage == "flipped" else data[:len(data) // 2])
     copy["expect_warning"] = True
     try:
         results = run_ranks(4, _restore, copy, out)
     finally:
         shutil.rmtree(os.path.join(SHM_ROOT, shm_name), ignore_errors=True)
-    assert results == [(PERSIST_EVERY, "persistent")] * 4
-    assert not any(n.startswith(f"step-{STEPS}") for n in os.listdir(copy["local"][0]))  # not tried again
+    assert results == [expected] * 4
+    left = os.listdir(copy["local"][0])
+    assert not any(n.startswith(f"step-{step}") for step in steps for n in left)  # not tried again
 
 
 def test_one_process_restores_from_the_local_level_before_root(tmp_path):

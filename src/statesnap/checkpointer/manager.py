@@ -239,7 +239,12 @@ class Checkpointer:
     def load_latest(self, state: dict, *, cast: bool = False) -> int | None:
         """Restore the newest committed step into ``state`` from the fastest level holding it;
         return the step (None if there is none). ``loaded_from`` names the level used.
-        ``cast`` is ``ss.load``'s: floating dtypes may differ from the stored ones."""
+        ``cast`` is ``ss.load``'s: floating dtypes may differ from the stored ones.
+
+        A copy that is missing or damaged is skipped with a warning for the next one: the same
+        step on a slower level, then older committed steps. A restart that cannot load its
+        newest checkpoint should resume from the one before rather than not at all; the
+        warning and the returned step say which it was."""
         self._check_open()
         self._wait_all()
         self._raise_pending()
@@ -253,14 +258,14 @@ class Checkpointer:
             # levels, in one exchange: a restart's time is its slowest rank's, collectives included
             held = self._comm.all_gather((snap.step if borrowed else None,
                                           inventory(self.local) if self.local is not None else None,
-                                          self._newest_stored(levels) if self.rank == 0 else None))
+                                          self._stored_steps(levels) if self.rank == 0 else None))
             memory_steps = [step for step, _, _ in held]
             memory_step = memory_steps[0] if None not in memory_steps and len(set(memory_steps)) == 1 else None
             inventories = [node for _, node, _ in held] if self.local is not None else []
             stored = held[0][2]
-            local_step = (complete_steps(inventories) or [None])[0] if inventories else None
-            choices = [(memory_step, 0, "memory"), (local_step, 1, "local")] + [
-                (s, i + 2, lv.name) for i, (s, lv) in enumerate(zip(stored, levels))]
+            local_steps = complete_steps(inventories) if inventories else []
+            choices = [(memory_step, 0, "memory")] + [(s, 1, "local") for s in local_steps] + [
+                (s, i + 2, lv.name) for i, (steps, lv) in enumerate(zip(stored, levels)) for s in steps]
             choices = sorted((c for c in choices if c[0] is not None), key=lambda c: (-c[0], c[1]))
             if not choices:
                 return None
@@ -278,7 +283,7 @@ class Checkpointer:
                     nbytes, name = self._restore_stored(state, step, name, inventories, cast)
                     break
                 except CheckpointError as exc:
-                    self._fall_back_or_raise(exc, step, name, index == len(choices) - 1)
+                    self._fall_back_or_raise(exc, step, name, choices[index + 1:])
             if self._recovery is not None:
                 self._recovery.prune_after(step)
         finally:
@@ -290,19 +295,19 @@ class Checkpointer:
         log.info("statesnap: restored step %d from the %s level", step, name)
         return step
 
-    def _newest_stored(self, levels: list[StorageLevel]) -> list[int | None]:
-        """Rank 0: the newest committed step of each storage level. A level it cannot list (the
+    def _stored_steps(self, levels: list[StorageLevel]) -> list[list[int]]:
+        """Rank 0: the committed steps of each storage level. A level it cannot list (the
         storage is down) holds none for this restore, with a warning, rather than raising here
         while the other ranks wait for the answer: the other levels may still serve the restart."""
-        newest = []
+        steps = []
         for level in levels:
             try:
-                newest.append((level.committed_steps() or [None])[-1])
+                steps.append(level.committed_steps())
             except Exception as exc:  # noqa: BLE001 (any storage library's error)
                 log.warning("statesnap: the %s level at %s cannot be listed (%s: %s); restoring without it",
                             level.name, level.root, type(exc).__name__, exc)
-                newest.append(None)
-        return newest
+                steps.append([])
+        return steps
 
     def _restore_stored(self, state: dict, step: int, name: str, inventories: list, cast: bool) -> tuple[int, str]:
         """Load ``step`` from a storage level; return the bytes read and the level's name
@@ -319,14 +324,17 @@ class Checkpointer:
         level = self.persistent if name == "persistent" else self.further
         return load(state, level.path(step), **options).bytes, name
 
-    def _fall_back_or_raise(self, error: CheckpointError, step: int, name: str, last: bool) -> None:
-        """A copy that is missing or damaged sends every rank on to the next level; a state that
-        does not match the checkpoint (the same on every level) is raised, on every rank alike."""
+    def _fall_back_or_raise(self, error: CheckpointError, step: int, name: str, rest: list[tuple]) -> None:
+        """A copy that is missing or damaged sends every rank on to the next copy in ``rest``;
+        a state that does not match the checkpoint (the same on every level and, as a rule,
+        every step) is raised, on every rank alike, as is the failure of the last copy."""
         mismatch = any(self._comm.all_gather(isinstance(error, StateMismatchError)))
-        if mismatch or last:
+        if mismatch or not rest:
             raise error
+        next_step, _, next_name = rest[0]
         where = "the node-local level and peer replicas" if name == "local" else f"the {name} level"
-        message = f"statesnap: step {step} could not be restored from {where} ({error}); trying the next level"
+        then = "the next level" if next_step == step else f"step {next_step}, the newest before it"
+        message = f"statesnap: step {step} could not be restored from {where} ({error}); trying {then}"
         log.warning(message)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
