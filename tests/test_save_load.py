@@ -297,6 +297,57 @@ def test_strict_load_lists_every_mismatch(tmp_path):
     assert target["new_obj"] == 5
 
 
+def test_a_tensor_where_the_checkpoint_holds_a_plain_value_is_a_mismatch_not_a_missing_name(tmp_path):
+    ss.save({"x": torch.ones(2), "n": 3}, tmp_path / "c")
+    with pytest.raises(ss.StateMismatchError) as caught:
+        ss.load({"x": None, "n": torch.zeros(1)}, tmp_path / "c")
+    assert caught.value.missing == []
+    message = str(caught.value)
+    assert "x (checkpoint a tensor float32[2], target a NoneType)" in message
+    assert "n (checkpoint a plain value, target a tensor float32[1])" in message
+
+
+BIG = (1 << 18) + 1  # float32 elements: just over what plain data inlines
+
+
+def test_sequences_holding_large_tensors_modules_or_dicts_of_them_are_walked(tmp_path):
+    """Lists and tuples that hold, at any depth, what plain data cannot (a large tensor, a dict
+    of one, a module) are walked by index like dicts; small tensors in a list stay plain data."""
+    torch.manual_seed(0)
+    state = {"x": [{"w": torch.randn(BIG), "n": 3}], "t": ((torch.randn(BIG), 5, torch.ones(2)),),
+             "l": [[torch.randn(BIG)]], "m": [nn.Linear(4, 4)], "small": [torch.ones(3)]}
+    ss.save(state, tmp_path / "c")
+    assert ss.open(tmp_path / "c").keys() == ["l.0.0", "m.0.bias", "m.0.weight", "small", "t.0.0", "t.0.1",
+                                               "t.0.2", "x.0.n", "x.0.w"]
+    target = {"x": [{"w": torch.zeros(BIG), "n": 0}], "t": ((torch.zeros(BIG), 5, torch.zeros(2)),),
+              "l": [[torch.zeros(BIG)]], "m": [nn.Linear(4, 4)], "small": [torch.zeros(3)]}
+    held = target["t"][0][2]
+    ss.load(target, tmp_path / "c")
+    assert torch.equal(target["x"][0]["w"], state["x"][0]["w"]) and target["x"][0]["n"] == 3
+    assert torch.equal(target["t"][0][0], state["t"][0][0])
+    assert target["t"][0][2] is held and torch.equal(held, torch.ones(2))  # a small tensor in a tuple: in place
+    assert torch.equal(target["l"][0][0], state["l"][0][0])
+    assert torch.equal(target["m"][0].weight, state["m"][0].weight)
+    assert torch.equal(target["small"][0], torch.ones(3))
+
+    other = {**target, "t": ((torch.zeros(BIG), 6, torch.zeros(2)),)}
+    with pytest.raises(ss.CheckpointError, match="t.0.1 lies in a tuple, which a load cannot change"):
+        ss.load(other, tmp_path / "c")
+
+
+def test_a_sequence_pickled_whole_before_such_sequences_were_walked_still_loads_whole(tmp_path, monkeypatch):
+    from statesnap.state import flatten
+
+    value = (torch.arange(float(BIG)), 5)
+    with monkeypatch.context() as patch:
+        patch.setattr(flatten, "_needs_walk", lambda value: False)  # as statesnap saved tuples before
+        ss.save({"t": value}, tmp_path / "c", allow_pickle=True)
+    assert ss.open(tmp_path / "c", allow_pickle=True).keys() == ["t"]
+    target = {"t": (torch.zeros(BIG), 0)}
+    ss.load(target, tmp_path / "c", allow_pickle=True)
+    assert target["t"][1] == 5 and torch.equal(target["t"][0], value[0])
+
+
 def test_unwritable_destination_is_a_checkpoint_error(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ss.CheckpointError, match="cannot save to"):

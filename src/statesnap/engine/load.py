@@ -150,7 +150,11 @@ def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: 
     for item in flat.tensors:
         entry = manifest.header(item.fqn)
         if entry is None:
-            missing.append(item.fqn)
+            if item.fqn in manifest.objects:
+                mismatched.append(f"{item.fqn} (checkpoint a plain value, target a tensor "
+                                  f"{str(item.dtype)[6:]}{list(item.global_shape)})")
+            else:
+                missing.append(item.fqn)
             continue
         same_shape, same_dtype = entry.shape == item.global_shape, entry.dtype == item.dtype
         convertible = not same_dtype and _castable(entry.dtype, item.dtype)
@@ -160,7 +164,15 @@ def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: 
                    if cast and same_shape and not same_dtype else "")
             mismatched.append(f"{item.fqn} (checkpoint {str(entry.dtype)[6:]}{list(entry.shape)}, "
                               f"target {str(item.dtype)[6:]}{list(item.global_shape)}){why}")
-    missing += [o.fqn for o in flat.objects if o.fqn not in manifest.objects]
+    for obj in flat.objects:
+        if obj.fqn in manifest.objects:
+            continue
+        entry = manifest.header(obj.fqn)
+        if entry is None:
+            missing.append(obj.fqn)
+        else:
+            mismatched.append(f"{obj.fqn} (checkpoint a tensor {str(entry.dtype)[6:]}{list(entry.shape)}, "
+                              f"target a {type(obj.value).__name__})")
     unexpected = []
     if strict:
         # what no rank loads: one flag per stored name from each rank, never every rank's names

@@ -104,9 +104,10 @@ class _Walker:
             self.tensor(fqn, value)
         elif isinstance(value, dict) and value:
             self.walk_dict(fqn, value)
-        elif isinstance(value, list) and any(isinstance(v, torch.Tensor) and not inlinable(v) for v in value):
-            # Some state_dicts hold lists of large tensors: walk them by index, like dicts, so the
-            # tensors go to data files (small ones, like RNG states, stay inline plain data).
+        elif isinstance(value, (list, tuple)) and self._walks_sequence(fqn, value):
+            # Some state_dicts hold lists of large tensors (or of dicts of them, of modules): walk
+            # them by index, like dicts, so the tensors go to data files (small ones, like RNG
+            # states, stay inline plain data).
             for index, element in enumerate(value):
                 self.walk(join(fqn, index), element, value, index)
         elif _is_stateful(value):
@@ -116,7 +117,15 @@ class _Walker:
                 self.out.finalizers.append(lambda v=value, sd=sd: v.load_state_dict(sd))
         else:
             self._claim(fqn)
-            self.out.objects.append(ObjectItem(fqn, value, assign=lambda v, c=container, k=key: c.__setitem__(k, v)))
+            self.out.objects.append(ObjectItem(fqn, value, assign=_assigner(fqn, container, key)))
+
+    def _walks_sequence(self, fqn: str, value: list | tuple) -> bool:
+        """A save walks a list or tuple that holds what plain data cannot (``_needs_walk``); a
+        load walks it where the checkpoint did, so that one saved whole (pickled, before such
+        sequences were walked) still loads as the one value it is."""
+        if self.for_load:
+            return self.stored_prefixes(fqn + SEP)
+        return _needs_walk(value)
 
     def tensor(self, fqn: str, value: torch.Tensor) -> None:
         self._claim(fqn)
@@ -261,6 +270,46 @@ def create_adam_state(optim: torch.optim.Optimizer, created: list[torch.Tensor] 
                 state[key] = new(p, memory_format=torch.preserve_format)
                 if created is not None:
                     created.append(state[key])
+
+
+def _needs_walk(value: Any) -> bool:
+    """Whether ``value`` holds, at any depth of lists, tuples and dicts, what plain data cannot:
+    a tensor too large (or not plain enough) to be inlined, a module, an optimizer, a wrapper or
+    another object with a state dict."""
+    if isinstance(value, torch.Tensor):
+        return not inlinable(value)
+    if isinstance(value, (list, tuple)):
+        return any(map(_needs_walk, value))
+    if isinstance(value, dict):
+        return any(map(_needs_walk, value.values()))
+    return isinstance(value, (nn.Module, torch.optim.Optimizer, PerRank, Replicated, Sharded)) or _is_stateful(value)
+
+
+def _assigner(fqn: str, container: Any, key: Any) -> Callable[[Any], None]:
+    """How a load puts a plain value back at ``container[key]``. A tuple cannot take it: a small
+    tensor there is filled in place, and any other value must already be the stored one."""
+    if not isinstance(container, tuple):
+        return lambda v: container.__setitem__(key, v)
+
+    def fill(value: Any) -> None:
+        held = container[key]
+        if isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor):
+            if held.shape == value.shape and held.dtype == value.dtype:
+                with torch.no_grad():
+                    held.copy_(value)
+                return
+        elif type(held) is type(value) and _equal(held, value):
+            return
+        raise CheckpointError(f"{fqn} lies in a tuple, which a load cannot change, and the checkpoint holds "
+                              f"another value there ({value!r:.80} against {held!r:.80}); make it a list")
+    return fill
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 (values whose comparison is ambiguous or raises)
+        return False
 
 
 def _load_module(module: nn.Module, sd: dict) -> None:
