@@ -326,6 +326,20 @@ def test_malicious_torch_save_is_refused_naming_the_file(tmp_path, capsys):
     assert not os.path.exists(marker) and not (tmp_path / "ck").exists()
 
 
+@pytest.mark.parametrize("content", [b"garbage", b"", b"\x80\x09 not a pickle"])
+def test_a_file_that_is_no_torch_save_file_is_reported_damaged_not_unsafe(tmp_path, content):
+    (tmp_path / "model.pt").write_bytes(content)
+    with pytest.raises(ss.CorruptCheckpointError, match=r"model\.pt is not a torch\.save file"):
+        ss.convert(tmp_path / "model.pt", tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_legacy_torch_save_file_still_converts(tmp_path):
+    torch.save({"w": torch.arange(3.0)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    ss.convert(tmp_path / "old.pt", tmp_path / "ck")
+    assert torch.equal(ss.open(tmp_path / "ck").read("w"), torch.arange(3.0))
+
+
 def test_cli_convert_and_export(tmp_path, capsys):
     expected = _megatron_tp_fixture(tmp_path / "tp")
     (tmp_path / "spec.json").write_text(json.dumps(TP_SPEC))

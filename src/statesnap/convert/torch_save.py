@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, UnsafeCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from .transform import materialize
 from .tree import flatten_tree
 
@@ -47,8 +47,12 @@ def load_file(path: str) -> Any:
     """The object in a torch.save file, loaded with the weights-only unpickler."""
     if not os.path.isfile(path):
         raise CheckpointError(f"no torch.save file at {path}")
+    archive = zipfile.is_zipfile(path)
+    if not archive and not _starts_as_pickle(path):
+        raise CorruptCheckpointError(f"{path} is not a torch.save file (neither a zip archive nor a pickle of protocol 2 or later): "
+                                     "it is damaged or of another format")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=archive)
     except pickle.UnpicklingError as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
         reason = next((line for line in lines if "unsupported" in line.lower()), lines[0])
@@ -58,6 +62,14 @@ def load_file(path: str) -> Any:
             "admit it with torch.serialization.add_safe_globals([...]) and convert again") from None
     except Exception as exc:
         raise CheckpointError(f"{path} is not a readable torch.save file: {type(exc).__name__}: {exc}") from None
+
+
+def _starts_as_pickle(path: str) -> bool:
+    """Whether the file opens as torch's legacy format does: a pickle of protocol 2 or later
+    (``PROTO`` opcode), so that garbage is reported as damaged rather than as unsafe."""
+    with open(path, "rb") as f:
+        head = f.read(2)
+    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= pickle.HIGHEST_PROTOCOL
 
 
 def write(values: dict[str, Any], target: str) -> list[str]:
