@@ -172,6 +172,23 @@ def test_one_process_restores_from_the_local_level_before_root(tmp_path):
     assert_state_equals(fresh, ref)
 
 
+def test_a_state_that_does_not_match_leaves_the_local_level_alone(tmp_path):
+    """Only damage removes node-local steps: a restart with the wrong model is the user's to fix,
+    and the steps must still be there once it is fixed."""
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    settings = dict(local_root=tmp_path / "local", host_memory_gb=0.01)
+    with ss.Checkpointer(tmp_path / "root", **settings) as ckpt:
+        for step in (1, 2):
+            train_step(model, optim, step)
+            ckpt.save(step, state)
+    wrong = make_training(width=16)[0]
+    with ss.Checkpointer(tmp_path / "root", **settings) as ckpt:
+        with pytest.raises(ss.StateMismatchError):
+            ckpt.load_latest({"model": wrong, "optim": torch.optim.AdamW(wrong.parameters())})
+    assert sorted(os.listdir(tmp_path / "local")) == ["step-1", "step-2"]
+
+
 def _fresh_training():
     model = make_training(seed=5)[0]
     return {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-2)}

@@ -30,7 +30,7 @@ _WHERE = {
     **{name: "errors" for name in (
         "CheckpointError", "CorruptCheckpointError", "MissingFileError", "ManifestError", "StateMismatchError",
         "CheckpointExistsError", "UnsafeCheckpointError", "ConsistencyError", "ReshardError",
-        "NotInCheckpointError")},
+        "NotInCheckpointError", "ReadFailedError")},
 }
 
 __all__ = list(_WHERE)
@@ -70,7 +70,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .engine.save import SaveInfo, save
     from .errors import (
         CheckpointError, CheckpointExistsError, ConsistencyError, CorruptCheckpointError, ManifestError,
-        MissingFileError, ReshardError, StateMismatchError, UnsafeCheckpointError,
+        MissingFileError, ReadFailedError, ReshardError, StateMismatchError, UnsafeCheckpointError,
     )
     from .reader import Reader, open  # noqa: A004
     from .state.wrappers import PerRank, Replicated, Sharded, flat_partition

@@ -14,6 +14,12 @@ class CorruptCheckpointError(CheckpointError):
     """Stored bytes do not match their checksum, or a data file is truncated."""
 
 
+class ReadFailedError(CorruptCheckpointError):
+    """The storage failed to read a data file (an I/O error such as ``EIO`` from a mount that
+    stopped answering). Unlike a checksum mismatch, the stored bytes may be intact and a retry may
+    succeed, so a restart does not give up the checkpoint for an older one over it."""
+
+
 class MissingFileError(CheckpointError):
     """A file the manifest refers to is not there."""
 

@@ -150,7 +150,7 @@ class FurtherCopier:
             backend.abort(staging, target, manifest.files)
             return f"step {step} was not copied to {target}: {exc}"
         try:
-            self._dst.retain(set())
+            self._dst.retain(set(), step)
         except Exception as exc:  # noqa: BLE001 (the copy is committed; retention is retried next time)
             return f"retention in {self._dst.root} after copying step {step} failed: {exc}"
         return manifest.total_bytes

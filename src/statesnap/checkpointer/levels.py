@@ -41,6 +41,9 @@ class StorageLevel:
         self.name, self.root, self.backend, self.keep_last = name, root, backend, keep_last
         self.claim = None
         self.unreachable: str | None = None  # why the root could not be claimed, while it cannot
+        # steps a restore found damaged here and went back past: retention neither counts them
+        # (they would take the places of good ones) nor deletes them, until one is saved again
+        self.damaged: set[int] = set()
 
     def claim_root(self, take_over: bool, lease_s: float) -> None:
         """Own the root for this job; from then on every commit and deletion checks the claim."""
@@ -62,9 +65,11 @@ class StorageLevel:
         steps = (parse_step(name) for name in self.backend.listdir(self.root))
         return sorted(s for s in steps if s is not None and self.is_committed(s))
 
-    def retain(self, protected: set[int]) -> list[int]:
-        """Delete the oldest committed checkpoints beyond ``keep_last``; return their steps."""
-        steps = self.committed_steps()
+    def retain(self, protected: set[int], committed: int | None = None) -> list[int]:
+        """Delete the oldest committed checkpoints beyond ``keep_last``; return their steps.
+        ``committed``: the step just committed here, whole again if it was ``damaged``."""
+        self.damaged.discard(committed)
+        steps = [step for step in self.committed_steps() if step not in self.damaged]
         doomed = [s for s in steps[:-self.keep_last] if s not in protected]
         for step in doomed:
             self.backend.retire(self.path(step), MANIFEST_NAME)

@@ -25,7 +25,7 @@ from ..engine.load import load
 from ..engine.replicas import limit_bytes, object_digests
 from ..engine.save import encode_objects, per_rank_names, plan_by_owners, shared_names
 from ..engine.write import default_threads
-from ..errors import CheckpointError, StateMismatchError
+from ..errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME
 from ..monitor.events import EventLog, now
 from ..state.flatten import create_adam_state
@@ -33,6 +33,7 @@ from ..storage import backend_for, is_url, normalize
 from .config import CheckpointerConfig
 from .gpu import CudaCopier, mark_devices
 from .hooks import StepGuard, find_writers
+from .fallback import Fallback
 from .further import FurtherCopier
 from .levels import MemoryLevel, StorageLevel, matching_target, restore_from_memory
 from .local import LocalFlusher, Topology, peer_buffer_bytes
@@ -241,10 +242,12 @@ class Checkpointer:
         return the step (None if there is none). ``loaded_from`` names the level used.
         ``cast`` is ``ss.load``'s: floating dtypes may differ from the stored ones.
 
-        A copy that is missing or damaged is skipped with a warning for the next one: the same
-        step on a slower level, then older committed steps. A restart that cannot load its
-        newest checkpoint should resume from the one before rather than not at all; the
-        warning and the returned step say which it was."""
+        A copy that fails is skipped with a warning for the next one: the same step on a slower
+        level, then, past a step whose every copy is damaged, older committed steps (see
+        fallback.py for what counts as damage). A restart that cannot load its newest
+        checkpoint should resume from the one before rather than not at all; the warning and
+        the returned step say which it was, and retention spares the steps before the damaged
+        ones until the run has saved them again."""
         self._check_open()
         self._wait_all()
         self._raise_pending()
@@ -270,20 +273,22 @@ class Checkpointer:
             if not choices:
                 return None
             # the newest step first, from the fastest level holding it
+            fallback = Fallback(self._comm, choices)
             for index, (step, _, name) in enumerate(choices):
-                if name == "memory":
-                    error, nbytes = None, 0
-                    try:
-                        nbytes = restore_from_memory(snap, flat, self._arena.buffer, self.config.allow_pickle)
-                    except Exception as exc:  # noqa: BLE001 (all ranks raise together below)
-                        error = exc
-                    self._comm.agree(error, f"restoring step {step} from host memory")
-                    break
                 try:
-                    nbytes, name = self._restore_stored(state, step, name, inventories, cast)
+                    if name == "memory":
+                        nbytes = self._restore_memory(snap, flat, step)
+                    else:
+                        nbytes, name = self._restore_stored(state, step, name, inventories, cast)
                     break
                 except CheckpointError as exc:
-                    self._fall_back_or_raise(exc, step, name, choices[index + 1:])
+                    if fallback.record(exc, index) and name == "local":
+                        self._recovery.prune_after(step - 1)  # a damaged copy is not tried again at the next restart
+                    fallback.go_on_or_raise(exc, index)
+            for damaged_step, level_name in fallback.damaged:
+                for level in levels:
+                    if level.name == level_name:
+                        level.damaged.add(damaged_step)
             if self._recovery is not None:
                 self._recovery.prune_after(step)
         finally:
@@ -309,34 +314,26 @@ class Checkpointer:
                 steps.append([])
         return steps
 
+    def _restore_memory(self, snap, flat, step: int) -> int:
+        """Restore ``snap`` from the arena into ``flat``, on every rank or (raised) on none."""
+        error, nbytes = None, 0
+        try:
+            nbytes = restore_from_memory(snap, flat, self._arena.buffer, self.config.allow_pickle)
+        except Exception as exc:  # noqa: BLE001 (all ranks raise together below)
+            error = exc
+        self._comm.agree(error, f"restoring step {step} from host memory")
+        return nbytes
+
     def _restore_stored(self, state: dict, step: int, name: str, inventories: list, cast: bool) -> tuple[int, str]:
         """Load ``step`` from a storage level; return the bytes read and the level's name
         (``"local"`` becomes ``"peer"`` when some node fetched files from another)."""
         options = dict(allow_pickle=self.config.allow_pickle, storage_options=self.config.storage_options,
                        process_group=self.config.process_group, timeout_s=self.config.commit_timeout_s, cast=cast)
         if name == "local":
-            try:
-                nbytes, fetched = self._recovery.restore(state, step, inventories, **options)
-            except CheckpointError:
-                self._recovery.prune_after(step - 1)  # a damaged copy is not tried again at the next restart
-                raise
+            nbytes, fetched = self._recovery.restore(state, step, inventories, **options)
             return nbytes, "peer" if fetched else "local"
         level = self.persistent if name == "persistent" else self.further
         return load(state, level.path(step), **options).bytes, name
-
-    def _fall_back_or_raise(self, error: CheckpointError, step: int, name: str, rest: list[tuple]) -> None:
-        """A copy that is missing or damaged sends every rank on to the next copy in ``rest``;
-        a state that does not match the checkpoint (the same on every level and, as a rule,
-        every step) is raised, on every rank alike, as is the failure of the last copy."""
-        mismatch = any(self._comm.all_gather(isinstance(error, StateMismatchError)))
-        if mismatch or not rest:
-            raise error
-        next_step, _, next_name = rest[0]
-        where = "the node-local level and peer replicas" if name == "local" else f"the {name} level"
-        then = "the next level" if next_step == step else f"step {next_step}, the newest before it"
-        message = f"statesnap: step {step} could not be restored from {where} ({error}); trying {then}"
-        log.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def stats(self) -> dict:
         """Sums of the events so far: stall, background time, throughput, back-pressure, ..."""
@@ -678,7 +675,7 @@ class Checkpointer:
         with self._lock:
             protected = {newest, *self._copying_further}
         try:
-            self.persistent.retain(protected)
+            self.persistent.retain(protected, newest)
         except CheckpointError as exc:  # the root was taken over: nothing is deleted
             self._record_failure(None, exc)
         except Exception as exc:  # noqa: BLE001 (surfaces at the next call)

@@ -324,7 +324,7 @@ class Loading:
     Making it is collective: the manifest (read, or ``manifest`` as given), the target matched
     against it. ``fill`` reads this rank's bytes and involves no other rank; ``finish`` is
     collective again: every rank's outcome, shared reads, plain values. A failure anywhere
-    leaves a fresh optimizer's state zero, and is raised on every rank together."""
+    leaves a fresh optimizer without state, and is raised on every rank together."""
 
     def __init__(self, state: dict, path, *, manifest: Manifest | None = None, strict: bool = True,
                  verify: bool = True, allow_pickle: bool = False, storage_options: dict | None = None,
@@ -338,7 +338,7 @@ class Loading:
             strict, verify, allow_pickle, threads, progress)
         self.created: list[torch.Tensor] = []  # a fresh optimizer's state, created unfilled (state/flatten.py)
         self.nbytes, self._error = 0, None
-        with self._zeroed_on_failure():
+        with self._reset_on_failure():
             self._begin(state, manifest, cast, shared_reads)
 
     def _begin(self, state: dict, manifest: Manifest | None, cast: bool, shared_reads: bool | None) -> None:
@@ -363,7 +363,7 @@ class Loading:
         """Read this rank's tensors (through ``backend`` if given: a restore reads files as they
         arrive). A failure is kept for ``finish`` to raise on every rank: the others are on
         their way there."""
-        with self._zeroed_on_failure():
+        with self._reset_on_failure():
             try:
                 self.nbytes = fill_tensors(self.flat, self.manifest, backend or self.backend, self.path, self.skip,
                                            self.verify, self.threads, self.strict, self.exchange.received,
@@ -372,7 +372,7 @@ class Loading:
                 self._error = exc
 
     def finish(self) -> LoadInfo:
-        with self._zeroed_on_failure():
+        with self._reset_on_failure():
             self.comm.agree(self._error, f"loading {self.path}")
             error = None
             try:
@@ -387,9 +387,13 @@ class Loading:
         return LoadInfo(self.path, self.nbytes, time.perf_counter() - self.started)
 
     @contextlib.contextmanager
-    def _zeroed_on_failure(self):
+    def _reset_on_failure(self):
         try:
             yield
         except BaseException:
-            zero_unfilled(self.created)  # a failed load leaves a fresh optimizer's state zero, not garbage
+            # A failed load leaves a fresh optimizer fresh: without state, so that a load of a
+            # checkpoint saved before its first step (a restart falling back to it) finds it so.
+            zero_unfilled(self.created)  # (also for tensors a caller still holds: zero, not garbage)
+            for optim in getattr(self, "flat", Flattened([], [], [])).fresh_optimizers:
+                optim.state.clear()
             raise

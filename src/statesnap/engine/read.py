@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import CorruptCheckpointError, MissingFileError
+from ..errors import CorruptCheckpointError, MissingFileError, ReadFailedError
 from ..format.checksum import checksum_blocks, checksum_whole
 from ..format.manifest import Manifest, TensorEntry
 from ..plan.load_plan import PieceRead, Segment, TargetPlan, row_major_strides
@@ -182,7 +182,10 @@ class ReadExecutor:
                 except FileNotFoundError:
                     raise MissingFileError(f"data file {name} of {self.directory} is missing "
                                            f"(needed for tensor {job.fqn!r})") from None
-                except (OSError, CorruptCheckpointError) as exc:
+                except OSError as exc:
+                    raise ReadFailedError(f"data file {name} of {self.directory} cannot be read (needed "
+                                          f"for tensor {job.fqn!r}): {exc}") from None
+                except CorruptCheckpointError as exc:
                     raise CorruptCheckpointError(f"data file {name} of {self.directory} cannot be read (needed "
                                                  f"for tensor {job.fqn!r}): {exc}") from None
                 self._files[job.file] = reader
@@ -216,7 +219,7 @@ class ReadExecutor:
         try:
             got = reader.readinto(offset, views)
         except OSError as exc:  # an I/O error of the device, say
-            raise CorruptCheckpointError(
+            raise ReadFailedError(
                 f"data file {self.manifest.files[first.file]} of {self.directory} could not be read at byte "
                 f"{offset} (tensor {first.fqn!r}): {type(exc).__name__}: {exc}") from None
         gaps = sum(len(v) for v, job in zip(views, owners) if job is None)

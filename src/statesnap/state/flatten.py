@@ -170,6 +170,8 @@ class _Walker:
         groups = {join(fqn, "param_groups")}
         if self._reused(fqn, optim):
             return
+        if self.for_load and not optim.state:
+            self.out.fresh_optimizers.append(optim)
         model = self._owner_of(optim)
         if isinstance(model, _Container) and self.for_load and self._saved_by_position(fqn, model):
             model = None  # saved by position, as statesnap did before it named such optimizers' state

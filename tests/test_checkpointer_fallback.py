@@ -1,0 +1,190 @@
+"""Restarts past damage: ``load_latest`` goes on to the next copy of a step when one fails, and
+to older steps only when every copy of the newer one is damaged; what else fails is raised, and
+retention spares good steps while a damaged newer one is still on disk."""
+import errno
+import os
+import warnings
+
+import pytest
+import torch
+
+import statesnap as ss
+from statesnap.format.manifest import MANIFEST_NAME
+from statesnap.storage.local import LocalBackend
+from test_checkpointer import assert_state_equals, make_training, reference, train_step
+
+SETTINGS = dict(keep_last=3, host_memory_gb=0.01)
+
+
+def _damage(step_dir, how: str) -> None:
+    data = next(p for p in step_dir.iterdir() if p.suffix == ".bin")
+    if how == "flipped":
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        data.write_bytes(bytes(raw))
+    elif how == "missing":
+        data.unlink()
+    else:
+        (step_dir / MANIFEST_NAME).write_bytes(b'{"format": "statesnap", "tensors": [[[')
+
+
+@pytest.mark.parametrize("how", ["flipped", "missing", "manifest"])
+def test_load_latest_falls_back_past_a_damaged_newest_step(tmp_path, how):
+    """A newest checkpoint damaged on every level (flipped bits, a lost data file, a garbled
+    manifest) is skipped with a warning for the step before it, bit for bit, and the resumed run
+    saves that step again over it; when every step is damaged the error is raised."""
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    refs = {}
+    with ss.Checkpointer(tmp_path, keep_last=3, host_memory_gb=0.01) as ckpt:
+        for step in (1, 2, 3):
+            train_step(model, optim, step)
+            refs[step] = reference(state)
+            ckpt.save(step, state).wait()
+    _damage(tmp_path / "step-3", how)
+    fresh = _fresh_state()
+    with ss.Checkpointer(tmp_path, keep_last=3, host_memory_gb=0.01) as restarted:
+        with pytest.warns(RuntimeWarning, match="step 3 could not be restored .*trying step 2, the newest before it"):
+            assert restarted.load_latest(fresh) == 2
+        assert restarted.loaded_from == "persistent"
+        assert_state_equals(fresh, refs[2])
+        train_step(fresh["model"], fresh["optim"], 3)  # the run goes on: step 3 again, saved over the damaged one
+        restarted.save(3, fresh).wait()
+    again = _fresh_state()
+    with ss.Checkpointer(tmp_path, keep_last=3, host_memory_gb=0.01) as restarted:
+        assert restarted.load_latest(again) == 3
+    assert_state_equals(again, refs[3])
+
+    for step in (1, 2, 3):
+        _damage(tmp_path / f"step-{step}", how)
+    with ss.Checkpointer(tmp_path, keep_last=3, host_memory_gb=0.01) as restarted:
+        with pytest.warns(RuntimeWarning), pytest.raises(ss.CheckpointError, match="step-1"):
+            restarted.load_latest(_fresh_state())
+
+
+def test_load_latest_raises_a_state_mismatch_without_trying_older_steps(tmp_path):
+    model, optim = make_training()
+    with ss.Checkpointer(tmp_path, keep_last=3, host_memory_gb=0.01) as ckpt:
+        for step in (1, 2):
+            train_step(model, optim, step)
+            ckpt.save(step, {"model": model, "optim": optim}).wait()
+    other = {"model": make_training(width=16)[0]}
+    with ss.Checkpointer(tmp_path, keep_last=3, host_memory_gb=0.01) as restarted:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fall-back warning: the next step would not match either
+            with pytest.raises(ss.StateMismatchError, match="step-2"):
+                restarted.load_latest(other)
+
+
+def _fresh_state():
+    model, optim = make_training(seed=5)
+    return {"model": model, "optim": optim}
+
+
+
+
+def test_an_io_error_is_raised_not_taken_for_damage(tmp_path, monkeypatch):
+    """A read error that a retry may not meet again (a mount that stopped answering) must not
+    send the run back to an older step, which it would later save over the good one."""
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    with ss.Checkpointer(tmp_path, **SETTINGS) as ckpt:
+        for step in (1, 2):
+            train_step(model, optim, step)
+            ckpt.save(step, state).wait()
+    ref = reference(state)
+    real_open = LocalBackend.open_read
+
+    def flaky(self, path):
+        if "step-2" in str(path) and path.endswith(".bin"):
+            raise OSError(errno.EIO, "NFS server not responding")
+        return real_open(self, path)
+    with monkeypatch.context() as patch:
+        patch.setattr(LocalBackend, "open_read", flaky)
+        with ss.Checkpointer(tmp_path, **SETTINGS) as restarted, warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ss.ReadFailedError, match="step-2.*NFS server not responding"):
+                restarted.load_latest(_fresh_state())
+    fresh = _fresh_state()
+    with ss.Checkpointer(tmp_path, **SETTINGS) as restarted:  # the mount is back
+        assert restarted.load_latest(fresh) == 2
+    assert_state_equals(fresh, ref)
+
+
+class Note:
+    """Not plain data: saved only with pickle."""
+
+    def __init__(self, text):
+        self.text = text
+
+
+def test_a_setting_every_step_would_refuse_is_raised_at_once(tmp_path):
+    model, _ = make_training()
+    with ss.Checkpointer(tmp_path, allow_pickle=True, **SETTINGS) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"model": model, "note": Note(str(step))}).wait()
+    with ss.Checkpointer(tmp_path, **SETTINGS) as restarted, warnings.catch_warnings():
+        warnings.simplefilter("error")  # no step is tried after the first
+        with pytest.raises(ss.UnsafeCheckpointError):
+            restarted.load_latest({"model": model, "note": Note("")})
+
+
+def test_a_fall_back_to_a_step_saved_before_the_first_optimizer_step(tmp_path):
+    """The failed load of the newer step created a fresh AdamW's state; the step before any
+    optimizer step has none, so that state must be gone again for it to load."""
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    with ss.Checkpointer(tmp_path, **SETTINGS) as ckpt:
+        ckpt.save(0, state).wait()
+        ref = reference(state)
+        train_step(model, optim, 1)
+        ckpt.save(1, state).wait()
+    _damage(tmp_path / "step-1", "flipped")
+    fresh = _fresh_state()
+    with ss.Checkpointer(tmp_path, **SETTINGS) as restarted:
+        with pytest.warns(RuntimeWarning, match="trying step 0"):
+            assert restarted.load_latest(fresh) == 0
+    assert not fresh["optim"].state
+    assert_state_equals(fresh, ref)
+
+
+def test_retention_spares_good_steps_while_a_damaged_newer_one_is_on_disk(tmp_path):
+    """Resumed at step 4 past a damaged step 6, the run saves step 5: the damaged step 6 must
+    take neither the place of a good step on root nor the further level's only place; once
+    the run saves step 6 again, retention goes on as before."""
+    root, further = tmp_path / "root", tmp_path / "further"
+    settings = dict(SETTINGS, further_root=str(further), further_every=1, further_keep_last=1)
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    with ss.Checkpointer(root, **settings) as ckpt:
+        for step in (2, 4, 6):
+            train_step(model, optim, step)
+            ckpt.save(step, state).wait()
+    for level in (root, further):
+        _damage(level / "step-6", "flipped")
+    fresh = _fresh_state()
+
+    def steps(level):
+        return sorted(int(n[5:]) for n in os.listdir(level) if n.startswith("step-"))
+    with ss.Checkpointer(root, **settings) as restarted:
+        with pytest.warns(RuntimeWarning) as caught:
+            assert restarted.load_latest(fresh) == 4
+        assert "trying step 4, the newest before it" in str(caught[-1].message)
+        train_step(fresh["model"], fresh["optim"], 5)
+        restarted.save(5, fresh).wait()
+    assert steps(root) == [2, 4, 5, 6] and steps(further) == [5, 6]
+
+    fresh = _fresh_state()
+    with ss.Checkpointer(root, **settings) as restarted:  # a restart before the run is past step 6
+        with pytest.warns(RuntimeWarning) as caught:
+            assert restarted.load_latest(fresh) == 5
+        assert "trying step 5, the newest before it" in str(caught[-1].message)
+        train_step(fresh["model"], fresh["optim"], 6)
+        restarted.save(6, fresh).wait()
+        ref = reference(fresh)
+    assert steps(root) == [4, 5, 6] and steps(further) == [6]
+    again = _fresh_state()
+    with ss.Checkpointer(root, **settings) as restarted, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert restarted.load_latest(again) == 6
+    assert_state_equals(again, ref)
