@@ -2,14 +2,15 @@
 to older steps only when every copy of the newer one is damaged; what else fails is raised, and
 retention spares good steps while a damaged newer one is still on disk."""
 import errno
+import json
 import os
 import warnings
 
 import pytest
-import torch
 
 import statesnap as ss
-from statesnap.format.manifest import MANIFEST_NAME
+from statesnap.checkpointer import manager
+from statesnap.format.manifest import FORMAT_VERSION, MANIFEST_NAME
 from statesnap.storage.local import LocalBackend
 from test_checkpointer import assert_state_equals, make_training, reference, train_step
 
@@ -188,3 +189,85 @@ def test_retention_spares_good_steps_while_a_damaged_newer_one_is_on_disk(tmp_pa
         warnings.simplefilter("error")
         assert restarted.load_latest(again) == 6
     assert_state_equals(again, ref)
+
+
+def test_a_step_of_a_newer_format_is_raised_not_given_up(tmp_path):
+    model, optim = make_training()
+    with ss.Checkpointer(tmp_path, **SETTINGS) as ckpt:
+        for step in (1, 2):
+            train_step(model, optim, step)
+            ckpt.save(step, {"model": model, "optim": optim}).wait()
+    manifest = tmp_path / "step-2" / MANIFEST_NAME
+    doc = json.loads(manifest.read_text())
+    doc["version"] = FORMAT_VERSION + 1
+    manifest.write_text(json.dumps(doc))
+    with ss.Checkpointer(tmp_path, **SETTINGS) as restarted, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ss.ManifestError, match="newer than this statesnap reads"):
+            restarted.load_latest(_fresh_state())
+    assert (tmp_path / "step-2").exists()
+
+
+def test_a_node_local_copy_that_cannot_be_read_is_given_up_for_the_stored_levels(tmp_path, monkeypatch):
+    """A failing node disk must not stop the job: the steps on root serve the restart."""
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    settings = dict(SETTINGS, local_root=tmp_path / "local", persist_every=2)
+    refs = {}
+    with ss.Checkpointer(tmp_path / "root", **settings) as ckpt:
+        for step in (1, 2, 3):
+            train_step(model, optim, step)
+            refs[step] = reference(state)
+            ckpt.save(step, state).wait()
+    real_open = LocalBackend.open_read
+
+    def failing_disk(self, path):
+        if str(tmp_path / "local") in str(path) and path.endswith(".bin"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_open(self, path)
+    monkeypatch.setattr(LocalBackend, "open_read", failing_disk)
+    fresh = _fresh_state()
+    with ss.Checkpointer(tmp_path / "root", **settings) as restarted:
+        with pytest.warns(RuntimeWarning) as caught:
+            assert restarted.load_latest(fresh) == 2
+        assert "step 3 could not be restored from the node-local level" in str(caught[0].message)
+        assert restarted.loaded_from == "persistent"
+    assert_state_equals(fresh, refs[2])
+
+
+def test_a_failed_restore_from_memory_goes_on_to_storage_and_past_damage(tmp_path, monkeypatch):
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    with ss.Checkpointer(tmp_path, **SETTINGS) as ckpt:
+        train_step(model, optim, 1)
+        ref = reference(state)
+        ckpt.save(1, state).wait()
+        train_step(model, optim, 2)
+        ckpt.save(2, state).wait()
+        _damage(tmp_path / "step-2", "flipped")
+        monkeypatch.setattr(manager, "restore_from_memory", lambda *args: 1 / 0)
+        with pytest.warns(RuntimeWarning) as caught:
+            assert ckpt.load_latest(state) == 1
+        assert ckpt.loaded_from == "persistent"
+    assert "step 2 could not be restored from the memory level" in str(caught[0].message)
+    assert_state_equals(state, ref)
+
+
+class Broken:
+    """A stateful value whose state_dict fails: flattening fails after the optimizer before it."""
+
+    def state_dict(self):
+        raise RuntimeError("cannot say")
+
+    def load_state_dict(self, sd):
+        pass
+
+
+def test_a_load_that_fails_while_flattening_leaves_a_fresh_optimizer_fresh(tmp_path):
+    model, optim = make_training()
+    train_step(model, optim, 1)
+    ss.save({"model": model, "optim": optim}, tmp_path / "c")
+    fresh = _fresh_state()
+    with pytest.raises(ss.CheckpointError, match="cannot say"):
+        ss.load({**fresh, "broken": Broken()}, tmp_path / "c")
+    assert not fresh["optim"].state

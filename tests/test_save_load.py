@@ -335,6 +335,35 @@ def test_sequences_holding_large_tensors_modules_or_dicts_of_them_are_walked(tmp
         ss.load(other, tmp_path / "c")
 
 
+def test_a_list_stored_whole_beside_a_name_under_it_loads_whole(tmp_path):
+    state = {"x": [1, 2], "x.0": torch.arange(3.0), "y": [torch.ones(2)], "y.1": 5}
+    ss.save(state, tmp_path / "c")
+    target = {"x": [0], "x.0": torch.zeros(3), "y": [torch.zeros(2)], "y.1": 0}
+    ss.load(target, tmp_path / "c")
+    assert target["x"] == [1, 2] and torch.equal(target["x.0"], torch.arange(3.0)) and target["y.1"] == 5
+    assert torch.equal(target["y"][0], torch.ones(2))
+
+
+def test_values_in_a_tuple_are_filled_in_place_or_must_be_the_stored_ones(tmp_path):
+    model = nn.Linear(2, 2)
+    state = {"pair": (model, [torch.get_rng_state()], float("nan"), (1, "a"))}
+    ss.save(state, tmp_path / "c")
+    ss.load(state, tmp_path / "c")  # the very state saved: every value is already the stored one
+    rng = [torch.zeros(0, dtype=torch.uint8)]
+    target = {"pair": (nn.Linear(2, 2), rng, float("nan"), (1, "a"))}
+    ss.load(target, tmp_path / "c")
+    assert torch.equal(target["pair"][1][0], state["pair"][1][0]) and target["pair"][1] is rng
+    assert torch.equal(target["pair"][0].weight, model.weight)
+
+
+def test_a_list_of_large_tensors_against_a_checkpoint_that_stored_it_whole_is_a_mismatch(tmp_path):
+    ss.save({"y": [torch.arange(4.0), torch.arange(5.0)]}, tmp_path / "c")  # small: stored whole
+    target = {"y": [torch.zeros(BIG), torch.zeros(BIG)]}
+    with pytest.raises(ss.StateMismatchError):
+        ss.load(target, tmp_path / "c")
+    assert target["y"][0].numel() == BIG
+
+
 def test_a_sequence_pickled_whole_before_such_sequences_were_walked_still_loads_whole(tmp_path, monkeypatch):
     from statesnap.state import flatten
 

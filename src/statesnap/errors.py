@@ -33,6 +33,11 @@ class ManifestError(CheckpointError):
     """The manifest is unreadable, from a future format version, or unsafe (paths escape)."""
 
 
+class NewerFormatError(ManifestError):
+    """The checkpoint was written in a newer format version than this statesnap reads: it is
+    whole, and an upgraded statesnap loads it."""
+
+
 class StateMismatchError(CheckpointError):
     """Strict load found missing or unexpected keys, or shape/dtype mismatches."""
 

@@ -5,8 +5,11 @@ step, and older steps only past damage.
 and every rank moves on together. Whether it may go past a step to an older one depends on what
 failed, as every rank saw it. Damage of the copies themselves (a checksum that does not match, a
 truncated or missing file, an unreadable manifest, seen by any rank) may be given up for an
-older step: nothing will make those copies whole. Anything else is raised once no copy of the step is left: an I/O
-error may pass with a retry, and a setting (pickle not allowed, per-rank values on another
+older step: nothing will make those copies whole. So may the copies of this node's levels
+(memory, node-local disks and peer replicas) whatever failed: they are fast copies beside the
+durable ones, and a failing node disk must not stop the job. Anything else on the stored levels
+is raised once no copy of the step is left: an I/O error may pass with a retry, a newer format
+loads with an upgraded statesnap, and a setting (pickle not allowed, per-rank values on another
 world size) would refuse every older step too. Going back past either would give up a good
 checkpoint without need, and the resumed run would later save over it. A state that does not
 match the checkpoint is raised at once: every copy would refuse it.
@@ -18,12 +21,14 @@ import warnings
 
 from ..engine.dist import Comm, RemoteFailure
 from ..errors import (
-    CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, ReadFailedError, StateMismatchError,
+    CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, NewerFormatError, ReadFailedError,
+    StateMismatchError,
 )
 
 log = logging.getLogger("statesnap")
 
 MISMATCH, DAMAGE, OTHER, REMOTE = "mismatch", "damage", "other", "remote"
+NODE_LEVELS = ("memory", "local")
 
 
 def failure_kind(error: CheckpointError) -> str:
@@ -33,7 +38,7 @@ def failure_kind(error: CheckpointError) -> str:
     if isinstance(error, RemoteFailure):
         return REMOTE
     if isinstance(error, (CorruptCheckpointError, MissingFileError, ManifestError)) and not isinstance(
-            error, ReadFailedError):
+            error, (ReadFailedError, NewerFormatError)):
         return DAMAGE
     return OTHER
 
@@ -50,16 +55,17 @@ class Fallback:
 
     def record(self, error: CheckpointError, index: int) -> bool:
         """Note the failure of copy ``index``, as every rank saw it (collective); return whether
-        the copy was damaged."""
+        the copy is given up (damaged, or on one of this node's levels)."""
         step, _, name = self._choices[index]
         kinds = set(self._comm.all_gather(failure_kind(error)))
         self._mismatch = MISMATCH in kinds
         damaged = DAMAGE in kinds  # (what else failed beside it, on other ranks, does not make it whole)
         if damaged:
             self.damaged.append((step, name))
-        else:
+        given_up = damaged or (name in NODE_LEVELS and not self._mismatch)
+        if not given_up:
             self._kept.setdefault(step, error)
-        return damaged
+        return given_up
 
     def go_on_or_raise(self, error: CheckpointError, index: int) -> None:
         """After :meth:`record`: raise what ends the restore, or warn of the copy tried next."""

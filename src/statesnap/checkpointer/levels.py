@@ -21,7 +21,7 @@ import torch
 from ..engine.objects import decode_value
 from ..format.dtypes import dtype_name
 from ..format.manifest import MANIFEST_NAME
-from ..state.flatten import flatten_for_load
+from ..state.flatten import StoredNames, flatten_for_load
 from ..storage.base import StorageBackend
 from ..storage.local import RETIRED_MARK
 from ..storage.lock import ClaimedBackend, claim_root
@@ -117,7 +117,7 @@ class MemoryLevel:
 def matching_target(snap, state: dict):
     """The flattened ``state`` if its layout equals the snapshot's (same items, same boxes)."""
     keys = sorted([*(m.fqn for m in snap.metas), *snap.objects])
-    flat = flatten_for_load(state, lambda prefix: any(k.startswith(prefix) for k in keys))
+    flat = flatten_for_load(state, StoredNames(keys))
     metas = [item.meta(dtype_name(item.dtype)) for item in flat.tensors]
     same = metas == snap.metas and sorted(o.fqn for o in flat.objects) == sorted(snap.objects)
     return flat if same else None

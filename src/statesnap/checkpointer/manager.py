@@ -283,7 +283,7 @@ class Checkpointer:
                     break
                 except CheckpointError as exc:
                     if fallback.record(exc, index) and name == "local":
-                        self._recovery.prune_after(step - 1)  # a damaged copy is not tried again at the next restart
+                        self._recovery.prune_after(step - 1)  # a copy given up is not tried again at the next restart
                     fallback.go_on_or_raise(exc, index)
             for damaged_step, level_name in fallback.damaged:
                 for level in levels:

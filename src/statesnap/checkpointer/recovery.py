@@ -21,11 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..engine.dist import Comm
-from ..engine.load import Loading, prefix_lookup
+from ..engine.load import Loading
 from ..errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..plan import plan_target
-from ..state.flatten import flatten_for_load
+from ..state.flatten import StoredNames, flatten_for_load
 from . import local as streams  # the stream constants, read where they live: one value for both ends
 from .arrivals import Arrivals
 from .levels import StorageLevel
@@ -73,7 +73,7 @@ def files_needed(manifest: Manifest, state: dict) -> set[str]:
     """The data files this rank's load of ``manifest`` into ``state`` reads (all, if the state
     does not match: the load then reports the mismatch itself)."""
     try:
-        flat = flatten_for_load(state, prefix_lookup(manifest))
+        flat = flatten_for_load(state, StoredNames(manifest.keys()))
         needed = set()
         for item in flat.tensors:
             entry = manifest.tensors[item.fqn]

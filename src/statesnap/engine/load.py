@@ -5,7 +5,6 @@ the planner finds the stored bytes for exactly that part, whatever layout wrote 
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
 import os
 import time
@@ -20,7 +19,7 @@ from ..format.checksum import checksum_whole
 from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from ..plan.load_plan import TargetPlan, plan_target
 from ..progress import bar
-from ..state.flatten import flatten_for_load
+from ..state.flatten import StoredNames, flatten_for_load
 from ..state.items import Flattened
 from ..storage import LocalBackend, backend_for, normalize
 from ..storage.base import StorageBackend
@@ -117,18 +116,6 @@ def zero_unfilled(created: list[torch.Tensor], only: list[torch.Tensor] | None =
         for tensor in created:
             if pointers is None or local(tensor).data_ptr() in pointers:
                 local(tensor).zero_()
-
-
-def prefix_lookup(manifest: Manifest):
-    """``has_prefix(prefix)``: whether any stored name starts with ``prefix``. Flattening a state
-    for a load asks it whether the checkpoint brings a fresh optimizer's state (else the state a
-    dummy step made is dropped again); recovery's fetch flattens the same way."""
-    keys = manifest.keys()
-
-    def has_prefix(prefix: str) -> bool:
-        i = bisect.bisect_left(keys, prefix)
-        return i < len(keys) and keys[i].startswith(prefix)
-    return has_prefix
 
 
 def _format_list(title: str, names: list[str]) -> str:
@@ -337,6 +324,7 @@ class Loading:
         self.strict, self.verify, self.allow_pickle, self.threads, self.progress = (
             strict, verify, allow_pickle, threads, progress)
         self.created: list[torch.Tensor] = []  # a fresh optimizer's state, created unfilled (state/flatten.py)
+        self.fresh: list[torch.optim.Optimizer] = []  # the optimizers without state before the load
         self.nbytes, self._error = 0, None
         with self._reset_on_failure():
             self._begin(state, manifest, cast, shared_reads)
@@ -345,7 +333,7 @@ class Loading:
         error = None
         try:
             self.manifest = manifest if manifest is not None else read_manifest(self.backend, self.path)
-            self.flat = flatten_for_load(state, prefix_lookup(self.manifest), self.created)
+            self.flat = flatten_for_load(state, StoredNames(self.manifest.keys()), self.created, self.fresh)
         except Exception as exc:
             error = exc
         self.comm.agree(error, f"loading {self.path}")
@@ -394,6 +382,6 @@ class Loading:
             # A failed load leaves a fresh optimizer fresh: without state, so that a load of a
             # checkpoint saved before its first step (a restart falling back to it) finds it so.
             zero_unfilled(self.created)  # (also for tensors a caller still holds: zero, not garbage)
-            for optim in getattr(self, "flat", Flattened([], [], [])).fresh_optimizers:
+            for optim in self.fresh:
                 optim.state.clear()
             raise

@@ -28,7 +28,7 @@ import torch
 import xxhash
 
 from ..collector import collector_paused
-from ..errors import CorruptCheckpointError, ManifestError
+from ..errors import CorruptCheckpointError, ManifestError, NewerFormatError
 from .checksum import DEFAULT_BLOCK_BYTES
 from .boxes import few_boxes_tile, first_outside, region, tiling_problem
 from .columns import (INT64_MAX, PACK_MIN_PIECES, PACK_ZLIB_MAX_DIMS, UINT64_MAX, InflationBudget, integer,
@@ -426,7 +426,7 @@ class Manifest:
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise ManifestError(f"{where} has an invalid format version {version!r}")
         if version > FORMAT_VERSION:
-            raise ManifestError(f"{where} has format version {version}, newer than this statesnap "
+            raise NewerFormatError(f"{where} has format version {version}, newer than this statesnap "
                                 f"reads ({FORMAT_VERSION}); upgrade statesnap to load it")
         damage = _self_check(raw, doc, where)
         try:

@@ -6,6 +6,8 @@ optimizer state reshards exactly like the parameters it belongs to.
 """
 from __future__ import annotations
 
+import bisect
+import math
 from typing import Any, Callable
 
 import torch
@@ -34,14 +36,31 @@ def _is_stateful(value) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
+class StoredNames:
+    """The names a checkpoint holds (sorted), as flattening a state for a load asks about them:
+    whether it brings a fresh optimizer's state (else the state a dummy step made is dropped
+    again), and whether it stored a list or tuple by index or whole."""
+
+    def __init__(self, names: list[str]):
+        self._names = names
+
+    def has_prefix(self, prefix: str) -> bool:
+        i = bisect.bisect_left(self._names, prefix)
+        return i < len(self._names) and self._names[i].startswith(prefix)
+
+    def holds(self, name: str) -> bool:
+        i = bisect.bisect_left(self._names, name)
+        return i < len(self._names) and self._names[i] == name
+
+
 class _Walker:
-    def __init__(self, for_load: bool, stored_prefixes: Callable[[str], bool] | None,
-                 created: list[torch.Tensor] | None = None, cache: ProviderCache | None = None):
+    def __init__(self, for_load: bool, stored: StoredNames | None, created: list[torch.Tensor] | None = None,
+                 fresh: list[torch.optim.Optimizer] | None = None, cache: ProviderCache | None = None):
         self.for_load = for_load
         self.cache = cache  # saves only: items of modules and optimizers kept from the last save
-        # For loads: does the checkpoint hold any key under this prefix? (optimizer state init)
-        self.stored_prefixes = stored_prefixes or (lambda prefix: False)
+        self.stored = stored or StoredNames([])  # loads: what the checkpoint holds
         self.created = created  # where a fresh optimizer's state goes when it is created unfilled
+        self.fresh = fresh  # loads: where the optimizers without state go (a failed load clears them again)
         self.out = Flattened([], [], [])
         self.seen: set[str] = set()
         self.modules: list[nn.Module] = []
@@ -120,12 +139,15 @@ class _Walker:
             self.out.objects.append(ObjectItem(fqn, value, assign=_assigner(fqn, container, key)))
 
     def _walks_sequence(self, fqn: str, value: list | tuple) -> bool:
-        """A save walks a list or tuple that holds what plain data cannot (``_needs_walk``); a
-        load walks it where the checkpoint did, so that one saved whole (pickled, before such
-        sequences were walked) still loads as the one value it is."""
-        if self.for_load:
-            return self.stored_prefixes(fqn + SEP)
-        return _needs_walk(value)
+        """A save walks a list or tuple that holds what plain data cannot (``_needs_walk``). A
+        load walks a list holding a large tensor, as statesnap always did (a checkpoint that
+        stored it otherwise is then a mismatch), and other sequences where the checkpoint did:
+        one saved whole (pickled, before such sequences were walked) loads as the one value it is."""
+        if not self.for_load:
+            return _needs_walk(value)
+        if isinstance(value, list) and any(isinstance(v, torch.Tensor) and not inlinable(v) for v in value):
+            return True
+        return self.stored.has_prefix(fqn + SEP) and not self.stored.holds(fqn)
 
     def tensor(self, fqn: str, value: torch.Tensor) -> None:
         self._claim(fqn)
@@ -170,14 +192,14 @@ class _Walker:
         groups = {join(fqn, "param_groups")}
         if self._reused(fqn, optim):
             return
-        if self.for_load and not optim.state:
-            self.out.fresh_optimizers.append(optim)
+        if self.fresh is not None and not optim.state:
+            self.fresh.append(optim)
         model = self._owner_of(optim)
         if isinstance(model, _Container) and self.for_load and self._saved_by_position(fqn, model):
             model = None  # saved by position, as statesnap did before it named such optimizers' state
         if model is None:
             # No module in the state owns these parameters: fall back to positional state.
-            if not optim.state and self.for_load and self.stored_prefixes(join(fqn, "state") + SEP):
+            if not optim.state and self.for_load and self.stored.has_prefix(join(fqn, "state") + SEP):
                 create_adam_state(optim, self.created)
             sd = optim.state_dict()
             self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
@@ -185,12 +207,12 @@ class _Walker:
                 self.out.finalizers.append(lambda: optim.load_state_dict(sd))
             return
         fresh = not optim.state
-        if fresh and self.for_load and self.stored_prefixes(join(fqn, "state") + SEP):
+        if fresh and self.for_load and self.stored.has_prefix(join(fqn, "state") + SEP):
             create_adam_state(optim, self.created)
         # Otherwise the helper initialises a fresh optimizer's state with a zero-lr step, which
         # would shift Adam's step count; undo that unless the checkpoint brings state to fill in.
         sd = _optimizer_state_dict(model, optim, fqn) if fresh else get_optimizer_state_dict(model, optim)
-        if fresh and not (self.for_load and self.stored_prefixes(join(fqn, "state") + SEP)):
+        if fresh and not (self.for_load and self.stored.has_prefix(join(fqn, "state") + SEP)):
             optim.state.clear()
             sd["state"] = {}
         first_tensor, first_object = len(self.out.tensors), len(self.out.objects)
@@ -206,8 +228,8 @@ class _Walker:
         ``<fqn>.state.0.``, none under a parameter name of ``container`` (which may start with a
         digit too, for modules under digit keys)."""
         state = join(fqn, "state")
-        return self.stored_prefixes(join(state, 0) + SEP) and not any(
-            self.stored_prefixes(join(state, name) + SEP) for name, _ in container.named_parameters())
+        return self.stored.has_prefix(join(state, 0) + SEP) and not any(
+            self.stored.has_prefix(join(state, name) + SEP) for name, _ in container.named_parameters())
 
     def _owner_of(self, optim: torch.optim.Optimizer) -> nn.Module | None:
         """The module of the state whose parameter names key the optimizer's state: one that
@@ -274,40 +296,64 @@ def create_adam_state(optim: torch.optim.Optimizer, created: list[torch.Tensor] 
                     created.append(state[key])
 
 
+_SCALARS = {int, float, str, bool, type(None)}
+
+
 def _needs_walk(value: Any) -> bool:
     """Whether ``value`` holds, at any depth of lists, tuples and dicts, what plain data cannot:
     a tensor too large (or not plain enough) to be inlined, a module, an optimizer, a wrapper or
     another object with a state dict."""
     if isinstance(value, torch.Tensor):
         return not inlinable(value)
-    if isinstance(value, (list, tuple)):
-        return any(map(_needs_walk, value))
-    if isinstance(value, dict):
-        return any(map(_needs_walk, value.values()))
+    if isinstance(value, (list, tuple, dict)):
+        values = value.values() if isinstance(value, dict) else value
+        if set(map(type, values)) <= _SCALARS:  # (a long list of numbers: one pass in C)
+            return False
+        return any(_needs_walk(v) for v in values if type(v) not in _SCALARS)
     return isinstance(value, (nn.Module, torch.optim.Optimizer, PerRank, Replicated, Sharded)) or _is_stateful(value)
 
 
 def _assigner(fqn: str, container: Any, key: Any) -> Callable[[Any], None]:
-    """How a load puts a plain value back at ``container[key]``. A tuple cannot take it: a small
-    tensor there is filled in place, and any other value must already be the stored one."""
+    """How a load puts a plain value back at ``container[key]``. A tuple cannot take it: what it
+    holds there is filled in place where it can be (a tensor of the same shape and dtype, a list,
+    a dict), and anything else must already be the stored value."""
     if not isinstance(container, tuple):
         return lambda v: container.__setitem__(key, v)
 
     def fill(value: Any) -> None:
-        held = container[key]
-        if isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor):
-            if held.shape == value.shape and held.dtype == value.dtype:
-                with torch.no_grad():
-                    held.copy_(value)
-                return
-        elif type(held) is type(value) and _equal(held, value):
-            return
-        raise CheckpointError(f"{fqn} lies in a tuple, which a load cannot change, and the checkpoint holds "
-                              f"another value there ({value!r:.80} against {held!r:.80}); make it a list")
+        if not _filled(container[key], value):
+            raise CheckpointError(f"{fqn} lies in a tuple, which a load cannot change, and the checkpoint holds "
+                                  f"another value there ({value!r:.80} against {container[key]!r:.80}); make the "
+                                  "tuple a list")
     return fill
 
 
-def _equal(a: Any, b: Any) -> bool:
+def _filled(held: Any, value: Any) -> bool:
+    """Make ``held`` hold ``value`` in place; False if it cannot and does not already."""
+    if isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor):
+        if held.shape != value.shape or held.dtype != value.dtype:
+            return False
+        with torch.no_grad():
+            held.copy_(value)
+        return True
+    if type(held) is list and type(value) is list:
+        held[:] = value
+        return True
+    if type(held) is dict and type(value) is dict:
+        held.clear()
+        held.update(value)
+        return True
+    return _same(held, value)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values, looking inside tuples (NaN equals NaN: a value saved is the value loaded)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 (values whose comparison is ambiguous or raises)
@@ -384,11 +430,12 @@ def _container(named: list[tuple[str, nn.Module]]) -> nn.Module | None:
 def flatten_for_save(state: dict, cache: ProviderCache | None = None) -> Flattened:
     """``cache``: kept by a caller that saves the same state repeatedly; the items of its modules
     and optimizers are then reused while their tensors are the same (``reuse.py``)."""
-    return _Walker(for_load=False, stored_prefixes=None, cache=cache).run(state)
+    return _Walker(for_load=False, stored=None, cache=cache).run(state)
 
 
-def flatten_for_load(state: dict, stored_prefixes: Callable[[str], bool],
-                     created: list[torch.Tensor] | None = None) -> Flattened:
+def flatten_for_load(state: dict, stored: StoredNames, created: list[torch.Tensor] | None = None,
+                     fresh: list[torch.optim.Optimizer] | None = None) -> Flattened:
     """``created``: a list that takes the tensors of fresh optimizer state created unfilled
-    (``torch.empty``); the caller must fill or zero each. Without it they are zeroed."""
-    return _Walker(for_load=True, stored_prefixes=stored_prefixes, created=created).run(state)
+    (``torch.empty``); the caller must fill or zero each. Without it they are zeroed.
+    ``fresh``: a list that takes the optimizers that had no state, as they are met."""
+    return _Walker(for_load=True, stored=stored, created=created, fresh=fresh).run(state)

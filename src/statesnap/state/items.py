@@ -1,7 +1,7 @@
 """What providers produce: items that say which part of which logical tensor a rank holds."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -93,8 +93,6 @@ class Flattened:
     objects: list[ObjectItem]
     # Run after a load has filled tensors and objects: load_state_dict calls and the like.
     finalizers: list[Callable[[], None]]
-    # Loads: the optimizers that had no state before it, which a failed load leaves so again.
-    fresh_optimizers: list = field(default_factory=list)
 
 
 __all__ = ["ItemMeta", "TensorItem", "ObjectItem", "Flattened", "BOX", "FLAT"]
