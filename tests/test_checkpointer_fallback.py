@@ -7,6 +7,7 @@ import os
 import warnings
 
 import pytest
+import torch
 
 import statesnap as ss
 from statesnap.checkpointer import manager
@@ -271,3 +272,19 @@ def test_a_load_that_fails_while_flattening_leaves_a_fresh_optimizer_fresh(tmp_p
     with pytest.raises(ss.CheckpointError, match="cannot say"):
         ss.load({**fresh, "broken": Broken()}, tmp_path / "c")
     assert not fresh["optim"].state
+
+
+def test_an_error_every_copy_would_meet_deletes_no_node_local_step(tmp_path):
+    """A value the state cannot take (here a tuple's) fails every copy alike: it is raised, and
+    the node-local steps, some of them nowhere else, are all still there once the state is fixed."""
+    settings = dict(SETTINGS, local_root=tmp_path / "local", persist_every=2)
+    model, _ = make_training()
+    with ss.Checkpointer(tmp_path / "root", **settings) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"model": model, "t": (torch.zeros(300_000), step)}).wait()
+    with ss.Checkpointer(tmp_path / "root", **settings) as restarted:
+        with pytest.raises(ss.CheckpointError, match="lies in a tuple"):
+            restarted.load_latest({"model": make_training(seed=5)[0], "t": (torch.zeros(300_000), 0)})
+    assert sorted(os.listdir(tmp_path / "local")) == ["step-2", "step-3"]
+    with ss.Checkpointer(tmp_path / "root", **settings) as restarted:
+        assert restarted.load_latest({"model": make_training(seed=5)[0], "t": (torch.zeros(300_000), 3)}) == 3

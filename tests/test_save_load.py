@@ -1,4 +1,5 @@
 """Blocking ss.save / ss.load: what a training state holds, in place, strictly, resumably, atomically."""
+import collections
 import os
 import sys
 
@@ -344,13 +345,16 @@ def test_a_list_stored_whole_beside_a_name_under_it_loads_whole(tmp_path):
     assert torch.equal(target["y"][0], torch.ones(2))
 
 
+Pair = collections.namedtuple("Pair", "n name")
+
+
 def test_values_in_a_tuple_are_filled_in_place_or_must_be_the_stored_ones(tmp_path):
     model = nn.Linear(2, 2)
     state = {"pair": (model, [torch.get_rng_state()], float("nan"), (1, "a"))}
     ss.save(state, tmp_path / "c")
     ss.load(state, tmp_path / "c")  # the very state saved: every value is already the stored one
     rng = [torch.zeros(0, dtype=torch.uint8)]
-    target = {"pair": (nn.Linear(2, 2), rng, float("nan"), (1, "a"))}
+    target = {"pair": (nn.Linear(2, 2), rng, float("nan"), Pair(1, "a"))}
     ss.load(target, tmp_path / "c")
     assert torch.equal(target["pair"][1][0], state["pair"][1][0]) and target["pair"][1] is rng
     assert torch.equal(target["pair"][0].weight, model.weight)

@@ -5,11 +5,14 @@ step, and older steps only past damage.
 and every rank moves on together. Whether it may go past a step to an older one depends on what
 failed, as every rank saw it. Damage of the copies themselves (a checksum that does not match, a
 truncated or missing file, an unreadable manifest, seen by any rank) may be given up for an
-older step: nothing will make those copies whole. So may the copies of this node's levels
-(memory, node-local disks and peer replicas) whatever failed: they are fast copies beside the
-durable ones, and a failing node disk must not stop the job. Anything else on the stored levels
-is raised once no copy of the step is left: an I/O error may pass with a retry, a newer format
-loads with an upgraded statesnap, and a setting (pickle not allowed, per-rank values on another
+older step: nothing will make those copies whole. So may a node-local copy that cannot be read
+(an I/O error: a failing node disk must not stop the job while durable copies are there), and
+a snapshot in host memory that fails whatever the reason (nothing is deleted for it, and the
+stored copies of its step give their own verdict). A node-local copy that fails otherwise is
+kept: it is deleted when given up, and an error that every copy would meet (a value the state
+cannot take, a setting) must not delete steps only that level holds. Anything else is raised
+once no copy of the step is left: an I/O error of shared storage may pass with a retry, a newer
+format loads with an upgraded statesnap, and a setting (pickle not allowed, per-rank values on another
 world size) would refuse every older step too. Going back past either would give up a good
 checkpoint without need, and the resumed run would later save over it. A state that does not
 match the checkpoint is raised at once: every copy would refuse it.
@@ -27,8 +30,7 @@ from ..errors import (
 
 log = logging.getLogger("statesnap")
 
-MISMATCH, DAMAGE, OTHER, REMOTE = "mismatch", "damage", "other", "remote"
-NODE_LEVELS = ("memory", "local")
+MISMATCH, DAMAGE, IO, OTHER, REMOTE = "mismatch", "damage", "io", "other", "remote"
 
 
 def failure_kind(error: CheckpointError) -> str:
@@ -37,8 +39,10 @@ def failure_kind(error: CheckpointError) -> str:
         return MISMATCH
     if isinstance(error, RemoteFailure):
         return REMOTE
+    if isinstance(error, ReadFailedError):
+        return IO
     if isinstance(error, (CorruptCheckpointError, MissingFileError, ManifestError)) and not isinstance(
-            error, (ReadFailedError, NewerFormatError)):
+            error, NewerFormatError):
         return DAMAGE
     return OTHER
 
@@ -55,14 +59,15 @@ class Fallback:
 
     def record(self, error: CheckpointError, index: int) -> bool:
         """Note the failure of copy ``index``, as every rank saw it (collective); return whether
-        the copy is given up (damaged, or on one of this node's levels)."""
+        the copy is given up (see the module's docstring)."""
         step, _, name = self._choices[index]
         kinds = set(self._comm.all_gather(failure_kind(error)))
         self._mismatch = MISMATCH in kinds
         damaged = DAMAGE in kinds  # (what else failed beside it, on other ranks, does not make it whole)
         if damaged:
             self.damaged.append((step, name))
-        given_up = damaged or (name in NODE_LEVELS and not self._mismatch)
+        given_up = (damaged or (name == "local" and IO in kinds)
+                    or (name == "memory" and not self._mismatch))
         if not given_up:
             self._kept.setdefault(step, error)
         return given_up

@@ -336,10 +336,10 @@ def _filled(held: Any, value: Any) -> bool:
         with torch.no_grad():
             held.copy_(value)
         return True
-    if type(held) is list and type(value) is list:
+    if isinstance(held, list) and isinstance(value, list):
         held[:] = value
         return True
-    if type(held) is dict and type(value) is dict:
+    if isinstance(held, dict) and isinstance(value, dict):  # (an OrderedDict or defaultdict stays one)
         held.clear()
         held.update(value)
         return True
@@ -347,11 +347,12 @@ def _filled(held: Any, value: Any) -> bool:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal values, looking inside tuples (NaN equals NaN: a value saved is the value loaded)."""
+    """Equal values, looking inside tuples (NaN equals NaN: a value saved is the value loaded; a
+    named tuple comes back as a plain one)."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(map(_same, a, b))
     if type(a) is not type(b):
         return False
-    if isinstance(a, tuple):
-        return len(a) == len(b) and all(map(_same, a, b))
     if isinstance(a, float) and math.isnan(a):
         return math.isnan(b)
     try:
