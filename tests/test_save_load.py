@@ -345,6 +345,14 @@ def test_a_list_stored_whole_beside_a_name_under_it_loads_whole(tmp_path):
     assert torch.equal(target["y"][0], torch.ones(2))
 
 
+def test_a_module_without_parameters_or_buffers_saves_and_loads(tmp_path):
+    state = {"act": nn.ReLU(), "blocks": nn.Sequential(nn.ReLU(), nn.Dropout()), "x": torch.ones(2)}
+    ss.save(state, tmp_path / "c")
+    target = {"act": nn.ReLU(), "blocks": nn.Sequential(nn.ReLU(), nn.Dropout()), "x": torch.zeros(2)}
+    ss.load(target, tmp_path / "c")
+    assert torch.equal(target["x"], torch.ones(2))
+
+
 Pair = collections.namedtuple("Pair", "n name")
 
 

@@ -7,6 +7,7 @@ optimizer state reshards exactly like the parameters it belongs to.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from typing import Any, Callable
 
@@ -164,7 +165,7 @@ class _Walker:
         if self._reused(fqn, module):
             return
         first_tensor, first_object = len(self.out.tensors), len(self.out.objects)
-        sd = get_model_state_dict(module)
+        sd = _model_state_dict(module)
         # Buffers are not compared across ranks: unsynchronised BatchNorm statistics differ between
         # DDP, FSDP and TP ranks by design, and one copy is what DDP (which broadcasts rank 0's at
         # the next forward), DCP and torch.save keep. Parameters are compared.
@@ -361,8 +362,20 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+def _model_state_dict(module: nn.Module) -> dict:
+    """The module's state dict by PyTorch's helper, which refuses a module without parameters or
+    buffers (a ``ReLU``, a container of them): its check for an empty state dict builds its
+    message with the process group's rank, so it fails without one. Such a module's own state
+    dict is all it has (its extra state, if any)."""
+    if next(itertools.chain(module.parameters(), module.buffers()), None) is None:
+        return module.state_dict()
+    return get_model_state_dict(module)
+
+
 def _load_module(module: nn.Module, sd: dict) -> None:
-    if not _filled_in_place(module, sd):
+    if not sd and next(itertools.chain(module.parameters(), module.buffers()), None) is None:
+        module.load_state_dict(sd)  # (PyTorch's helper refuses it, as above)
+    elif not _filled_in_place(module, sd):
         set_model_state_dict(module, sd)
 
 
