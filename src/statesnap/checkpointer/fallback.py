@@ -12,9 +12,9 @@ stored copies of its step give their own verdict). A node-local copy that fails 
 kept: it is deleted when given up, and an error that every copy would meet (a value the state
 cannot take, a setting) must not delete steps only that level holds. Anything else is raised
 once no copy of the step is left: an I/O error of shared storage may pass with a retry, a newer
-format loads with an upgraded statesnap, and a setting (pickle not allowed, per-rank values on another
-world size) would refuse every older step too. Going back past either would give up a good
-checkpoint without need, and the resumed run would later save over it. A state that does not
+format loads with an upgraded statesnap, and a setting (pickle not allowed, per-rank values on
+another world size) would refuse every older step too. Going back past any of these would give
+up a good checkpoint without need, and the resumed run would later save over it. A state that does not
 match the checkpoint is raised at once: every copy would refuse it.
 """
 from __future__ import annotations

@@ -285,10 +285,10 @@ class Checkpointer:
                     if fallback.record(exc, index) and name == "local":
                         self._recovery.prune_after(step - 1)  # a copy given up is not tried again at the next restart
                     fallback.go_on_or_raise(exc, index)
+            by_name = {level.name: level for level in levels}
             for damaged_step, level_name in fallback.damaged:
-                for level in levels:
-                    if level.name == level_name:
-                        level.damaged.add(damaged_step)
+                if level_name in by_name:  # (not the node's own levels: they prune what they give up)
+                    by_name[level_name].damaged.add(damaged_step)
             if self._recovery is not None:
                 self._recovery.prune_after(step)
         finally:

@@ -49,8 +49,8 @@ def load_file(path: str) -> Any:
         raise CheckpointError(f"no torch.save file at {path}")
     archive = zipfile.is_zipfile(path)
     if not archive and not _starts_as_pickle(path):
-        raise CorruptCheckpointError(f"{path} is not a torch.save file (neither a zip archive nor a pickle of protocol 2 or later): "
-                                     "it is damaged or of another format")
+        raise CorruptCheckpointError(f"{path} is not a torch.save file (neither a zip archive nor a pickle of "
+                                     "protocol 2 or later): it is damaged or of another format")
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=archive)
     except pickle.UnpicklingError as exc:

@@ -367,13 +367,15 @@ def _model_state_dict(module: nn.Module) -> dict:
     buffers (a ``ReLU``, a container of them): its check for an empty state dict builds its
     message with the process group's rank, so it fails without one. Such a module's own state
     dict is all it has (its extra state, if any)."""
-    if next(itertools.chain(module.parameters(), module.buffers()), None) is None:
-        return module.state_dict()
-    return get_model_state_dict(module)
+    return module.state_dict() if _holds_no_tensors(module) else get_model_state_dict(module)
+
+
+def _holds_no_tensors(module: nn.Module) -> bool:
+    return next(itertools.chain(module.parameters(), module.buffers()), None) is None
 
 
 def _load_module(module: nn.Module, sd: dict) -> None:
-    if not sd and next(itertools.chain(module.parameters(), module.buffers()), None) is None:
+    if not sd and _holds_no_tensors(module):
         module.load_state_dict(sd)  # (PyTorch's helper refuses it, as above)
     elif not _filled_in_place(module, sd):
         set_model_state_dict(module, sd)
