@@ -55,6 +55,7 @@ class Fallback:
         self._comm, self._choices = comm, choices
         self._kept: dict[int, CheckpointError] = {}  # step -> its first failure that was not damage
         self._mismatch = False
+        self._given_up: list[str] = []  # what failed in each copy given up, as warned
         self.damaged: list[tuple[int, str]] = []  # (step, level name) of the copies found damaged
 
     def record(self, error: CheckpointError, index: int) -> bool:
@@ -68,7 +69,9 @@ class Fallback:
             self.damaged.append((step, name))
         given_up = (damaged or (name == "local" and IO in kinds)
                     or (name == "memory" and not self._mismatch))
-        if not given_up:
+        if given_up:
+            self._given_up.append(f"step {step} from {_where(name)}: {error}")
+        else:
             self._kept.setdefault(step, error)
         return given_up
 
@@ -78,12 +81,21 @@ class Fallback:
         if self._mismatch:
             raise error
         if index + 1 == len(self._choices):
-            raise self._kept.get(step, error)
+            if step in self._kept:
+                raise self._kept[step]
+            if len(self._given_up) > 1:  # the last error alone would name only the oldest step
+                raise CorruptCheckpointError(
+                    f"no checkpoint could be restored: every copy of every step was damaged or unreadable "
+                    f"({'; '.join(self._given_up)})") from error
+            raise error
         next_step = self._choices[index + 1][0]
         if next_step != step and step in self._kept:
             raise self._kept[step]
-        where = "the node-local level and peer replicas" if name == "local" else f"the {name} level"
         then = "the next level" if next_step == step else f"step {next_step}, the newest before it"
-        message = f"statesnap: step {step} could not be restored from {where} ({error}); trying {then}"
+        message = f"statesnap: step {step} could not be restored from {_where(name)} ({error}); trying {then}"
         log.warning(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _where(name: str) -> str:
+    return "the node-local level and peer replicas" if name == "local" else f"the {name} level"
