@@ -5,6 +5,9 @@ import os
 import numpy as np
 import pytest
 
+from statesnap.checkpointer.staging import Arena
+from statesnap.storage import aligned
+from statesnap.storage.base import DIRECT_ALIGN
 from statesnap.storage.local import LocalBackend
 
 MiB = 1 << 20
@@ -26,7 +29,6 @@ def direct_io_supported(directory) -> bool:
 
 @pytest.mark.parametrize("skew", [0, 64, 4032])
 def test_bulk_writes_are_exact_at_any_distance_from_a_block(tmp_path, monkeypatch, skew):
-    import statesnap.storage.aligned as aligned
     import statesnap.storage.local as local
 
     monkeypatch.setattr(local, "BOUNCE", aligned.BouncePool())
@@ -81,3 +83,19 @@ def test_durable_saves_from_unaligned_tensors_round_trip(tmp_path):
     ss.load(loaded, str(tmp_path / "ckpt"))
     for key, value in state.items():
         assert torch.equal(loaded[key], value), key
+
+
+def test_long_lived_direct_write_buffers_start_on_a_huge_page():
+    """The bounce buffers kept between saves and the staging arena start on a huge-page boundary:
+    a 16 MiB direct write from a buffer that starts inside one straddles nine huge pages and goes
+    out in smaller requests (storage/aligned.py)."""
+    pool = aligned.BouncePool(keep=2)
+    kept = [pool.take(), pool.take()]
+    assert [aligned.address(b) % aligned.HUGE_PAGE for b in kept] == [0, 0]
+    assert {len(b) for b in kept} == {aligned.BOUNCE_BYTES + DIRECT_ALIGN}
+    kept[0][-1] = 7  # the whole length is there to write
+    for bounce in kept:
+        pool.give(bounce)
+    arena = Arena(5 * aligned.HUGE_PAGE + DIRECT_ALIGN, pin=False)
+    assert arena.buffer.data_ptr() % aligned.HUGE_PAGE == 0 and arena.capacity == 5 * aligned.HUGE_PAGE + DIRECT_ALIGN
+    arena.buffer[-1] = 1

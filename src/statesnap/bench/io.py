@@ -24,7 +24,6 @@ each into a new file once the disk has settled after the previous one was delete
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import shutil
 import warnings
@@ -35,7 +34,7 @@ import torch
 from .. import load as ss_load
 from .. import save as ss_save
 from ..demo.gpt import GPT, config_for_state_gb
-from ..storage.aligned import private_pages
+from ..storage.aligned import huge_aligned_pages
 from ..storage.base import DIRECT_ALIGN
 from .common import (
     DEFAULT_OUT, add_output_arguments, drop_page_cache, format_table, gbps, machine_description, median,
@@ -159,16 +158,16 @@ def raw_parallel_load(target: dict, path: str) -> dict:
     return target
 
 
-_DIRECT_IMAGES: dict[int, tuple[mmap.mmap, int]] = {}  # id(state) -> (its bytes, page-aligned; length)
+_DIRECT_IMAGES: dict[int, tuple[memoryview, int]] = {}  # id(state) -> (its bytes, aligned; length)
 
 
-def _direct_image(state: dict) -> tuple[mmap.mmap, int]:
-    """The state's bytes laid end to end in page-aligned memory, and how many there are. Made once
+def _direct_image(state: dict) -> tuple[memoryview, int]:
+    """The state's bytes laid end to end in huge-page-aligned memory, and how many there are. Made once
     per state: ``run`` makes it before timing anything."""
     if id(state) not in _DIRECT_IMAGES:
         chunks = _chunks(state, RAW_CHUNK)
         nbytes = chunks[-1][0] + len(chunks[-1][1])
-        image = private_pages(-(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN, huge=True)  # as the bounce buffers
+        image = huge_aligned_pages(-(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN)  # as the bounce buffers
         for offset, chunk in chunks:
             image[offset:offset + len(chunk)] = chunk
         _DIRECT_IMAGES[id(state)] = image, nbytes

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..plan.save_plan import ALIGN
-from ..storage.aligned import pinned_pages, private_pages
+from ..storage.aligned import huge_aligned_pages, pinned_pages
 from ..storage.base import DIRECT_ALIGN
 
 REGION_ALIGN = DIRECT_ALIGN  # regions start on page boundaries, as direct I/O needs
@@ -66,7 +66,7 @@ class Arena:
         if pin:
             self.buffer = pinned_pages(self.capacity)
         else:
-            self.buffer = torch.frombuffer(private_pages(self.capacity, huge=True), dtype=torch.uint8)
+            self.buffer = torch.frombuffer(huge_aligned_pages(self.capacity), dtype=torch.uint8)
             threading.Thread(target=_populate, args=(self.buffer.data_ptr(), self.capacity),
                              name="statesnap-arena-populate", daemon=True).start()
         self._live: deque[Region] = deque()

@@ -54,6 +54,20 @@ def private_pages(nbytes: int, huge: bool = False) -> mmap.mmap:
     return mapping
 
 
+def huge_aligned_pages(nbytes: int) -> memoryview:
+    """``nbytes`` of :func:`private_pages` asking for huge pages, starting on a huge-page boundary.
+
+    The kernel places a mapping whose length is no multiple of a huge page anywhere, and a
+    16 MiB + 4 KiB bounce buffer (slack for a skewed range) began 1.1 MiB into one: each 16 MiB
+    direct write then straddled nine huge pages and went out in 3.3 MiB requests on average
+    instead of 4 MiB, writing 1 GB in 0.47-0.49 s against 0.42-0.44 s from aligned buffers (this
+    project's 2-core VM, median of three). Mapping one huge page more and starting at its
+    boundary costs address space only: the pages before it are never touched."""
+    view = memoryview(private_pages(nbytes + HUGE_PAGE, huge=True))
+    skip = -address(view) % HUGE_PAGE
+    return view[skip:skip + nbytes]
+
+
 def _madvise(mapping: mmap.mmap, option: int | None) -> None:
     """Advice the kernel may not know (too old, another system): skipped."""
     if option is not None:
@@ -111,7 +125,8 @@ class BouncePool:
             if self._free:
                 return self._free.pop()
             kept = self._lent <= self._keep  # huge pages for the buffers that will be kept only
-        return memoryview(private_pages(BOUNCE_BYTES + DIRECT_ALIGN, huge=kept))
+        nbytes = BOUNCE_BYTES + DIRECT_ALIGN
+        return huge_aligned_pages(nbytes) if kept else memoryview(private_pages(nbytes))
 
     def give(self, bounce: memoryview) -> None:
         with self._lock:
