@@ -16,6 +16,7 @@ import statesnap as ss
 from statesnap.checkpointer import pipeline
 from statesnap.checkpointer.config import CheckpointerConfig
 from statesnap.monitor import trace
+from statesnap.monitor.events import EventLog
 from statesnap.state.flatten import flatten_for_save
 from statesnap.storage.local import LocalBackend, _LocalWriter
 
@@ -495,6 +496,60 @@ def test_a_step_is_a_non_negative_integer(tmp_path, step):
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step")) == ["step-0"]
 
 
+def test_a_numpy_integer_step_is_saved_as_its_int(tmp_path):
+    """A step from numpy (``np.int64``, as a data pipeline counts) is the step it holds: it once
+    reached the events file as itself, whose writer then died, and every later wait hung."""
+    import numpy as np
+
+    state = {"t": torch.ones(2)}
+    with ss.Checkpointer(tmp_path, keep_last=3) as ckpt:
+        ckpt.save(np.int64(1), state).wait()
+        state["t"].fill_(2)
+        assert ckpt.save(np.uint8(2), state).wait() == str(tmp_path / "step-2")
+    with ss.Checkpointer(tmp_path) as ckpt:
+        target = {"t": torch.zeros(2)}
+        assert type(ckpt.load_latest(target)) is int and torch.equal(target["t"], torch.full((2,), 2.0))
+    lines = (tmp_path / "events" / "rank-00000.jsonl").read_text().splitlines()
+    assert {json.loads(line)["step"] for line in lines} >= {1, 2}
+
+
+def test_events_json_cannot_hold_are_dropped_with_a_warning(tmp_path, caplog):
+    log = EventLog(0, str(tmp_path / "events.jsonl"))
+    log.add("save", 1, 0.0, 1.0, 0, odd=object())
+    with caplog.at_level(logging.WARNING, logger="statesnap"):
+        log.flush()
+    assert "cannot write events" in caplog.text and not (tmp_path / "events.jsonl").exists()
+    log.add("save", 2, 0.0, 1.0, 0)
+    log.flush()
+    assert json.loads((tmp_path / "events.jsonl").read_text())["step"] == 2
+
+
+def test_a_background_failure_past_the_stage_keeps_later_checkpoints_going(tmp_path, monkeypatch, caplog):
+    """Whatever escapes a background stage's own handling fails that checkpoint alone: the thread
+    lives on, so later saves, waits and close() return instead of waiting forever."""
+    state = {"t": torch.ones(2)}
+    real = ss.Checkpointer._report_commit
+    failed = []
+
+    def report_once(self, step):
+        if not failed:
+            failed.append(step)
+            raise RuntimeError("injected")
+        real(self, step)
+
+    monkeypatch.setattr(ss.Checkpointer, "_report_commit", report_once)
+    ckpt = ss.Checkpointer(tmp_path, keep_last=3)
+    with caplog.at_level(logging.ERROR, logger="statesnap"):
+        ckpt.save(1, state).wait()  # committed before the failure
+        state["t"].fill_(2)
+        done = threading.Event()
+        threading.Thread(target=lambda: (ckpt.save(2, state).wait(), done.set()), daemon=True).start()
+        assert done.wait(30), "the save after the failure never finished"
+    ckpt.close()
+    assert failed == [1] and "the background statesnap-write-stage failed at step 1" in caplog.text
+    assert ss.open(tmp_path / "step-2").read("t").tolist() == [2.0, 2.0]
+
+
 # ----------------------------------------------------------------------------- levels and retention
 
 def test_retention_keeps_the_newest_committed(tmp_path):
@@ -558,6 +613,19 @@ def test_leftovers_of_an_interrupted_save_are_removed(tmp_path):
     (tmp_path / "step-6").mkdir()  # no manifest: never committed
     ss.Checkpointer(tmp_path, host_memory_gb=0.01).close()
     assert [n for n in os.listdir(tmp_path) if "step" in n] == []
+
+
+@pytest.mark.parametrize("name", ["step-0100", "step-\u0665", "step-07"])
+def test_directories_named_unlike_a_step_are_left_alone(tmp_path, name):
+    """Only ``step-N`` as a Checkpointer writes it is a step: a committed checkpoint a user put
+    under another spelling was once taken for an interrupted save of step N and deleted."""
+    ss.save({"t": torch.ones(3)}, tmp_path / name)
+    with ss.Checkpointer(tmp_path, keep_last=1) as ckpt:
+        assert ckpt.load_latest({"t": torch.zeros(3)}) is None
+        ckpt.save(1, {"t": torch.zeros(3)}).wait()
+        ckpt.save(2, {"t": torch.zeros(3)}).wait()
+    assert sorted(n for n in os.listdir(tmp_path) if "step" in n) == sorted(["step-2", name])
+    assert ss.open(tmp_path / name).read("t").tolist() == [1.0, 1.0, 1.0]
 
 
 # ----------------------------------------------------------------------------- monitoring

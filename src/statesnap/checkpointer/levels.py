@@ -31,8 +31,13 @@ STEP_PREFIX = "step-"
 
 
 def parse_step(name: str) -> int | None:
-    if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit():
-        return int(name[len(STEP_PREFIX):])
+    """N for the name ``step-N`` as a Checkpointer writes it, else None. Only that spelling:
+    ``step-0100`` or ``step-٥`` would parse to a step whose checkpoint is looked for elsewhere
+    (``step-100``, ``step-5``), and the directory taken for a leftover of an interrupted save
+    and deleted, a committed checkpoint in it or not."""
+    digits = name[len(STEP_PREFIX):]
+    if name.startswith(STEP_PREFIX) and digits.isascii() and digits.isdigit() and str(int(digits)) == digits:
+        return int(digits)
     return None
 
 

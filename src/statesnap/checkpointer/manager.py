@@ -152,6 +152,7 @@ class Checkpointer:
         if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
             # (step-N is its name: "-1" or 8.9 would be saved where no restart looks)
             raise CheckpointError(f"step must be a non-negative integer, not {step!r}")
+        step = int(step)  # a numpy integer would reach the events file and the manifest's meta as itself
         self._check_open()
         self._raise_pending()
         started = now()

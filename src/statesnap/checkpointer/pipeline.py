@@ -10,6 +10,7 @@ group, one checkpoint after another, never on the trainer's process groups.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -28,6 +29,8 @@ from ..state.items import Flattened, ItemMeta
 from ..storage.base import StorageBackend
 from .hooks import Countdown, changed_since_save, check_unchanged, version_of
 from .staging import FREE, Arena, Batch, Region, build_batches, copy_into
+
+log = logging.getLogger("statesnap")
 
 UNGUARDED = "unguarded"  # the gate of the items no optimizer writes that save() waits for
 
@@ -164,7 +167,13 @@ class _Stage:
 
     def _run(self) -> None:
         for snap in iter(self._queue.get, None):
-            self._handle(snap)
+            try:
+                self._handle(snap)
+            except BaseException as exc:  # noqa: BLE001
+                # past the stage's own handling (a bug): fail this checkpoint but keep the thread,
+                # or every later one would wait for it forever
+                log.exception("statesnap: the background %s failed at step %d", self._thread.name, snap.step)
+                snap.fail(as_checkpoint_error(exc, snap.step, snap.path))
 
     def _handle(self, snap: Snapshot) -> None:
         raise NotImplementedError

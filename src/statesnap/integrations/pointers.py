@@ -16,6 +16,7 @@ import fsspec
 import fsspec.implementations.local
 import xxhash
 
+from ..checkpointer.levels import parse_step
 from ..errors import CheckpointError
 
 POINTER_MAX_BYTES = 1 << 20  # a pointer may carry a trainer's own small state (see ``pointer_bytes``)
@@ -23,8 +24,7 @@ POINTER_MAX_BYTES = 1 << 20  # a pointer may carry a trainer's own small state (
 
 def step_of(name: str) -> int | None:
     """N for a path ending in ``step-N``, else None."""
-    base = name.rstrip("/").rsplit("/", 1)[-1]
-    return int(base[5:]) if base.startswith("step-") and base[5:].isdigit() else None
+    return parse_step(name.rstrip("/").rsplit("/", 1)[-1])
 
 
 def pointer_bytes(fmt: str, relative: str, own_state: str | None = None) -> bytes:

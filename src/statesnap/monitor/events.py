@@ -130,22 +130,22 @@ class EventLog:
         """Append the events not yet written to the events file (no-op without a file).
 
         The Checkpointer's background threads call this after every checkpoint, and the file
-        usually sits on the disk being checkpointed to. When that disk is full a write here must
-        not kill the thread (every later checkpoint would then wait for it forever): the file is
-        diagnostics, so the events that cannot be written are dropped, with one warning until a
-        write works again, and ``summary`` still counts them."""
+        usually sits on the disk being checkpointed to. When that disk is full, or an event holds
+        a value JSON cannot, a write here must not kill the thread (every later checkpoint would
+        then wait for it forever): the file is diagnostics, so the events that cannot be written
+        are dropped, with one warning until a write works again, and ``summary`` still counts them."""
         with self._lock:
             batch, self._unwritten = self._unwritten, []
         if not self.path or not batch:
             return
-        text = "".join(json.dumps(asdict(e), separators=(",", ":")) + "\n" for e in batch)
         with self._file_lock:
             try:
+                text = "".join(json.dumps(asdict(e), separators=(",", ":")) + "\n" for e in batch)
                 if os.path.exists(self.path) and os.path.getsize(self.path) > MAX_FILE_BYTES:
                     os.replace(self.path, self.path + ".1")
                 with open(self.path, "a", encoding="utf-8") as f:
                     f.write(text)
-            except OSError as exc:
+            except (OSError, TypeError, ValueError) as exc:  # (a value JSON cannot hold: the same)
                 if not self._dropping:
                     log.warning("statesnap: cannot write events to %s (%s); dropping them until it works again",
                                 self.path, exc)
