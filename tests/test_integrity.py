@@ -322,3 +322,22 @@ def test_strided_reads_out_of_the_mapped_file_are_verified(ckpt):
     with pytest.raises(ss.CorruptCheckpointError, match="truncated"):
         ss.open(path).read("model.big", columns)
     assert_good_neighbour_loads(path, state)
+
+
+def _save_sharded(rank, world, path):
+    ss.save({"w": ss.Sharded(torch.full((4, 8), float(rank)), (4 * world, 8), (4 * rank, 0))}, path)
+
+
+def test_verify_reports_damage_beside_a_missing_file(tmp_path):
+    """A missing data file does not hide what else is wrong: the other files are checked all the
+    same and their damage is named in the same error."""
+    run_ranks(2, _save_sharded, str(tmp_path / "c"))
+    doc = json.loads((tmp_path / "c" / MANIFEST_NAME).read_text())
+    entry = doc["tensors"]["w"]
+    (tmp_path / "c" / doc["files"][1]).unlink()
+    flip_byte(tmp_path / "c" / doc["files"][0], entry["offset"][entry["file"].index(0)])
+    with pytest.raises(ss.MissingFileError) as caught:
+        ss.open(tmp_path / "c").verify()
+    message = str(caught.value)
+    assert f"data files missing: {doc['files'][1]} (needed for w)" in message
+    assert "also 1 damaged piece(s): " in message and doc["files"][0] in message

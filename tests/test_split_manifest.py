@@ -144,9 +144,32 @@ def test_a_damaged_section_is_refused_naming_the_tensor(tmp_path, monkeypatch):
     raw = bytearray((path / name).read_bytes())
     raw[len(raw) // 2] ^= 0x40
     (path / name).write_bytes(bytes(raw))
-    with pytest.raises(CorruptCheckpointError, match="'w'"):
+    with pytest.raises(CorruptCheckpointError, match=f"section {name}: .*'w'"):
         ss.load({"w": torch.zeros(ROWS, COLS)}, path)
     assert main(["verify", str(path)]) != 0
+
+
+def test_verify_goes_on_past_a_damaged_section(tmp_path, monkeypatch):
+    """A section that cannot give a tensor's entry is one more problem in verify's report, named
+    by file: the other tensors' bytes are still checked and their damage reported beside it."""
+    monkeypatch.setattr(save_module, "SPLIT_MIN_RANKS", 1)
+    path = tmp_path / "ckpt"
+    ss.save({"w": _full(), "v": _full(1)}, path)
+    manifest = ss.open(path).manifest
+    data = path / next(n for n in manifest.files if n.endswith(".bin"))
+    raw = bytearray(data.read_bytes())
+    for fqn in ("w", "v"):  # whichever entry the section still gives, its bytes are damaged
+        raw[int(manifest.tensors[fqn].offset[0])] ^= 0x40
+    data.write_bytes(bytes(raw))
+    section = next(n for n in os.listdir(path) if n.endswith(".sec"))
+    raw = bytearray((path / section).read_bytes())
+    raw[manifest.tensors.rows["w"].offset + 4] ^= 0x40  # inside w's head
+    (path / section).write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError) as caught:
+        ss.open(path).verify()
+    message = str(caught.value)
+    assert "2 damaged piece(s)" in message and f"section {section}: head of tensor 'w'" in message
+    assert f"v in {data.name}: checksum mismatch" in message
 
 
 def test_one_document_manifests_of_older_checkpoints_still_load(tmp_path):

@@ -11,9 +11,9 @@ from .engine.load import blob_reader, read_manifest
 from .engine.objects import decode_value
 from .engine.read import ReadExecutor
 from .engine.write import default_threads
-from .errors import CheckpointError, CorruptCheckpointError, MissingFileError, NotInCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, NotInCheckpointError
 from .format.checksum import checksum_blocks
-from .format.manifest import BOX, Manifest
+from .format.manifest import BOX, Manifest, TensorEntry
 from .plan.load_plan import plan_target
 from .progress import bar
 from .storage import backend_for, normalize
@@ -108,7 +108,8 @@ class Reader:
                 missing.append(name)
                 continue
             grown += self._grown(where, name, int(self.manifest.file_sizes[index]))
-        tasks = [(fqn, entry, i) for fqn, entry in self.manifest.tensors.items() for i in range(entry.num_pieces)
+        entries = self._readable_entries(problems)
+        tasks = [(fqn, entry, i) for fqn, entry in entries for i in range(entry.num_pieces)
                  if self.manifest.files[int(entry.file[i])] not in missing]
         total = sum(int(entry.nbytes[i]) for _, entry, i in tasks)
         with bar(total, f"verify {self.path}", progress) as advance, \
@@ -120,13 +121,14 @@ class Reader:
 
             problems += [problem for problem in pool.map(check, tasks) if problem]
         problems += self._verify_pickled(missing)
-        if missing:
-            needed = {fqn for fqn, _, _ in self._pieces_in(missing)}
-            needed |= {fqn for fqn, ref in self._pickle_refs() if self.manifest.files[ref[0]] in missing}
-            raise MissingFileError(f"{self.path}: data files missing: {', '.join(missing)} (needed for " +
-                                   ", ".join(sorted(needed)[:10]) + (" and more" if len(needed) > 10 else "") + ")")
         found = [f"{len(kind)} {what}: " + "; ".join(kind[:20])
                  for kind, what in ((problems, "damaged piece(s)"), (grown, "file(s) larger than recorded")) if kind]
+        if missing:  # (with what else is wrong: the other files were checked all the same)
+            needed = {fqn for fqn, _, _ in self._pieces_in(missing, entries)}
+            needed |= {fqn for fqn, ref in self._pickle_refs() if self.manifest.files[ref[0]] in missing}
+            raise MissingFileError(f"{self.path}: data files missing: {', '.join(missing)} (needed for " +
+                                   ", ".join(sorted(needed)[:10]) + (" and more" if len(needed) > 10 else "") + ")" +
+                                   "".join(f"; also {what}" for what in found))
         if found:
             raise CorruptCheckpointError(f"{self.path}: " + "; ".join(found))
         return self.manifest.total_bytes
@@ -168,8 +170,21 @@ class Reader:
             if entry.kind == "pickle":
                 yield fqn, entry.value
 
-    def _pieces_in(self, names: list[str]):
-        for fqn, entry in self.manifest.tensors.items():
+    def _readable_entries(self, problems: list[str]) -> list[tuple[str, TensorEntry]]:
+        """Every tensor's entry, but those that a split manifest's damaged or missing section
+        cannot give: what is wrong with them goes to ``problems`` (once per message), and the
+        check goes on, as past a damaged piece."""
+        entries, failed = [], {}
+        for fqn in self.manifest.tensors:
+            try:
+                entries.append((fqn, self.manifest.tensors[fqn]))
+            except (CorruptCheckpointError, ManifestError, MissingFileError) as exc:
+                failed[str(exc)] = None
+        problems += failed
+        return entries
+
+    def _pieces_in(self, names: list[str], entries: list[tuple[str, TensorEntry]]):
+        for fqn, entry in entries:
             for i in range(entry.num_pieces):
                 if self.manifest.files[int(entry.file[i])] in names:
                     yield fqn, entry, i

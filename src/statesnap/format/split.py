@@ -129,7 +129,7 @@ class SectionReader:
 
     def head(self, fqn: str, row: TensorRow) -> tuple[int, np.ndarray]:
         """(largest key extent, per chunk [nbytes, first key, pieces, checksums])."""
-        where = f"{self.where}: head of tensor {fqn!r}"
+        where = f"{self.where}: section {self.sections[row.section]}: head of tensor {fqn!r}"
         values = _unblob(self._read(row, row.offset, row.nbytes), 1 + 4 * row.chunks, where).view(np.int64)
         chunks = values[1:].reshape(row.chunks, 4)
         if (chunks < 0).any() or values[0] < 0 or int(chunks[:, 2].sum()) > self.world_size:
@@ -148,7 +148,7 @@ class SectionReader:
         parts = []
         for c in np.flatnonzero(wanted).tolist():
             n, sums = int(chunks[c, 2]), int(chunks[c, 3])
-            where = f"{self.where}: chunk {c} of tensor {fqn!r}"
+            where = f"{self.where}: section {self.sections[row.section]}: chunk {c} of tensor {fqn!r}"
             values = _unblob(self._read(row, int(starts[c]), int(chunks[c, 0])), n * (4 + 2 * dims) + sums, where)
             ints = values[:n * (4 + 2 * dims)].view(np.int64)
             file, offset, nbytes = ints[:n], ints[n:2 * n], ints[2 * n:3 * n]
