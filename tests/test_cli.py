@@ -161,7 +161,7 @@ def test_console_command_in_a_subprocess(ckpt):
     assert unknown.returncode == 2 and "unknown command" in unknown.stderr
 
 
-def test_verify_and_diff_json_documents_with_the_same_exit_status(ckpt, tmp_path, capsys):
+def test_verify_diff_and_inspect_json_documents_with_the_same_exit_status(ckpt, tmp_path, capsys):
     save_training(tmp_path / "b", bump=0.25, step=2)
     assert main(["verify", "--json", str(ckpt), str(tmp_path / "b")]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -183,6 +183,10 @@ def test_verify_and_diff_json_documents_with_the_same_exit_status(ckpt, tmp_path
                                                     "differences": []}
     assert main(["diff", "--json", str(ckpt), str(tmp_path / "nowhere")]) == 2
     assert "error" in json.loads(capsys.readouterr().out)
+    assert main(["inspect", "--json", str(tmp_path / "nowhere")]) == 2
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {"path": str(tmp_path / "nowhere"),
+                                        "error": f"no checkpoint at {tmp_path / 'nowhere'}"} and captured.err == ""
 
 
 def test_bench_json_to_stdout_is_one_document(tmp_path):

@@ -118,7 +118,10 @@ def inspect_main(argv: list[str]) -> int:
     try:
         doc = describe(_open(args.path, args))
     except CheckpointError as exc:
-        print(f"statesnap inspect: {exc}", file=sys.stderr)
+        if args.json:  # (a script reads stdout: the error in the document, as diff and verify do)
+            print(json.dumps({"path": args.path, "error": str(exc)}, indent=2))
+        else:
+            print(f"statesnap inspect: {exc}", file=sys.stderr)
         return TROUBLE
     if args.json:
         print(json.dumps(doc, indent=2))
