@@ -34,7 +34,7 @@ import torch
 from .. import load as ss_load
 from .. import save as ss_save
 from ..demo.gpt import GPT, config_for_state_gb
-from ..storage.aligned import huge_aligned_pages
+from ..storage.aligned import huge_aligned_pages, unmap
 from ..storage.base import DIRECT_ALIGN
 from .common import (
     DEFAULT_OUT, add_output_arguments, drop_page_cache, format_table, gbps, machine_description, median,
@@ -310,7 +310,7 @@ def run(size_gb: float = 1.0, repeat: int = 3, out: str = DEFAULT_OUT, systems=S
                     samples[system][op].append(sec)
     shutil.rmtree(scratch, ignore_errors=True)
     if "raw_direct" in systems:
-        _DIRECT_IMAGES.pop(id(state))[0].close()
+        unmap(_DIRECT_IMAGES.pop(id(state))[0])
     throughput = {s: {op: gbps(nbytes, median(samples[s][op])) for op in OPS} for s in systems}
     return {"suite": "io", "bytes": nbytes, "tensors": len(tensors_of(state)), "repeat": repeat,
             "machine": machine_description(out), "seconds": samples, "gb_per_s": throughput,

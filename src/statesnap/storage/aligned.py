@@ -134,12 +134,18 @@ class BouncePool:
             if len(self._free) < self._keep:
                 self._free.append(bounce)
                 return
-        mapping = bounce.obj
-        bounce.release()
-        try:
-            mapping.close()
-        except BufferError:  # a slice of it is still alive: unmapped when that goes
-            pass
+        unmap(bounce)
+
+
+def unmap(view: memoryview) -> None:
+    """Release ``view`` of :func:`private_pages` memory and unmap that memory now, unless another
+    view of it is still alive (then it is unmapped when that goes)."""
+    mapping = view.obj
+    view.release()
+    try:
+        mapping.close()
+    except BufferError:
+        pass
 
 
 BOUNCE = BouncePool()
