@@ -61,8 +61,8 @@ def huge_aligned_pages(nbytes: int) -> memoryview:
     16 MiB + 4 KiB bounce buffer (slack for a skewed range) began 1.1 MiB into one: each 16 MiB
     direct write then straddled nine huge pages and went out in 3.3 MiB requests on average
     instead of 4 MiB, writing 1 GB in 0.47-0.49 s against 0.42-0.44 s from aligned buffers (this
-    project's 2-core VM, median of three). Mapping one huge page more and starting at its
-    boundary costs address space only: the pages before it are never touched."""
+    project's 2-core VM, three rounds each; docs/benchmarks.md). Mapping one huge page more and
+    starting at its boundary costs address space only: the pages before it are never touched."""
     view = memoryview(private_pages(nbytes + HUGE_PAGE, huge=True))
     skip = -address(view) % HUGE_PAGE
     return view[skip:skip + nbytes]
