@@ -8,8 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
+import statesnap as ss
 from statesnap.integrations.transformers import STORE_DIR, pointer_target
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "integrations", "hf_train.py")
@@ -81,6 +83,17 @@ def test_export_pretrained_loads_with_from_pretrained(tmp_path):
         assert torch.equal(exported(tokens).logits, trainer.model(tokens).logits)
     for name, value in trainer.model.state_dict().items():
         assert torch.equal(exported.state_dict()[name], value), name
+
+    # a model of another shape is refused, not exported half loaded (or not at all) from the checkpoint
+    config = trainer.model.config.to_dict()
+    wider = LlamaForCausalLM(type(trainer.model.config).from_dict({**config, "hidden_size": 64}))
+    other = StatesnapTrainer(model=wider, args=args, train_dataset=hf_train.Tokens(),
+                             statesnap_settings={"host_memory_gb": 0.05})
+    with pytest.raises(ss.StateMismatchError, match="shape/dtype mismatch"):
+        export_pretrained(other, str(tmp_path / "run" / "checkpoint-2"), str(tmp_path / "export-wider"))
+    with pytest.raises(ss.StateMismatchError, match="shape/dtype mismatch"):
+        other._load_from_checkpoint(str(tmp_path / "run" / "checkpoint-2"))
+    assert not os.path.exists(tmp_path / "export-wider")
 
 
 def test_an_unreadable_pointer_keeps_every_step_no_readable_pointer_names(tmp_path, caplog):

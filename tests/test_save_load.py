@@ -298,6 +298,23 @@ def test_strict_load_lists_every_mismatch(tmp_path):
     assert target["new_obj"] == 5
 
 
+def test_a_partial_load_takes_a_part_but_refuses_what_does_not_match(tmp_path):
+    """``partial=True``: names only the checkpoint holds are left unread, but every name of the
+    state must be there with its shape and dtype (a model of another size is refused)."""
+    ss.save({"model": {"w": torch.arange(6.0).reshape(2, 3)}, "optim": {"m": torch.ones(4)}, "step": 3}, tmp_path / "c")
+    target = {"model": {"w": torch.zeros(2, 3)}}
+    ss.load(target, tmp_path / "c", partial=True)
+    assert torch.equal(target["model"]["w"], torch.arange(6.0).reshape(2, 3))
+    with pytest.raises(ss.StateMismatchError, match="unexpected in checkpoint"):
+        ss.load(target, tmp_path / "c")
+    wider = {"model": {"w": torch.zeros(2, 4)}}
+    with pytest.raises(ss.StateMismatchError, match=r"shape/dtype mismatch \(1\): model.w") as caught:
+        ss.load(wider, tmp_path / "c", partial=True)
+    assert caught.value.unexpected == [] and torch.equal(wider["model"]["w"], torch.zeros(2, 4))
+    with pytest.raises(ss.StateMismatchError, match=r"missing in checkpoint \(1\): model.b"):
+        ss.load({"model": {"w": torch.zeros(2, 3), "b": torch.zeros(1)}}, tmp_path / "c", partial=True)
+
+
 def test_a_tensor_where_the_checkpoint_holds_a_plain_value_is_a_mismatch_not_a_missing_name(tmp_path):
     ss.save({"x": torch.ones(2), "n": 3}, tmp_path / "c")
     with pytest.raises(ss.StateMismatchError) as caught:

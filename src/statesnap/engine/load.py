@@ -131,8 +131,10 @@ def _castable(stored: torch.dtype, target: torch.dtype) -> bool:
     return stored.is_floating_point and target.is_floating_point
 
 
-def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: str, cast: bool) -> set[str]:
-    """Check the target against the checkpoint; return the names to skip (non-strict)."""
+def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: str, cast: bool,
+           partial: bool = False) -> set[str]:
+    """Check the target against the checkpoint; return the names to skip (non-strict). With
+    ``partial``, what the checkpoint holds beyond the target is not unexpected."""
     missing, mismatched, precision_only = [], [], False
     for item in flat.tensors:
         entry = manifest.header(item.fqn)
@@ -161,18 +163,18 @@ def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: 
             mismatched.append(f"{obj.fqn} (checkpoint a tensor {str(entry.dtype)[6:]}{list(entry.shape)}, "
                               f"target a {type(obj.value).__name__})")
     unexpected = []
-    if strict:
+    if strict and not partial:
         # what no rank loads: one flag per stored name from each rank, never every rank's names
         keys, mine = list(manifest.keys()), {i.fqn for i in flat.tensors} | {o.fqn for o in flat.objects}
         unexpected = [k for k, wanted in zip(keys, comm.any_of([k in mine for k in keys])) if not wanted]
-        if missing or mismatched or unexpected:
-            parts = [_format_list(t, sorted(n)) for t, n in
-                     (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
-                      ("shape/dtype mismatch", mismatched)) if n]
-            hint = " Pass cast=True to convert between floating dtypes." if precision_only else ""
-            raise StateMismatchError(f"state does not match checkpoint {path}: " + "; ".join(parts) +
-                                     f". Pass strict=False to load only what matches.{hint}",
-                                     missing, unexpected, mismatched)
+    if strict and (missing or mismatched or unexpected):
+        parts = [_format_list(t, sorted(n)) for t, n in
+                 (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
+                  ("shape/dtype mismatch", mismatched)) if n]
+        hint = " Pass cast=True to convert between floating dtypes." if precision_only else ""
+        raise StateMismatchError(f"state does not match checkpoint {path}: " + "; ".join(parts) +
+                                 f". Pass strict=False to load only what matches.{hint}",
+                                 missing, unexpected, mismatched)
     return set(missing) | {m.split(" ", 1)[0] for m in mismatched}
 
 
@@ -278,8 +280,13 @@ def fill_objects(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
 def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_pickle: bool = False,
          storage_options: dict | None = None, process_group=None, threads: int | None = None,
          shared_reads: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, cast: bool = False,
-         progress: bool | None = None) -> LoadInfo:
+         progress: bool | None = None, partial: bool = False) -> LoadInfo:
     """Load the checkpoint at ``path`` into ``state`` in place, resharding into its current layout.
+
+    ``strict`` (the default): every name of ``state`` must be in the checkpoint with its shape
+    and dtype, and every name of the checkpoint in ``state``; ``partial=True`` loads a part of a
+    checkpoint (the model alone, say): the first rule holds, names only the checkpoint has are
+    left unread. ``strict=False`` loads only what matches and skips the rest.
 
     ``progress``: a bar on stderr for the bytes this rank reads; by default only on a terminal and
     once the load has taken a few seconds (True: at once, False: never).
@@ -297,7 +304,8 @@ def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_p
     hangs makes the load raise a ``CheckpointError`` on the others."""
     loading = Loading(state, path, strict=strict, verify=verify, allow_pickle=allow_pickle,
                       storage_options=storage_options, process_group=process_group, threads=threads,
-                      shared_reads=shared_reads, timeout_s=timeout_s, cast=cast, progress=progress)
+                      shared_reads=shared_reads, timeout_s=timeout_s, cast=cast, progress=progress,
+                      partial=partial)
     loading.fill()
     return loading.finish()
 
@@ -316,7 +324,8 @@ class Loading:
     def __init__(self, state: dict, path, *, manifest: Manifest | None = None, strict: bool = True,
                  verify: bool = True, allow_pickle: bool = False, storage_options: dict | None = None,
                  process_group=None, threads: int | None = None, shared_reads: bool | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, cast: bool = False, progress: bool | None = None):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, cast: bool = False, progress: bool | None = None,
+                 partial: bool = False):
         self.started = time.perf_counter()
         self.path = normalize(path)
         self.comm = Comm(process_group, f"loading {self.path}", timeout_s)
@@ -327,9 +336,10 @@ class Loading:
         self.fresh: list[torch.optim.Optimizer] = []  # the optimizers without state before the load
         self.nbytes, self._error = 0, None
         with self._reset_on_failure():
-            self._begin(state, manifest, cast, shared_reads)
+            self._begin(state, manifest, cast, shared_reads, partial)
 
-    def _begin(self, state: dict, manifest: Manifest | None, cast: bool, shared_reads: bool | None) -> None:
+    def _begin(self, state: dict, manifest: Manifest | None, cast: bool, shared_reads: bool | None,
+               partial: bool) -> None:
         error = None
         try:
             self.manifest = manifest if manifest is not None else read_manifest(self.backend, self.path)
@@ -338,7 +348,7 @@ class Loading:
             error = exc
         self.comm.agree(error, f"loading {self.path}")
         try:
-            self.skip = _match(self.flat, self.manifest, self.comm, self.strict, self.path, cast)
+            self.skip = _match(self.flat, self.manifest, self.comm, self.strict, self.path, cast, partial)
             zero_unfilled(self.created, [item.local for item in self.flat.tensors if item.fqn in self.skip])
         except Exception as exc:
             error = exc

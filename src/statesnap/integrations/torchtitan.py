@@ -121,8 +121,8 @@ class TorchtitanCheckpointer:
         """Restore ``step`` (``-1``: the newest committed one); with no checkpoint in ``folder``,
         ``initial_load_path`` (a statesnap checkpoint) if given. A step-0 (seed) checkpoint and
         ``initial_load_model_only`` restore the model alone. Returns whether anything was loaded.
-        Only a load of the whole state is strict (every name present on both sides, same shapes
-        and dtypes); a partial one reads what it asks for."""
+        Every name loaded must be in the checkpoint with its shape and dtype; a load of the whole
+        state also refuses names of the checkpoint the state lacks."""
         committed = self.ckpt.persistent.committed_steps()
         if step == -1 and not committed:
             if not self.initial_load_path:
@@ -140,7 +140,7 @@ class TorchtitanCheckpointer:
         wanted = {MODEL: self.states[MODEL]} if model_only else \
             {k: v for k, v in self.states.items() if k not in self.exclude_from_loading}
         config = self.ckpt.config
-        ss.load(self._state(wanted), path, strict=len(wanted) == len(self.states),
+        ss.load(self._state(wanted), path, partial=len(wanted) < len(self.states),
                 storage_options=config.storage_options, process_group=config.process_group,
                 timeout_s=config.commit_timeout_s)
 

@@ -183,12 +183,13 @@ class StatesnapTrainer(Trainer):
             super()._load_scaler(checkpoint)
 
     def _load_part(self, target: str, part: dict) -> None:
-        """Load ``part`` of the checkpoint at ``target`` in place, refusing a part it lacks."""
+        """Load ``part`` of the checkpoint at ``target`` in place, refusing a part it lacks and
+        a model of another shape (``partial``: what ``part`` holds must be there and match)."""
         stored = set(open_checkpoint(target).keys())
         for prefix in part:
             if not any(name == prefix or name.startswith(prefix + ".") for name in stored):
                 raise CheckpointError(f"{target} holds no {prefix!r} (saved with save_only_model?)")
-        load(part, target, strict=False)
+        load(part, target, partial=True)
 
 
 def export_pretrained(trainer: Trainer, checkpoint: str, output_dir: str) -> None:
@@ -199,7 +200,7 @@ def export_pretrained(trainer: Trainer, checkpoint: str, output_dir: str) -> Non
     if target is None:
         raise CheckpointError(f"{checkpoint} is not a checkpoint of a StatesnapTrainer")
     model = trainer.accelerator.unwrap_model(trainer.model)
-    load({"model": model}, target, strict=False)
+    load({"model": model}, target, partial=True)
     model.save_pretrained(output_dir, safe_serialization=True)
 
 
