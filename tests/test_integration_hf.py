@@ -112,3 +112,13 @@ def test_an_unreadable_pointer_keeps_every_step_no_readable_pointer_names(tmp_pa
     with caplog.at_level("WARNING", logger="statesnap"):
         assert _unnamed_steps(str(tmp_path)) == []
     assert "checkpoint-2/statesnap.json cannot be read" in caplog.text
+
+
+def test_a_damaged_pointer_is_named_when_resuming(tmp_path):
+    from statesnap.integrations.transformers import POINTER_NAME
+
+    os.makedirs(tmp_path / "checkpoint-2")
+    (tmp_path / "checkpoint-2" / POINTER_NAME).write_bytes(b'{"format": "statesnap-hf')
+    with pytest.raises(ss.CheckpointError, match=f"checkpoint-2/{POINTER_NAME} is damaged"):
+        pointer_target(str(tmp_path / "checkpoint-2"))
+    assert pointer_target(str(tmp_path / "elsewhere")) is None  # a directory the stock Trainer wrote

@@ -309,3 +309,36 @@ def test_a_pointer_damaged_beyond_reading_keeps_every_unnamed_step(tmp_path, dam
     io.teardown()
     assert _stored_steps(tmp_path) == ["step-1", "step-2"]
     assert "last.ckpt cannot be read as pointers" in caplog.text
+
+
+@pytest.mark.parametrize("content", [b'{"format": "statesnap-lightning-1", "checkpoint": "stat', b"", b"\x13garbage"])
+def test_loading_a_damaged_pointer_names_it(tmp_path, content):
+    """A pointer cut short, emptied or overwritten is reported as a damaged pointer, not handed to
+    torch.load (whose error would suggest weights_only=False); Lightning's own files still load."""
+    from statesnap import CheckpointError
+    from statesnap.integrations.lightning import StatesnapCheckpointIO
+
+    (tmp_path / "last.ckpt").write_bytes(content)
+    with pytest.raises(CheckpointError, match="last.ckpt is neither a statesnap pointer nor a Lightning checkpoint"):
+        StatesnapCheckpointIO().load_checkpoint(str(tmp_path / "last.ckpt"))
+    torch.save({"state_dict": {"w": torch.ones(2)}}, tmp_path / "own.ckpt")
+    assert torch.equal(StatesnapCheckpointIO().load_checkpoint(str(tmp_path / "own.ckpt"))["state_dict"]["w"],
+                       torch.ones(2))
+
+
+def test_a_pointer_whose_step_was_deleted_never_names_a_later_save(tmp_path):
+    from statesnap import CheckpointError
+    from statesnap.integrations.lightning import StatesnapCheckpointIO
+
+    io = StatesnapCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(2)}, "optimizer_states": [], "global_step": 8},
+                       str(tmp_path / "last.ckpt"))
+    io.teardown()
+    shutil.rmtree(tmp_path / STORE_DIR / _stored_steps(tmp_path)[0])  # space cleared by hand
+    io = StatesnapCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "optimizer_states": [], "global_step": 4},
+                       str(tmp_path / "last-v1.ckpt"))
+    io.teardown()
+    with pytest.raises(CheckpointError):
+        io.load_checkpoint(str(tmp_path / "last.ckpt"))
+    assert torch.equal(io.load_checkpoint(str(tmp_path / "last-v1.ckpt"))["state_dict"]["w"], torch.ones(2))

@@ -60,6 +60,7 @@ except ImportError:  # the older package name
     from pytorch_lightning.strategies import ModelParallelStrategy
 
 POINTER_FORMAT = "statesnap-lightning-1"
+_TORCH_SAVE_MAGIC = (b"PK\x03\x04", b"\x80")  # a zip (torch.save since 1.6), a pickle (before)
 STORE_DIR = "statesnap"
 KEEP_ALL = 1 << 30  # Lightning chooses what to delete, through remove_checkpoint
 _SHARDED = ("state_dict.", "optimizer_states.")  # the rest of the checkpoint is one rank's
@@ -252,7 +253,9 @@ class _Store:
                 damaged.append(name)
         stored = [step_of(n) for n in self._listdir(_join(directory, STORE_DIR))]
         stored = [s for s in stored if s is not None]
-        self._next_step = max(stored, default=0) + 1
+        # past every step a pointer names too: a pointer whose step was deleted must not come to
+        # name another checkpoint when a later run saves a step of that number again
+        self._next_step = max([*stored, *self._named.values()], default=0) + 1
         unnamed = sorted(set(stored) - set(self._named.values()))  # committed, but its pointer never written
         if damaged and unnamed:
             # one of them may be what a damaged pointer named: deleting it could lose a checkpoint
@@ -475,9 +478,13 @@ def _read_pointer(path: str, storage_options: dict | None, verify: bool = True) 
     try:
         if not fs.isfile(path) or fs.size(path) > POINTER_MAX_BYTES:
             return None
-        pointer = parse_pointer(fs.cat_file(path), POINTER_FORMAT, path, verify)
+        raw = fs.cat_file(path)
+        pointer = parse_pointer(raw, POINTER_FORMAT, path, verify)
     except OSError:
         return None
     if pointer is None:
+        if not raw.startswith(_TORCH_SAVE_MAGIC):  # neither a pointer nor what torch.save writes
+            raise CheckpointError(f"{path} is neither a statesnap pointer nor a Lightning checkpoint "
+                                  f"({len(raw)} bytes): a damaged pointer; restore it, or resume from another checkpoint")
         return None
     return _join(os.path.dirname(path.rstrip("/")) or ".", pointer[0]), pointer[1]

@@ -212,7 +212,10 @@ def pointer_target(checkpoint_dir: str) -> str | None:
             pointer = parse_pointer(f.read(), POINTER_FORMAT, path)
     except FileNotFoundError:
         return None
-    return None if pointer is None else os.path.join(os.path.dirname(os.path.abspath(checkpoint_dir)), pointer[0])
+    if pointer is None:  # (only statesnap writes this file)
+        raise CheckpointError(f"{path} is damaged: it is not a statesnap pointer; restore it, or resume from "
+                              "another checkpoint")
+    return os.path.join(os.path.dirname(os.path.abspath(checkpoint_dir)), pointer[0])
 
 
 def _torch_optimizer(optimizer):
