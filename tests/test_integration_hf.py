@@ -63,12 +63,9 @@ def test_killed_trainer_resumes_bit_exact_and_keeps_what_save_total_limit_says(t
 def test_export_pretrained_loads_with_from_pretrained(tmp_path):
     from transformers import LlamaForCausalLM, TrainingArguments
 
-    sys.path.insert(0, os.path.dirname(SCRIPT))
-    try:
-        import hf_train
-    finally:
-        sys.path.pop(0)
     from statesnap.integrations.transformers import StatesnapTrainer, export_pretrained
+
+    hf_train = _hf_train()
 
     args = TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=2, save_steps=2, report_to=[],
                              use_cpu=True, per_device_train_batch_size=4, disable_tqdm=True)
@@ -122,3 +119,48 @@ def test_a_damaged_pointer_is_named_when_resuming(tmp_path):
     with pytest.raises(ss.CheckpointError, match=f"checkpoint-2/{POINTER_NAME} is damaged"):
         pointer_target(str(tmp_path / "checkpoint-2"))
     assert pointer_target(str(tmp_path / "elsewhere")) is None  # a directory the stock Trainer wrote
+
+
+def _hf_train():
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    try:
+        import hf_train
+    finally:
+        sys.path.pop(0)
+    return hf_train
+
+
+@pytest.mark.parametrize("kind", ["best model at end", "save_only_model resume"])
+def test_trainer_options_behave_as_the_stock_trainers(tmp_path, kind):
+    """``load_best_model_at_end`` ends with the best checkpoint's model, which rotation keeps,
+    and a ``save_only_model`` run resumes with a fresh optimizer: as the stock Trainer does."""
+    from transformers import Trainer, TrainingArguments
+
+    from statesnap.integrations.transformers import StatesnapTrainer
+
+    hf_train = _hf_train()
+    finals, kept = {}, {}
+    for cls in (Trainer, StatesnapTrainer):
+        out = tmp_path / cls.__name__
+        common = dict(output_dir=str(out), save_steps=2, report_to=[], use_cpu=True, per_device_train_batch_size=4,
+                      disable_tqdm=True, learning_rate=1e-2, seed=0)
+        extra = {"statesnap_settings": {"host_memory_gb": 0.05}} if cls is StatesnapTrainer else {}
+        if kind == "best model at end":  # the highest eval loss is the best: the first evaluation's
+            args = TrainingArguments(max_steps=6, eval_steps=2, eval_strategy="steps", save_total_limit=1,
+                                     load_best_model_at_end=True, metric_for_best_model="loss",
+                                     greater_is_better=True, **common)
+            trainer = cls(model=hf_train.model(), args=args, train_dataset=hf_train.Tokens(),
+                          eval_dataset=hf_train.Tokens(n=8), **extra)
+            trainer.train()
+            assert trainer.state.best_model_checkpoint == str(out / "checkpoint-2")
+        else:
+            first = TrainingArguments(max_steps=2, save_only_model=True, **common)
+            cls(model=hf_train.model(), args=first, train_dataset=hf_train.Tokens(), **extra).train()
+            args = TrainingArguments(max_steps=4, save_only_model=True, **common)
+            trainer = cls(model=hf_train.model(), args=args, train_dataset=hf_train.Tokens(), **extra)
+            trainer.train(resume_from_checkpoint=True)
+        finals[cls] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        kept[cls] = sorted(n for n in os.listdir(out) if n.startswith("checkpoint-"))
+    assert kept[Trainer] == kept[StatesnapTrainer]
+    for name, value in finals[Trainer].items():
+        assert torch.equal(finals[StatesnapTrainer][name], value), name

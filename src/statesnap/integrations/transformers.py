@@ -79,6 +79,7 @@ class StatesnapTrainer(Trainer):
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
         step = self.state.global_step
+        self._note_best_checkpoint(run_dir, step)
         self._record_callback_states()
         trainer_state = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
         state = {"model": self.accelerator.unwrap_model(self.model),
@@ -93,6 +94,20 @@ class StatesnapTrainer(Trainer):
             with self._waiting_lock:
                 self._waiting.pop(step, None)
             raise
+
+    def _note_best_checkpoint(self, run_dir: str, step: int) -> None:
+        """``best_model_checkpoint`` as the Trainer sets it when it saves (rotation keeps that
+        directory, ``load_best_model_at_end`` loads it). The Trainer looks for the best step's
+        directory, which here appears only once the step is committed: a step in flight, or
+        this one, counts as there."""
+        best = getattr(self.state, "best_global_step", None)  # (transformers before 4.50 set no such field)
+        if not best or self.args.save_strategy not in ("steps", "epoch", "best"):
+            return
+        with self._waiting_lock:
+            in_flight = best == step or best in self._waiting
+        directory = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
+        if in_flight or os.path.exists(directory):
+            self.state.best_model_checkpoint = directory
 
     def _record_callback_states(self) -> None:
         """The stateful callbacks' state into ``TrainerState``, as the Trainer does before saving."""
@@ -160,10 +175,19 @@ class StatesnapTrainer(Trainer):
         model = self.accelerator.unwrap_model(model if model is not None else self.model)
         self._load_part(target, {"model": model})
 
+    def _load_best_model(self) -> None:
+        target = pointer_target(self.state.best_model_checkpoint)
+        if target is None:
+            return super()._load_best_model()
+        self.close_checkpoints()  # training is over; the best step may still be in flight
+        self._load_part(target, {"model": self.accelerator.unwrap_model(self.model)})
+
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         target = pointer_target(checkpoint) if checkpoint else None
         if target is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
+        if not any(name.startswith("optimizer.") for name in open_checkpoint(target).keys()):
+            return  # saved with save_only_model: both start afresh, as the Trainer's do (the model is loaded)
         # Optimizer state is stored by parameter name, which the model gives: it comes along. The
         # RNG states are restored later, where the Trainer restores them (rng: a stand-in here),
         # so this load is strict: anything of the checkpoint left unmatched is an error.
