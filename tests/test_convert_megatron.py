@@ -296,8 +296,16 @@ def test_tampered_tracker_metadata_common_and_args_are_errors_not_crashes_or_han
     with pytest.raises(CheckpointError, match=r"common\.pt: 'optimizer\.optimizer' holds a list"):
         megatron.read(str(dist))
     (dist / "metadata.json").write_text('["sharded_backend"]')
-    with pytest.raises(CheckpointError, match="not a Megatron checkpoint"):
+    with pytest.raises(CheckpointError, match="metadata.json is not a JSON object naming a 'sharded_backend': "
+                                              "the checkpoint is damaged"):
         megatron.read(str(dist))
+    (dist / "common.pt").unlink()
+    with pytest.raises(CheckpointError, match="holds metadata.json of a dist_checkpointing directory, but common.pt "
+                                              "is missing"):
+        megatron.read(str(dist))
+    shutil.rmtree(classic / "iter_0000007" / "mp_rank_01")
+    with pytest.raises(CheckpointError, match=r"iter_0000007: rank directories mp_rank_01 are missing \(TP=2, PP=1\)$"):
+        megatron.read(str(classic))
 
 
 def test_classic_replicas_that_differ_and_foreign_globals_are_refused(produced, tmp_path):

@@ -66,11 +66,7 @@ def read(src: str) -> dict[str, Any]:
             try:
                 _load(reader, now)
             except DCP_FAILURES as exc:
-                files = sorted({info.relative_path for index, info in metadata.storage_data.items()
-                                if index.fqn in now})
-                raise CheckpointError(f"reading {', '.join(files)} of DCP checkpoint {src} (small values "
-                                      f"{', '.join(list(now)[:SHOWN])}{', ...' if len(now) > SHOWN else ''}) "
-                                      f"failed: {_cause(exc)}") from None
+                raise CheckpointError(_small_values_failure(metadata, now, src, exc)) from None
             flat.update(now)
         nested = nest_paths(flat, metadata.planner_data or {})
     except CheckpointError:
@@ -94,6 +90,24 @@ class _MetadataOnce(FileSystemReader):
         if not hasattr(self, "_metadata"):
             self._metadata = super().read_metadata(*args, **kwargs)
         return self._metadata
+
+
+def _small_values_failure(metadata, now: dict[str, Any], src: str, exc: BaseException) -> str:
+    """What failed when the small values were read together, naming the files that hold them,
+    or those of them cut short (or missing) if any are: the bytes a value needs lie past the end."""
+    held = [info for index, info in metadata.storage_data.items() if index.fqn in now]
+    short = sorted({info.relative_path for info in held if info.offset + info.length > _size(src, info.relative_path)})
+    files = short or sorted({info.relative_path for info in held})
+    shown = f"{', '.join(list(now)[:SHOWN])}{', ...' if len(now) > SHOWN else ''}"
+    cut = " (cut short or missing)" if short else ""
+    return f"reading {', '.join(files)}{cut} of DCP checkpoint {src} (small values {shown}) failed: {_cause(exc)}"
+
+
+def _size(src: str, name: str) -> int:
+    try:
+        return os.path.getsize(os.path.join(src, name))
+    except OSError:
+        return -1
 
 
 def _load(reader: FileSystemReader, state: dict[str, Any]) -> None:

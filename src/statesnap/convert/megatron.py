@@ -86,6 +86,14 @@ def is_dist_checkpoint(src: str) -> bool:
         return False
 
 
+def _dist_problem(src: str) -> str:
+    """What keeps a directory holding dist_checkpointing's files from being one."""
+    missing = [name for name in (METADATA_JSON, COMMON) if not os.path.isfile(os.path.join(src, name))]
+    if missing:
+        return f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing"
+    return f"{METADATA_JSON} is not a JSON object naming a 'sharded_backend'"
+
+
 def is_megatron(src: str) -> bool:
     """Whether ``src`` looks like a Megatron checkpoint (for ``detect_source``): a dist_checkpointing
     directory, a run directory (tracker file or ``iter_*`` directories) or one iteration directory."""
@@ -121,6 +129,10 @@ def iteration_dir(src: str) -> str:
         return src
     iterations = sorted(n for n in os.listdir(src) if _ITERATION.fullmatch(n))
     if not iterations:
+        markers = [name for name in (METADATA_JSON, COMMON) if os.path.exists(os.path.join(src, name))]
+        if markers:  # a dist_checkpointing directory that is_dist_checkpoint could not take for one
+            raise CheckpointError(f"{src} holds {' and '.join(markers)} of a dist_checkpointing directory, but "
+                                  f"{_dist_problem(src)}: the checkpoint is damaged or incomplete")
         raise CheckpointError(f"{src} is not a Megatron checkpoint: no {TRACKER}, no iter_* directory, no "
                               f"mp_rank_* directory and no {METADATA_JSON}")
     raise CheckpointError(f"{src} has no {TRACKER}; pick one of its iteration directories ({', '.join(iterations)})")
@@ -260,8 +272,9 @@ def read_classic(folder: str, notes: list[str] | None = None) -> dict[str, Any]:
     missing += [f"and {absent - len(missing)} more"] if absent > len(missing) else []
     extra = sorted(os.path.dirname(path) for (t, p), path in ranks.items() if t >= tp_size or p >= pp_size)
     if missing or extra:
-        raise CheckpointError(f"{folder}: rank directories {', '.join(missing)} are missing{' and ' if extra else ''}"
-                              f"{', '.join(extra)} do not belong (TP={tp_size}, PP={pp_size})")
+        problems = ([f"rank directories {', '.join(missing)} are missing"] if missing else []) + (
+            [f"{', '.join(extra)} do not belong"] if extra else [])
+        raise CheckpointError(f"{folder}: {' and '.join(problems)} (TP={tp_size}, PP={pp_size})")
     files = {key: first if key == (0, 0) else unpickler.load(path) for key, path in ranks.items()}
     for key, content in files.items():
         if not isinstance(content, dict) or not isinstance(content.get("model"), dict):

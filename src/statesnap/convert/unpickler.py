@@ -93,7 +93,7 @@ def load(path: str) -> Any:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         return _plain(obj)
     except FileNotFoundError:
-        raise CheckpointError(f"no DeepSpeed checkpoint file at {path}") from None
+        raise CheckpointError(f"checkpoint file {path} is missing") from None
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(
             f"{path}: refused to unpickle: {_reason(exc)}. statesnap admits only tensors, plain data, numpy "
