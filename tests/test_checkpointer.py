@@ -550,6 +550,30 @@ def test_a_background_failure_past_the_stage_keeps_later_checkpoints_going(tmp_p
     assert ss.open(tmp_path / "step-2").read("t").tolist() == [2.0, 2.0]
 
 
+def test_a_background_failure_before_a_snapshot_is_finished_hangs_no_wait(tmp_path, monkeypatch):
+    """A failure that escapes a stage before the snapshot is finished leaves nobody waiting for
+    it: wait() raises it, and close() returns."""
+    from statesnap.checkpointer import staging
+
+    real, calls = staging.Arena.hold, []
+
+    def hold_failing_once(self, region, *rest):
+        calls.append(region)
+        if len(calls) == 1:
+            raise RuntimeError("injected in _finish")
+        return real(self, region, *rest)
+
+    monkeypatch.setattr(staging.Arena, "hold", hold_failing_once)
+    ckpt = ss.Checkpointer(tmp_path, keep_last=3, host_memory_gb=0.01)
+    handle = ckpt.save(1, {"t": torch.ones(2)})
+    with pytest.raises(ss.CheckpointError, match="internal error in the background .*injected in _finish"):
+        handle.wait(timeout=30)
+    closing = threading.Thread(target=ckpt.close, daemon=True)
+    closing.start()
+    closing.join(30)
+    assert not closing.is_alive(), "close() waited for an abandoned snapshot"
+
+
 # ----------------------------------------------------------------------------- levels and retention
 
 def test_retention_keeps_the_newest_committed(tmp_path):

@@ -292,3 +292,33 @@ def test_an_error_every_copy_would_meet_deletes_no_node_local_step(tmp_path):
     assert sorted(os.listdir(tmp_path / "local")) == ["step-2", "step-3"]
     with ss.Checkpointer(tmp_path / "root", **settings) as restarted:
         assert restarted.load_latest({"model": make_training(seed=5)[0], "t": (torch.zeros(300_000), 3)}) == 3
+
+
+def test_only_copies_all_damaged_are_summarised_as_damage():
+    """The summary error of a restart that found no copy to load says "damaged" only when every
+    copy given up was: node-local I/O errors, or a failed memory copy, keep the last error's kind."""
+    from statesnap.checkpointer.fallback import Fallback
+    from statesnap.engine.dist import Comm
+
+    def outcome(choices, errors):
+        fallback = Fallback(Comm(None), choices)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for index, error in enumerate(errors):
+                fallback.record(error, index)
+                try:
+                    fallback.go_on_or_raise(error, index)
+                except ss.CheckpointError as exc:
+                    return exc
+        return None
+
+    io = outcome([(5, 1, "local"), (4, 1, "local")], [ss.ReadFailedError("EIO 5"), ss.ReadFailedError("EIO 4")])
+    assert type(io) is ss.ReadFailedError and str(io) == "EIO 4"
+    mixed = outcome([(7, 0, "memory"), (7, 2, "persistent")],
+                    [ss.CheckpointError("copy failed"), ss.CorruptCheckpointError("checksum mismatch")])
+    assert type(mixed) is ss.CorruptCheckpointError and str(mixed) == "checksum mismatch"
+    damaged = outcome([(7, 2, "persistent"), (6, 2, "persistent")],
+                      [ss.CorruptCheckpointError("flip 7"), ss.MissingFileError("gone 6")])
+    assert type(damaged) is ss.CorruptCheckpointError and str(damaged) == (
+        "no checkpoint could be restored: every copy of every step is damaged (step 7 from the persistent level: "
+        "flip 7; step 6 from the persistent level: gone 6)")

@@ -170,6 +170,10 @@ def test_verify_goes_on_past_a_damaged_section(tmp_path, monkeypatch):
     message = str(caught.value)
     assert "2 damaged piece(s)" in message and f"section {section}: head of tensor 'w'" in message
     assert f"v in {data.name}: checksum mismatch" in message
+    (path / section).unlink()
+    with pytest.raises(ss.MissingFileError) as caught:
+        ss.open(path).verify()
+    assert str(caught.value) == f"{path}: data files missing: {section} (needed for v, w)"
 
 
 def test_one_document_manifests_of_older_checkpoints_still_load(tmp_path):

@@ -13,7 +13,7 @@ from .engine.read import ReadExecutor
 from .engine.write import default_threads
 from .errors import CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, NotInCheckpointError
 from .format.checksum import checksum_blocks
-from .format.manifest import BOX, Manifest, TensorEntry
+from .format.manifest import BOX, Manifest, SplitTensors, TensorEntry
 from .plan.load_plan import plan_target
 from .progress import bar
 from .storage import backend_for, normalize
@@ -124,7 +124,7 @@ class Reader:
         found = [f"{len(kind)} {what}: " + "; ".join(kind[:20])
                  for kind, what in ((problems, "damaged piece(s)"), (grown, "file(s) larger than recorded")) if kind]
         if missing:  # (with what else is wrong: the other files were checked all the same)
-            needed = {fqn for fqn, _, _ in self._pieces_in(missing, entries)}
+            needed = {fqn for fqn, _, _ in self._pieces_in(missing, entries)} | self._in_sections(missing)
             needed |= {fqn for fqn, ref in self._pickle_refs() if self.manifest.files[ref[0]] in missing}
             raise MissingFileError(f"{self.path}: data files missing: {', '.join(missing)} (needed for " +
                                    ", ".join(sorted(needed)[:10]) + (" and more" if len(needed) > 10 else "") + ")" +
@@ -172,16 +172,26 @@ class Reader:
 
     def _readable_entries(self, problems: list[str]) -> list[tuple[str, TensorEntry]]:
         """Every tensor's entry, but those that a split manifest's damaged or missing section
-        cannot give: what is wrong with them goes to ``problems`` (once per message), and the
-        check goes on, as past a damaged piece."""
+        cannot give: what is wrong with a damaged one goes to ``problems`` (once per message; a
+        missing section is reported as a missing file), and the check goes on, as past a damaged
+        piece."""
         entries, failed = [], {}
         for fqn in self.manifest.tensors:
             try:
                 entries.append((fqn, self.manifest.tensors[fqn]))
-            except (CorruptCheckpointError, ManifestError, MissingFileError) as exc:
+            except MissingFileError:
+                pass
+            except (CorruptCheckpointError, ManifestError) as exc:
                 failed[str(exc)] = None
         problems += failed
         return entries
+
+    def _in_sections(self, names: list[str]) -> set[str]:
+        """The tensors a split manifest keeps in the sections ``names``."""
+        if not isinstance(self.manifest.tensors, SplitTensors):
+            return set()
+        files, sections = self.manifest.files, self.manifest.sections
+        return {fqn for fqn, row in self.manifest.tensors.rows.items() if files[sections[row.section]] in names}
 
     def _pieces_in(self, names: list[str], entries: list[tuple[str, TensorEntry]]):
         for fqn, entry in entries:

@@ -56,6 +56,7 @@ class Fallback:
         self._kept: dict[int, CheckpointError] = {}  # step -> its first failure that was not damage
         self._mismatch = False
         self._given_up: list[str] = []  # what failed in each copy given up, as warned
+        self._all_damaged = True  # whether every copy given up was given up for damage
         self.damaged: list[tuple[int, str]] = []  # (step, level name) of the copies found damaged
 
     def record(self, error: CheckpointError, index: int) -> bool:
@@ -71,6 +72,7 @@ class Fallback:
                     or (name == "memory" and not self._mismatch))
         if given_up:
             self._given_up.append(f"step {step} from {_where(name)}: {error}")
+            self._all_damaged = self._all_damaged and damaged
         else:
             self._kept.setdefault(step, error)
         return given_up
@@ -83,11 +85,11 @@ class Fallback:
         if index + 1 == len(self._choices):
             if step in self._kept:
                 raise self._kept[step]
-            if len(self._given_up) > 1:  # the last error alone would name only the oldest step
+            if len(self._given_up) > 1 and self._all_damaged:  # the last error alone names only the oldest step
                 raise CorruptCheckpointError(
-                    f"no checkpoint could be restored: every copy of every step was damaged or unreadable "
+                    f"no checkpoint could be restored: every copy of every step is damaged "
                     f"({'; '.join(self._given_up)})") from error
-            raise error
+            raise error  # (an I/O error or a failure in memory among them: its own kind, to retry)
         next_step = self._choices[index + 1][0]
         if next_step != step and step in self._kept:
             raise self._kept[step]

@@ -144,6 +144,9 @@ class Checkpointer:
                 self.local, self._recovery.comm, self._recovery.topology, cfg.peer_replicas > 0,
                 lambda: self._arena, lambda: self._block_bytes, cfg.durable, cfg.threads or default_threads(),
                 peer_buffer_bytes(cfg.host_memory_bytes), self.events, self._local_done)
+        for stage in (self._stager, self._flusher, self._local_flusher):
+            if stage is not None:
+                stage.on_crash = self._abandon
 
     # ----------------------------------------------------------------- training-thread API
 
@@ -706,9 +709,22 @@ class Checkpointer:
             self._count("failed")
             self._record_failure(snap, snap.error)
         with self._lock:
-            self._inflight.remove(snap)
+            if snap in self._inflight:  # (not if a stage's failure abandoned it: _abandon)
+                self._inflight.remove(snap)
         snap.finished.set()
         self.events.flush()
+
+    def _abandon(self, snap: Snapshot) -> None:
+        """A background stage failed past its own handling (a bug) before the snapshot was
+        finished: report it at the next call and let nobody wait for it forever. Its arena space,
+        in a state nobody knows, is not reused. (After it was finished, its outcome stands and the
+        failure is only logged.)"""
+        with self._lock:
+            if snap not in self._inflight:
+                return
+            self._inflight.remove(snap)
+        self._record_failure(snap, snap.error)
+        snap.finished.set()
 
     def _count(self, what: str) -> None:
         with self._lock:

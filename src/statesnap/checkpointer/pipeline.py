@@ -149,7 +149,10 @@ def as_checkpoint_error(exc: BaseException, step: int, path: str) -> CheckpointE
 
 class _Stage:
     """A pipeline stage: one thread takes snapshots in order from a queue; a pool runs their
-    parallel parts. Subclasses set their attributes, then call ``__init__``, which starts it."""
+    parallel parts. Subclasses set their attributes, then call ``__init__``, which starts it.
+    ``on_crash(snap)``: told of a snapshot a failure past the stage's own handling left behind."""
+
+    on_crash = None
 
     def __init__(self, name: str, threads: int):
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"statesnap-{name}")
@@ -173,7 +176,11 @@ class _Stage:
                 # past the stage's own handling (a bug): fail this checkpoint but keep the thread,
                 # or every later one would wait for it forever
                 log.exception("statesnap: the background %s failed at step %d", self._thread.name, snap.step)
-                snap.fail(as_checkpoint_error(exc, snap.step, snap.path))
+                snap.fail(CheckpointError(
+                    f"checkpoint of step {snap.step} ({snap.path}) met an internal error in the background "
+                    f"({type(exc).__name__}: {exc}); whether it was committed, a restart's load_latest tells"))
+                if self.on_crash is not None:
+                    self.on_crash(snap)
 
     def _handle(self, snap: Snapshot) -> None:
         raise NotImplementedError

@@ -139,7 +139,8 @@ class BouncePool:
 
 def unmap(view: memoryview) -> None:
     """Release ``view`` of :func:`private_pages` memory and unmap that memory now, unless another
-    view of it is still alive (then it is unmapped when that goes)."""
+    memoryview of it is still alive (then it is unmapped when that goes). A tensor made over it
+    with ``torch.frombuffer`` holds no such view: never unmap memory a tensor may still use."""
     mapping = view.obj
     view.release()
     try:
