@@ -86,12 +86,16 @@ def is_dist_checkpoint(src: str) -> bool:
         return False
 
 
-def _dist_problem(src: str) -> str:
-    """What keeps a directory holding dist_checkpointing's files from being one."""
-    missing = [name for name in (METADATA_JSON, COMMON) if not os.path.isfile(os.path.join(src, name))]
-    if missing:
-        return f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing"
-    return f"{METADATA_JSON} is not a JSON object naming a 'sharded_backend'"
+def _damaged_dist_checkpoint(src: str) -> str | None:
+    """What is wrong with ``src`` if it holds some of dist_checkpointing's files but
+    ``is_dist_checkpoint`` does not take it for one; None if it holds none of them."""
+    present = [name for name in (METADATA_JSON, COMMON) if os.path.isfile(os.path.join(src, name))]
+    if not present:
+        return None
+    missing = [name for name in (METADATA_JSON, COMMON) if name not in present]
+    why = (f"{missing[0]} is missing" if missing else f"{METADATA_JSON} is not a JSON object naming a 'sharded_backend'")
+    return (f"{src} holds {' and '.join(present)} of a dist_checkpointing directory, but {why}: the checkpoint "
+            "is damaged or incomplete")
 
 
 def is_megatron(src: str) -> bool:
@@ -129,10 +133,9 @@ def iteration_dir(src: str) -> str:
         return src
     iterations = sorted(n for n in os.listdir(src) if _ITERATION.fullmatch(n))
     if not iterations:
-        markers = [name for name in (METADATA_JSON, COMMON) if os.path.exists(os.path.join(src, name))]
-        if markers:  # a dist_checkpointing directory that is_dist_checkpoint could not take for one
-            raise CheckpointError(f"{src} holds {' and '.join(markers)} of a dist_checkpointing directory, but "
-                                  f"{_dist_problem(src)}: the checkpoint is damaged or incomplete")
+        damaged = _damaged_dist_checkpoint(src)
+        if damaged is not None:
+            raise CheckpointError(damaged)
         raise CheckpointError(f"{src} is not a Megatron checkpoint: no {TRACKER}, no iter_* directory, no "
                               f"mp_rank_* directory and no {METADATA_JSON}")
     raise CheckpointError(f"{src} has no {TRACKER}; pick one of its iteration directories ({', '.join(iterations)})")

@@ -9,6 +9,7 @@ large file does not first copy it into memory.
 """
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import zipfile
@@ -68,8 +69,16 @@ def _starts_as_pickle(path: str) -> bool:
     """Whether the file opens as torch's legacy format does: a pickle of protocol 2 or later
     (``PROTO`` opcode), so that garbage is reported as damaged rather than as unsafe."""
     with open(path, "rb") as f:
-        head = f.read(2)
-    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= pickle.HIGHEST_PROTOCOL
+        return _pickle_head(f.read(2))
+
+
+def _pickle_head(head: bytes) -> bool:
+    return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= pickle.HIGHEST_PROTOCOL
+
+
+def is_torch_save_bytes(raw: bytes) -> bool:
+    """Whether ``raw`` (a whole file) is what torch.save writes: a zip archive, or a legacy pickle."""
+    return zipfile.is_zipfile(io.BytesIO(raw)) or _pickle_head(raw[:2])
 
 
 def write(values: dict[str, Any], target: str) -> list[str]:

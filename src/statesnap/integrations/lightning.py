@@ -43,6 +43,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..checkpointer import Checkpointer
 from ..checkpointer.hooks import version_of
+from ..convert.torch_save import is_torch_save_bytes
 from ..engine.load import load
 from ..errors import CheckpointError
 from ..reader import open as open_checkpoint
@@ -60,7 +61,6 @@ except ImportError:  # the older package name
     from pytorch_lightning.strategies import ModelParallelStrategy
 
 POINTER_FORMAT = "statesnap-lightning-1"
-_TORCH_SAVE_MAGIC = (b"PK\x03\x04", b"\x80")  # a zip (torch.save since 1.6), a pickle (before)
 STORE_DIR = "statesnap"
 KEEP_ALL = 1 << 30  # Lightning chooses what to delete, through remove_checkpoint
 _SHARDED = ("state_dict.", "optimizer_states.")  # the rest of the checkpoint is one rank's
@@ -483,7 +483,7 @@ def _read_pointer(path: str, storage_options: dict | None, verify: bool = True) 
     except OSError:
         return None
     if pointer is None:
-        if not raw.startswith(_TORCH_SAVE_MAGIC):  # neither a pointer nor what torch.save writes
+        if not is_torch_save_bytes(raw):  # neither a pointer nor what Lightning's own saves write
             raise CheckpointError(f"{path} is neither a statesnap pointer nor a Lightning checkpoint "
                                   f"({len(raw)} bytes): a damaged pointer; restore it, or resume from another checkpoint")
         return None
