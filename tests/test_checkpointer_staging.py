@@ -1,4 +1,5 @@
 """The staging arena's ring allocation and the cutting of items into batches."""
+import ctypes
 import threading
 
 import pytest
@@ -178,3 +179,40 @@ def test_a_forked_child_gets_the_arena_wiped_not_shared():
     assert os.waitpid(pid, 0)[1] == 0
     assert answer == "0 9"
     assert int(arena.buffer[0]) == 7 and int(arena.buffer[-1]) == 7
+
+
+def _resident_pages(address: int, nbytes: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    vector = (ctypes.c_ubyte * (nbytes // 4096))()
+    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vector) == 0
+    return sum(byte & 1 for byte in vector)
+
+
+def test_the_arena_pages_are_faulted_in_by_the_background_thread_in_huge_page_calls(monkeypatch):
+    """Every page of the arena is resident once its populating thread is done, and the thread
+    asks for at most one huge page per call: one call for the whole arena held the memory-map
+    lock long enough to stall the training thread's allocations (staging._populate)."""
+    from types import SimpleNamespace
+
+    from statesnap.checkpointer import staging
+    from statesnap.storage.aligned import HUGE_PAGE, private_pages
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    probe = memoryview(private_pages(4096))
+    if libc.madvise(ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(probe))), ctypes.c_size_t(4096),
+                    staging._MADV_POPULATE_WRITE) != 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    calls = []
+
+    def madvise(address, size, advice):
+        calls.append(size.value)
+        return libc.madvise(address, size, advice)
+
+    monkeypatch.setattr(staging, "ctypes", SimpleNamespace(CDLL=lambda *a, **k: SimpleNamespace(madvise=madvise),
+                                                         c_void_p=ctypes.c_void_p, c_size_t=ctypes.c_size_t))
+    arena = Arena(5 * HUGE_PAGE + 3 * REGION_ALIGN, pin=False)
+    for thread in threading.enumerate():
+        if thread.name == "statesnap-arena-populate":
+            thread.join(timeout=60)
+    assert calls == [HUGE_PAGE] * 5 + [3 * REGION_ALIGN]
+    assert _resident_pages(arena.buffer.data_ptr(), arena.capacity) == arena.capacity // 4096

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..plan.save_plan import ALIGN
-from ..storage.aligned import huge_aligned_pages, pinned_pages
+from ..storage.aligned import HUGE_PAGE, huge_aligned_pages, pinned_pages
 from ..storage.base import DIRECT_ALIGN
 
 REGION_ALIGN = DIRECT_ALIGN  # regions start on page boundaries, as direct I/O needs
@@ -44,17 +44,29 @@ class Region:
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python's mmap module does not name it everywhere
 
 
-def _populate(address: int, nbytes: int) -> None:
+def _populate(buffer: torch.Tensor) -> None:
     """Fault the arena's pages in, in the background, without writing to them: a copy into
     fresh anonymous memory takes a page fault every 4 KiB and ran at a third of the speed of a
     copy into touched pages (1.8 against 6.3 GB/s here), which the next optimizer step waited
     for. The first snapshot's copy races this (both only fault pages in); later ones find the
-    pages there. ctypes releases the GIL for the call; older kernels refuse it, harmlessly."""
+    pages there.
+
+    One huge page per call: the call holds the process's memory-map lock while it faults its
+    range in, and any ``mmap``/``munmap`` of the training thread (a large tensor allocated or
+    freed) waits behind it. On this project's VM, where memory the guest touches first is slow
+    to come (0.14-0.56 s for 370 MB), one call for the whole arena held the forward pass after
+    the first save up for 0.8 s; in 2 MiB calls it lost 25-60 ms (docs/benchmarks.md). The
+    thread holds ``buffer`` so the memory stays mapped until it is done. ctypes releases the GIL
+    for each call; an older kernel refuses the first one, harmlessly."""
     try:
-        ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes),
-                                                  _MADV_POPULATE_WRITE)
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
-        pass
+        return
+    address, nbytes = buffer.data_ptr(), buffer.numel()
+    for offset in range(0, nbytes, HUGE_PAGE):
+        size = min(HUGE_PAGE, nbytes - offset)
+        if madvise(ctypes.c_void_p(address + offset), ctypes.c_size_t(size), _MADV_POPULATE_WRITE) != 0:
+            return
 
 
 class Arena:
@@ -67,7 +79,7 @@ class Arena:
             self.buffer = pinned_pages(self.capacity)
         else:
             self.buffer = torch.frombuffer(huge_aligned_pages(self.capacity), dtype=torch.uint8)
-            threading.Thread(target=_populate, args=(self.buffer.data_ptr(), self.capacity),
+            threading.Thread(target=_populate, args=(self.buffer,),
                              name="statesnap-arena-populate", daemon=True).start()
         self._live: deque[Region] = deque()
         self._head = 0
