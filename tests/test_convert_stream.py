@@ -3,7 +3,6 @@ empty directories (issue 10, items 4 to 6)."""
 import errno
 import json
 import os
-import shutil
 import subprocess
 import sys
 import warnings

@@ -173,7 +173,7 @@ def test_verify_goes_on_past_a_damaged_section(tmp_path, monkeypatch):
     (path / section).unlink()
     with pytest.raises(ss.MissingFileError) as caught:
         ss.open(path).verify()
-    assert str(caught.value) == f"{path}: data files missing: {section} (needed for v, w)"
+    assert str(caught.value) == f"{path}: manifest sections missing: {section} (needed for v, w)"
 
 
 def test_one_document_manifests_of_older_checkpoints_still_load(tmp_path):

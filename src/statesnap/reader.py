@@ -126,7 +126,11 @@ class Reader:
         if missing:  # (with what else is wrong: the other files were checked all the same)
             needed = {fqn for fqn, _, _ in self._pieces_in(missing, entries)} | self._in_sections(missing)
             needed |= {fqn for fqn, ref in self._pickle_refs() if self.manifest.files[ref[0]] in missing}
-            raise MissingFileError(f"{self.path}: data files missing: {', '.join(missing)} (needed for " +
+            section_names = {self.manifest.files[i] for i in self.manifest.sections}
+            kinds = [f"{what} missing: {', '.join(names)}" for what, names in
+                     (("data files", [n for n in missing if n not in section_names]),
+                      ("manifest sections", [n for n in missing if n in section_names])) if names]
+            raise MissingFileError(f"{self.path}: {'; '.join(kinds)} (needed for " +
                                    ", ".join(sorted(needed)[:10]) + (" and more" if len(needed) > 10 else "") + ")" +
                                    "".join(f"; also {what}" for what in found))
         if found:
