@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+import xxhash
 
 import statesnap as ss
 from statesnap.checkpointer import manager
@@ -204,8 +205,10 @@ def test_a_step_of_a_newer_format_is_raised_not_given_up(tmp_path):
             ckpt.save(step, {"model": model, "optim": optim}).wait()
     manifest = tmp_path / "step-2" / MANIFEST_NAME
     doc = json.loads(manifest.read_text())
+    doc.pop("manifest_xxh3")
     doc["version"] = FORMAT_VERSION + 1
-    manifest.write_text(json.dumps(doc))
+    body = json.dumps(doc, separators=(",", ":")).encode()  # signed, as a newer statesnap writes it
+    manifest.write_bytes(b'%s,"manifest_xxh3":%d}' % (body[:-1], xxhash.xxh3_64_intdigest(body)))
     with ss.Checkpointer(tmp_path, **SETTINGS) as restarted, warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(ss.ManifestError, match="newer than this statesnap reads"):

@@ -84,7 +84,11 @@ class Reader:
                                     blob_reader(self.backend, self.path, self.manifest))
             raise NotInCheckpointError(self._unknown(fqn))
         start, size, squeeze = _region(entry.shape, index, fqn)
-        out = torch.empty(size, dtype=entry.dtype)
+        try:
+            out = torch.empty(size, dtype=entry.dtype)
+        except RuntimeError as exc:  # (what the manifest claims may be made up: 2**50 elements)
+            raise CheckpointError(f"{fqn}: cannot allocate the {list(size)} {str(entry.dtype)[6:]} tensor the "
+                                  f"checkpoint {self.path} records ({exc})") from None
         plan = plan_target(entry, BOX, start, size)
         if plan.covered != out.numel():
             raise CorruptCheckpointError(f"{fqn}: the checkpoint {self.path} does not store all of the "
@@ -210,6 +214,8 @@ class Reader:
         reader = None
         try:
             reader = self.backend.open_read(self.backend.join(self.path, name))
+            if nbytes > reader.size() - base:  # (before sizing a buffer by the manifest's word)
+                return f"{fqn} in {name}: file truncated before byte {base + nbytes}"
             sums, pos, chunk = [], 0, block * VERIFY_CHUNK_BLOCKS
             buf = bytearray(min(chunk, nbytes))
             while pos < nbytes or not sums:

@@ -63,12 +63,19 @@ def section_fetcher(backend: StorageBackend, path: str):
         except FileNotFoundError:
             raise MissingFileError(f"manifest section {name} of {path} is missing") from None
         try:
-            buf = bytearray(nbytes)
-            got = reader.readinto(offset, [memoryview(buf)])
-            return bytes(buf[:got])
+            return read_at_most(reader, offset, nbytes)
         finally:
             reader.close()
     return fetch
+
+
+def read_at_most(reader, offset: int, nbytes: int) -> bytes:
+    """Up to ``nbytes`` from ``offset``: fewer where the file ends first. The buffer is sized by
+    what the file holds, never by the manifest's word alone: a damaged or hostile size of 2**50
+    would otherwise be allocated before the first byte is read."""
+    buf = bytearray(max(0, min(nbytes, reader.size() - offset)))
+    got = reader.readinto(offset, [memoryview(buf)]) if buf else 0
+    return bytes(buf[:got])
 
 
 def _what_else(backend: StorageBackend, path: str) -> str:
@@ -97,10 +104,12 @@ def blob_reader(backend: StorageBackend, path: str, manifest: Manifest):
             raise MissingFileError(f"data file {manifest.files[file]} of {path} is missing "
                                    f"(needed for object {fqn!r})") from None
         try:
-            buf = bytearray(nbytes)
-            if reader.readinto(offset, [memoryview(buf)]) != nbytes or checksum_whole(memoryview(buf)) != checksum:
-                raise CorruptCheckpointError(f"object {fqn!r} in {manifest.files[file]} of {path} is damaged")
-            return bytes(buf)
+            data = read_at_most(reader, offset, nbytes)
+            if len(data) != nbytes or checksum_whole(memoryview(data)) != checksum:
+                raise CorruptCheckpointError(f"object {fqn!r} in {manifest.files[file]} of {path} is damaged" +
+                                             (f" (the file ends before its byte {offset + nbytes})"
+                                              if len(data) != nbytes else ""))
+            return data
         finally:
             reader.close()
     return read

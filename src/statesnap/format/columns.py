@@ -17,7 +17,7 @@ from __future__ import annotations
 import base64
 import math
 import zlib
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -67,6 +67,25 @@ def pack(values: np.ndarray, kind: str = "i8", *, delta: bool = False, compress:
         out["zlib"] = True
     out["data"] = base64.b64encode(raw).decode("ascii")
     return out
+
+
+def shape_problem(shape: Sequence[int], itemsize: int) -> str | None:
+    """Why no tensor can have ``shape`` (non-negative integers), or None: more than 2**63 - 1
+    bytes, counting an empty dimension as one. torch computes strides as those products, so a
+    shape such as [0, 2**62, 2**62] holds no bytes and still cannot be made. The product stops
+    at the first factor past the limit: a made-up shape of tens of thousands of dimensions
+    costs a pass over them, not a multiplication of ever larger numbers."""
+    total = itemsize
+    for extent in shape:
+        total *= max(extent, 1)
+        if total > INT64_MAX:
+            return "is too large for a tensor (its extents multiply past 2**63 - 1 bytes)"
+    return None
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    """A shape for a message: in full when short, by its length when not."""
+    return str(list(shape)) if len(shape) <= 8 else f"a shape of {len(shape)} dimensions"
 
 
 def integer(value: Any, low: int = 0, high: int = INT64_MAX) -> int:

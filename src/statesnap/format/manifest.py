@@ -31,7 +31,7 @@ from ..collector import collector_paused
 from ..errors import CorruptCheckpointError, ManifestError, NewerFormatError
 from .checksum import DEFAULT_BLOCK_BYTES
 from .boxes import few_boxes_tile, first_outside, region, tiling_problem
-from .columns import (INT64_MAX, PACK_MIN_PIECES, PACK_ZLIB_MAX_DIMS, UINT64_MAX, InflationBudget, integer,
+from .columns import (shape_problem, shape_text, PACK_MIN_PIECES, PACK_ZLIB_MAX_DIMS, UINT64_MAX, InflationBudget, integer,
                       pack, unpack)
 from .dtypes import dtype_from_name, dtype_name
 from .plain_entries import BOX, FEW_PIECES, FLAT, read_plain_entries
@@ -139,8 +139,9 @@ class TensorEntry:
         except ManifestError as exc:
             raise ManifestError(f"{where}: {exc}") from None
         shape = _field(data, "shape", where, lambda v: tuple(integer(s) for s in v))
-        if math.prod(shape) * dtype.itemsize > INT64_MAX:
-            raise ManifestError(f"{where} has malformed field 'shape' ({list(shape)} holds more than 2**63 - 1 bytes)")
+        problem = shape_problem(shape, dtype.itemsize)
+        if problem:
+            raise ManifestError(f"{where} has malformed field 'shape' ({shape_text(shape)} {problem})")
         layout = data.get("layout")
         if layout not in (BOX, FLAT):
             raise ManifestError(f"{where}: unknown layout {layout!r}")
@@ -417,7 +418,8 @@ class Manifest:
             raw = raw.encode() if isinstance(raw, str) else bytes(raw)
         try:
             doc = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # recursion: absurd nesting
+        except (ValueError, RecursionError) as exc:  # recursion: absurd nesting; ValueError: bad UTF-8 or
+            # JSON, or an integer literal longer than Python converts (4,300 digits)
             raise ManifestError(f"{where} is not valid JSON ({exc}); the checkpoint is damaged or not "
                                 "a statesnap checkpoint") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
@@ -425,10 +427,15 @@ class Manifest:
         version = doc.get("version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise ManifestError(f"{where} has an invalid format version {version!r}")
-        if version > FORMAT_VERSION:
-            raise NewerFormatError(f"{where} has format version {version}, newer than this statesnap "
-                                f"reads ({FORMAT_VERSION}); upgrade statesnap to load it")
         damage = _self_check(raw, doc, where)
+        if version > FORMAT_VERSION:
+            if damage is not None:  # one flipped bit turns version 1 into 3: damage, not a newer writer
+                raise CorruptCheckpointError(
+                    f"{where} fails its own checksum ({damage}) and records format version {version}, "
+                    f"newer than this statesnap reads ({FORMAT_VERSION}): it is damaged (or was "
+                    "written by a newer statesnap and then edited); load another checkpoint")
+            raise NewerFormatError(f"{where} has format version {version}, newer than this statesnap "
+                                   f"reads ({FORMAT_VERSION}); upgrade statesnap to load it")
         try:
             manifest = cls._from_doc(doc, version, where, InflationBudget(len(raw)), fetch)
         except ManifestError as exc:

@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from .columns import INT64_MAX, UINT64_MAX
+from .columns import INT64_MAX, UINT64_MAX, shape_problem
 from .dtypes import NAME_TO_DTYPE
 
 FEW_PIECES = 8  # entries with more pieces are left to the general reader
@@ -71,9 +71,9 @@ def _unpacked(data, most: int) -> tuple | None:
         return None
     if type(shape) is not list or {*map(type, shape)} - _INT or (shape and (min(shape) < 0 or max(shape) > INT64_MAX)):
         return None
-    total = math.prod(shape)
-    if total * dtype.itemsize > INT64_MAX or layout not in (BOX, FLAT) or {*map(type, columns)} != _LIST:
+    if shape_problem(shape, dtype.itemsize) or layout not in (BOX, FLAT) or {*map(type, columns)} != _LIST:
         return None
+    total = math.prod(shape)
     file, offset, nbytes, start, size, sums = columns
     n, dims, boxes = len(file), len(shape) if layout == BOX else 1, (*start, *size)
     if (not 0 < n <= most or {*map(len, columns)} != {n} or {*map(type, boxes)} != _LIST

@@ -30,7 +30,7 @@ import xxhash
 
 from ..errors import CorruptCheckpointError, ManifestError
 from .boxes import region, tiling_problem
-from .columns import INFLATE_RATIO, INT64_MAX, InflationBudget, integer
+from .columns import INFLATE_RATIO, INT64_MAX, InflationBudget, integer, shape_problem, shape_text
 from .dtypes import dtype_from_name, dtype_name
 
 CHUNK_PIECES = 32
@@ -199,7 +199,7 @@ def unpack_json(value, budget: InflationBudget, where: str):
             raise ValueError("the zlib stream is cut short or inflates past the manifest's budget")
         budget.take(len(data), where)
         return json.loads(data)
-    except (ValueError, zlib.error, TypeError) as exc:
+    except (ValueError, zlib.error, TypeError, RecursionError) as exc:  # (recursion: absurd nesting)
         raise ValueError(f"malformed packed value ({exc})") from None
 
 
@@ -221,6 +221,9 @@ def parse_rows(value, sections: Sequence[int], world_size: int) -> dict[str, Ten
             raise ValueError(f"tensor {fqn!r}: its head lies outside its section or has too many chunks")
         if dtype not in dtypes:
             dtypes[dtype] = dtype_from_name(dtype)
+        problem = shape_problem(shape, dtypes[dtype].itemsize)
+        if problem:
+            raise ValueError(f"tensor {fqn!r}: {shape_text(shape)} {problem}")
         rows[fqn] = TensorRow(dtypes[dtype], tuple(shape), layout, section, offset, nbytes, chunks)
     return rows
 

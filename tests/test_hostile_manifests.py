@@ -1,0 +1,142 @@
+"""Manifests a hostile (or thoroughly unlucky) writer made: every check passes that a writer can
+recompute, so the self-checksum holds, and what the fields claim must still never size an
+allocation, overflow a computation, take time out of proportion to the manifest, or escape as
+anything but a CheckpointError. Found by an audit that fuzzed every field."""
+from __future__ import annotations
+
+import base64
+import importlib
+import json
+import zlib
+
+import pytest
+import torch
+import xxhash
+
+import statesnap as ss
+from statesnap.errors import CorruptCheckpointError, ManifestError, NewerFormatError
+from statesnap.format.manifest import MANIFEST_NAME
+
+save_module = importlib.import_module("statesnap.engine.save")
+HUGE = 1 << 50  # a petabyte: what no test machine can allocate
+
+
+def _checkpoint(path) -> dict:
+    state = {"w": torch.arange(12.0).reshape(3, 4)}
+    ss.save(state, path)
+    return {"w": torch.zeros(3, 4)}
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path):
+    return tmp_path / "c"
+
+
+def _rewrite(path, change) -> None:
+    """Edit the manifest and sign it again, as a writer can."""
+    doc = json.loads((path / MANIFEST_NAME).read_bytes())
+    doc.pop("manifest_xxh3")
+    change(doc)
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    (path / MANIFEST_NAME).write_bytes(b'%s,"manifest_xxh3":%d}' % (body[:-1], xxhash.xxh3_64_intdigest(body)))
+
+
+def test_a_flipped_bit_in_the_version_is_damage_and_load_latest_falls_back(tmp_path):
+    """"version":1 -> "version":3 is one bit: not a newer format (its checksum fails), so a
+    restart loads the step before instead of stopping with "upgrade statesnap"."""
+    model = torch.nn.Linear(4, 3)
+    ckpt = ss.Checkpointer(tmp_path, keep_last=2)
+    for step in (1, 2):
+        ckpt.save(step, {"model": model}).wait()
+    ckpt.close()
+    where = tmp_path / "step-2" / MANIFEST_NAME
+    raw = where.read_bytes()
+    version = raw.index(b'"version":') + len(b'"version":')
+    where.write_bytes(raw[:version] + bytes([raw[version] | 0x02]) + raw[version + 1:])
+    with pytest.raises(CorruptCheckpointError, match="fails its own checksum .* newer than this statesnap"):
+        ss.open(tmp_path / "step-2")
+    with pytest.warns(RuntimeWarning, match="step 2 could not be restored"):
+        assert ss.Checkpointer(tmp_path).load_latest({"model": torch.nn.Linear(4, 3)}) == 1
+
+
+def test_a_signed_newer_version_still_asks_for_an_upgrade(ckpt_dir):
+    _checkpoint(ckpt_dir)
+    _rewrite(ckpt_dir, lambda doc: doc.update(version=99))
+    with pytest.raises(NewerFormatError, match="upgrade statesnap"):
+        ss.open(ckpt_dir)
+
+
+def test_a_pickle_reference_past_the_real_file_allocates_nothing(ckpt_dir):
+    _checkpoint(ckpt_dir)
+
+    def claim(doc):
+        doc["file_sizes"][0] = HUGE + 4096
+        doc["objects"]["blob"] = {"pickle": [0, 0, HUGE, 0]}
+    _rewrite(ckpt_dir, claim)
+    with pytest.raises(CorruptCheckpointError, match=r"object 'blob' in data-.*the file ends before"):
+        ss.open(ckpt_dir).verify()
+    with pytest.raises(CorruptCheckpointError, match="object 'blob'"):
+        ss.load({"blob": None}, ckpt_dir, allow_pickle=True, partial=True)
+
+
+def test_verify_sizes_no_buffer_by_a_made_up_block_or_piece(ckpt_dir):
+    _checkpoint(ckpt_dir)
+
+    def claim(doc):
+        doc["block_bytes"] = 1 << 60
+        doc["file_sizes"][0] = HUGE
+        doc["tensors"]["big"] = {"dtype": "uint8", "shape": [HUGE], "layout": "box", "file": [0], "offset": [0],
+                                 "nbytes": [HUGE], "start": [[0]], "size": [[HUGE]], "checksum": [0]}
+    _rewrite(ckpt_dir, claim)
+    with pytest.raises(CorruptCheckpointError, match="big in data-.*: file truncated before byte"):
+        ss.open(ckpt_dir).verify()
+    with pytest.raises(ss.CheckpointError, match="big: cannot allocate"):
+        ss.open(ckpt_dir).read("big")
+
+
+@pytest.mark.parametrize("shape", [[0, 1 << 62, 1 << 62], [1] * 80_000 + [1 << 62, 4]])
+def test_shapes_no_tensor_can_have_are_refused_briefly(ckpt_dir, shape):
+    """An empty shape whose strides overflow, and one of 80,000 dimensions (its product used to
+    be computed on ever larger integers, for seconds): refused, in a message of sensible length."""
+    _checkpoint(ckpt_dir)
+    _rewrite(ckpt_dir, lambda doc: doc["tensors"]["w"].update(shape=shape, size=[shape]))
+    with pytest.raises(ManifestError, match="'w' has malformed field 'shape'.* too large for a tensor") as caught:
+        ss.open(ckpt_dir)
+    assert len(str(caught.value)) < 500
+
+
+def test_an_integer_literal_longer_than_python_converts_is_a_manifest_error(ckpt_dir):
+    target = _checkpoint(ckpt_dir)
+    raw = (ckpt_dir / MANIFEST_NAME).read_bytes()
+    (ckpt_dir / MANIFEST_NAME).write_bytes(raw.replace(b'"world_size":1', b'"world_size":' + b"9" * 5000))
+    with pytest.raises(ManifestError, match="is not valid JSON"):
+        ss.load(target, ckpt_dir)
+
+
+def _split_checkpoint(path, monkeypatch) -> dict:
+    monkeypatch.setattr(save_module, "SPLIT_MIN_RANKS", 1)  # the split manifest of a large job
+    target = _checkpoint(path)
+    assert json.loads((path / MANIFEST_NAME).read_bytes())["version"] == 2
+    return target
+
+
+def test_a_packed_value_that_inflates_to_absurd_nesting_is_a_manifest_error(ckpt_dir, monkeypatch):
+    target = _split_checkpoint(ckpt_dir, monkeypatch)
+    bomb = base64.b64encode(zlib.compress(b"[" * 20_000 + b"]" * 20_000, 9)).decode()
+    _rewrite(ckpt_dir, lambda doc: doc.update(tensors={"zjson": bomb}, meta={"pad": "x" * 3000}))
+    for attempt in (lambda: ss.open(ckpt_dir), lambda: ss.load(target, ckpt_dir)):
+        with pytest.raises(ManifestError, match="malformed field 'tensors'.*recursion"):
+            attempt()
+
+
+def test_a_split_row_no_tensor_can_have_is_refused(ckpt_dir, monkeypatch):
+    target = _split_checkpoint(ckpt_dir, monkeypatch)
+
+    def claim(doc):
+        rows = json.loads(zlib.decompress(base64.b64decode(doc["tensors"]["zjson"]))) \
+            if isinstance(doc["tensors"], dict) else doc["tensors"]
+        rows[0][2] = [1 << 62, 4]
+        doc["tensors"] = rows
+    _rewrite(ckpt_dir, claim)
+    with pytest.raises(ManifestError, match="too large for a tensor"):
+        ss.load(target, ckpt_dir)
