@@ -140,3 +140,14 @@ def test_a_split_row_no_tensor_can_have_is_refused(ckpt_dir, monkeypatch):
     _rewrite(ckpt_dir, claim)
     with pytest.raises(ManifestError, match="too large for a tensor"):
         ss.load(target, ckpt_dir)
+
+
+def test_a_file_table_naming_one_file_twice_is_refused(ckpt_dir):
+    _checkpoint(ckpt_dir)
+
+    def twice(doc):
+        doc["files"].append(doc["files"][0])
+        doc["file_sizes"].append(1_000_000)
+    _rewrite(ckpt_dir, twice)
+    with pytest.raises(ManifestError, match="malformed field 'files'.*named twice"):
+        ss.open(ckpt_dir)

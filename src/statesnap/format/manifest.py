@@ -535,6 +535,8 @@ def _field(doc: dict, name: str, where: str, convert: Callable[[Any], Any]) -> A
 def _names(value: Any) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
         raise TypeError("a list of file names is expected")
+    if len(set(value)) != len(value):  # one file under two indices: its size recorded twice, maybe differently
+        raise TypeError("a file is named twice")
     return value
 
 
