@@ -122,8 +122,10 @@ def test_a_write_that_fails_after_a_take_over_names_the_take_over(tmp_path):
         backend.write_bytes(manifest, b"{}", False)
     new_claim = FlockClaim(str(tmp_path), take_over=True)
     with pytest.raises(RootBusyError, match=f"{tmp_path} was taken over by pid {os.getpid()}") as caught:
-        backend.write_bytes(manifest, b"{}", False)
+        backend.open_write(str(tmp_path / ".step-5.tmp-gone" / "data.bin"))
     assert isinstance(caught.value.__cause__, FileNotFoundError)
+    with pytest.raises(RootBusyError, match="taken over"):  # a manifest's write reads the claim first
+        backend.write_bytes(manifest, b"{}", False)
     with pytest.raises(FileNotFoundError):  # a read's missing file is an answer, not a failure
         backend.read_bytes(manifest)
     assert backend.join("a", "b") == LocalBackend().join("a", "b")  # what succeeds passes through
@@ -392,3 +394,67 @@ def test_retention_cut_short_leaves_no_visible_partial_checkpoint(tmp_path, monk
     ss.Checkpointer(tmp_path, host_memory_gb=0.05).close()  # the next start removes the remains
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".step-")]
     assert torch.equal(ss.open(tmp_path / "step-2").read("t"), _state(2)["t"])
+
+
+def test_the_old_owner_s_failed_commit_after_a_take_over_is_a_root_busy_error(tmp_path):
+    old = ss.Checkpointer(tmp_path, host_memory_gb=0.05)
+    old.save(1, _state(1)).wait()
+    new = ss.Checkpointer(tmp_path, host_memory_gb=0.05, take_over=True)
+    with pytest.raises(RootBusyError, match="taken over"):
+        old.save(2, _state(2)).wait()
+    new.close()
+    old.close()
+
+
+def test_a_refused_checkpointer_leaves_the_holder_s_node_local_save_in_flight(tmp_path, monkeypatch):
+    """The node-local level's leftovers are cleared only once the roots are claimed: a job
+    refused them used to delete the holder's staging directory of the step it was writing."""
+    from statesnap.storage import local as local_storage
+
+    root, local_root = tmp_path / "root", tmp_path / "local"
+    real, entered, release = local_storage._LocalWriter.pwrite, threading.Event(), threading.Event()
+
+    def held_local_write(self, offset, views):
+        if self.path.startswith(str(local_root)):
+            entered.set()
+            release.wait(30)
+        return real(self, offset, views)
+    monkeypatch.setattr(local_storage._LocalWriter, "pwrite", held_local_write)
+    holder = ss.Checkpointer(root, local_root=local_root, host_memory_gb=0.05)
+    handle = holder.save(1, _state(1))
+    assert entered.wait(30)
+    staging = sorted(os.listdir(local_root))
+    assert staging and staging[0].startswith(".step-1.tmp-")
+    with pytest.raises(RootBusyError):
+        ss.Checkpointer(root, local_root=local_root, host_memory_gb=0.05)
+    assert sorted(os.listdir(local_root)) == staging
+    release.set()
+    handle.wait(timeout=60)
+    holder.close()
+    assert "step-1" in os.listdir(local_root)
+    assert torch.equal(ss.open(local_root / "step-1").read("t"), _state(1)["t"])
+
+
+def test_on_an_object_store_the_old_owner_writes_no_manifest_after_a_take_over():
+    """There the manifest's write is the commit: the claim is read before it, so the old owner
+    neither replaces the new owner's step of the same number nor leaves a manifest without data
+    that the new owner's retention would count as a checkpoint."""
+    import uuid
+
+    import fsspec
+
+    root = f"memory://take-over-{uuid.uuid4().hex[:8]}"
+    fs = fsspec.filesystem("memory")
+    old = ss.Checkpointer(root, host_memory_gb=0.05, keep_last=3)
+    old.save(1, _state(1)).wait()
+    new = ss.Checkpointer(root, host_memory_gb=0.05, keep_last=3, take_over=True)
+    new.save(2, _state(102)).wait()
+    new.save(3, _state(103)).wait()
+    for step in (3, 20):
+        with pytest.raises(RootBusyError):
+            old.save(step, _state(step)).wait()
+    assert not fs.find(f"{root[len('memory://'):]}/step-20")  # (files: the memory store keeps empty folders)
+    assert torch.equal(ss.open(f"{root}/step-3").read("t"), _state(103)["t"])
+    new.close()
+    old.close()
+    fs.rm(root[len("memory://"):], recursive=True)

@@ -100,6 +100,10 @@ class Checkpointer:
             if self._group is not None:
                 dist.destroy_process_group(self._group)
             raise
+        if self.local is not None and self._local_leader:
+            # only once the roots are this job's: a job refused them must not delete the saves
+            # in flight of the job that holds them
+            self.local.remove_leftovers()
         # the event log lives in the root; while that is out, in the node-local one
         events_level = self.persistent if self.persistent.unreachable is None else self.local
         events_path = None
@@ -472,7 +476,8 @@ class Checkpointer:
 
     def _start_local_level(self) -> None:
         """Learn which node every rank is on, make the group the node-local level talks on, and
-        let each node's leader clear what crashed saves left in its node's level."""
+        note whether this rank is its node's leader (who clears what crashed saves left in the
+        node's level, once the roots are claimed)."""
         cfg = self.config
         topology = Topology(self._comm.all_gather(cfg.node_id), self.rank)
         if cfg.peer_replicas and len(set(topology.nodes)) < 2:
@@ -480,8 +485,7 @@ class Checkpointer:
                                   f"rank is on node {cfg.node_id} (set GROUP_RANK or node_id=)")
         self._local_group, comm = self._side_comm(f"node-local checkpoints under {self.local.root}")
         self._recovery = LocalRecovery(self.local, comm, topology, cfg.durable)
-        if topology.is_leader:
-            self.local.remove_leftovers()
+        self._local_leader = topology.is_leader
 
     def _side_comm(self, what: str) -> tuple:
         """A group of the Checkpointer's ranks for one background stage alone (None on one rank)

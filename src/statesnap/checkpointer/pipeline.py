@@ -404,6 +404,8 @@ class Flusher(_Stage):
             raise
         if error is not None:
             raise error
+        if isinstance(result, CheckpointError):  # a lost claim keeps its type (engine/save.py)
+            raise result
         if not isinstance(result, int):
             raise CheckpointError(result or f"checkpoint {snap.path} was not committed")
         return result

@@ -18,6 +18,7 @@ from typing import Any, Callable, ContextManager
 import numpy as np
 
 from ..errors import CheckpointError, CheckpointExistsError
+from ..storage.lock import RootBusyError
 from ..format.checksum import DEFAULT_BLOCK_BYTES, checksum_whole
 from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry
@@ -280,6 +281,8 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
         raise
     if error is not None:
         raise error if isinstance(error, CheckpointError) else CheckpointError(f"save to {path} failed: {error}") from error
+    if isinstance(result, CheckpointError):
+        raise result
     if isinstance(result, str):
         raise CheckpointError(result)
     return SaveInfo(path, result, time.perf_counter() - started)
@@ -458,5 +461,7 @@ def commit_manifest(backend, path, staging, outputs, overwrite, durable,
         backend.commit(staging, path, overwrite, durable, keep=[*manifest.files, MANIFEST_NAME])
     except Exception as exc:
         backend.abort(staging, path, written)
+        if isinstance(exc, RootBusyError):  # the root was taken over: callers catch this type
+            return exc
         return f"committing {path} failed: {type(exc).__name__}: {exc}"
     return manifest.total_bytes

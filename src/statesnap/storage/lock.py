@@ -370,8 +370,10 @@ class ClaimedBackend:
     the take-over, and that is what it reports. Reads pass through untouched: a missing file is
     an answer there, not a failure."""
 
-    _CHECKED_FIRST = frozenset({"commit", "remove", "retire", "recover"})
-    _EXPLAINED = _CHECKED_FIRST | {"write_bytes", "open_write", "begin", "abort"}
+    # write_bytes: on an object store a save writes its manifest in place, and that write is the
+    # commit; checked after it, a lost claim would leave the old owner's manifest over the new one's
+    _CHECKED_FIRST = frozenset({"commit", "remove", "retire", "recover", "write_bytes"})
+    _EXPLAINED = _CHECKED_FIRST | {"open_write", "begin", "abort"}
 
     def __init__(self, backend: StorageBackend, claim: RootClaim):
         self._backend, self.claim = backend, claim
