@@ -334,8 +334,8 @@ BIG = 1 << 63
 
 @pytest.mark.parametrize("change, words", [
     (lambda d: d["tensors"]["w"].update(shape=[BIG, 4]), r"tensor 'w' has malformed field 'shape'"),
-    (lambda d: d["tensors"]["w"].update(shape=[1 << 62, 4]), r"'shape' .* too large for a tensor \(its extents multiply past 2\*\*63 - 1 bytes"),
-    (lambda d: d["tensors"]["w"].update(shape=[1 << 31] * 3), r"'shape' .* too large for a tensor \(its extents multiply past 2\*\*63 - 1 bytes"),
+    (lambda d: d["tensors"]["w"].update(shape=[1 << 62, 4]), r"'shape' .* too large for a tensor \(it holds more than 2\*\*63 - 1 bytes"),
+    (lambda d: d["tensors"]["w"].update(shape=[1 << 31] * 3), r"'shape' .* too large for a tensor \(it holds more than 2\*\*63 - 1 bytes"),
     (lambda d: d["tensors"]["w"].update(shape=[-1, 4]), r"'w' has malformed field 'shape'"),
     (lambda d: d.update(block_bytes=BIG), "malformed field 'block_bytes'"),
     (lambda d: d.update(block_bytes=1 << 64), "malformed field 'block_bytes'"),

@@ -94,6 +94,26 @@ def test_verify_sizes_no_buffer_by_a_made_up_block_or_piece(ckpt_dir):
         ss.open(ckpt_dir).read("big")
 
 
+def test_empty_tensors_with_large_extents_round_trip(ckpt_dir):
+    """Shapes torch makes (strides within 64 bits) are not refused for holding no bytes."""
+    state = {"a": torch.empty((0, 1 << 31, 1 << 31)), "b": torch.empty((1 << 40, 0, 1 << 40), dtype=torch.uint8)}
+    ss.save(state, ckpt_dir)
+    target = {"a": torch.empty((0, 1 << 31, 1 << 31)), "b": torch.empty((1 << 40, 0, 1 << 40), dtype=torch.uint8)}
+    ss.load(target, ckpt_dir)
+    assert target["a"].shape == state["a"].shape and target["b"].shape == state["b"].shape
+
+
+def test_an_unsigned_edit_of_the_version_still_asks_for_an_upgrade(ckpt_dir):
+    """Only a manifest that passes its checksum once a version of ours is put back is damage: a
+    newer format might checksum itself otherwise (here: the checksum field moved)."""
+    _checkpoint(ckpt_dir)
+    doc = json.loads((ckpt_dir / MANIFEST_NAME).read_bytes())
+    doc["version"] = 7
+    (ckpt_dir / MANIFEST_NAME).write_text(json.dumps(doc))
+    with pytest.raises(NewerFormatError, match="upgrade statesnap"):
+        ss.open(ckpt_dir)
+
+
 @pytest.mark.parametrize("shape", [[0, 1 << 62, 1 << 62], [1] * 80_000 + [1 << 62, 4]])
 def test_shapes_no_tensor_can_have_are_refused_briefly(ckpt_dir, shape):
     """An empty shape whose strides overflow, and one of 80,000 dimensions (its product used to

@@ -458,3 +458,11 @@ def test_on_an_object_store_the_old_owner_writes_no_manifest_after_a_take_over()
     new.close()
     old.close()
     fs.rm(root[len("memory://"):], recursive=True)
+
+
+def test_a_start_that_fails_clearing_the_node_local_level_releases_the_root(tmp_path):
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("x")
+    with pytest.raises(ss.CheckpointError):
+        ss.Checkpointer(tmp_path / "root", local_root=not_a_directory)
+    ss.Checkpointer(tmp_path / "root").close()  # the failed start kept no claim

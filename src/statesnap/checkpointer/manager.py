@@ -100,10 +100,8 @@ class Checkpointer:
             if self._group is not None:
                 dist.destroy_process_group(self._group)
             raise
-        if self.local is not None and self._local_leader:
-            # only once the roots are this job's: a job refused them must not delete the saves
-            # in flight of the job that holds them
-            self.local.remove_leftovers()
+        if self.local is not None:
+            self._clear_local_leftovers()
         # the event log lives in the root; while that is out, in the node-local one
         events_level = self.persistent if self.persistent.unreachable is None else self.local
         events_path = None
@@ -473,6 +471,25 @@ class Checkpointer:
         log.warning("statesnap: step %d stays in memory and the node-local level: the %s level is unreachable (%s)",
                     step, level.name, outage)
         return False
+
+    def _clear_local_leftovers(self) -> None:
+        """Each node's leader clears what crashed saves left in its node-local level, only once
+        the roots are this job's (a job refused them must not delete the holder's saves in
+        flight), and every rank of the node waits for it: one listing the level meanwhile would
+        see it half cleared. A failure is raised on every rank, with the roots released."""
+        error = None
+        if self._local_leader:
+            try:
+                self.local.remove_leftovers()
+            except Exception as exc:  # noqa: BLE001 (raised below, on every rank of the node)
+                error = exc
+        try:
+            self._recovery.comm.agree(error, f"clearing the node-local level {self.local.root}")
+        except BaseException:
+            self._release_roots()
+            if self._group is not None:
+                dist.destroy_process_group(self._group)
+            raise
 
     def _start_local_level(self) -> None:
         """Learn which node every rank is on, make the group the node-local level talks on, and

@@ -55,7 +55,7 @@ def _populate(buffer: torch.Tensor) -> None:
     range in, and any ``mmap``/``munmap`` of the training thread (a large tensor allocated or
     freed) waits behind it. On this project's VM, where memory the guest touches first is slow
     to come (0.14-0.56 s for 370 MB), one call for the whole arena held the forward pass after
-    the first save up for 0.8 s; in 2 MiB calls it lost 25-60 ms (docs/benchmarks.md). The
+    the first save up for 0.8 s; in 2 MiB calls it lost 25-70 ms (docs/benchmarks.md). The
     thread holds ``buffer`` so the memory stays mapped until it is done. ctypes releases the GIL
     for each call; an older kernel refuses the first one, harmlessly."""
     try:

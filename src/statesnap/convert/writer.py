@@ -104,6 +104,8 @@ def write_checkpoint(values: dict[str, Any], dst, *, meta: dict, overwrite: bool
         raise
     result = commit_or_abort(backend, path, staging, plan, [(out, None) for out in outputs], 1, overwrite,
                              durable, block_bytes, meta)
+    if isinstance(result, CheckpointError):
+        raise result
     if isinstance(result, str):
         raise CheckpointError(result)
     return SaveInfo(path, result, time.perf_counter() - started)

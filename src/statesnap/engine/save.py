@@ -432,7 +432,7 @@ def open_staging(backend: StorageBackend, path: str, overwrite: bool) -> tuple[s
 
 def commit_or_abort(backend, path, staging, plan, outputs, world_size, overwrite, durable, block_bytes, meta) -> Any:
     """On rank 0: write the manifest of a whole-job ``plan`` and commit, or abort; return total
-    bytes or an error text."""
+    bytes, or an error text (a RootBusyError when the root was taken over)."""
     def whole(outs: list[RankOutput]) -> tuple[Manifest, bytes]:
         manifest = build_manifest(plan, outs, world_size, block_bytes, meta)
         return manifest, manifest.to_bytes()
@@ -443,7 +443,7 @@ def commit_manifest(backend, path, staging, outputs, overwrite, durable,
                     build: Callable[[list[RankOutput]], tuple[Manifest, bytes]],
                     differing: dict[str, list[str]] | None = None) -> Any:
     """On rank 0: write the manifest ``build`` makes of the ranks' outputs (and its bytes) and
-    commit, or abort; return total bytes or an error text. ``differing``: replicas whose holders
+    commit, or abort; return total bytes, an error text, or the RootBusyError of a lost claim. ``differing``: replicas whose holders
     differ, as the tensors' owners found them (none where no replicas were hashed)."""
     failures = [f"rank {r}: {err}" for r, (_, err) in enumerate(outputs) if err is not None]
     written = [name for out, _ in outputs if out is not None

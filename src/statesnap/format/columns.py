@@ -70,16 +70,19 @@ def pack(values: np.ndarray, kind: str = "i8", *, delta: bool = False, compress:
 
 
 def shape_problem(shape: Sequence[int], itemsize: int) -> str | None:
-    """Why no tensor can have ``shape`` (non-negative integers), or None: more than 2**63 - 1
-    bytes, counting an empty dimension as one. torch computes strides as those products, so a
-    shape such as [0, 2**62, 2**62] holds no bytes and still cannot be made. The product stops
-    at the first factor past the limit: a made-up shape of tens of thousands of dimensions
-    costs a pass over them, not a multiplication of ever larger numbers."""
-    total = itemsize
-    for extent in shape:
-        total *= max(extent, 1)
-        if total > INT64_MAX:
-            return "is too large for a tensor (its extents multiply past 2**63 - 1 bytes)"
+    """Why no tensor can have ``shape`` (non-negative integers), or None: torch's limits. Its
+    strides (in elements: the product of the extents after the first, an empty one counted as
+    one) must fit 64 bits, so [0, 2**62, 2**62] holds no bytes and still cannot be made; a tensor
+    with elements must hold at most 2**63 - 1 bytes. The product stops at the first factor past
+    the limit: a made-up shape of tens of thousands of dimensions costs a pass over them, not a
+    multiplication of ever larger numbers."""
+    strides = 1
+    for extent in shape[1:]:
+        strides *= max(extent, 1)
+        if strides > INT64_MAX:
+            return "is too large for a tensor (its strides pass 2**63 - 1 elements)"
+    if shape and 0 not in shape and shape[0] * strides * itemsize > INT64_MAX:
+        return "is too large for a tensor (it holds more than 2**63 - 1 bytes)"
     return None
 
 

@@ -103,8 +103,8 @@ def _save_as_ranks(states: list[dict], path: str) -> None:
         outputs.append((write_rank(backend, staging, token, rank, plan, tensors, entries, blobs, names, False, 1,
                                    BLOCK), None))
     result = commit_or_abort(backend, path, staging, plan, outputs, len(states), False, False, BLOCK, {"chaos": 1})
-    if isinstance(result, str):
-        raise RuntimeError(result)
+    if not isinstance(result, int):
+        raise RuntimeError(str(result))
 
 
 def build(spec: dict) -> dict:
