@@ -19,7 +19,7 @@ from typing import Any
 
 from ..engine.dist import Comm
 from ..engine.replicas import REPLICA_CHECK_MB, hash_tensors, limit_bytes, replicas_to_check
-from ..engine.save import RankOutput, commit_by_owners, data_file_name, open_staging, own_objects
+from ..engine.save import RankOutput, commit_by_owners, committed_bytes, data_file_name, open_staging, own_objects
 from ..errors import CheckpointError
 from ..format.checksum import checksum_blocks, checksum_whole
 from ..format.manifest import BOX, ObjectEntry
@@ -404,11 +404,7 @@ class Flusher(_Stage):
             raise
         if error is not None:
             raise error
-        if isinstance(result, CheckpointError):  # a lost claim keeps its type (engine/save.py)
-            raise result
-        if not isinstance(result, int):
-            raise CheckpointError(result or f"checkpoint {snap.path} was not committed")
-        return result
+        return committed_bytes(result, snap.path)
 
     def _drain(self, snap: Snapshot) -> None:
         """Wait for every copy of ``snap`` and free streaming regions not freed by a write."""

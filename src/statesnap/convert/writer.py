@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from ..engine.buffers import byte_view, host_contiguous
-from ..engine.save import (RankOutput, SaveInfo, commit_or_abort, data_file_name, encode_objects, open_staging,
-                           own_objects, per_rank_names, shared_names)
+from ..engine.save import (RankOutput, SaveInfo, commit_or_abort, committed_bytes, data_file_name, encode_objects,
+                           open_staging, own_objects, per_rank_names, shared_names)
 from ..engine.write import default_threads, write_file
 from ..errors import CheckpointError, CheckpointExistsError
 from ..format.checksum import DEFAULT_BLOCK_BYTES, checksum_blocks, checksum_whole
@@ -104,11 +104,7 @@ def write_checkpoint(values: dict[str, Any], dst, *, meta: dict, overwrite: bool
         raise
     result = commit_or_abort(backend, path, staging, plan, [(out, None) for out in outputs], 1, overwrite,
                              durable, block_bytes, meta)
-    if isinstance(result, CheckpointError):
-        raise result
-    if isinstance(result, str):
-        raise CheckpointError(result)
-    return SaveInfo(path, result, time.perf_counter() - started)
+    return SaveInfo(path, committed_bytes(result, path), time.perf_counter() - started)
 
 
 def _meta(name: str, value: Any) -> ItemMeta:

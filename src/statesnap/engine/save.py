@@ -18,7 +18,6 @@ from typing import Any, Callable, ContextManager
 import numpy as np
 
 from ..errors import CheckpointError, CheckpointExistsError
-from ..storage.lock import RootBusyError
 from ..format.checksum import DEFAULT_BLOCK_BYTES, checksum_whole
 from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry
@@ -30,6 +29,7 @@ from ..state.flatten import flatten_for_save
 from ..state.items import Flattened
 from ..storage import backend_for, normalize
 from ..storage.base import StorageBackend
+from ..storage.lock import RootBusyError
 from .buffers import byte_view, host_contiguous
 from .dist import DEFAULT_TIMEOUT_S, Comm, PeerLostError
 from .exchange import all_to_all
@@ -281,11 +281,7 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
         raise
     if error is not None:
         raise error if isinstance(error, CheckpointError) else CheckpointError(f"save to {path} failed: {error}") from error
-    if isinstance(result, CheckpointError):
-        raise result
-    if isinstance(result, str):
-        raise CheckpointError(result)
-    return SaveInfo(path, result, time.perf_counter() - started)
+    return SaveInfo(path, committed_bytes(result, path), time.perf_counter() - started)
 
 
 def write_section(backend: StorageBackend, staging: str, token: str, rank: int, entries: dict[str, TensorEntry],
@@ -431,8 +427,8 @@ def open_staging(backend: StorageBackend, path: str, overwrite: bool) -> tuple[s
 
 
 def commit_or_abort(backend, path, staging, plan, outputs, world_size, overwrite, durable, block_bytes, meta) -> Any:
-    """On rank 0: write the manifest of a whole-job ``plan`` and commit, or abort; return total
-    bytes, or an error text (a RootBusyError when the root was taken over)."""
+    """On rank 0: write the manifest of a whole-job ``plan`` and commit, or abort; return what
+    ``commit_manifest`` does."""
     def whole(outs: list[RankOutput]) -> tuple[Manifest, bytes]:
         manifest = build_manifest(plan, outs, world_size, block_bytes, meta)
         return manifest, manifest.to_bytes()
@@ -443,8 +439,9 @@ def commit_manifest(backend, path, staging, outputs, overwrite, durable,
                     build: Callable[[list[RankOutput]], tuple[Manifest, bytes]],
                     differing: dict[str, list[str]] | None = None) -> Any:
     """On rank 0: write the manifest ``build`` makes of the ranks' outputs (and its bytes) and
-    commit, or abort; return total bytes, an error text, or the RootBusyError of a lost claim. ``differing``: replicas whose holders
-    differ, as the tensors' owners found them (none where no replicas were hashed)."""
+    commit, or abort. Returns, for rank 0 to broadcast, the total bytes, an error text, or the
+    RootBusyError of a lost claim (see ``committed_bytes``). ``differing``: replicas whose
+    holders differ, as the tensors' owners found them (none where no replicas were hashed)."""
     failures = [f"rank {r}: {err}" for r, (_, err) in enumerate(outputs) if err is not None]
     written = [name for out, _ in outputs if out is not None
                for name in (out.file, out.section and out.section[0]) if name]
@@ -465,3 +462,13 @@ def commit_manifest(backend, path, staging, outputs, overwrite, durable,
             return exc
         return f"committing {path} failed: {type(exc).__name__}: {exc}"
     return manifest.total_bytes
+
+
+def committed_bytes(result: Any, path: str) -> int:
+    """The bytes a commit wrote, from what ``commit_manifest`` returned; its failure raised: a
+    lost claim as the ``RootBusyError`` it is (callers catch that type), any other as text."""
+    if isinstance(result, CheckpointError):
+        raise result
+    if not isinstance(result, int):
+        raise CheckpointError(result or f"checkpoint {path} was not committed")
+    return result

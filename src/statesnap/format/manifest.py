@@ -31,8 +31,8 @@ from ..collector import collector_paused
 from ..errors import CorruptCheckpointError, ManifestError, NewerFormatError
 from .checksum import DEFAULT_BLOCK_BYTES
 from .boxes import few_boxes_tile, first_outside, region, tiling_problem
-from .columns import (shape_problem, shape_text, PACK_MIN_PIECES, PACK_ZLIB_MAX_DIMS, UINT64_MAX, InflationBudget, integer,
-                      pack, unpack)
+from .columns import (PACK_MIN_PIECES, PACK_ZLIB_MAX_DIMS, UINT64_MAX, InflationBudget, integer, pack,
+                      shape_problem, shape_text, unpack)
 from .dtypes import dtype_from_name, dtype_name
 from .plain_entries import BOX, FEW_PIECES, FLAT, read_plain_entries
 from .split import (Fetch, SectionReader, TensorRow, pack_files, pack_json, parse_rows, region_problem, row_json,

@@ -47,7 +47,8 @@ import statesnap as ss
 
 from ...engine.buffers import host_contiguous
 from ...engine.save import (
-    commit_or_abort, encode_objects, open_staging, own_objects, per_rank_names, shared_names, write_rank,
+    commit_or_abort, committed_bytes, encode_objects, open_staging, own_objects, per_rank_names, shared_names,
+    write_rank,
 )
 from ...format.dtypes import dtype_name
 from ...format.manifest import MANIFEST_NAME, SELF_CHECKSUM
@@ -103,8 +104,7 @@ def _save_as_ranks(states: list[dict], path: str) -> None:
         outputs.append((write_rank(backend, staging, token, rank, plan, tensors, entries, blobs, names, False, 1,
                                    BLOCK), None))
     result = commit_or_abort(backend, path, staging, plan, outputs, len(states), False, False, BLOCK, {"chaos": 1})
-    if not isinstance(result, int):
-        raise RuntimeError(str(result))
+    committed_bytes(result, path)
 
 
 def build(spec: dict) -> dict:
