@@ -163,6 +163,42 @@ def test_a_data_file_that_is_not_a_regular_file(ckpt, kind):
             ss.open(path)
 
 
+def test_a_data_file_that_is_a_symbolic_link_is_not_followed(ckpt, tmp_path):
+    """A link where a data file was, to an intact copy outside the checkpoint: every checksum
+    would pass, so only refusing the link keeps a load from reading a file outside it (a
+    checkpoint from elsewhere could point at any file of the machine). The manifest too."""
+    import os
+    import shutil
+
+    path, state = ckpt
+    file, _, _ = piece(path, "model.big")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copy(file, outside / file.name)
+    file.unlink()
+    file.symlink_to(outside / file.name)
+    for attempt in (lambda: ss.load(blank_like(state), path), lambda: ss.open(path).read("model.big"),
+                    lambda: ss.open(path).verify()):
+        with pytest.raises(ss.CorruptCheckpointError, match="symbolic link") as caught:
+            attempt()
+        assert file.name in str(caught.value) and "model.big" in str(caught.value)
+    assert_good_neighbour_loads(path, state)
+    shutil.copy(path / MANIFEST_NAME, outside / MANIFEST_NAME)
+    os.unlink(path / MANIFEST_NAME)
+    os.symlink(outside / MANIFEST_NAME, path / MANIFEST_NAME)
+    with pytest.raises(ss.CorruptCheckpointError, match="manifest.json is a symbolic link"):
+        ss.open(path)
+
+
+def test_a_checkpoint_directory_reached_through_a_link_loads(ckpt, tmp_path):
+    """Only links inside a checkpoint are refused: the directory itself may be one (``latest``)."""
+    path, state = ckpt
+    (tmp_path / "latest").symlink_to(path)
+    target = blank_like(state)
+    ss.load(target, tmp_path / "latest")
+    assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
+
+
 @pytest.mark.parametrize("content", [b"", b"\x80\x04garbage", b"{not json", b"[1, 2]", b'{"format": "other"}'])
 def test_garbage_manifest(ckpt, content):
     path, state = ckpt

@@ -172,11 +172,23 @@ class _LocalWriter(FileWriter):
                 os.close(self._direct_fd)
 
 
-def _open_regular(path: str) -> int:
+def _open_regular(path: str, follow: bool = False) -> int:
     """A read-only descriptor of the regular file at ``path``. Opened non-blocking, so that a
     FIFO put where a checkpoint's file was opens at once instead of waiting for a writer forever
-    (reads of regular files ignore the flag); anything but a regular file is refused unread."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    (reads of regular files ignore the flag); anything but a regular file is refused unread.
+
+    A symbolic link is refused too (unless ``follow``): a checkpoint's files are named flat
+    inside its directory so that a load reads nothing outside it, and a link would read whatever
+    it points at, a file of another checkpoint or of the system, into the model."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and os.path.islink(path):
+            raise CorruptCheckpointError(
+                f"{path} is a symbolic link (to {os.readlink(path)!r}), not the regular file a checkpoint "
+                "holds there; statesnap does not follow links out of a checkpoint: copy the file it points "
+                "at in its place if it belongs there") from None
+        raise
     kind = stat.S_IFMT(os.fstat(fd).st_mode)
     if kind != stat.S_IFREG:
         os.close(fd)
@@ -189,8 +201,8 @@ def _open_regular(path: str) -> int:
 
 
 class _LocalReader(FileReader):
-    def __init__(self, path: str):
-        self.fd = _open_regular(path)
+    def __init__(self, path: str, follow: bool = False):
+        self.fd = _open_regular(path, follow)
         self._mapping: mmap.mmap | None = None
         self._lock = threading.Lock()
 
@@ -199,7 +211,7 @@ class _LocalReader(FileReader):
         even if another has taken its name since: ``/proc/self/fd`` reopens the inode. None
         (share this reader) where that cannot be done: no ``/proc``, or no descriptor left."""
         try:
-            return type(self)(f"/proc/self/fd/{self.fd}")
+            return type(self)(f"/proc/self/fd/{self.fd}", follow=True)
         except OSError:
             return None
 
