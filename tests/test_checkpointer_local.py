@@ -465,3 +465,25 @@ def test_a_fill_reads_a_file_as_it_arrives_and_fails_when_its_transfer_does(tmp_
     assert got["held.bin"] == b"hhh"  # a file the node already held is read as it is
     with pytest.raises(ss.CheckpointError, match=r"a.bin could not .*ended at byte 16, before 20"):
         view.open_read(os.path.join(directory, "a.bin")).readinto(12, [memoryview(bytearray(8))])
+
+
+def test_a_removed_step_is_restored_from_no_level(tmp_path):
+    """remove(N) of the newest step: load_latest brings back N-1, not N from host memory, the
+    node-local level or the further level, each of which held N too."""
+    root, local, further = tmp_path / "root", tmp_path / "local", tmp_path / "further"
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    refs = {}
+    with ss.Checkpointer(root, local_root=local, further_root=further, further_every=1,
+                         host_memory_gb=0.01) as ckpt:
+        for step in (1, 2):
+            train_step(model, optim, step)
+            refs[step] = reference(state)
+            ckpt.save(step, state).wait()
+        ckpt.remove(2)
+        for level in (root, local, further):
+            assert sorted(n for n in os.listdir(level) if n.startswith("step-")) == ["step-1"], level
+        fresh = _fresh_training()
+        assert ckpt.load_latest(fresh) == 1  # (from memory, which held both steps)
+        assert_state_equals(fresh, refs[1])
+        ckpt.remove(7)  # nothing there: nothing to do

@@ -71,6 +71,10 @@ class FurtherCopier:
     def submit(self, step: int) -> None:
         self._pool.submit(self._run, step)
 
+    def drain(self) -> None:
+        """Wait for every copy submitted so far (one thread runs them in order)."""
+        self._pool.submit(lambda: None).result()
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 

@@ -110,6 +110,10 @@ class MemoryLevel:
             if self._snapshots.get(snap.step) is snap:
                 del self._snapshots[snap.step]
 
+    def discard(self, step: int) -> None:
+        with self._lock:
+            self._snapshots.pop(step, None)
+
     def newest(self):
         with self._lock:
             return self._snapshots[max(self._snapshots)] if self._snapshots else None

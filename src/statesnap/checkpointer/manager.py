@@ -199,17 +199,29 @@ class Checkpointer:
         return SaveHandle(snap.step, snap.staged, snap.durable, snap)
 
     def remove(self, step: int) -> None:
-        """Delete step ``step`` from the persistent level, the way retention does (it leaves the
-        namespace in one rename, then its bytes go), after waiting for it if it is in flight.
-        For trainers that choose what to keep themselves (Lightning's top-k by a metric): give
-        such a Checkpointer a ``keep_last`` no run reaches. Rank 0 deletes; others only wait."""
+        """Delete step ``step`` from every level, the way retention deletes (a checkpoint leaves
+        the namespace in one rename, then its bytes go), after waiting for it if it is in flight,
+        its copy to the further level included. Every rank calls it: rank 0 deletes on the
+        shared levels, node leaders the node-local copy, each rank its host-memory copy.
+
+        From every level, because a removed step is one the caller no longer wants restored (a
+        run rolled back past weights gone bad): ``load_latest`` must not bring it back from
+        memory or a node's disk. For trainers that choose what to keep themselves (Lightning's
+        top-k by a metric): give such a Checkpointer a ``keep_last`` no run reaches."""
         self._check_open()
         with self._lock:
             pending = [snap for snap in self._inflight if snap.step == step]
         for snap in pending:
             snap.finished.wait()
+        if self._further_copier is not None:  # a copy still queued would put the step back there
+            self._further_copier.drain()
+        self.memory.discard(step)
+        if self._recovery is not None:
+            self._recovery.remove(step)
         if self.rank == 0:
-            self.persistent.backend.retire(self.persistent.path(step), MANIFEST_NAME)
+            for level in (self.persistent, self.further):
+                if level is not None:
+                    level.backend.retire(level.path(step), MANIFEST_NAME)
 
     def wait_staged(self) -> None:
         """Block until every snapshot in flight is in host memory (for loops without an optimizer

@@ -266,4 +266,9 @@ class LocalRecovery:
         older step must not find the abandoned run's later steps at its next restart."""
         if self.topology.is_leader:
             for newer in [s for s in self.level.committed_steps() if step is None or s > step]:
-                self.level.backend.retire(self.level.path(newer), MANIFEST_NAME)
+                self.remove(newer)
+
+    def remove(self, step: int) -> None:
+        """Node leaders drop the node-local copy of ``step`` (their own or a peer's replica)."""
+        if self.topology.is_leader:
+            self.level.backend.retire(self.level.path(step), MANIFEST_NAME)
