@@ -292,7 +292,7 @@ def test_an_error_every_copy_would_meet_deletes_no_node_local_step(tmp_path):
     with ss.Checkpointer(tmp_path / "root", **settings) as restarted:
         with pytest.raises(ss.CheckpointError, match="lies in a tuple"):
             restarted.load_latest({"model": make_training(seed=5)[0], "t": (torch.zeros(300_000), 0)})
-    assert sorted(os.listdir(tmp_path / "local")) == ["step-2", "step-3"]
+    assert sorted(n for n in os.listdir(tmp_path / "local") if n.startswith("step-")) == ["step-2", "step-3"]
     with ss.Checkpointer(tmp_path / "root", **settings) as restarted:
         assert restarted.load_latest({"model": make_training(seed=5)[0], "t": (torch.zeros(300_000), 3)}) == 3
 

@@ -423,8 +423,8 @@ def test_a_refused_checkpointer_leaves_the_holder_s_node_local_save_in_flight(tm
     holder = ss.Checkpointer(root, local_root=local_root, host_memory_gb=0.05)
     handle = holder.save(1, _state(1))
     assert entered.wait(30)
-    staging = sorted(os.listdir(local_root))
-    assert staging and staging[0].startswith(".step-1.tmp-")
+    staging = sorted(os.listdir(local_root))  # (with the holder's claim on the local root)
+    assert [n for n in staging if n.startswith(".step-")][0].startswith(".step-1.tmp-")
     with pytest.raises(RootBusyError):
         ss.Checkpointer(root, local_root=local_root, host_memory_gb=0.05)
     assert sorted(os.listdir(local_root)) == staging
@@ -466,3 +466,22 @@ def test_a_start_that_fails_clearing_the_node_local_level_releases_the_root(tmp_
     with pytest.raises(ss.CheckpointError):
         ss.Checkpointer(tmp_path / "root", local_root=not_a_directory)
     ss.Checkpointer(tmp_path / "root").close()  # the failed start kept no claim
+
+
+def test_two_jobs_sharing_a_node_local_root_are_refused(tmp_path):
+    """Different roots, the same ``local_root``: the second job used to start, clear the first's
+    node-local leftovers and, with nothing of its own stored yet, restore the first's newest
+    node-local step into its model. Now it is refused with the holder's name and touches
+    nothing; once the first closes, the local root is free again."""
+    local_root = tmp_path / "local"
+    first = ss.Checkpointer(tmp_path / "root-a", local_root=local_root, host_memory_gb=0.05)
+    first.save(1, _state(1)).wait()
+    os.makedirs(local_root / ".step-2.tmp-abcdef")  # as the first job's save in flight
+    before = sorted(os.listdir(local_root))
+    with pytest.raises(RootBusyError, match="another Checkpointer in this process"):
+        ss.Checkpointer(tmp_path / "root-b", local_root=local_root, host_memory_gb=0.05)
+    assert sorted(os.listdir(local_root)) == before
+    ss.Checkpointer(tmp_path / "root-b", host_memory_gb=0.05).close()  # its root was released
+    first.close()
+    with ss.Checkpointer(tmp_path / "root-b", local_root=local_root, host_memory_gb=0.05) as second:
+        assert ".step-2.tmp-abcdef" not in os.listdir(local_root)  # its leftovers, cleared now

@@ -101,7 +101,7 @@ class Checkpointer:
                 dist.destroy_process_group(self._group)
             raise
         if self.local is not None:
-            self._clear_local_leftovers()
+            self._claim_local_level()
         # the event log lives in the root; while that is out, in the node-local one
         events_level = self.persistent if self.persistent.unreachable is None else self.local
         events_path = None
@@ -484,19 +484,22 @@ class Checkpointer:
                     step, level.name, outage)
         return False
 
-    def _clear_local_leftovers(self) -> None:
-        """Each node's leader clears what crashed saves left in its node-local level, only once
-        the roots are this job's (a job refused them must not delete the holder's saves in
-        flight), and every rank of the node waits for it: one listing the level meanwhile would
-        see it half cleared. A failure is raised on every rank, with the roots released."""
+    def _claim_local_level(self) -> None:
+        """Each node's leader claims its node-local level, as rank 0 claims the shared roots (two
+        jobs on one node given the same ``local_root`` would delete each other's saves in flight
+        and restore each other's steps), then clears what crashed saves left there. Only once
+        the shared roots are this job's: a job refused them must not delete the holder's saves in
+        flight. Every rank waits for it (one listing the level meanwhile would see it half
+        cleared), and a failure is raised on every rank, with the roots released."""
         error = None
         if self._local_leader:
             try:
+                self.local.claim_root(self.config.take_over, self.config.lease_s)
                 self.local.remove_leftovers()
             except Exception as exc:  # noqa: BLE001 (raised below, on every rank of the node)
                 error = exc
         try:
-            self._recovery.comm.agree(error, f"clearing the node-local level {self.local.root}")
+            self._recovery.comm.agree(error, f"claiming the node-local level {self.local.root}")
         except BaseException:
             self._release_roots()
             if self._group is not None:
@@ -527,7 +530,7 @@ class Checkpointer:
         return group, Comm(group or cfg.process_group, what, cfg.commit_timeout_s, dedicated=group is not None)
 
     def _release_roots(self) -> None:
-        for level in (self.persistent, self.further):
+        for level in (self.persistent, self.further, self.local):
             if level is not None:
                 level.release()
 
