@@ -202,6 +202,41 @@ def test_a_positional_checkpoint_of_such_an_optimizer_still_loads(tmp_path, monk
     assert_same_optim(optim, optim2)
 
 
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+                                  lambda ps: torch.optim.RMSprop(ps, lr=0.01),
+                                  lambda ps: torch.optim.Adagrad(ps, lr=0.1)], ids=["sgd", "rmsprop", "adagrad"])
+@pytest.mark.parametrize("kind", ["parameters", "plain tensors"])
+def test_an_optimizer_alone_of_another_kind_loads_into_a_fresh_one(tmp_path, make, kind):
+    """Its state is created by its own first step (SGD's momentum is the first gradient), so
+    nothing was there to fill: a strict load failed, and ``strict=False`` dropped the state.
+    Now the fresh optimizer's state is created as for an owned one, then filled, and the next
+    step is the same bit for bit."""
+    def tensors(seed):
+        torch.manual_seed(seed)
+        made = [torch.randn(3, 4, requires_grad=True), torch.randn(5, requires_grad=True)]
+        return [nn.Parameter(t.detach()) for t in made] if kind == "parameters" else made
+
+    def step(params, optim, seed):
+        torch.manual_seed(seed)
+        optim.zero_grad()
+        sum((p * torch.randn(p.shape)).square().sum() for p in params).backward()
+        optim.step()
+
+    params = tensors(0)
+    optim = make(params)
+    for seed in (1, 2):
+        step(params, optim, seed)
+    ss.save({"optim": optim, "params": params}, tmp_path / "c")
+    params2 = tensors(9)
+    optim2 = make(params2)
+    ss.load({"optim": optim2, "params": params2}, tmp_path / "c")
+    assert_same_optim(optim, optim2)
+    step(params, optim, 3)
+    step(params2, optim2, 3)
+    assert all(torch.equal(a, b) for a, b in zip(params, params2))
+    assert_same_optim(optim, optim2)
+
+
 def test_an_optimizer_alone_in_the_state_loads_into_a_fresh_one(tmp_path):
     """No module in the state holds its parameters: its state is kept by position, and a fresh
     Adam(W) takes it (before, the load found nothing to fill and a strict one failed)."""
@@ -640,3 +675,24 @@ def test_empty_tensors_neither_pad_nor_lengthen_the_data_file(tmp_path, saver):
     ss.load(loaded, path)
     for key, value in state.items():
         assert torch.equal(loaded[key], value), key
+
+
+def test_small_tensors_inside_plain_values_are_loaded_in_place(tmp_path):
+    """Small tensors in lists, dicts of lists and tuples are stored inline with plain data; a
+    load used to put new tensor objects (and a new list) in their place, so whoever else held
+    them (an optimizer over a list of plain tensors) kept the old values. They are filled in
+    place now; a value of another shape or dtype, or a new element, is put in its place."""
+    saved = {"l": [torch.arange(3.), 7, [torch.ones(2, dtype=torch.int64)]], "t": (torch.full((2,), 5.),),
+             "d": {"grown": [torch.arange(2.)], "other": [torch.zeros(4)]}}
+    ss.save(saved, tmp_path / "c")
+    held_list, held = [torch.zeros(3), 0, [torch.zeros(2, dtype=torch.int64)]], torch.zeros(3)
+    held_list[0] = held
+    inner, in_tuple, mismatched = held_list[2], torch.zeros(2), torch.zeros(4, dtype=torch.float64)
+    target = {"l": held_list, "t": (in_tuple,), "d": {"grown": [], "other": [mismatched]}}
+    ss.load(target, tmp_path / "c")
+    assert target["l"] is held_list and held_list[0] is held and held_list[2] is inner
+    assert torch.equal(held, torch.arange(3.)) and held_list[1] == 7 and torch.equal(inner[0], torch.ones(2, dtype=torch.int64))
+    assert torch.equal(in_tuple, torch.full((2,), 5.))
+    assert torch.equal(target["d"]["grown"][0], torch.arange(2.))
+    other = target["d"]["other"][0]
+    assert other is not mismatched and other.dtype == torch.float32 and torch.equal(other, torch.zeros(4))

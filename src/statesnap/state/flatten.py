@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import operator
 from typing import Any, Callable
 
 import torch
@@ -202,6 +203,8 @@ class _Walker:
             # No module in the state owns these parameters: fall back to positional state.
             if not optim.state and self.for_load and self.stored.has_prefix(join(fqn, "state") + SEP):
                 create_adam_state(optim, self.created)
+                if not optim.state:  # another kind: created as the owned case does, by PyTorch's helper
+                    _optimizer_state_dict(_positional_holder(optim), optim, fqn)
             sd = optim.state_dict()
             self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
             if self.for_load:
@@ -267,6 +270,17 @@ def _optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, fqn: s
             "saving or loading its state") from exc
 
 
+def _positional_holder(optim: torch.optim.Optimizer) -> nn.Module:
+    """A module holding the optimizer's parameters under their positions, for PyTorch's
+    state-dict helper to create a fresh optimizer's state with (it needs a module); the state
+    dict then taken from the optimizer itself is keyed by position, as such state is stored."""
+    holder = nn.Module()
+    for position, param in enumerate(p for group in optim.param_groups for p in group["params"]):
+        # (not register_parameter: it refuses the plain leaf tensors optimizers accept too)
+        holder._parameters[str(position)] = param
+    return holder
+
+
 def create_adam_state(optim: torch.optim.Optimizer, created: list[torch.Tensor] | None = None) -> None:
     """Give each parameter of an Adam/AdamW that has no state yet the state its first step would
     create (as ``Adam._init_group`` does: same dtypes, devices and memory formats), without
@@ -315,36 +329,44 @@ def _needs_walk(value: Any) -> bool:
 
 
 def _assigner(fqn: str, container: Any, key: Any) -> Callable[[Any], None]:
-    """How a load puts a plain value back at ``container[key]``. A tuple cannot take it: what it
-    holds there is filled in place where it can be (a tensor of the same shape and dtype, a list,
-    a dict), and anything else must already be the stored value."""
+    """How a load puts a plain value back at ``container[key]``: filled into what is held there
+    where it can be (``_merged``), since a load is in place and others may hold the objects
+    (an optimizer the small tensors of a list). A tuple cannot take a new value: what it holds
+    must be filled in place or already be the stored value."""
     if not isinstance(container, tuple):
-        return lambda v: container.__setitem__(key, v)
+        return lambda v: container.__setitem__(key, _merged(container[key], v))
 
     def fill(value: Any) -> None:
-        if not _filled(container[key], value):
+        if _merged(container[key], value) is not container[key] and not _same(container[key], value):
             raise CheckpointError(f"{fqn} lies in a tuple, which a load cannot change, and the checkpoint holds "
                                   f"another value there ({value!r:.80} against {container[key]!r:.80}); make the "
                                   "tuple a list")
     return fill
 
 
-def _filled(held: Any, value: Any) -> bool:
-    """Make ``held`` hold ``value`` in place; False if it cannot and does not already."""
+def _merged(held: Any, value: Any) -> Any:
+    """``value`` put into ``held`` in place as far as it goes: a tensor of the same shape and
+    dtype is copied into, a list or dict keeps its object (a list of another length, or a dict,
+    takes the stored elements, each merged with the one it replaces); anything else is the
+    stored value itself, which the caller puts in its place."""
     if isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor):
         if held.shape != value.shape or held.dtype != value.dtype:
-            return False
+            return value
         with torch.no_grad():
             held.copy_(value)
-        return True
+        return held
     if isinstance(held, list) and isinstance(value, list):
-        held[:] = value
-        return True
+        held[:] = [_merged(h, v) for h, v in zip(held, value)] + value[len(held):]
+        return held
     if isinstance(held, dict) and isinstance(value, dict):  # (an OrderedDict or defaultdict stays one)
+        merged = {k: _merged(held[k], v) if k in held else v for k, v in value.items()}
         held.clear()
-        held.update(value)
-        return True
-    return _same(held, value)
+        held.update(merged)
+        return held
+    if isinstance(held, tuple) and isinstance(value, tuple) and len(held) == len(value):
+        merged = tuple(map(_merged, held, value))
+        return held if all(map(operator.is_, merged, held)) else merged
+    return value
 
 
 def _same(a: Any, b: Any) -> bool:
