@@ -170,6 +170,41 @@ def test_an_optimizer_over_several_modules_of_the_state_is_keyed_by_their_names(
     assert_same_params(dec, dec2)
 
 
+def test_optimizers_over_modules_in_lists_are_keyed_by_their_names(tmp_path):
+    """Modules in a list (``{"models": [enc, dec]}``) are walked by index, and their optimizers'
+    state is now keyed by those names, as for modules in dicts (it was kept by position, which
+    cannot reshard), so a fresh optimizer takes it and training continues bit for bit. A
+    checkpoint that kept such state by position still loads, into a fresh optimizer too."""
+    from statesnap.state import flatten
+
+    enc, dec, optim = _encoder_decoder(0)
+    _step(enc, dec, optim, 1)
+    ss.save({"models": [enc, dec], "optim": optim}, tmp_path / "shared")
+    assert "optim.state.models.0.weight.exp_avg" in ss.open(tmp_path / "shared").keys()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(flatten._Walker, "_owner_of", lambda self, optim: None)  # what the old save did
+        ss.save({"models": [enc, dec], "optim": optim}, tmp_path / "positional")
+    saved_enc = {k: v.clone() for k, v in enc.state_dict().items()}
+    per_module = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (enc, dec)]
+    _step(enc, dec, per_module[0], 2)
+    per_module[1].step()
+    ss.save({"models": (enc, dec), "optims": per_module}, tmp_path / "each")
+    assert "optims.1.state.0.weight.momentum_buffer" in ss.open(tmp_path / "each").keys()  # dec is a Sequential
+
+    for name in ("shared", "positional"):
+        enc2, dec2, optim2 = _encoder_decoder(7)
+        ss.load({"models": [enc2, dec2], "optim": optim2}, tmp_path / name)
+        assert_same_optim(optim, optim2)
+        assert all(torch.equal(v, saved_enc[k]) for k, v in enc2.state_dict().items())
+    enc2, dec2, _ = _encoder_decoder(7)
+    per_module2 = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (enc2, dec2)]
+    ss.load({"models": (enc2, dec2), "optims": per_module2}, tmp_path / "each")
+    for a, b in zip(per_module, per_module2):
+        assert_same_optim(a, b)
+    assert _step(enc2, dec2, per_module2[0], 3) == _step(enc, dec, per_module[0], 3)
+    assert_same_params(enc, enc2)
+
+
 def test_modules_under_digit_keys_share_an_optimizer(tmp_path):
     """Names under digit keys (``optim.state.0.weight.exp_avg``) are not taken for positions."""
     torch.manual_seed(0)

@@ -76,7 +76,7 @@ class _Walker:
     def run(self, state: dict) -> Flattened:
         if not isinstance(state, dict):
             raise CheckpointError(f"state must be a dict, not {type(state).__name__}")
-        self.named_modules = [(fqn, v) for fqn, v in _named_values(state) if isinstance(v, nn.Module)]
+        self.named_modules = list(_named_modules(state))
         self.modules = [module for _, module in self.named_modules]
         if self.cache is None:
             self.walk_dict("", state)
@@ -197,7 +197,7 @@ class _Walker:
         if self.fresh is not None and not optim.state:
             self.fresh.append(optim)
         model = self._owner_of(optim)
-        if isinstance(model, _Container) and self.for_load and self._saved_by_position(fqn, model):
+        if model is not None and self.for_load and self._saved_by_position(fqn, model):
             model = None  # saved by position, as statesnap did before it named such optimizers' state
         if model is None:
             # No module in the state owns these parameters: fall back to positional state.
@@ -434,11 +434,16 @@ def _load_optimizer(model: nn.Module, optim: torch.optim.Optimizer, sd: dict) ->
         group.update({k: v for k, v in loaded.items() if k != "params"})
 
 
-def _named_values(state: dict, prefix: str = ""):
-    for key, value in state.items():
-        yield join(prefix, key), value
-        if isinstance(value, dict):
-            yield from _named_values(value, join(prefix, key))
+def _named_modules(state: dict | list | tuple, prefix: str = ""):
+    """The modules of the state under their names in it, in dicts, lists and tuples (a list of
+    modules is walked by index: ``models.0.weight``). Only containers and modules are named,
+    so a long list of plain values costs one type check per element at each save."""
+    items = state.items() if isinstance(state, dict) else enumerate(state)
+    for key, value in items:
+        if isinstance(value, nn.Module):
+            yield join(prefix, key), value
+        elif isinstance(value, (dict, list, tuple)) and value:
+            yield from _named_modules(value, join(prefix, key))
 
 
 class _Container(nn.Module):
