@@ -352,8 +352,11 @@ def _merged(held: Any, value: Any) -> Any:
     if isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor):
         if held.shape != value.shape or held.dtype != value.dtype:
             return value
-        with torch.no_grad():
-            held.copy_(value)
+        try:
+            with torch.no_grad():
+                held.copy_(value)
+        except RuntimeError:  # one that cannot be written (an inference tensor): replaced
+            return value
         return held
     if isinstance(held, list) and isinstance(value, list):
         held[:] = [_merged(h, v) for h, v in zip(held, value)] + value[len(held):]
