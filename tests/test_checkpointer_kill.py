@@ -71,3 +71,37 @@ def test_restart_after_sigkill_mid_flush_loads_the_last_committed_step(tmp_path)
     ckpt.close()
     assert_state_equals(state, torch.load(ref_path))
     assert sorted(os.listdir(root)) == [".statesnap-lock", "events", "step-1"]  # the leftover is cleaned up
+
+
+ENDS_WITHOUT_CLOSE = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, sys.argv[1])
+    import statesnap as ss
+    from test_checkpointer import make_training, reference, train_step
+
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    ckpt = ss.Checkpointer(sys.argv[2], host_memory_gb=0.01)
+    train_step(model, optim, 1)
+    torch.save(reference(state), sys.argv[3])
+    ckpt.save(1, state)
+    if sys.argv[4] == "raises":
+        raise RuntimeError("the training loop failed")
+""")
+
+
+def test_a_program_that_ends_without_close_finishes_its_checkpoint(tmp_path):
+    """A script that returns, or dies of an exception, right after ``save`` without
+    ``close()``: the checkpoint's daemon threads used to die with the interpreter, the step
+    never committed and nothing said. The step is finished as the program ends, with a warning."""
+    tests = os.path.dirname(__file__)
+    for how in ("returns", "raises"):
+        root, ref_path = tmp_path / how, tmp_path / f"{how}.pt"
+        done = subprocess.run([sys.executable, "-c", ENDS_WITHOUT_CLOSE, tests, str(root), str(ref_path), how],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == (1 if how == "raises" else 0), done.stderr[-3000:]
+        assert "in flight and" in done.stderr and "finishing them" in done.stderr
+        model, optim = make_training(seed=3)
+        state = {"model": model, "optim": optim}
+        ss.load(state, root / "step-1")
+        assert_state_equals(state, torch.load(ref_path))

@@ -35,3 +35,31 @@ def test_killed_accelerate_loop_resumes_bit_exact(tmp_path):
     for name in first:
         assert torch.equal(first[name], second[name]), name
     assert {"step-4", "step-8", "step-12"} <= set(os.listdir(killed / "ckpt"))
+
+
+def test_the_gradient_scaler_is_saved_and_restored(tmp_path):
+    """fp16 on a GPU gives the Accelerator a GradScaler, whose loss scale backs off at each
+    overflow; ``save_state`` saves it, and so must AcceleratorCheckpoints (it did not: a resumed
+    run started again from the initial scale). Here a CPU GradScaler stands in for it."""
+    from accelerate import Accelerator
+
+    from statesnap.integrations.accelerate import AcceleratorCheckpoints
+
+    def prepared():
+        accelerator = Accelerator(cpu=True)
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        model = torch.nn.Linear(4, 1)
+        return (accelerator, *accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1)))
+
+    accelerator, model, optimizer = prepared()
+    for _ in range(3):  # overflowing steps: 65536 -> 8192
+        accelerator.backward(model(torch.full((2, 4), 1e38)).sum() * 1e38)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert accelerator.scaler.get_scale() == 8192.0
+    with AcceleratorCheckpoints(accelerator, tmp_path / "ckpt") as checkpoints:
+        checkpoints.save(3)
+    resumed, _, _ = prepared()
+    with AcceleratorCheckpoints(resumed, tmp_path / "ckpt") as checkpoints:
+        assert checkpoints.load_latest() == 3
+    assert resumed.scaler.get_scale() == 8192.0

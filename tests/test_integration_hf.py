@@ -130,10 +130,12 @@ def _hf_train():
     return hf_train
 
 
-@pytest.mark.parametrize("kind", ["best model at end", "save_only_model resume"])
+@pytest.mark.parametrize("kind", ["best model at end", "best model at end, the last", "save_only_model resume"])
 def test_trainer_options_behave_as_the_stock_trainers(tmp_path, kind):
     """``load_best_model_at_end`` ends with the best checkpoint's model, which rotation keeps,
-    and a ``save_only_model`` run resumes with a fresh optimizer: as the stock Trainer does."""
+    also when the best is the last checkpoint, still in flight when training ends (that used to
+    raise FileNotFoundError with ``save_total_limit=1``), and a ``save_only_model`` run resumes
+    with a fresh optimizer: as the stock Trainer does."""
     from transformers import Trainer, TrainingArguments
 
     from statesnap.integrations.transformers import StatesnapTrainer
@@ -145,14 +147,15 @@ def test_trainer_options_behave_as_the_stock_trainers(tmp_path, kind):
         common = dict(output_dir=str(out), save_steps=2, report_to=[], use_cpu=True, per_device_train_batch_size=4,
                       disable_tqdm=True, learning_rate=1e-2, seed=0)
         extra = {"statesnap_settings": {"host_memory_gb": 0.05}} if cls is StatesnapTrainer else {}
-        if kind == "best model at end":  # the highest eval loss is the best: the first evaluation's
+        if kind.startswith("best model at end"):  # highest eval loss: the first evaluation's; lowest: the last
+            first = kind == "best model at end"
             args = TrainingArguments(max_steps=6, eval_steps=2, eval_strategy="steps", save_total_limit=1,
                                      load_best_model_at_end=True, metric_for_best_model="loss",
-                                     greater_is_better=True, **common)
+                                     greater_is_better=first, **common)
             trainer = cls(model=hf_train.model(), args=args, train_dataset=hf_train.Tokens(),
                           eval_dataset=hf_train.Tokens(n=8), **extra)
             trainer.train()
-            assert trainer.state.best_model_checkpoint == str(out / "checkpoint-2")
+            assert trainer.state.best_model_checkpoint == str(out / ("checkpoint-2" if first else "checkpoint-6"))
         else:
             first = TrainingArguments(max_steps=2, save_only_model=True, **common)
             cls(model=hf_train.model(), args=first, train_dataset=hf_train.Tokens(), **extra).train()
@@ -164,3 +167,31 @@ def test_trainer_options_behave_as_the_stock_trainers(tmp_path, kind):
     assert kept[Trainer] == kept[StatesnapTrainer]
     for name, value in finals[Trainer].items():
         assert torch.equal(finals[StatesnapTrainer][name], value), name
+
+
+def test_a_checkpoint_directory_that_cannot_be_made_is_raised(tmp_path, monkeypatch):
+    """Making ``checkpoint-N`` after the commit (the disk full) failed only in a log line, and
+    the next commit deleted the step no ``checkpoint-N`` named: now the next save raises it,
+    and the step stays stored."""
+    import errno
+
+    from transformers import TrainingArguments
+
+    from statesnap.integrations import transformers as integration
+
+    hf_train = _hf_train()
+    real = integration._make_pointer_dir
+
+    def full_disk_at_step_4(final, step, trainer_state):
+        if step == 4:
+            raise OSError(errno.ENOSPC, "No space left on device", final)
+        real(final, step, trainer_state)
+    monkeypatch.setattr(integration, "_make_pointer_dir", full_disk_at_step_4)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=8, save_steps=2, report_to=[], use_cpu=True,
+                             per_device_train_batch_size=4, disable_tqdm=True, seed=0)
+    trainer = integration.StatesnapTrainer(model=hf_train.model(), args=args, train_dataset=hf_train.Tokens(),
+                                           statesnap_settings={"host_memory_gb": 0.05})
+    with pytest.raises(ss.CheckpointError, match="checkpoint-4 could not be made .*No space left"):
+        trainer.train()
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")) == ["checkpoint-2"]
+    assert "step-4" in os.listdir(tmp_path / "statesnap")

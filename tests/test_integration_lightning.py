@@ -342,3 +342,24 @@ def test_a_pointer_whose_step_was_deleted_never_names_a_later_save(tmp_path):
     with pytest.raises(CheckpointError):
         io.load_checkpoint(str(tmp_path / "last.ckpt"))
     assert torch.equal(io.load_checkpoint(str(tmp_path / "last-v1.ckpt"))["state_dict"]["w"], torch.ones(2))
+
+
+def test_a_save_with_no_teardown_to_come_is_finished_when_the_program_ends(tmp_path):
+    """``trainer.save_checkpoint`` after ``fit`` (Lightning has torn the plugin down already):
+    the program used to end with the save's daemon threads, the checkpoint never committed and
+    nothing said. Now the save is finished at exit. The path is a ``file://`` URL, which the
+    plugin used to write under ``<cwd>/file:``."""
+    code = f"""
+import torch
+from statesnap.integrations.lightning import StatesnapCheckpointIO
+io = StatesnapCheckpointIO(host_memory_gb=0.05)
+io.save_checkpoint({{"state_dict": {{"w": torch.arange(1 << 16, dtype=torch.float32)}}, "epoch": 0,
+                    "global_step": 7}}, "file://{tmp_path}/manual.ckpt")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not os.path.exists(tmp_path / "file:")
+    from statesnap.integrations.lightning import StatesnapCheckpointIO
+
+    loaded = StatesnapCheckpointIO().load_checkpoint(tmp_path / "manual.ckpt")
+    assert loaded["global_step"] == 7 and torch.equal(loaded["state_dict"]["w"], torch.arange(1 << 16, dtype=torch.float32))

@@ -30,6 +30,7 @@ from ..format.manifest import MANIFEST_NAME
 from ..monitor.events import EventLog, now
 from ..state.flatten import create_adam_state
 from ..storage import backend_for, is_url, normalize
+from .at_exit import finish_at_exit
 from .config import CheckpointerConfig
 from .gpu import CudaCopier, mark_devices
 from .hooks import StepGuard, find_writers
@@ -149,6 +150,7 @@ class Checkpointer:
         for stage in (self._stager, self._flusher, self._local_flusher):
             if stage is not None:
                 stage.on_crash = self._abandon
+        finish_at_exit(self, Checkpointer._finish_at_exit)
 
     # ----------------------------------------------------------------- training-thread API
 
@@ -387,6 +389,30 @@ class Checkpointer:
                 if group is not None:
                     dist.destroy_process_group(group)
         self._raise_pending()
+
+    def _finish_at_exit(self) -> None:
+        """The program ends with this Checkpointer open: finish its checkpoints in flight, as
+        ``close`` would, for at most ``commit_timeout_s`` (their threads would die with the
+        interpreter, and with them the newest checkpoints, unnoticed). What fails is logged:
+        nothing is left to raise it to."""
+        if self._closed:
+            return
+        with self._lock:
+            inflight = list(self._inflight)
+        if inflight:
+            log.warning("statesnap: the program is ending with checkpoints of steps %s in flight and %s not closed; "
+                        "finishing them (close() the Checkpointer to wait for them yourself)",
+                        [snap.step for snap in inflight], self.persistent.root)
+        deadline = now() + self.config.commit_timeout_s
+        for snap in inflight:
+            if not snap.finished.wait(max(0.0, deadline - now())):
+                log.error("statesnap: step %d was not finished within commit_timeout_s (%g s) of the program's end; "
+                          "it is lost", snap.step, self.config.commit_timeout_s)
+                return
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (logged: the program is ending)
+            log.exception("statesnap: a checkpoint of %s failed; found as the program ended", self.persistent.root)
 
     def __enter__(self):
         return self

@@ -10,7 +10,8 @@
     checkpoints.close()
 
 ``save_state`` writes every prepared model, optimizer and scheduler, the objects given to
-``register_for_checkpointing``, the gradient-accumulation counter and each process's RNG states
+``register_for_checkpointing``, the gradient scaler (fp16), the gradient-accumulation counter and
+each process's RNG states
 with ``torch.save``, blocking. :class:`AcceleratorCheckpoints` saves the same set as a lazy
 snapshot of a :class:`statesnap.Checkpointer` (atomic commits, checksums, retention, the levels of
 docs/checkpointer.md): models unwrapped (DDP's ``module.`` prefix is not stored), optimizers
@@ -36,7 +37,7 @@ class AcceleratorCheckpoints:
         """What ``save_state`` saves, as a statesnap state (made anew each time: objects prepared
         later are included)."""
         acc = self.accelerator
-        return {
+        state = {
             "models": {str(i): acc.unwrap_model(m) for i, m in enumerate(acc._models)},
             "optimizers": {str(i): getattr(o, "optimizer", o) for i, o in enumerate(acc._optimizers)},
             "schedulers": {str(i): s for i, s in enumerate(acc._schedulers)},
@@ -44,6 +45,9 @@ class AcceleratorCheckpoints:
             "accelerator": {"step": _Counter(acc)},
             "rng": PerRank(RngStates(), on_resize="skip"),
         }
+        if getattr(acc, "scaler", None) is not None:  # fp16: the loss scale, backed off at overflows
+            state["scaler"] = acc.scaler
+        return state
 
     def save(self, step: int):
         """Snapshot everything as ``step``; returns the Checkpointer's handle at once."""

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..checkpointer import Checkpointer
+from ..checkpointer.at_exit import finish_at_exit
 from ..checkpointer.hooks import version_of
 from ..convert.torch_save import is_torch_save_bytes
 from ..engine.load import load
@@ -49,9 +50,9 @@ from ..errors import CheckpointError
 from ..reader import open as open_checkpoint
 from ..state.placement import is_dtensor
 from ..state.wrappers import Replicated
-from ..storage import is_url
+from ..storage import is_url, normalize
 from . import skeleton
-from .pointers import POINTER_MAX_BYTES, parse_pointer, pointer_bytes, step_of, write_atomically
+from .pointers import POINTER_MAX_BYTES, PointerFailures, parse_pointer, pointer_bytes, step_of, write_atomically
 
 try:
     from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
@@ -92,6 +93,7 @@ class StatesnapCheckpointIO(CheckpointIO):
         self._hook = None
         self._steps = [0]  # optimizer steps taken (all optimizers): saves with steps between never link
         self._watch_optimizers()  # made before training: it sees the first step too
+        finish_at_exit(self, StatesnapCheckpointIO._finish_at_exit)
 
     # ----------------------------------------------------------------- CheckpointIO
 
@@ -132,6 +134,18 @@ class StatesnapCheckpointIO(CheckpointIO):
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+    def _finish_at_exit(self) -> None:
+        """Lightning tears the plugin down when ``fit`` ends; a ``trainer.save_checkpoint`` after
+        that has no teardown to come. Its Checkpointer finishes it as the program ends (made
+        later, so finished first); this then reports the pointers that could not be written,
+        in the log, as nothing is left to raise them to."""
+        if not self._stores:
+            return
+        try:
+            self.teardown()
+        except CheckpointError:
+            log.exception("statesnap: a Lightning checkpoint still in flight when the program ended failed")
 
     # ----------------------------------------------------------------- helpers
 
@@ -233,7 +247,7 @@ class _Store:
         self._named: dict[str, int] = {}  # pointer path -> step
         self._waiting: dict[int, list[tuple]] = {}  # step in flight -> [(path, own state)] to point at it
         self._handles: dict[str, Any] = {}  # path -> its newest save's handle
-        self._failures: list[CheckpointError] = []  # pointers that could not be written
+        self._failures = PointerFailures()
         self._previous: tuple | None = None  # (fingerprint, step, handle, skeleton, tensors) of the newest save
         self._storage_options = storage_options
         damaged = []
@@ -318,13 +332,7 @@ class _Store:
         handle = self._handles.get(path)
         if handle is not None:
             handle.wait()
-        self._raise_failures()
-
-    def _raise_failures(self) -> None:
-        with self._lock:
-            failures, self._failures = self._failures, []
-        if failures:
-            raise failures[0]
+        self._failures.raise_first()
 
     def remove(self, path: str) -> None:
         handle = self._handles.pop(path, None)
@@ -343,7 +351,7 @@ class _Store:
 
     def close(self) -> None:
         self.ckpt.close()
-        self._raise_failures()
+        self._failures.raise_first()
 
     def _usable(self, step: int, handle) -> bool:
         """The save of ``step`` has not failed, and is in flight or still named by a pointer."""
@@ -363,9 +371,8 @@ class _Store:
             try:
                 self._point(path, record.step, own_state)
             except Exception as exc:  # noqa: BLE001 (raised on the training thread)
-                with self._lock:
-                    self._failures.append(CheckpointError(f"{path} could not be pointed at step {record.step}: "
-                                                          f"{type(exc).__name__}: {exc}"))
+                self._failures.add(CheckpointError(f"{path} could not be pointed at step {record.step}: "
+                                                   f"{type(exc).__name__}: {exc}"))
 
     def _point(self, path: str, step: int, own_state: str | None = None) -> None:
         """Write the pointer ``path`` -> ``step`` (with the state that differs from the stored
@@ -463,8 +470,10 @@ def _fingerprint(checkpoint: dict, tensors: dict[str, torch.Tensor], optimizer_s
 
 
 def _normal(path) -> str:
-    """Paths as the directory listings give them back: absolute, for local files."""
-    return str(path) if is_url(str(path)) else os.path.abspath(path)
+    """Paths as the directory listings give them back: absolute, for local files (``file://``
+    and ``shm://`` URLs included)."""
+    path = normalize(path)
+    return path if is_url(path) else os.path.abspath(path)
 
 
 def _join(directory: str, name: str) -> str:

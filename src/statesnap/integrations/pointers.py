@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import uuid
 
 import fsspec
@@ -78,3 +79,23 @@ def fsync_directory(path: str) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+class PointerFailures:
+    """Pointers that could not be written after their step committed. They fail in the
+    Checkpointer's flush thread (its ``on_commit``, whose errors it only logs), so each
+    integration raises them on the training thread at its next call, the first one first."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._errors: list[CheckpointError] = []
+
+    def add(self, error: CheckpointError) -> None:
+        with self._lock:
+            self._errors.append(error)
+
+    def raise_first(self) -> None:
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]

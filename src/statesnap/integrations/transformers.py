@@ -36,7 +36,7 @@ from ..engine.load import load
 from ..errors import CheckpointError
 from ..reader import open as open_checkpoint
 from ..state.wrappers import PerRank
-from .pointers import fsync_directory, parse_pointer, pointer_bytes, step_of
+from .pointers import PointerFailures, fsync_directory, parse_pointer, pointer_bytes, step_of
 from .rng import RngStates
 
 POINTER_FORMAT = "statesnap-transformers-1"
@@ -71,10 +71,12 @@ class StatesnapTrainer(Trainer):
         self._checkpointers: dict[str, Checkpointer] = {}
         self._waiting: dict[int, tuple[str, str]] = {}  # step in flight -> (run dir, trainer state JSON)
         self._waiting_lock = threading.Lock()
+        self._failures = PointerFailures()  # checkpoint-N directories that could not be made
 
     # ----------------------------------------------------------------- saving
 
     def _save_checkpoint(self, model, trial) -> None:
+        self._failures.raise_first()
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
@@ -139,13 +141,22 @@ class StatesnapTrainer(Trainer):
 
     def _committed(self, record) -> None:
         """On commit (the Checkpointer's flush thread): make ``checkpoint-N``, rotate as the
-        Trainer does, and delete the statesnap steps no ``checkpoint-N`` names any more."""
+        Trainer does, and delete the statesnap steps no ``checkpoint-N`` names any more. A
+        ``checkpoint-N`` that cannot be made (a full disk) is raised at the next save and when
+        training ends, as a failed save is: the Checkpointer would only log it."""
         with self._waiting_lock:
             run_dir, trainer_state = self._waiting.pop(record.step)
         if not self.args.should_save:  # the main process writes the directories
             return
-        _make_pointer_dir(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{record.step}"), record.step,
-                          trainer_state)
+        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{record.step}")
+        try:
+            _make_pointer_dir(final, record.step, trainer_state)
+        except Exception as exc:  # noqa: BLE001 (raised on the training thread)
+            error = CheckpointError(f"step {record.step} was committed to {record.path}, but {final} could not be "
+                                    f"made ({type(exc).__name__}: {exc}), so the Trainer cannot resume from it")
+            error.__cause__ = exc
+            self._failures.add(error)
+            return
         rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                            best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
         for step in _unnamed_steps(run_dir):
@@ -159,12 +170,20 @@ class StatesnapTrainer(Trainer):
             self.close_checkpoints()
 
     def close_checkpoints(self) -> None:
-        """Finish every checkpoint in flight (``train`` does it when it returns)."""
+        """Finish every checkpoint in flight (``train`` does it when it returns), and raise what
+        failed."""
         try:
             for ckpt in list(self._checkpointers.values()):
                 ckpt.close()  # its last commits still find it
         finally:
             self._checkpointers = {}
+        self._failures.raise_first()
+
+    def _finalize_training(self, *args, **kwargs):
+        # The Trainer looks at the best checkpoint's directory here (loading it, or sparing it
+        # from rotation), which appears only once its step is committed.
+        self.close_checkpoints()
+        return super()._finalize_training(*args, **kwargs)
 
     # ----------------------------------------------------------------- resuming
 
@@ -176,10 +195,10 @@ class StatesnapTrainer(Trainer):
         self._load_part(target, {"model": model})
 
     def _load_best_model(self) -> None:
+        self.close_checkpoints()  # training is over; the best step may still be in flight
         target = pointer_target(self.state.best_model_checkpoint)
         if target is None:
             return super()._load_best_model()
-        self.close_checkpoints()  # training is over; the best step may still be in flight
         self._load_part(target, {"model": self.accelerator.unwrap_model(self.model)})
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:

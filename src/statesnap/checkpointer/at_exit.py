@@ -1,0 +1,32 @@
+"""Work in flight when the program ends without ``close()``.
+
+A Checkpointer's stages run on daemon threads, which die with the interpreter: a script that
+returns (or raises) right after ``ckpt.save(...)`` would lose that checkpoint, and say nothing.
+So each Checkpointer asks to be finished when the program ends. It must happen before Python
+stops its thread pools (``concurrent.futures`` refuses new work from then on, and a save still
+hands work to its pools): ``threading._register_atexit``, CPython's hook for exactly that, which
+``concurrent.futures`` itself uses, runs there, last registered first. ``atexit`` hooks run after
+it, too late; they are the fallback where the hook is missing.
+"""
+from __future__ import annotations
+
+import atexit
+import threading
+import weakref
+from typing import Callable
+
+
+def finish_at_exit(owner: object, finish: Callable[[object], None]) -> None:
+    """Call ``finish(owner)`` when the program ends, if ``owner`` is still alive then (it is held
+    weakly: a closed, dropped owner costs nothing)."""
+    ref = weakref.ref(owner)
+
+    def call() -> None:
+        alive = ref()
+        if alive is not None:
+            finish(alive)
+    register = getattr(threading, "_register_atexit", atexit.register)
+    try:
+        register(call)
+    except RuntimeError:  # the interpreter is ending already: nothing would run it
+        pass
