@@ -173,27 +173,41 @@ def _staged(dst: str, overwrite: bool, single_file: bool) -> Iterator[str]:
     if os.path.exists(dst) and not overwrite and not into_empty:
         raise CheckpointExistsError(f"{dst} already exists and is not an empty directory; "
                                     "pass overwrite=True to replace it")
+    if single_file and os.path.isdir(dst):  # overwrite=True replaces a file, never a whole directory with one
+        raise CheckpointExistsError(f"{dst} is a directory, and this export writes one file; overwrite=True does "
+                                    "not replace a directory with a file: remove it, or export to another name")
     backend = LocalBackend()
-    staging = backend.begin(dst, uuid.uuid4().hex[:12])
+    try:
+        staging = backend.begin(dst, uuid.uuid4().hex[:12])
+    except OSError as exc:
+        raise CheckpointError(f"cannot export to {dst}: {exc}") from None
     target = os.path.join(staging, os.path.basename(dst)) if single_file else staging
     try:
         yield target
         _fsync_tree(staging)
-        if single_file:
-            os.replace(target, dst)
-            fsync_dir(os.path.dirname(os.path.abspath(dst)))
-        else:
-            if into_empty:
-                try:
-                    os.rmdir(dst)
-                except FileNotFoundError:
-                    pass
-                except OSError:
-                    raise CheckpointExistsError(f"{dst} was filled while exporting; not replacing it") from None
-            backend.commit(staging, dst, overwrite, durable=True)
+        _put_in_place(backend, staging, target, dst, single_file, into_empty, overwrite)
+    except OSError as exc:  # the disk is full (ENOSPC, or EFBIG past a file size limit), an I/O error, ...
+        raise CheckpointError(f"exporting to {dst} failed, and nothing was put there: {exc.strerror or exc}") from None
     finally:
         if os.path.exists(staging):
             backend.abort(staging, dst)
+
+
+def _put_in_place(backend: LocalBackend, staging: str, target: str, dst: str, single_file: bool, into_empty: bool,
+                  overwrite: bool) -> None:
+    """Rename the durable export at ``target`` (in ``staging``) to ``dst``."""
+    if single_file:
+        os.replace(target, dst)
+        fsync_dir(os.path.dirname(os.path.abspath(dst)))
+        return
+    if into_empty:
+        try:
+            os.rmdir(dst)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            raise CheckpointExistsError(f"{dst} was filled while exporting; not replacing it") from None
+    backend.commit(staging, dst, overwrite, durable=True)
 
 
 def _fsync_tree(root: str) -> None:

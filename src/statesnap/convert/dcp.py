@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..errors import CheckpointError
@@ -30,6 +31,7 @@ from ..format.dtypes import itemsize
 from ..format.plaindata import MAX_INLINE_TENSOR_BYTES
 from .dcp_chunks import read_tensor
 from .transform import Lazy, materialize
+from .torch_save import write_failed
 from .tree import flatten_tree, nest_paths
 
 METADATA_NAME = ".metadata"
@@ -133,8 +135,13 @@ def _load_one(reader: FileSystemReader, src: str, key: str, md: TensorStorageMet
 def write(values: dict[str, Any], target: str) -> list[str]:
     """A DCP checkpoint of the flat ``{name: value}`` map in directory ``target`` (one process)."""
     state = {name: materialize(value) for name, value in values.items()}
-    with _single_process():
-        dcp.save(state, storage_writer=FileSystemWriter(target), no_dist=True)
+    try:
+        with _single_process():
+            dcp.save(state, storage_writer=FileSystemWriter(target), no_dist=True)
+    except CheckpointException as exc:  # a BaseException: what failed, per rank (the disk was full, ...)
+        cause = next(iter(exc.failures.values()), None)
+        cause = cause[0] if isinstance(cause, tuple) and cause else cause
+        raise (cause if isinstance(cause, OSError) else write_failed("dcp.save", cause, target)) from None
     return sorted(os.listdir(target))
 
 

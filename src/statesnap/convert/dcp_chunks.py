@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ..storage.local import open_source
 
 # Bytes a non-contiguous chunk is moved through at a time (whole leading-dimension rows).
 BOUNCE_BYTES = 8 << 20
@@ -61,7 +62,7 @@ def read_tensor(src: str, key: str, md: Any, storage: dict) -> torch.Tensor | No
         for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
             view = view.narrow(dim, start, length)
         try:
-            with open(path, "rb") as f:
+            with open_source(path) as f:
                 _read_chunk(f, info.offset, info.length, view)
         except _NotDirect:
             return None

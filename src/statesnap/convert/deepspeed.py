@@ -42,8 +42,8 @@ import torch
 from ..errors import CheckpointError
 from . import unpickler
 from .transform import Lazy, apply_spec, is_tensor, load_spec
-from .ds_common import (LAYOUT_KEYS, MODEL_FILE, engine_state, model_path, model_states, module_weights,
-                        param_groups, param_shapes, pointed_folder, positive_int)
+from .ds_common import (MODEL_FILE, add_client_state, engine_state, model_path, model_states, module_weights,
+                        parallel_dims, param_groups, param_shapes, pointed_folder, positive_int)
 
 LATEST = "latest"
 _OPTIM = re.compile(r"(?P<prefix>(?:bf16_)?)zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt")
@@ -109,7 +109,7 @@ class _Checkpoint:
                             for n in names for m in [_LAYER.fullmatch(n)] if m}
         # Model-parallel rank = stage x tp + TP rank (DeepSpeed's grid: pipe outer, model inner).
         # Checkpoints older than checkpoint_parallel_dimensions give TP only in layer file names.
-        dims = self.first.get("checkpoint_parallel_dimensions") or {
+        dims = parallel_dims(self.first, self.first_path) or {
             "tp_degree": 1 + max((tp for _, tp in self.layer_files), default=0)}
         self.tp = dims.get("tp_degree", 1)
         self.pp = dims.get("pp_degree", self.mp // self.tp if type(self.tp) is int and self.tp > 0 else 1)
@@ -163,8 +163,8 @@ class _Checkpoint:
             module_states[(mp, 0)] = {**first, "module": self._layers(mp)}
         out.update(module_weights(self.folder, module_states, fp32, tp=1))
         out["optim.param_groups"] = param_groups(base, shapes, optims[0][0])
-        out.update({key: value for key, value in first.items() if key not in LAYOUT_KEYS})
         out.update(engine)
+        add_client_state(out, first, model_path(self.folder, mp, 0 if mp in self.per_dp else None))
         return out
 
     def _dp_states(self, mp: int) -> dict[tuple[int, int], dict]:
@@ -251,7 +251,10 @@ class _Checkpoint:
         for path, loaded in optims:
             inner = loaded["optimizer_state_dict"]
             flats = inner.get("fp32_flat_groups")
-            moments = (inner.get("optimizer_state_dict") or {}).get("state") or {}
+            torch_state = inner.get("optimizer_state_dict") or {}
+            moments = (torch_state.get("state") if isinstance(torch_state, dict) else None) or {}
+            if not isinstance(torch_state, dict) or not isinstance(moments, dict):
+                raise CheckpointError(f"{path}: the inner optimizer_state_dict or its state is not a dict")
             if not isinstance(flats, list) or not all(isinstance(t, torch.Tensor) for t in flats):
                 raise CheckpointError(f"{path} has no fp32_flat_groups; not a ZeRO-3 optimizer file")
             need = sum(math.ceil(s.numel() / self.dp) for s in params.values())
@@ -393,14 +396,15 @@ def _spec(ckpt: _Checkpoint) -> dict:
 
     ops: list[dict] = [{"fuse": rank + r"(?P<name>optim\.state\..*\.step)", "to": r"\g<name>", "same": True,
                         "optional": True}]
-    replicated = info.get("tp_replicated_parameter_patterns") or []
-    average = info.get("parameter_to_average_patterns") or []
-    row = info.get("parameter_with_row_parallelism_patterns") or []
-    vocab = info.get("vocabulary_parameter_patterns") or []
-    # [gate; up] fused per rank: each rank's dim 0 is [gate_r; up_r] (Megatron's SwiGLU fc1).
-    two_sub = info.get("parameter_with_2_sub_params_cat_dim_0") or []
-    sub_params = [(pattern, how) for entry in info.get("parameter_with_sub_params") or []
-                  for pattern, how in _sub_param_fusions(ckpt, info, entry)]
+    replicated, average, row, vocab, two_sub = (_patterns(ckpt, info, key) for key in (
+        "tp_replicated_parameter_patterns", "parameter_to_average_patterns", "parameter_with_row_parallelism_patterns",
+        "vocabulary_parameter_patterns",
+        "parameter_with_2_sub_params_cat_dim_0"))  # [gate; up] fused per rank: [gate_r; up_r] (Megatron's SwiGLU fc1)
+    entries = info.get("parameter_with_sub_params") or []
+    if not isinstance(entries, list):
+        raise CheckpointError(f"{ckpt.first_path}: universal_checkpoint_info's parameter_with_sub_params is "
+                              f"{str(entries)[:200]}, not a list of entries")
+    sub_params = [(pattern, how) for entry in entries for pattern, how in _sub_param_fusions(ckpt, info, entry)]
     for patterns, how in ((replicated, {"same": True}), (average, {"cat": 0, "average": True}),
                           (two_sub, {"cat": 0, "groups": 2}), *(([p], how) for p, how in sub_params),
                           (row, {"cat": 1}), (vocab, {"cat": 0})):
@@ -411,8 +415,11 @@ def _spec(ckpt: _Checkpoint) -> dict:
             ops.append(op)
     ops.append({"fuse": rank + r"(?P<name>.*)", "to": r"\g<name>", "cat": 0, "optional": True})
     size = info.get("original_vocab_size")
-    if vocab and size and _padded(ckpt, vocab, int(size)):
-        ops.append({"vocab": f"^(?:{names(vocab)})$", "size": int(size), "dim": 0})
+    if size is not None and (type(size) is not int or size < 0):
+        raise CheckpointError(f"{ckpt.first_path}: universal_checkpoint_info's original_vocab_size is "
+                              f"{str(size)[:200]}, not a number of rows")
+    if vocab and size and _padded(ckpt, vocab, size):
+        ops.append({"vocab": f"^(?:{names(vocab)})$", "size": size, "dim": 0})
     return {"ops": ops}
 
 
@@ -429,6 +436,8 @@ def _sub_param_fusions(ckpt: _Checkpoint, info: dict, entry: Any) -> list[tuple[
     if (not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) for p in patterns)
             or not isinstance(shape, (list, tuple)) or type(dim) is not int or not 0 <= dim < len(shape)):
         raise CheckpointError(f"{where} is not {{patterns: [regex], shape: [...], partition_dim: int < len(shape)}}")
+    for pattern in patterns:
+        _check_pattern(pattern, where)
     sizes = shape[dim]
     recorded = info.get("sub_param_shard_widths") or {}
     version = info.get("universal_checkpoint_version") or 0
@@ -472,3 +481,70 @@ def _shapes_matching(ckpt: _Checkpoint, pattern: str) -> dict[str, torch.Size]:
     except re.error as exc:
         raise CheckpointError(f"{ckpt.first_path}: universal_checkpoint_info pattern {pattern!r}: {exc}") from None
     return {name: shape for name, shape in ckpt.shapes.items() if compiled.match(name)}
+
+
+# What DeepSpeed writes into universal_checkpoint_info: ``^<re.escape(name)>$`` (AutoTP), or a few
+# hand-written forms such as ``\d+.input_layernorm.weight`` (Megatron-DeepSpeed) and
+# ``.*\.experts\.w[123]$`` (the engine's MoE patterns).
+MAX_PATTERN_CHARS = 1000
+MAX_REPEATS = 2  # unbounded repeats (*, +, {m,}) of single items in one pattern
+_BOUNDS = re.compile(r"\{(\d*)(,?)(\d*)\}")
+
+
+def _patterns(ckpt: _Checkpoint, info: dict, key: str) -> list[str]:
+    """One of ``universal_checkpoint_info``'s pattern lists, each checked by :func:`_check_pattern`."""
+    patterns = info.get(key) or []
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        raise CheckpointError(f"{ckpt.first_path}: universal_checkpoint_info's {key} is {str(patterns)[:200]}, "
+                              "not a list of regexes")
+    for pattern in patterns:
+        _check_pattern(pattern, f"{ckpt.first_path}: universal_checkpoint_info's {key}")
+    return patterns
+
+
+def _check_pattern(pattern: str, where: str) -> None:
+    r"""Refuse a regex from a checkpoint whose matching could take time exponential (or a high
+    power) in the length of a name, which the same file chooses: ``(a+)+$`` against 28 a's and a
+    ``!`` took 18 s, and each two more characters three times as long.
+
+    Python's ``re`` cannot be interrupted, so the pattern's form is bounded instead: no repeated
+    group (``(...)*``, ``(...)+``, ``(...){m,n}``: what makes backtracking explode, ``(a|a)*``
+    included), at most ``MAX_REPEATS`` unbounded repeats of single items (``.*``, ``\d+``,
+    ``[^.]+``), at most ``MAX_PATTERN_CHARS`` characters. Every pattern DeepSpeed writes has that
+    form (above), and such patterns match in time at most quadratic in a name's length."""
+    problem = f"it is longer than {MAX_PATTERN_CHARS} characters" if len(pattern) > MAX_PATTERN_CHARS else None
+    repeats, at, previous = 0, 0, ""
+    while problem is None and at < len(pattern):
+        char, bounds = pattern[at], _BOUNDS.match(pattern, at)
+        if char in "*+" or (char == "{" and bounds):
+            if previous == ")":
+                problem = f"it repeats a group ({pattern[max(0, at - 20):at + 1]!r})"
+            repeats += char in "*+" or bool(bounds[2] and not bounds[3])
+            at = bounds.end() if char == "{" else at + 1
+        elif char == "\\":
+            at += 2
+        elif char == "[":
+            at = _class_end(pattern, at)
+        else:
+            at += 1
+        previous = char
+    if problem is None and repeats > MAX_REPEATS:
+        problem = f"it has {repeats} unbounded repeats (at most {MAX_REPEATS})"
+    try:
+        problem = problem or re.compile(pattern) and None
+    except re.error as exc:
+        problem = f"it is no regex ({exc})"
+    if problem:
+        raise CheckpointError(f"{where}: pattern {pattern[:200]!r} is refused: {problem}, so matching it against "
+                              "names could take practically forever; DeepSpeed writes plain patterns such as "
+                              "'^layers\\.0\\.mlp\\.weight$' or '\\d+.input_layernorm.weight'")
+
+
+def _class_end(pattern: str, at: int) -> int:
+    """The index just past the character class ``[...]`` opening at ``at``."""
+    at += 1
+    at += pattern.startswith("^", at)
+    at += pattern.startswith("]", at)  # a ] right after [ or [^ is a literal
+    while at < len(pattern) and pattern[at] != "]":
+        at += 2 if pattern[at] == "\\" else 1
+    return at + 1

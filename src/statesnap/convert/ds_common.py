@@ -85,6 +85,42 @@ def positive_int(states: dict, key: str, where: str) -> int:
     return value
 
 
+def is_shape(value: Any) -> bool:
+    """Whether ``value`` is a shape as DeepSpeed saves one: a tuple (``torch.Size``) or list of ints >= 0."""
+    return isinstance(value, (list, tuple)) and all(type(n) is int and n >= 0 for n in value)
+
+
+def parallel_dims(states: dict, where: str) -> dict:
+    """The model states' ``checkpoint_parallel_dimensions`` (``{}`` when absent: older checkpoints)."""
+    dims = states.get("checkpoint_parallel_dimensions") or {}
+    if not isinstance(dims, dict):
+        raise CheckpointError(f"{where}: checkpoint_parallel_dimensions is {str(dims)[:200]}, not a dict of degrees")
+    return dims
+
+
+def add_client_state(out: dict[str, Any], states: dict, where: str) -> None:
+    """Add to the converted values ``out`` the model states' keys that describe no layout: the
+    engine's counters and the client state the training script saved beside the model.
+
+    A client key is the script's choice, so it may take the name of a converted value
+    (``fp32.fc1.weight``), or be a dotted prefix of one (``optim``, whose keys ``ss.save`` joins
+    into ``optim.param_groups``), or extend one. Either way one of the two would silently be
+    lost (the fp32 master weight replaced by a number), so that is refused, naming both."""
+    prefixes = {name[:at] for name in out for at in range(len(name)) if name[at] == "."}
+    for key, value in states.items():
+        if key in LAYOUT_KEYS:
+            continue
+        name = str(key)
+        parts = name.split(".")
+        above = [".".join(parts[:n]) for n in range(1, len(parts)) if ".".join(parts[:n]) in out]
+        if name in out or name in prefixes or above:
+            other = name if name in out else above[0] if above else next(n for n in out if n.startswith(name + "."))
+            raise CheckpointError(f"{where}: its key {key!r} (state saved beside the model, e.g. client_state) "
+                                  f"collides with the converted value {other!r}; one would replace the other, so "
+                                  "rename that key where the checkpoint is saved")
+        out[name] = value
+
+
 def param_shapes(states: dict, where: str) -> list[dict[str, torch.Size]]:
     """The model states' ``param_shapes``: per parameter group, ``{name: shape}`` in DeepSpeed's
     order, every size a non-negative int (a shape decides how many elements are cut from the
@@ -99,8 +135,7 @@ def param_shapes(states: dict, where: str) -> list[dict[str, torch.Size]]:
     for group in groups:
         shapes = {}
         for name, shape in group.items():
-            if (not isinstance(name, str) or not isinstance(shape, (list, tuple))
-                    or not all(type(n) is int and n >= 0 for n in shape)):
+            if not isinstance(name, str) or not is_shape(shape):
                 raise CheckpointError(f"{where}: param_shapes gives {name!r} the shape {shape!r}, not a tuple of "
                                       "non-negative ints")
             shapes[name] = torch.Size(shape)
@@ -146,6 +181,10 @@ def module_weights(folder: str, ranks: dict, fp32: dict[str, Lazy], tp: int) -> 
     shared = first.get("shared_params") or {}
     if not isinstance(module, dict) or not isinstance(frozen, dict) or not isinstance(shared, dict):
         raise CheckpointError(f"{where}: module, frozen_param_shapes and shared_params must be dicts")
+    for name, shape in frozen.items():  # compared with the module's shapes below, so checked first
+        if not is_shape(shape):
+            raise CheckpointError(f"{where}: frozen_param_shapes gives {name} the shape {str(shape)[:200]}, not a "
+                                  "tuple of non-negative ints")
     trainable = {name for shapes in param_shapes(first, where) for name in shapes}
     out: dict[str, Any] = {}
     for name, value in module.items():
@@ -172,8 +211,6 @@ def _cast(value: Lazy, dtype: torch.dtype) -> Lazy:
 
 def _frozen(folder: str, ranks: dict, name: str, shape: Any) -> torch.Tensor:
     """A frozen ZeRO-3 parameter: every data-parallel rank saved its ``ceil(numel / dp)`` slice."""
-    if not isinstance(shape, (list, tuple)) or not all(type(n) is int and n >= 0 for n in shape):
-        raise CheckpointError(f"{folder}: frozen_param_shapes gives {name} the shape {shape!r}")
     if len({mp for mp, _ in ranks}) > 1:
         raise CheckpointError(f"{folder}: frozen parameter {name} is split over model-parallel ranks, "
                               "which the universal format does not consolidate")

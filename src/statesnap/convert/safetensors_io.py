@@ -23,6 +23,7 @@ import torch
 from ..engine.buffers import byte_view, host_contiguous
 from ..errors import CheckpointError
 from ..format.dtypes import itemsize
+from ..storage.local import open_source
 from .transform import is_tensor, materialize
 from .writer import InFile
 
@@ -72,8 +73,8 @@ def read_header(path: str) -> dict[str, InFile]:
     specification (known dtypes, byte ranges that match shape and dtype, lie in the file and do
     not overlap) so that a damaged or foreign file fails here, naming the file and tensor."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with open_source(path) as f:  # a FIFO in its place is refused, not waited on
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
             if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
@@ -140,7 +141,7 @@ def _read_range(path: str, name: str, dtype: torch.dtype, shape: tuple, offset: 
     """The tensor stored at ``offset``: one positioned read into its own memory."""
     out = torch.empty(shape, dtype=dtype)
     view = byte_view(out)
-    with open(path, "rb") as f:
+    with open_source(path) as f:
         got = os.preadv(f.fileno(), [view], offset) if len(view) else 0
     if got != len(view):
         raise CheckpointError(f"{path}: tensor {name!r} was cut short (read {got} of {len(view)} bytes)")

@@ -9,6 +9,7 @@ large file does not first copy it into memory.
 """
 from __future__ import annotations
 
+import errno
 import io
 import os
 import pickle
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from ..storage.local import open_source
 from .transform import materialize
 from .tree import flatten_tree
 
@@ -46,10 +48,16 @@ def read(src: str) -> dict[str, Any]:
 
 def load_file(path: str) -> Any:
     """The object in a torch.save file, loaded with the weights-only unpickler."""
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise CheckpointError(f"no torch.save file at {path}")
-    archive = zipfile.is_zipfile(path)
-    if not archive and not _starts_as_pickle(path):
+    try:
+        with open_source(path) as f:  # a FIFO or device in its place is refused, not waited on
+            archive = zipfile.is_zipfile(f)
+            f.seek(0)
+            legacy = _pickle_head(f.read(2))
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the torch.save file {path}: {exc}") from None
+    if not archive and not legacy:
         raise CorruptCheckpointError(f"{path} is not a torch.save file (neither a zip archive nor a pickle of "
                                      "protocol 2 or later): it is damaged or of another format")
     try:
@@ -65,13 +73,6 @@ def load_file(path: str) -> Any:
         raise CheckpointError(f"{path} is not a readable torch.save file: {type(exc).__name__}: {exc}") from None
 
 
-def _starts_as_pickle(path: str) -> bool:
-    """Whether the file opens as torch's legacy format does: a pickle of protocol 2 or later
-    (``PROTO`` opcode), so that garbage is reported as damaged rather than as unsafe."""
-    with open(path, "rb") as f:
-        return _pickle_head(f.read(2))
-
-
 def _pickle_head(head: bytes) -> bool:
     return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= pickle.HIGHEST_PROTOCOL
 
@@ -83,5 +84,17 @@ def is_torch_save_bytes(raw: bytes) -> bool:
 
 def write(values: dict[str, Any], target: str) -> list[str]:
     """One torch.save file of the flat ``{name: value}`` map (it holds every tensor in memory at once)."""
-    torch.save({name: materialize(value) for name, value in values.items()}, target)
+    state = {name: materialize(value) for name, value in values.items()}
+    try:
+        torch.save(state, target)
+    except RuntimeError as exc:  # how torch's zip writer reports a write that failed (a full disk)
+        raise write_failed("torch.save", exc, target) from None
     return [target]
+
+
+def write_failed(writer: str, exc: BaseException, target: str) -> OSError:
+    """The ``OSError`` (``EIO``) an export reports for ``exc``, which torch's zip writer raised as
+    a ``RuntimeError`` when a write failed (the disk was full), so that the export names its
+    destination in one error as it does for any other failed write."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return OSError(errno.EIO, f"{writer} could not write it ({type(exc).__name__}: {first})", target)

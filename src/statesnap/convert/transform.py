@@ -98,11 +98,21 @@ def load_spec(spec: Any) -> list[dict]:
                 spec = json.load(f)
         except (OSError, ValueError) as exc:
             raise TransformError(f"cannot read {where}: {exc}") from None
+        except RecursionError:  # json nests by recursion: an op is a flat object, so this is no spec
+            raise TransformError(f"{where} is nested too deeply to be a transform spec") from None
     if not isinstance(spec, dict) or set(spec) != {"ops"} or not isinstance(spec["ops"], list):
-        raise TransformError(f'{where} must be an object {{"ops": [...]}}, got {str(spec)[:200]}')
+        raise TransformError(f'{where} must be an object {{"ops": [...]}}, got {_shown(spec)}')
     for number, op in enumerate(spec["ops"]):
         _check_op(op, f"{where}, op #{number}")
     return spec["ops"]
+
+
+def _shown(value: Any) -> str:
+    """The start of ``value``'s text for an error message (text of a deeply nested value cannot be made)."""
+    try:
+        return str(value)[:200]
+    except RecursionError:
+        return f"a {type(value).__name__} nested too deeply to show"
 
 
 def _count(value: Any, least: int = 1) -> bool:
@@ -113,25 +123,25 @@ def _count(value: Any, least: int = 1) -> bool:
 def _check_op(op: Any, where: str) -> None:
     names = [k for k in op if k in _OPS] if isinstance(op, dict) else []
     if len(names) != 1:
-        raise TransformError(f"{where}: {op!r} must have exactly one of {', '.join(_OPS)}")
+        raise TransformError(f"{where}: {_shown(op)} must have exactly one of {', '.join(_OPS)}")
     kind = names[0]
     required, optional = _OPS[kind]
     unknown = set(op) - {kind, "optional", *required, *optional}
     missing = [k for k in required if k not in op]
     if unknown or missing:
-        raise TransformError(f"{where}: {op!r} has unknown keys {sorted(unknown)} or lacks {missing}")
+        raise TransformError(f"{where}: {_shown(op)} has unknown keys {sorted(unknown)} or lacks {missing}")
     try:
         pattern = re.compile(op[kind])
     except (re.error, TypeError) as exc:
         raise TransformError(f"{where}: bad pattern {op[kind]!r}: {exc}") from None
     problem = _OP_CHECKS.get(kind, lambda op, pattern: None)(op, pattern)
-    templates = op.get("to", "")
-    if not problem and not all(isinstance(t, str) for t in (templates if isinstance(templates, list) else [templates])):
-        problem = '"to" must be a name template (a string)'
+    templates = op.get("to", "")  # a list of templates for split (checked to be one above), else one
+    if not problem and not all(isinstance(t, str) for t in (templates if kind == "split" else [templates])):
+        problem = '"to" must be a name template (a string)' + (", one per part" if kind == "split" else "")
     if not problem and not isinstance(op.get("optional", False), bool):
         problem = '"optional" must be true or false'
     if problem:
-        raise TransformError(f"{where}: {op!r}: {problem}")
+        raise TransformError(f"{where}: {_shown(op)}: {problem}")
 
 
 def _check_fuse(op: dict, pattern: re.Pattern) -> str | None:
@@ -236,7 +246,7 @@ def apply_spec(ops: list[dict], values: dict[str, Any], notes: list | None = Non
         result, matched = _APPLY[kind](_Step(op, f"transform op #{number} {kind}", notes), values)
         if not matched and not op.get("optional", False):
             shown = ", ".join(list(values)[:SHOWN_NAMES])
-            raise TransformError(f"transform op #{number} {op!r} matched no name (names are {shown}"
+            raise TransformError(f"transform op #{number} {_shown(op)} matched no name (names are {shown}"
                                  f"{', ...' if len(values) > SHOWN_NAMES else ''}); fix the pattern or "
                                  'mark the op "optional": true')
         values = result

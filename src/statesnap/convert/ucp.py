@@ -41,8 +41,8 @@ import torch
 
 from ..errors import CheckpointError
 from . import unpickler
-from .ds_common import (LAYOUT_KEYS, engine_state, model_states, module_weights, param_groups,
-                        param_shapes, pointed_folder)
+from .ds_common import (add_client_state, engine_state, model_states, module_weights, parallel_dims,
+                        param_groups, param_shapes, pointed_folder)
 from .transform import Lazy
 
 LATEST = "latest_universal"
@@ -96,7 +96,9 @@ def read(src: str) -> dict[str, Any]:
                               "optimizer state")
     group_of = {name: index for index, shapes in enumerate(groups) for name in shapes}
     shapes = {name: shape for group in groups for name, shape in group.items()}
-    tp = int((first.get("checkpoint_parallel_dimensions") or {}).get("tp_degree", 1))
+    tp = parallel_dims(first, os.path.join(folder, "*model_states.pt")).get("tp_degree", 1)
+    if type(tp) is not int or tp < 1:
+        raise CheckpointError(f"{folder}: the model states' tp_degree is {str(tp)[:80]}, not a positive int")
     names = sorted(n for n in os.listdir(zero) if os.path.isdir(os.path.join(zero, n)))
     unknown = set(group_of) - set(names)
     if unknown:
@@ -128,8 +130,8 @@ def read(src: str) -> dict[str, Any]:
                                   f"parameter group {group_of[name]} of {name}")
     out.update(module_weights(folder, ranks, fp32, tp))
     out["optim.param_groups"] = param_groups(optimizer, groups, os.path.join(zero, OPTIMIZER_STATE))
-    out.update({key: value for key, value in first.items() if key not in LAYOUT_KEYS})
     out.update(engine_state(optimizer, os.path.join(zero, OPTIMIZER_STATE)))
+    add_client_state(out, first, os.path.join(folder, "*model_states.pt"))
     return out
 
 

@@ -13,6 +13,7 @@ the global. After loading, the stand-ins are replaced by plain data (see :func:`
 """
 from __future__ import annotations
 
+import math
 import pickle
 import threading
 import zipfile
@@ -23,6 +24,8 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, UnsafeCheckpointError
+from ..storage.local import open_source
+from .tree import check_graph
 
 FragmentAddress = namedtuple("FragmentAddress", ["numel", "start"])
 FragmentAddress.__doc__ = ("DeepSpeed's ``fragment_address``: a parameter's ``numel`` elements at ``start`` "
@@ -66,14 +69,79 @@ STAND_INS = {
     "deepspeed.utils.tensor_fragment.fragment_address": _FragmentStandIn,
     "argparse.Namespace": _ScalerStandIn,  # Megatron-LM's args (common.pt, model_optim_rng.pt): a dict
 }
-# numpy arrays, as Megatron-LM's rng_state holds numpy's RNG state: numpy's own array
-# reconstructor builds data from a dtype, a shape and bytes, and runs nothing else. Files from
-# numpy 1.x name it numpy.core..., from 2.x numpy._core...
+# numpy arrays, as Megatron-LM's rng_state holds numpy's RNG state. A pickled array is
+# ``_reconstruct(numpy.ndarray, (0,), b"b")`` (an empty array), then BUILD with (version, shape,
+# dtype, fortran order, the data); a dtype is ``numpy.dtype("u4", False, True)``, then BUILD with
+# its byte order. Only that is admitted, through the stand-ins below: numpy.ndarray's own
+# constructor (NEWOBJ/REDUCE on the class) would allocate any shape, uninitialised, from a few
+# bytes; ``_reconstruct`` with another shape likewise; an object array's BUILD with too short a
+# list of elements crashes the process, and a dtype's BUILD can give a u4 a 1000-byte subarray
+# (reads past the data). Files from numpy 1.x name numpy.core..., from 2.x numpy._core...
 _RECONSTRUCT = np.ndarray.__reduce__(np.zeros(0))[0]
-NUMPY_GLOBALS = [np.ndarray, np.dtype, (_RECONSTRUCT, "numpy._core.multiarray._reconstruct"),
-                 (_RECONSTRUCT, "numpy.core.multiarray._reconstruct"),
-                 # a dtype's state is set on its class (numpy.dtypes.UInt32DType, ...): data only
-                 *(getattr(np.dtypes, n) for n in dir(getattr(np, "dtypes", None)) if n.endswith("DType"))]
+_DTYPE_KINDS = "biufcO"  # bool, integers, floats, complex, object (its elements go through this unpickler)
+
+
+class _Array(np.ndarray):
+    """What a file's ``numpy.ndarray`` names: an array only ``_reconstruct`` makes and only a
+    BUILD with data of exactly its size fills; turned into a plain ``np.ndarray`` after loading."""
+
+    def __new__(cls, *args, **kwargs):
+        raise pickle.UnpicklingError("numpy.ndarray(...) called directly (it would allocate an uninitialised "
+                                     "array of any size); numpy pickles arrays with _reconstruct")
+
+    def __setstate__(self, state: Any) -> None:
+        if not (isinstance(state, tuple) and len(state) == 5 and state[0] == 1 and isinstance(state[1], tuple)
+                and all(type(n) is int and n >= 0 for n in state[1]) and isinstance(state[2], _Dtype)
+                and state[2].value is not None and isinstance(state[3], bool)):
+            raise pickle.UnpicklingError(f"a numpy array's state must be (1, shape, dtype, fortran, data), got "
+                                         f"{str(state)[:200]}")
+        _, shape, dtype, fortran, data = state
+        count = math.prod(shape)
+        if dtype.value.hasobject:
+            ok = isinstance(data, list) and len(data) == count
+        else:
+            ok = isinstance(data, bytes) and len(data) == count * dtype.value.itemsize
+        if not ok:
+            size = len(data) if isinstance(data, (bytes, list)) else "?"
+            raise pickle.UnpicklingError(f"a numpy array of shape {list(shape)} and dtype {dtype.value} holds "
+                                         f"{type(data).__name__} data of length {size}")
+        super().__setstate__((1, shape, dtype.value, fortran, data))
+
+
+def _reconstruct(subtype: Any, shape: Any, typecode: Any) -> _Array:
+    """numpy's ``_reconstruct`` as its pickles call it: an empty array for a BUILD to fill."""
+    if subtype is not _Array or shape != (0,):
+        raise pickle.UnpicklingError(f"numpy _reconstruct({subtype!r}, {shape!r}, ...): numpy pickles arrays as "
+                                     "_reconstruct(numpy.ndarray, (0,), ...)")
+    return _RECONSTRUCT(_Array, (0,), b"b")
+
+
+class _Dtype:
+    """What a file's ``numpy.dtype`` names: a plain numeric, bool or object dtype by its code
+    ("u4"), whose BUILD may set the byte order and nothing else."""
+
+    value = None  # none yet: made by NEWOBJ rather than by numpy.dtype(code)
+
+    def __init__(self, code: Any, align: Any = False, copy: Any = True):
+        try:
+            value = np.dtype(code) if isinstance(code, str) and len(code) <= 8 else None
+        except (TypeError, ValueError):
+            value = None
+        if value is None or value.kind not in _DTYPE_KINDS or value.fields or value.subdtype or align:
+            raise pickle.UnpicklingError(f"numpy dtype {code!r}: only plain numeric, bool and object dtypes are read")
+        self.value = value
+
+    def __setstate__(self, state: Any) -> None:
+        if (self.value is None or not isinstance(state, tuple) or len(state) != 8
+                or state[1] not in ("<", ">", "|", "=") or state[2:] != (None, None, None, -1, -1, state[7])
+                or type(state[7]) is not int):
+            raise pickle.UnpicklingError(f"a numpy dtype's state must give its byte order only, got {str(state)[:200]}")
+        self.value = self.value.newbyteorder(state[1]) if state[1] in "<>" else self.value
+
+
+NUMPY_GLOBALS = [(_Array, "numpy.ndarray"), (_Dtype, "numpy.dtype"),
+                 (_reconstruct, "numpy._core.multiarray._reconstruct"),
+                 (_reconstruct, "numpy.core.multiarray._reconstruct")]
 _ALLOWED = [(stand_in, name) for name, stand_in in STAND_INS.items()] + NUMPY_GLOBALS
 # safe_globals adds to and removes from one process-wide set; two loads overlapping in threads
 # would remove each other's entries, so loads take turns.
@@ -88,12 +156,16 @@ def load(path: str) -> Any:
     :data:`FragmentAddress` ``(numel, start)`` named tuple. Raises :class:`UnsafeCheckpointError`
     for any other global and :class:`CheckpointError` for a missing, truncated or garbled file."""
     try:
-        mmap = zipfile.is_zipfile(path)
+        with open_source(path) as f:  # a FIFO would block torch.load: refused here
+            mmap = zipfile.is_zipfile(f)
         with _LOCK, torch.serialization.safe_globals(_ALLOWED):
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        check_graph(obj, path)  # before _plain walks it as a tree
         return _plain(obj)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(
             f"{path}: refused to unpickle: {_reason(exc)}. statesnap admits only tensors, plain data, numpy "
@@ -120,6 +192,12 @@ def _plain(obj: Any) -> Any:
     their own type; tensors untouched)."""
     if isinstance(obj, _ScalerStandIn):
         return {key: _plain(value) for key, value in obj.items()}
+    if isinstance(obj, _Array):
+        return obj.view(np.ndarray)
+    if isinstance(obj, _Dtype):
+        if obj.value is None:
+            raise pickle.UnpicklingError("a numpy dtype made without its code")
+        return obj.value
     if isinstance(obj, _FragmentStandIn):
         if not hasattr(obj, "numel"):  # created without the BUILD that gives it its two fields
             raise pickle.UnpicklingError("a fragment_address without its numel and start")

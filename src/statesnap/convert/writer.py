@@ -99,6 +99,10 @@ def write_checkpoint(values: dict[str, Any], dst, *, meta: dict, overwrite: bool
                                   block_bytes, advance)]
             for rank, file in enumerate(files, start=1):
                 outputs.append(_checksum_linked(plan, staging, rank, file, linked[file], tensors, block_bytes, advance))
+    except OSError as exc:  # the disk is full (ENOSPC, EFBIG past a file size limit), an I/O error, ...
+        backend.abort(staging, path)
+        raise CheckpointError(f"writing the converted checkpoint {path} failed, nothing was committed: "
+                              f"{exc.strerror or exc}") from None
     except BaseException:
         backend.abort(staging, path)
         raise

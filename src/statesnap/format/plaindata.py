@@ -25,8 +25,10 @@ class NotPlainData(TypeError):
 
 
 def inlinable(t: torch.Tensor) -> bool:
-    """Small plain CPU tensors may live inside plain data (tagged JSON); others need data files."""
-    return type(t) is torch.Tensor and t.device.type == "cpu" and t.numel() * t.element_size() <= MAX_INLINE_TENSOR_BYTES
+    """Small plain CPU tensors may live inside plain data (tagged JSON); others need data files.
+    Sparse and nested tensors are not plain: their bytes are not one strided block."""
+    return (type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided and not t.is_nested
+            and t.numel() * t.element_size() <= MAX_INLINE_TENSOR_BYTES)
 
 
 def encode(value: Any) -> Any:

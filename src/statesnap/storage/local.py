@@ -16,7 +16,7 @@ import os
 import shutil
 import stat
 import threading
-from typing import Sequence
+from typing import BinaryIO, Sequence
 
 from ..errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .aligned import BOUNCE, address
@@ -198,6 +198,14 @@ def _open_regular(path: str, follow: bool = False) -> int:
                 stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}.get(kind, "not a regular file")
         raise CorruptCheckpointError(f"{path} is {what}, not the regular file a checkpoint holds there")
     return fd
+
+
+def open_source(path: str) -> BinaryIO:
+    """The regular file at ``path`` opened for reading, for importing a foreign checkpoint: unlike
+    a statesnap checkpoint's own files, a symbolic link is followed (a Hugging Face cache is links
+    into its blob store), but anything else that is not a regular file (a FIFO, which would block
+    the open until a writer came) is a :class:`CorruptCheckpointError` naming it."""
+    return open(_open_regular(path, follow=True), "rb")
 
 
 class _LocalReader(FileReader):

@@ -1,0 +1,424 @@
+"""Hostile, damaged and foreign inputs to ``ss.convert`` and ``ss.export``: each is a
+``CheckpointError`` naming the file and the value, in little time and memory, never a hang, a
+crash, a raw Python exception or a silently wrong checkpoint.
+
+DeepSpeed checkpoints are built here from plain dicts (one rank, two tiny parameters), in the
+layout DeepSpeed 0.19 writes, so that these tests need neither DeepSpeed nor its producers.
+"""
+from __future__ import annotations
+
+import copyreg
+import dataclasses
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import zipfile
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import statesnap as ss
+from statesnap.convert import api, unpickler
+from statesnap.errors import CheckpointError, CheckpointExistsError
+from statesnap.convert.transform import TransformError
+
+
+def _convert(src, tmp_path, **kwargs):
+    return ss.convert(str(src), str(tmp_path / "out"), **kwargs)
+
+
+# --- object graphs: shared, cyclic, deep ------------------------------------------------------
+
+def _dag(levels: int) -> list:
+    shared = [1, 2]
+    for _ in range(levels):
+        shared = [shared, shared]
+    return shared
+
+
+def test_shared_lists_that_would_expand_exponentially_are_refused(tmp_path):
+    """20 levels of ``l = [l, l]`` are a 1 KB file and 2**20 values written out as a tree."""
+    torch.save({"v": _dag(21)}, tmp_path / "x.pt")
+    started = time.perf_counter()
+    with pytest.raises(CheckpointError, match=r"x\.pt: its lists and dicts refer to each other"):
+        _convert(tmp_path / "x.pt", tmp_path, source="torch")
+    with pytest.raises(CheckpointError, match="refer to each other"):  # DeepSpeed's and Megatron's unpickler
+        unpickler.load(str(tmp_path / "x.pt"))
+    assert time.perf_counter() - started < 5
+
+
+def test_a_little_sharing_is_kept(tmp_path):
+    config = {"lr": 0.1, "betas": [0.9, 0.99]}
+    torch.save({"a": config, "b": config, "w": torch.ones(2)}, tmp_path / "x.pt")
+    _convert(tmp_path / "x.pt", tmp_path)
+    assert ss.open(str(tmp_path / "out")).read("b.betas") == [0.9, 0.99]
+
+
+def _deep(depth: int) -> list:
+    value = [1]
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _cyclic_list():
+    value = [1]
+    value.append(value)
+    return value
+
+
+def _cyclic_dict():
+    value = {"a": 1}
+    value["self"] = value
+    return value
+
+
+@pytest.mark.parametrize("case, says", [("list", r"v\.1 contains itself"), ("dict", r"v\.self contains itself"),
+                                        ("deep", "nested more than 100 levels")])
+def test_cycles_and_deep_nesting_are_refused(case, says, tmp_path):
+    value = {"list": _cyclic_list, "dict": _cyclic_dict, "deep": lambda: _deep(3000)}[case]()
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20000)  # torch.save itself recurses
+    try:
+        torch.save({"v": value}, tmp_path / "x.pt")
+    finally:
+        sys.setrecursionlimit(limit)
+    with pytest.raises(CheckpointError, match=says):
+        _convert(tmp_path / "x.pt", tmp_path, source="torch")
+    with pytest.raises(CheckpointError, match=says):
+        unpickler.load(str(tmp_path / "x.pt"))
+
+
+# --- tensors that are no plain dense block --------------------------------------------------
+
+def test_stride0_view_claiming_gigabytes_of_a_tiny_storage_is_refused(tmp_path):
+    big = torch.zeros(1).as_strided((1 << 14, 1 << 15), (0, 0))  # 2 GiB shown, 4 bytes stored
+    torch.save({"w": big}, tmp_path / "tiny.pt")
+    with pytest.raises(CheckpointError, match=r"tiny\.pt: its tensors are views of 4 stored bytes.*w alone"):
+        _convert(tmp_path / "tiny.pt", tmp_path)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_small_expanded_views_are_materialized(tmp_path):
+    """Expanded buffers are legitimate (position ids, masks): written out at their logical size."""
+    torch.save({"ones": torch.ones(1).expand(4096), "ids": torch.arange(8).expand(2, 8)}, tmp_path / "x.pt")
+    _convert(tmp_path / "x.pt", tmp_path)
+    reader = ss.open(str(tmp_path / "out"))
+    assert torch.equal(reader.read("ones"), torch.ones(4096))
+    assert torch.equal(reader.read("ids"), torch.arange(8).expand(2, 8))
+
+
+@pytest.mark.parametrize("case", ["nested", "sparse in a list"])
+def test_nested_and_sparse_tensors_are_refused_by_name(case, tmp_path):
+    value = (torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]) if case == "nested"
+             else [torch.sparse_coo_tensor([[0]], [1.0], (2,))])
+    torch.save({"v": value}, tmp_path / "x.pt")
+    name = "v" if case == "nested" else r"v\.0"
+    with pytest.raises(CheckpointError, match=rf"x\.pt: {name} is a (nested|sparse_coo) tensor"):
+        _convert(tmp_path / "x.pt", tmp_path)
+
+
+# --- numpy in the allow-listed unpickler ------------------------------------------------------
+
+class _Pickled:
+    """Pickles as ``func(*args)`` followed, with ``state``, by a BUILD: any call a file may name."""
+
+    def __init__(self, func, args, state=None):
+        self.reduced = (func, args) if state is None else (func, args, state)
+
+    def __reduce__(self):
+        return self.reduced
+
+
+class _NewArray:
+    """Pickles as NEWOBJ ``numpy.ndarray((2**30,), "u1")``, which pickle itself will not write."""
+
+    def __reduce__(self):
+        return copyreg.__newobj__, (_NewArray, (1 << 30,), "u1")
+
+
+def _save_renamed(obj, path, ours: type, theirs: bytes) -> None:
+    """torch.save of ``obj`` with the class ``ours`` renamed to the global ``theirs`` in the pickle."""
+    torch.save(obj, path)
+    with zipfile.ZipFile(path) as zf:
+        entries = {info.filename: zf.read(info) for info in zf.infolist()}
+    name = f"c{ours.__module__}\n{ours.__qualname__}\n".encode()
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        for entry, data in entries.items():
+            zf.writestr(entry, data.replace(name, b"c" + theirs.replace(b":", b"\n") + b"\n"))
+
+
+_RECONSTRUCT = np.ndarray.__reduce__(np.zeros(0))[0]
+_DTYPE_U4 = ("u4", False, True)  # how numpy pickles np.dtype("u4")
+NUMPY_HOSTILE = {  # a few hundred bytes each
+    "NEWOBJ ndarray": _NewArray,
+    "REDUCE ndarray": lambda: _Pickled(np.ndarray, ((1 << 30,), "u1")),
+    "_reconstruct of a huge shape": lambda: _Pickled(_RECONSTRUCT, (np.ndarray, (1 << 30,), b"b")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NUMPY_HOSTILE))
+def test_numpy_arrays_are_only_built_from_their_data(case, tmp_path):
+    """A small file must not make a 1 GiB uninitialised array (nor leak heap contents)."""
+    path = str(tmp_path / "arr.pt")
+    _save_renamed({"rng": NUMPY_HOSTILE[case]()}, path, _NewArray, b"numpy:ndarray")
+    with pytest.raises(CheckpointError, match="arr.pt"):
+        unpickler.load(path)
+
+
+def test_numpy_states_that_would_read_out_of_bounds_are_refused(tmp_path):
+    """An object array with fewer elements than its shape, and a dtype whose state adds a subarray,
+    made numpy read past its memory (the first crashed the process): run in a child process."""
+    short = _Pickled(_RECONSTRUCT, (np.ndarray, (0,), b"b"), (1, (4,), np.dtype("O"), False, [1, 2]))
+    grown = _Pickled(np.dtype, _DTYPE_U4, (3, "<", (np.dtype("u1"), (1000,)), None, None, -1, -1, 0))
+    grown = _Pickled(_RECONSTRUCT, (np.ndarray, (0,), b"b"), (1, (1,), grown, False, b"\0" * 4))
+    paths = [str(tmp_path / "short.pt"), str(tmp_path / "grown.pt")]
+    torch.save({"rng": short}, paths[0])
+    torch.save({"rng": grown}, paths[1])
+    script = textwrap.dedent(f"""
+        from statesnap.convert import unpickler
+        from statesnap.errors import UnsafeCheckpointError
+        for path in {paths!r}:
+            try:
+                unpickler.load(path)
+                print("loaded")
+            except UnsafeCheckpointError as exc:
+                print("refused")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["refused", "refused"]
+
+
+def test_numpy_rng_state_still_loads(tmp_path):
+    """What Megatron-LM saves: numpy's RNG state, a uint32 array (here big-endian too)."""
+    state = np.random.RandomState(3).get_state()
+    torch.save({"np": state, "be": np.arange(3, dtype=">u4")}, tmp_path / "rng.pt")
+    loaded = unpickler.load(str(tmp_path / "rng.pt"))
+    assert type(loaded["np"][1]) is np.ndarray and np.array_equal(loaded["np"][1], state[1])
+    assert loaded["be"].tolist() == [0, 1, 2]  # numpy itself loads it in native byte order
+
+
+# --- FIFOs in place of source files -----------------------------------------------------------
+
+def test_a_fifo_in_place_of_a_source_file_is_refused_not_waited_on(tmp_path):
+    os.mkfifo(tmp_path / "model.safetensors")
+    os.mkfifo(tmp_path / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointError, match="model.safetensors is a FIFO"):
+        _convert(tmp_path / "model.safetensors", tmp_path)
+    with pytest.raises(CheckpointError, match="model.safetensors is a FIFO"):
+        _convert(tmp_path, tmp_path, source="safetensors")
+    with pytest.raises(CheckpointError, match="optim_states.pt is a FIFO"):
+        unpickler.load(str(tmp_path / "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+
+
+def test_a_symlinked_source_is_still_followed(tmp_path):
+    """The Hugging Face cache is symbolic links into a blob store."""
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "snapshot").mkdir()
+    save_file({"w": torch.arange(4.0)}, str(tmp_path / "blobs" / "abc"))
+    os.symlink(tmp_path / "blobs" / "abc", tmp_path / "snapshot" / "model.safetensors")
+    _convert(tmp_path / "snapshot", tmp_path)
+    assert torch.equal(ss.open(str(tmp_path / "out")).read("w"), torch.arange(4.0))
+
+
+# --- DeepSpeed checkpoints, built here --------------------------------------------------------
+
+@dataclasses.dataclass
+class _Fragment:
+    """Pickled under DeepSpeed's name ``fragment_address`` (see :func:`_save`)."""
+
+    numel: int
+    start: int
+
+
+def _save(obj, path) -> None:
+    """torch.save, with :class:`_Fragment` renamed to DeepSpeed's class in the pickle."""
+    _save_renamed(obj, path, _Fragment, b"deepspeed.utils.tensor_fragment:fragment_address")
+
+
+SHAPES = OrderedDict(w=torch.Size([4, 2]), b=torch.Size([3]))
+
+
+def _model_states(stage: int, tp: int) -> dict:
+    module = {"w": torch.randn(4, 2), "b": torch.randn(3)} if stage < 3 else {"w": torch.empty(0), "b": torch.empty(0)}
+    return {"module": {**module, "n": torch.ones(2)}, "buffer_names": [], "optimizer": None,
+            "param_shapes": [OrderedDict(SHAPES)], "frozen_param_shapes": OrderedDict(n=torch.Size([2])),
+            "shared_params": {}, "frozen_param_fragments": OrderedDict(n=torch.ones(2)), "lr_scheduler": {},
+            "global_steps": 3, "skipped_steps": 0, "global_samples": 12, "dp_world_size": 1, "mp_world_size": tp,
+            "checkpoint_parallel_dimensions": {"tp_degree": tp, "pp_degree": 1}, "ds_version": "0.19.8",
+            "my_extra": 42}
+
+
+def _optim_states(stage: int) -> dict:
+    moments = {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(11), "exp_avg_sq": torch.zeros(11)}}
+    groups = [{"lr": 0.1, "params": [0]}]
+    if stage == 3:
+        inner = {"zero_stage": 3, "partition_count": 1, "fp32_flat_groups": [torch.randn(11)],
+                 "optimizer_state_dict": {"state": moments, "param_groups": groups}}
+    else:
+        inner = {"zero_stage": stage, "partition_count": [1], "single_partition_of_fp32_groups": [torch.randn(11)],
+                 "base_optimizer_state": {"state": moments, "param_groups": groups},
+                 "param_slice_mappings": [OrderedDict(w=_Fragment(8, 0), b=_Fragment(3, 8))]}
+    return {"optimizer_state_dict": inner}
+
+
+def _deepspeed(tmp_path, stage: int = 2, tp: int = 1, model=None, optim=None) -> str:
+    """A one-DP-rank DeepSpeed run directory (``tp`` model-parallel ranks alike); ``model`` and
+    ``optim`` change rank 0's model and optimizer states before they are saved."""
+    run = tmp_path / "run"
+    tag = run / "global_step3"
+    tag.mkdir(parents=True)
+    (run / "latest").write_text("global_step3")
+    for mp in range(tp):
+        torch.manual_seed(0)  # the TP ranks alike: replicated tensors must be equal
+        states, optimizer = _model_states(stage, tp), _optim_states(stage)
+        if model:
+            model(states)
+        if optim:
+            optim(optimizer["optimizer_state_dict"])
+        prefix = "zero_pp_rank_0_" if stage == 3 else ""
+        _save(states, tag / f"{prefix}mp_rank_{mp:02d}_model_states.pt")
+        _save(optimizer, tag / f"zero_pp_rank_0_mp_rank_{mp:02d}_optim_states.pt")
+    return str(run)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_built_deepspeed_checkpoints_convert(stage, tmp_path):
+    _convert(_deepspeed(tmp_path, stage), tmp_path, source="deepspeed")
+    reader = ss.open(str(tmp_path / "out"))
+    assert reader.read("fp32.w").shape == (4, 2) and reader.read("my_extra") == 42
+
+
+def _info(**info):
+    return lambda states: states.__setitem__("universal_checkpoint_info", info)
+
+
+def test_checkpoint_regexes_that_backtrack_catastrophically_are_refused(tmp_path):
+    """A TP checkpoint's own patterns, matched against names from the same file: ``(a+)+$``
+    against a buffer named a...a! took 18 s at 28 a's, three times as long per two more."""
+    def hostile(states):
+        _info(tp_replicated_parameter_patterns=["(a+)+$"])(states)
+        states["module"]["a" * 22 + "!"] = torch.zeros(1)
+    run = _deepspeed(tmp_path, tp=2, model=hostile)
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states.pt: .*pattern '\(a\+\)\+\$' is refused"):
+        _convert(run, tmp_path, source="deepspeed")
+
+
+def test_the_patterns_deepspeed_writes_are_accepted(tmp_path):
+    run = _deepspeed(tmp_path, tp=2, model=_info(tp_replicated_parameter_patterns=[r"^b$", r"\d*n", r".*x$"],
+                                                 parameter_with_row_parallelism_patterns=["^w$"]))
+    _convert(run, tmp_path, source="deepspeed")
+    assert ss.open(str(tmp_path / "out")).read("fp32.w").shape == (4, 4)
+
+
+def _set(key, value):
+    return lambda d: d.__setitem__(key, value)
+
+
+GARBAGE = {  # name -> (stage, tp, model change, optimizer change, what the error says)
+    "parallel dimensions a list": (2, 1, _set("checkpoint_parallel_dimensions", [1, 1]), None, "not a dict"),
+    "parallel dimensions text": (2, 1, _set("checkpoint_parallel_dimensions", "tp=1"), None, "not a dict"),
+    "frozen shape an int": (2, 1, lambda o: o["frozen_param_shapes"].__setitem__("n", 5), None, "shape 5"),
+    "frozen shape None": (2, 1, lambda o: o["frozen_param_shapes"].__setitem__("n", None), None, "shape None"),
+    "ZeRO-3 inner state dict a list": (3, 1, None, _set("optimizer_state_dict", [1]), "not a dict"),
+    "ZeRO-3 state a list": (3, 1, None, lambda o: o["optimizer_state_dict"].__setitem__("state", [1]), "not a dict"),
+    "vocabulary size text": (2, 2, _info(vocabulary_parameter_patterns=["^w$"], original_vocab_size="abc"), None,
+                             "original_vocab_size is abc"),
+    "vocabulary size a list": (2, 2, _info(vocabulary_parameter_patterns=["^w$"], original_vocab_size=[3]), None,
+                               r"original_vocab_size is \[3\]"),
+    "a pattern an int": (2, 2, _info(tp_replicated_parameter_patterns=[1]), None, "not a list of regexes"),
+    "patterns an int": (2, 2, _info(parameter_to_average_patterns=5), None, "not a list of regexes"),
+    "sub-parameters an int": (2, 2, _info(parameter_with_sub_params=5), None, "not a list of entries"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GARBAGE))
+def test_garbage_deepspeed_fields_are_checkpoint_errors(case, tmp_path):
+    stage, tp, model, optim, says = GARBAGE[case]
+    with pytest.raises(CheckpointError, match=rf"_states\.pt.*{says}"):
+        _convert(_deepspeed(tmp_path, stage, tp, model, optim), tmp_path, source="deepspeed")
+
+
+@pytest.mark.parametrize("key, clashes", [("fp32.w", "fp32.w"), ("optim", "optim."), ("model.w.extra", "model.w")])
+def test_client_state_named_like_a_converted_value_is_refused(key, clashes, tmp_path):
+    """It used to replace the fp32 master weight silently."""
+    run = _deepspeed(tmp_path, model=_set(key, 123))
+    with pytest.raises(CheckpointError, match=rf"mp_rank_00_model_states.pt: its key '{key}' .* collides with the "
+                                              rf"converted value '{clashes}"):
+        _convert(run, tmp_path, source="deepspeed")
+
+
+# --- disk full --------------------------------------------------------------------------------
+
+def test_a_full_disk_is_a_checkpoint_error_naming_the_destination(tmp_path):
+    """Under a 64 KiB file size limit (EFBIG, as ENOSPC would be) in a child process."""
+    save_file({"w": torch.randn(256, 256)}, str(tmp_path / "model.safetensors"))
+    ss.convert(str(tmp_path / "model.safetensors"), str(tmp_path / "ck"))
+    script = textwrap.dedent(f"""
+        import resource, statesnap as ss
+        from statesnap.errors import CheckpointError
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+        d = {str(tmp_path)!r}
+        for name, call in [("o1", lambda: ss.convert(d + "/model.safetensors", d + "/o1")),
+                           ("o2", lambda: ss.export(d + "/ck", d + "/o2")),
+                           ("o3.pt", lambda: ss.export(d + "/ck", d + "/o3.pt", to="torch")),
+                           ("o4", lambda: ss.export(d + "/ck", d + "/o4", to="dcp"))]:
+            try:
+                call()
+                print("written", name)
+            except CheckpointError as exc:
+                print("refused", name, d + "/" + name in str(exc))
+            except BaseException as exc:
+                print("raw", name, type(exc).__name__)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [word for name in ("o1", "o2", "o3.pt", "o4") for word in ("refused", name, "True")]
+    assert sorted(os.listdir(tmp_path)) == ["ck", "model.safetensors"]  # nothing half-written left
+
+
+def test_a_failed_write_of_an_export_leaves_nothing(tmp_path, monkeypatch):
+    ss.save({"w": torch.ones(3)}, str(tmp_path / "ck"))
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(api.safetensors_io, "_write_file", full)
+    with pytest.raises(CheckpointError, match=r"exporting to .*hf failed.*No space left"):
+        ss.export(str(tmp_path / "ck"), str(tmp_path / "hf"))
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+# --- transform specs and export destinations ---------------------------------------------------
+
+@pytest.mark.parametrize("op", [{"fuse": r"tp_rank_(?P<index>\d+)\.w", "to": ["w"], "cat": 0},
+                                {"rename": "w", "to": ["x"]}])
+def test_a_list_of_names_is_for_split_only(op, tmp_path):
+    torch.save({"tp_rank_00.w": torch.ones(2), "tp_rank_01.w": torch.ones(2)}, tmp_path / "m.pt")
+    with pytest.raises(TransformError, match="op #0"):
+        _convert(tmp_path / "m.pt", tmp_path, spec={"ops": [op]})
+
+
+def test_a_deeply_nested_spec_file_is_a_transform_error(tmp_path):
+    (tmp_path / "deep.json").write_text('{"ops": ' + "[" * 50000 + "]" * 50000 + "}")
+    with pytest.raises(TransformError, match="nested too deeply"):
+        ss.convert(str(tmp_path / "nowhere.pt"), str(tmp_path / "out"), spec=str(tmp_path / "deep.json"))
+
+
+@pytest.mark.parametrize("to, name", [("torch", "out.pt"), ("safetensors", "out.safetensors")])
+def test_a_single_file_export_does_not_replace_a_directory(to, name, tmp_path):
+    ss.save({"w": torch.ones(3)}, str(tmp_path / "ck"))
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "keep").write_text("mine")
+    with pytest.raises(CheckpointExistsError, match="is a directory"):
+        ss.export(str(tmp_path / "ck"), str(tmp_path / name), to=to, overwrite=True)
+    assert (tmp_path / name / "keep").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == sorted(["ck", name])
