@@ -105,3 +105,28 @@ def test_a_program_that_ends_without_close_finishes_its_checkpoint(tmp_path):
         state = {"model": model, "optim": optim}
         ss.load(state, root / "step-1")
         assert_state_equals(state, torch.load(ref_path))
+
+
+def _forked_child() -> None:
+    pass
+
+
+def test_a_forked_child_does_not_finish_the_parent_s_checkpoints(tmp_path):
+    """A forked child (a DataLoader worker) inherits the exit hook and a copy of the
+    Checkpointer without its threads: it must end at once, not wait ``commit_timeout_s`` for
+    work only the parent can finish (nor release what the parent holds)."""
+    import multiprocessing
+
+    from test_checkpointer import SlowBackend
+
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.1, commit_timeout_s=120, backend=SlowBackend(max_sleep=0.5))
+    ckpt.save(1, {"w": torch.randn(512, 1024), "x": torch.randn(512, 1024)})
+    child = multiprocessing.get_context("fork").Process(target=_forked_child)
+    child.start()
+    child.join(timeout=60)
+    finished = child.exitcode
+    if finished is None:
+        child.kill()
+    ckpt.close()
+    assert finished == 0
+    assert os.path.isdir(tmp_path / "step-1")

@@ -63,3 +63,12 @@ def test_the_gradient_scaler_is_saved_and_restored(tmp_path):
     with AcceleratorCheckpoints(resumed, tmp_path / "ckpt") as checkpoints:
         assert checkpoints.load_latest() == 3
     assert resumed.scaler.get_scale() == 8192.0
+
+    older, _, _ = prepared()  # a checkpoint saved before the scaler was: the rest is restored
+    older.scaler = None
+    with AcceleratorCheckpoints(older, tmp_path / "older") as checkpoints:
+        checkpoints.save(5)
+    older.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    with AcceleratorCheckpoints(older, tmp_path / "older") as checkpoints:
+        assert checkpoints.load_latest() == 5
+    assert older.scaler.get_scale() == 2.0 ** 16

@@ -171,8 +171,8 @@ def test_trainer_options_behave_as_the_stock_trainers(tmp_path, kind):
 
 def test_a_checkpoint_directory_that_cannot_be_made_is_raised(tmp_path, monkeypatch):
     """Making ``checkpoint-N`` after the commit (the disk full) failed only in a log line, and
-    the next commit deleted the step no ``checkpoint-N`` named: now the next save raises it,
-    and the step stays stored."""
+    the next commit deleted the step no ``checkpoint-N`` named: now a later save (the first
+    after that commit) or the end of ``train`` raises it, and the step stays stored."""
     import errno
 
     from transformers import TrainingArguments
@@ -193,5 +193,6 @@ def test_a_checkpoint_directory_that_cannot_be_made_is_raised(tmp_path, monkeypa
                                            statesnap_settings={"host_memory_gb": 0.05})
     with pytest.raises(ss.CheckpointError, match="checkpoint-4 could not be made .*No space left"):
         trainer.train()
-    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")) == ["checkpoint-2"]
+    made = sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-"))
+    assert "checkpoint-2" in made and "checkpoint-4" not in made  # (step 6 may have been saved before 4 committed)
     assert "step-4" in os.listdir(tmp_path / "statesnap")

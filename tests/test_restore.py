@@ -302,8 +302,8 @@ def test_streams_hold_one_descriptor_each_besides_one_per_file(tmp_path, monkeyp
     opened, peak = set(), [0]
     real_init, real_close = local._LocalReader.__init__, local._LocalReader.close
 
-    def counting_init(self, path, follow=False):
-        real_init(self, path, follow)
+    def counting_init(self, path):
+        real_init(self, path)
         opened.add(self.fd)
         peak[0] = max(peak[0], len(opened))
 

@@ -731,3 +731,34 @@ def test_small_tensors_inside_plain_values_are_loaded_in_place(tmp_path):
     assert torch.equal(target["d"]["grown"][0], torch.arange(2.))
     other = target["d"]["other"][0]
     assert other is not mismatched and other.dtype == torch.float32 and torch.equal(other, torch.zeros(4))
+
+
+def test_a_list_holding_one_tensor_several_times_loads_every_stored_value(tmp_path):
+    """``[t] * 3`` as the target of three stored values: filling ``t`` in place three times
+    left every element the last value. The first is filled, the others replaced."""
+    ss.save({"window": [torch.full((2,), float(i)) for i in range(3)]}, tmp_path / "c")
+    shared = torch.zeros(2)
+    target = {"window": [shared] * 3}
+    ss.load(target, tmp_path / "c")
+    assert [v.tolist() for v in target["window"]] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
+    assert target["window"][0] is shared
+
+
+def test_an_optimizer_over_a_wrapped_sequential_loads(tmp_path):
+    """``torch.compile``'s wrapper names the parameters ``_orig_mod.0.weight``, PyTorch's helper
+    stores them as ``0.weight``: the check for checkpoints kept by position must look for the
+    helper's names too, or it takes such a checkpoint for one by position and refuses it."""
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        wrapped = torch.compile(model)  # (compiles nothing until called)
+        return model, wrapped, torch.optim.Adam(wrapped.parameters(), lr=0.1)
+
+    model, wrapped, optim = make()
+    model(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    ss.save({"model": wrapped, "optim": optim}, tmp_path / "c")
+    assert "optim.state.0.weight.exp_avg" in ss.open(tmp_path / "c").keys()
+    model2, wrapped2, optim2 = make()
+    ss.load({"model": wrapped2, "optim": optim2}, tmp_path / "c")
+    assert_same_optim(optim, optim2)

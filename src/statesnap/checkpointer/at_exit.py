@@ -11,6 +11,7 @@ it, too late; they are the fallback where the hook is missing.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import weakref
 from typing import Callable
@@ -18,12 +19,14 @@ from typing import Callable
 
 def finish_at_exit(owner: object, finish: Callable[[object], None]) -> None:
     """Call ``finish(owner)`` when the program ends, if ``owner`` is still alive then (it is held
-    weakly: a closed, dropped owner costs nothing)."""
-    ref = weakref.ref(owner)
+    weakly: a closed, dropped owner costs nothing), in this process only: a forked child (a
+    DataLoader worker) inherits the hook and a copy of the owner without its threads, and must
+    neither wait for work it cannot finish nor release what the parent holds."""
+    ref, pid = weakref.ref(owner), os.getpid()
 
     def call() -> None:
         alive = ref()
-        if alive is not None:
+        if alive is not None and os.getpid() == pid:
             finish(alive)
     register = getattr(threading, "_register_atexit", atexit.register)
     try:

@@ -215,15 +215,22 @@ class Checkpointer:
             pending = [snap for snap in self._inflight if snap.step == step]
         for snap in pending:
             snap.finished.wait()
-        if self._further_copier is not None:  # a copy still queued would put the step back there
+        with self._lock:
+            copying = step in self._copying_further
+        if copying:  # the copy would put the step back there
             self._further_copier.drain()
         self.memory.discard(step)
         if self._recovery is not None:
             self._recovery.remove(step)
         if self.rank == 0:
             for level in (self.persistent, self.further):
-                if level is not None:
-                    level.backend.retire(level.path(step), MANIFEST_NAME)
+                if level is not None and level.unreachable is None:  # (an unreachable level gets no copies)
+                    try:
+                        level.backend.retire(level.path(step), MANIFEST_NAME)
+                    except CheckpointError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 (any storage library's error)
+                        raise CheckpointError(f"removing {level.path(step)} failed: {type(exc).__name__}: {exc}") from exc
 
     def wait_staged(self) -> None:
         """Block until every snapshot in flight is in host memory (for loops without an optimizer
@@ -391,10 +398,10 @@ class Checkpointer:
         self._raise_pending()
 
     def _finish_at_exit(self) -> None:
-        """The program ends with this Checkpointer open: finish its checkpoints in flight, as
-        ``close`` would, for at most ``commit_timeout_s`` (their threads would die with the
-        interpreter, and with them the newest checkpoints, unnoticed). What fails is logged:
-        nothing is left to raise it to."""
+        """The program ends with this Checkpointer open: wait for its checkpoints in flight, for
+        at most ``commit_timeout_s`` (their threads would die with the interpreter, and with them
+        the newest checkpoints, unnoticed), and log what failed: nothing is left to raise it to.
+        Not ``close``: the program may have destroyed the process groups already."""
         if self._closed:
             return
         with self._lock:
@@ -410,8 +417,8 @@ class Checkpointer:
                           "it is lost", snap.step, self.config.commit_timeout_s)
                 return
         try:
-            self.close()
-        except Exception:  # noqa: BLE001 (logged: the program is ending)
+            self._raise_pending()
+        except CheckpointError:
             log.exception("statesnap: a checkpoint of %s failed; found as the program ended", self.persistent.root)
 
     def __enter__(self):

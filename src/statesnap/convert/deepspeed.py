@@ -487,7 +487,7 @@ def _shapes_matching(ckpt: _Checkpoint, pattern: str) -> dict[str, torch.Size]:
 # hand-written forms such as ``\d+.input_layernorm.weight`` (Megatron-DeepSpeed) and
 # ``.*\.experts\.w[123]$`` (the engine's MoE patterns).
 MAX_PATTERN_CHARS = 1000
-MAX_REPEATS = 2  # unbounded repeats (*, +, {m,}) of single items in one pattern
+MAX_REPEATS = 2  # repeats that choose how often (*, +, ?, {m,n}, {m,}) of single items in one pattern
 _BOUNDS = re.compile(r"\{(\d*)(,?)(\d*)\}")
 
 
@@ -509,17 +509,21 @@ def _check_pattern(pattern: str, where: str) -> None:
 
     Python's ``re`` cannot be interrupted, so the pattern's form is bounded instead: no repeated
     group (``(...)*``, ``(...)+``, ``(...){m,n}``: what makes backtracking explode, ``(a|a)*``
-    included), at most ``MAX_REPEATS`` unbounded repeats of single items (``.*``, ``\d+``,
-    ``[^.]+``), at most ``MAX_PATTERN_CHARS`` characters. Every pattern DeepSpeed writes has that
-    form (above), and such patterns match in time at most quadratic in a name's length."""
+    included), at most ``MAX_REPEATS`` repeats that choose how often to match a single item
+    (``.*``, ``\d+``, ``[^.]+``, ``a?``, ``a{0,40}``: each is a choice the matcher may revisit,
+    so ten of ``a{0,40}`` took 84 s; an exact ``{n}`` is none), at most ``MAX_PATTERN_CHARS``
+    characters. Every pattern DeepSpeed writes has that form (above), and such patterns match in
+    time at most quadratic in a name's length."""
     problem = f"it is longer than {MAX_PATTERN_CHARS} characters" if len(pattern) > MAX_PATTERN_CHARS else None
     repeats, at, previous = 0, 0, ""
     while problem is None and at < len(pattern):
         char, bounds = pattern[at], _BOUNDS.match(pattern, at)
-        if char in "*+" or (char == "{" and bounds):
+        if char == "?" and previous in ("(", "*", "+", "?", "{"):  # a group's flag, or a lazy repeat
+            at += 1
+        elif char in "*+?" or (char == "{" and bounds):
             if previous == ")":
                 problem = f"it repeats a group ({pattern[max(0, at - 20):at + 1]!r})"
-            repeats += char in "*+" or bool(bounds[2] and not bounds[3])
+            repeats += char != "{" or bool(bounds[2]) and bounds[1] != bounds[3]
             at = bounds.end() if char == "{" else at + 1
         elif char == "\\":
             at += 2
@@ -529,7 +533,7 @@ def _check_pattern(pattern: str, where: str) -> None:
             at += 1
         previous = char
     if problem is None and repeats > MAX_REPEATS:
-        problem = f"it has {repeats} unbounded repeats (at most {MAX_REPEATS})"
+        problem = f"it has {repeats} repeats of varying length (at most {MAX_REPEATS})"
     try:
         problem = problem or re.compile(pattern) and None
     except re.error as exc:

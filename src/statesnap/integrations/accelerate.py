@@ -20,9 +20,14 @@ RNG states per rank. ``load_latest`` restores them in place, resharded if the la
 """
 from __future__ import annotations
 
+import logging
+
 from ..checkpointer import Checkpointer
+from ..errors import StateMismatchError
 from ..state.wrappers import PerRank
 from .rng import RngStates
+
+log = logging.getLogger("statesnap")
 
 
 class AcceleratorCheckpoints:
@@ -54,8 +59,20 @@ class AcceleratorCheckpoints:
         return self.ckpt.save(step, self.state())
 
     def load_latest(self) -> int | None:
-        """Restore the newest committed step in place; return it (None: nothing saved yet)."""
-        return self.ckpt.load_latest(self.state())
+        """Restore the newest committed step in place; return it (None: nothing saved yet). A
+        checkpoint saved before the gradient scaler was saved restores the rest,
+        with a warning: the scaler then starts from its initial scale."""
+        state = self.state()
+        try:
+            return self.ckpt.load_latest(state)
+        except StateMismatchError as exc:
+            if "scaler" not in state or not exc.missing or exc.unexpected or exc.mismatched or \
+                    not all(name.startswith("scaler.") for name in exc.missing):
+                raise
+        log.warning("statesnap: the checkpoint holds no gradient scaler (saved before it was); restoring the rest, "
+                    "the scaler starts from its initial scale")
+        del state["scaler"]
+        return self.ckpt.load_latest(state)
 
     @property
     def loaded_from(self) -> str | None:

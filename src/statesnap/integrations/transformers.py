@@ -72,6 +72,7 @@ class StatesnapTrainer(Trainer):
         self._waiting: dict[int, tuple[str, str]] = {}  # step in flight -> (run dir, trainer state JSON)
         self._waiting_lock = threading.Lock()
         self._failures = PointerFailures()  # checkpoint-N directories that could not be made
+        self._unmade: set[int] = set()  # their steps: kept stored, though no checkpoint-N names them
 
     # ----------------------------------------------------------------- saving
 
@@ -155,12 +156,13 @@ class StatesnapTrainer(Trainer):
             error = CheckpointError(f"step {record.step} was committed to {record.path}, but {final} could not be "
                                     f"made ({type(exc).__name__}: {exc}), so the Trainer cannot resume from it")
             error.__cause__ = exc
+            self._unmade.add(record.step)
             self._failures.add(error)
             return
         rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                            best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
         for step in _unnamed_steps(run_dir):
-            if step != record.step:
+            if step != record.step and step not in self._unmade:
                 self._checkpointers[run_dir].remove(step)
 
     def train(self, *args, **kwargs):

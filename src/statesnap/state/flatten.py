@@ -227,13 +227,19 @@ class _Walker:
             self.cache.store_optimizer(fqn, optim, model, sd, self.out.tensors[first_tensor:],
                                        self.out.objects[first_object:], join, tuple(map(id, self.modules)))
 
-    def _saved_by_position(self, fqn: str, container: nn.Module) -> bool:
+    def _saved_by_position(self, fqn: str, owner: nn.Module) -> bool:
         """Whether the checkpoint keys optimizer ``fqn``'s state by position: some under
-        ``<fqn>.state.0.``, none under a parameter name of ``container`` (which may start with a
-        digit too, for modules under digit keys)."""
+        ``<fqn>.state.0.``, none under a parameter name of ``owner`` (which may start with a
+        digit too: a Sequential, modules under digit keys). Names as PyTorch's helper gives
+        them, without the wrappers' parts (DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``):
+        those are looked up only when the plain names are not found, as building them costs a
+        state dict."""
         state = join(fqn, "state")
-        return self.stored.has_prefix(join(state, 0) + SEP) and not any(
-            self.stored.has_prefix(join(state, name) + SEP) for name, _ in container.named_parameters())
+        if not self.stored.has_prefix(join(state, 0) + SEP):
+            return False
+        if any(self.stored.has_prefix(join(state, name) + SEP) for name, _ in owner.named_parameters()):
+            return False
+        return not any(self.stored.has_prefix(join(state, name) + SEP) for name in _model_state_dict(owner))
 
     def _owner_of(self, optim: torch.optim.Optimizer) -> nn.Module | None:
         """The module of the state whose parameter names key the optimizer's state: one that
@@ -344,30 +350,35 @@ def _assigner(fqn: str, container: Any, key: Any) -> Callable[[Any], None]:
     return fill
 
 
-def _merged(held: Any, value: Any) -> Any:
+def _merged(held: Any, value: Any, filled: set[int] | None = None) -> Any:
     """``value`` put into ``held`` in place as far as it goes: a tensor of the same shape and
     dtype is copied into, a list or dict keeps its object (a list of another length, or a dict,
     takes the stored elements, each merged with the one it replaces); anything else is the
-    stored value itself, which the caller puts in its place."""
+    stored value itself, which the caller puts in its place. A tensor whose memory one filled
+    before shares (``[t] * n``, views of one tensor) is replaced, not filled: one memory cannot
+    hold two stored values. ``filled``: the storages filled so far."""
+    filled = set() if filled is None else filled
     if isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor):
-        if held.shape != value.shape or held.dtype != value.dtype:
+        storage = held.untyped_storage().data_ptr()
+        if held.shape != value.shape or held.dtype != value.dtype or storage in filled:
             return value
         try:
             with torch.no_grad():
                 held.copy_(value)
         except RuntimeError:  # one that cannot be written (an inference tensor): replaced
             return value
+        filled.add(storage)
         return held
     if isinstance(held, list) and isinstance(value, list):
-        held[:] = [_merged(h, v) for h, v in zip(held, value)] + value[len(held):]
+        held[:] = [_merged(h, v, filled) for h, v in zip(held, value)] + value[len(held):]
         return held
     if isinstance(held, dict) and isinstance(value, dict):  # (an OrderedDict or defaultdict stays one)
-        merged = {k: _merged(held[k], v) if k in held else v for k, v in value.items()}
+        merged = {k: _merged(held[k], v, filled) if k in held else v for k, v in value.items()}
         held.clear()
         held.update(merged)
         return held
     if isinstance(held, tuple) and isinstance(value, tuple) and len(held) == len(value):
-        merged = tuple(map(_merged, held, value))
+        merged = tuple(_merged(h, v, filled) for h, v in zip(held, value))
         return held if all(map(operator.is_, merged, held)) else merged
     return value
 

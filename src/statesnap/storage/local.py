@@ -172,23 +172,14 @@ class _LocalWriter(FileWriter):
                 os.close(self._direct_fd)
 
 
-def _open_regular(path: str, follow: bool = False) -> int:
+def _open_regular(path: str) -> int:
     """A read-only descriptor of the regular file at ``path``. Opened non-blocking, so that a
     FIFO put where a checkpoint's file was opens at once instead of waiting for a writer forever
-    (reads of regular files ignore the flag); anything but a regular file is refused unread.
-
-    A symbolic link is refused too (unless ``follow``): a checkpoint's files are named flat
-    inside its directory so that a load reads nothing outside it, and a link would read whatever
-    it points at, a file of another checkpoint or of the system, into the model."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
-    except OSError as exc:
-        if exc.errno == errno.ELOOP and os.path.islink(path):
-            raise CorruptCheckpointError(
-                f"{path} is a symbolic link (to {os.readlink(path)!r}), not the regular file a checkpoint "
-                "holds there; statesnap does not follow links out of a checkpoint: copy the file it points "
-                "at in its place if it belongs there") from None
-        raise
+    (reads of regular files ignore the flag); anything but a regular file is refused unread. A
+    symbolic link is followed to the file it names (a download cache such as Hugging Face's
+    links every file of a snapshot into its blob store): that file must be a regular file too,
+    and its bytes pass a checkpoint's checksums like any others."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     kind = stat.S_IFMT(os.fstat(fd).st_mode)
     if kind != stat.S_IFREG:
         os.close(fd)
@@ -201,16 +192,16 @@ def _open_regular(path: str, follow: bool = False) -> int:
 
 
 def open_source(path: str) -> BinaryIO:
-    """The regular file at ``path`` opened for reading, for importing a foreign checkpoint: unlike
-    a statesnap checkpoint's own files, a symbolic link is followed (a Hugging Face cache is links
-    into its blob store), but anything else that is not a regular file (a FIFO, which would block
-    the open until a writer came) is a :class:`CorruptCheckpointError` naming it."""
-    return open(_open_regular(path, follow=True), "rb")
+    """The regular file at ``path`` opened for reading, for importing a foreign checkpoint, as a
+    statesnap checkpoint's own files are opened: a symbolic link is followed, and anything that
+    is not a regular file (a FIFO, which would block the open until a writer came) is a
+    :class:`CorruptCheckpointError` naming it."""
+    return open(_open_regular(path), "rb")
 
 
 class _LocalReader(FileReader):
-    def __init__(self, path: str, follow: bool = False):
-        self.fd = _open_regular(path, follow)
+    def __init__(self, path: str):
+        self.fd = _open_regular(path)
         self._mapping: mmap.mmap | None = None
         self._lock = threading.Lock()
 
@@ -219,7 +210,7 @@ class _LocalReader(FileReader):
         even if another has taken its name since: ``/proc/self/fd`` reopens the inode. None
         (share this reader) where that cannot be done: no ``/proc``, or no descriptor left."""
         try:
-            return type(self)(f"/proc/self/fd/{self.fd}", follow=True)
+            return type(self)(f"/proc/self/fd/{self.fd}")
         except OSError:
             return None
 
