@@ -130,3 +130,24 @@ def test_a_forked_child_does_not_finish_the_parent_s_checkpoints(tmp_path):
     ckpt.close()
     assert finished == 0
     assert os.path.isdir(tmp_path / "step-1")
+
+
+LEASED_ROOT_ENDS = textwrap.dedent("""
+    import sys, torch
+    import statesnap as ss
+    ckpt = ss.Checkpointer(sys.argv[1], host_memory_gb=0.01)
+    ckpt.save(1, {"w": torch.arange(1000.)})
+""")
+
+
+def test_a_program_that_ends_without_close_releases_its_object_store_lease(tmp_path):
+    """The lease of a root on an object store (here fsspec's ``local://``, leased the same way)
+    is released at exit, or a restart is refused until it expires (``lease_s``)."""
+    (tmp_path / "root").mkdir()  # (fsspec's local file system makes no folders for a write, as buckets need none)
+    root = f"local://{tmp_path}/root"
+    done = subprocess.run([sys.executable, "-c", LEASED_ROOT_ENDS, root], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with ss.Checkpointer(root, host_memory_gb=0.01) as restarted:
+        state = {"w": torch.zeros(1000)}
+        assert restarted.load_latest(state) == 1 and torch.equal(state["w"], torch.arange(1000.))

@@ -487,3 +487,22 @@ def test_a_removed_step_is_restored_from_no_level(tmp_path):
         assert ckpt.load_latest(fresh) == 1  # (from memory, which held both steps)
         assert_state_equals(fresh, refs[1])
         ckpt.remove(7)  # nothing there: nothing to do
+
+
+def test_removing_a_step_while_the_further_level_is_out_warns(tmp_path):
+    """A level started without (unreachable) cannot be cleaned: remove() says so, rather than
+    failing with the storage's error after the persistent copy is gone, or staying silent."""
+    blocked = tmp_path / "storage"
+    blocked.write_text("the mount is gone")
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    with pytest.warns(RuntimeWarning, match="starting without the further level"):
+        ckpt = ss.Checkpointer(tmp_path / "root", local_root=tmp_path / "local", further_root=blocked / "further",
+                               further_every=1, host_memory_gb=0.01)
+    with ckpt:
+        for step in (1, 2):
+            train_step(model, optim, step)
+            ckpt.save(step, state).wait()
+        with pytest.warns(RuntimeWarning, match="step 2 was not removed from the further level"):
+            ckpt.remove(2)
+    assert sorted(n for n in os.listdir(tmp_path / "root") if n.startswith("step-")) == ["step-1"]

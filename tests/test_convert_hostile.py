@@ -301,7 +301,8 @@ def _info(**info):
     return lambda states: states.__setitem__("universal_checkpoint_info", info)
 
 
-@pytest.mark.parametrize("pattern", ["(a+)+$", "a{0,40}" * 10 + "$", "a?" * 30 + "a" * 30])
+@pytest.mark.parametrize("pattern", ["(a+)+$", "a{0,40}" * 10 + "$", "a?" * 30 + "a" * 30, "a{,}" * 12 + "b",
+                                     "{?" * 24 + "{" * 24])
 def test_checkpoint_regexes_that_backtrack_catastrophically_are_refused(tmp_path, pattern):
     """A TP checkpoint's own patterns, matched against names from the same file: ``(a+)+$``
     against a buffer named a...a! took 18 s at 28 a's, three times as long per two more; ten

@@ -762,3 +762,12 @@ def test_an_optimizer_over_a_wrapped_sequential_loads(tmp_path):
     model2, wrapped2, optim2 = make()
     ss.load({"model": wrapped2, "optim": optim2}, tmp_path / "c")
     assert_same_optim(optim, optim2)
+
+
+def test_views_of_one_buffer_in_a_list_are_each_filled(tmp_path):
+    """Views that do not overlap are filled in place, each with its stored value."""
+    ss.save({"halves": [torch.ones(2), torch.full((2,), 2.0)]}, tmp_path / "c")
+    base = torch.zeros(4)
+    target = {"halves": [base[:2], base[2:]]}
+    ss.load(target, tmp_path / "c")
+    assert base.tolist() == [1.0, 1.0, 2.0, 2.0]

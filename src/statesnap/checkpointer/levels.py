@@ -14,11 +14,14 @@ touching storage.
 """
 from __future__ import annotations
 
+import logging
 import threading
+import warnings
 
 import torch
 
 from ..engine.objects import decode_value
+from ..errors import CheckpointError
 from ..format.dtypes import dtype_name
 from ..format.manifest import MANIFEST_NAME
 from ..state.flatten import StoredNames, flatten_for_load
@@ -28,6 +31,7 @@ from ..storage.lock import ClaimedBackend, claim_root
 from .staging import item_bytes_view
 
 STEP_PREFIX = "step-"
+log = logging.getLogger("statesnap")
 
 
 def parse_step(name: str) -> int | None:
@@ -79,6 +83,23 @@ class StorageLevel:
         for step in doomed:
             self.backend.retire(self.path(step), MANIFEST_NAME)
         return doomed
+
+    def remove_step(self, step: int) -> None:
+        """Retire ``step`` here (``Checkpointer.remove``); an unreachable level is warned about,
+        since a copy made there before the outage would still be restored."""
+        if self.unreachable is not None:
+            message = (f"statesnap: step {step} was not removed from the {self.name} level at {self.root}, which "
+                       f"is unreachable ({self.unreachable}); a copy there made before the outage would still be "
+                       "restored: remove it once the level is back")
+            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            return
+        try:
+            self.backend.retire(self.path(step), MANIFEST_NAME)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (any storage library's error)
+            raise CheckpointError(f"removing {self.path(step)} failed: {type(exc).__name__}: {exc}") from exc
 
     def remove_leftovers(self) -> None:
         """Remove what interrupted saves left: staging directories and uncommitted step dirs,

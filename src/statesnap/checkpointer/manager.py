@@ -26,7 +26,6 @@ from ..engine.replicas import limit_bytes, object_digests
 from ..engine.save import encode_objects, per_rank_names, plan_by_owners, shared_names
 from ..engine.write import default_threads
 from ..errors import CheckpointError
-from ..format.manifest import MANIFEST_NAME
 from ..monitor.events import EventLog, now
 from ..state.flatten import create_adam_state
 from ..storage import backend_for, is_url, normalize
@@ -224,13 +223,8 @@ class Checkpointer:
             self._recovery.remove(step)
         if self.rank == 0:
             for level in (self.persistent, self.further):
-                if level is not None and level.unreachable is None:  # (an unreachable level gets no copies)
-                    try:
-                        level.backend.retire(level.path(step), MANIFEST_NAME)
-                    except CheckpointError:
-                        raise
-                    except Exception as exc:  # noqa: BLE001 (any storage library's error)
-                        raise CheckpointError(f"removing {level.path(step)} failed: {type(exc).__name__}: {exc}") from exc
+                if level is not None:
+                    level.remove_step(step)
 
     def wait_staged(self) -> None:
         """Block until every snapshot in flight is in host memory (for loops without an optimizer
@@ -420,6 +414,10 @@ class Checkpointer:
             self._raise_pending()
         except CheckpointError:
             log.exception("statesnap: a checkpoint of %s failed; found as the program ended", self.persistent.root)
+        try:  # a lease on an object store would keep the restart out until it expires
+            self._release_roots()
+        except Exception:  # noqa: BLE001 (the lease then runs out by itself)
+            log.warning("statesnap: releasing %s at the program's end failed", self.persistent.root, exc_info=True)
 
     def __enter__(self):
         return self

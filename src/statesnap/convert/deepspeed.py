@@ -515,23 +515,25 @@ def _check_pattern(pattern: str, where: str) -> None:
     characters. Every pattern DeepSpeed writes has that form (above), and such patterns match in
     time at most quadratic in a name's length."""
     problem = f"it is longer than {MAX_PATTERN_CHARS} characters" if len(pattern) > MAX_PATTERN_CHARS else None
-    repeats, at, previous = 0, 0, ""
+    repeats, at, previous = 0, 0, ""  # previous: "(", ")", "repeat" or "" (anything else)
     while problem is None and at < len(pattern):
         char, bounds = pattern[at], _BOUNDS.match(pattern, at)
-        if char == "?" and previous in ("(", "*", "+", "?", "{"):  # a group's flag, or a lazy repeat
+        token = ""
+        if char == "?" and previous in ("(", "repeat"):  # a group's flag, or a lazy repeat
             at += 1
         elif char in "*+?" or (char == "{" and bounds):
             if previous == ")":
                 problem = f"it repeats a group ({pattern[max(0, at - 20):at + 1]!r})"
-            repeats += char != "{" or bool(bounds[2]) and bounds[1] != bounds[3]
-            at = bounds.end() if char == "{" else at + 1
+            # {n} and {n,n} repeat exactly; {m,n}, {m,} and {,} (0 or more) choose how often
+            repeats += char != "{" or bool(bounds[2]) and (not bounds[3] or bounds[1] != bounds[3])
+            at, token = (bounds.end() if char == "{" else at + 1), "repeat"
         elif char == "\\":
             at += 2
         elif char == "[":
             at = _class_end(pattern, at)
         else:
-            at += 1
-        previous = char
+            at, token = at + 1, char if char in "()" else ""
+        previous = token
     if problem is None and repeats > MAX_REPEATS:
         problem = f"it has {repeats} repeats of varying length (at most {MAX_REPEATS})"
     try:

@@ -350,24 +350,26 @@ def _assigner(fqn: str, container: Any, key: Any) -> Callable[[Any], None]:
     return fill
 
 
-def _merged(held: Any, value: Any, filled: set[int] | None = None) -> Any:
+def _merged(held: Any, value: Any, filled: list[tuple[int, int]] | None = None) -> Any:
     """``value`` put into ``held`` in place as far as it goes: a tensor of the same shape and
     dtype is copied into, a list or dict keeps its object (a list of another length, or a dict,
     takes the stored elements, each merged with the one it replaces); anything else is the
-    stored value itself, which the caller puts in its place. A tensor whose memory one filled
-    before shares (``[t] * n``, views of one tensor) is replaced, not filled: one memory cannot
-    hold two stored values. ``filled``: the storages filled so far."""
-    filled = set() if filled is None else filled
+    stored value itself, which the caller puts in its place. A tensor whose memory overlaps one
+    filled before (``[t] * n``) is replaced, not filled: one memory cannot hold two stored
+    values; views of one buffer that do not overlap are each filled. ``filled``: the address
+    ranges filled so far."""
+    filled = [] if filled is None else filled
     if isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor):
-        storage = held.untyped_storage().data_ptr()
-        if held.shape != value.shape or held.dtype != value.dtype or storage in filled:
+        span = _address_range(held)
+        if held.shape != value.shape or held.dtype != value.dtype or \
+                any(start < span[1] and span[0] < end for start, end in filled):
             return value
         try:
             with torch.no_grad():
                 held.copy_(value)
         except RuntimeError:  # one that cannot be written (an inference tensor): replaced
             return value
-        filled.add(storage)
+        filled.append(span)
         return held
     if isinstance(held, list) and isinstance(value, list):
         held[:] = [_merged(h, v, filled) for h, v in zip(held, value)] + value[len(held):]
@@ -381,6 +383,14 @@ def _merged(held: Any, value: Any, filled: set[int] | None = None) -> Any:
         merged = tuple(_merged(h, v, filled) for h, v in zip(held, value))
         return held if all(map(operator.is_, merged, held)) else merged
     return value
+
+
+def _address_range(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes a tensor's elements lie in, first to last (an empty tensor: none)."""
+    if t.numel() == 0:
+        return 0, 0
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 def _same(a: Any, b: Any) -> bool:
