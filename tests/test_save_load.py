@@ -771,3 +771,33 @@ def test_views_of_one_buffer_in_a_list_are_each_filled(tmp_path):
     target = {"halves": [base[:2], base[2:]]}
     ss.load(target, tmp_path / "c")
     assert base.tolist() == [1.0, 1.0, 2.0, 2.0]
+
+
+class _Tied(nn.Module):
+    def __init__(self, tie: bool):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(300, 64), nn.Linear(64, 300, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+
+def test_weights_tied_in_the_state_but_not_in_the_checkpoint_are_named(tmp_path):
+    """A model with tied weights loading a checkpoint saved untied: both stored values went
+    into one tensor, the second over the first, which then loaded wrong or failed its checksum
+    ("damaged; restore from another copy" of an intact checkpoint). Now both names are given,
+    before anything is read. Tied in both loads, as does a view overlapping another view."""
+    torch.manual_seed(0)
+    ss.save({"model": _Tied(tie=False)}, tmp_path / "untied")
+    torch.manual_seed(0)
+    tied = _Tied(tie=True)
+    ss.save({"model": tied}, tmp_path / "tied")
+    with pytest.raises(ss.StateMismatchError, match=r"'model.emb.weight' and 'model.head.weight' share memory"):
+        ss.load({"model": _Tied(tie=True)}, tmp_path / "untied")
+    loaded = _Tied(tie=True)
+    ss.load({"model": loaded}, tmp_path / "tied")
+    assert torch.equal(loaded.head.weight, tied.emb.weight)
+
+    ss.save({"a": torch.ones(1 << 19), "b": torch.full((1 << 19,), 2.0)}, tmp_path / "views")
+    base = torch.zeros(3 << 18)
+    with pytest.raises(ss.StateMismatchError, match=r"'a' and 'b' share memory"):
+        ss.load({"a": base[:1 << 19], "b": base[1 << 18:]}, tmp_path / "views")

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..collector import collector_paused
@@ -19,7 +20,7 @@ from ..format.checksum import checksum_whole
 from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from ..plan.load_plan import TargetPlan, plan_target
 from ..progress import bar
-from ..state.flatten import StoredNames, flatten_for_load
+from ..state.flatten import StoredNames, address_range, flatten_for_load
 from ..state.items import Flattened
 from ..storage import LocalBackend, backend_for, normalize
 from ..storage.base import StorageBackend
@@ -319,6 +320,50 @@ def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_p
     return loading.finish()
 
 
+def _tied_apart(flat: Flattened, manifest: Manifest, skip: set, path: str,
+                after_failure: bool = False) -> StateMismatchError | None:
+    """Two targets of the state in one memory (weights tied in the model but saved untied,
+    views of one tensor) that the checkpoint holds different values for: each would get its
+    stored bytes, the second over the first, which a load must not pass off as loaded (nor, if
+    the first then fails its checksum, call the intact checkpoint damaged). Before reading, the
+    same tensor object under two names (tied weights: one dict lookup per tensor);
+    ``after_failure``, any overlap of memory, which costs more and is looked for only once a
+    checksum has failed."""
+    if not after_failure:
+        first: dict[int, str] = {}
+        for item in flat.tensors:
+            other = first.setdefault(id(item.local), item.fqn)
+            if other != item.fqn and item.fqn not in skip and other not in skip and \
+                    not _stored_alike(manifest, other, item.fqn):
+                return _tied_error(other, item.fqn, path)
+        return None
+    spans = sorted((str(item.local.device), *address_range(item.local), item.fqn)
+                   for item in flat.tensors if item.fqn not in skip and item.local.numel())
+    reach = None  # (device, end, fqn) of the span reaching furthest so far
+    for device, start, end, fqn in spans:
+        if reach is not None and reach[0] == device and start < reach[1] and not _stored_alike(manifest, reach[2], fqn):
+            return _tied_error(reach[2], fqn, path)
+        if reach is None or reach[0] != device or end > reach[1]:
+            reach = (device, end, fqn)
+    return None
+
+
+def _tied_error(a: str, b: str, path: str) -> StateMismatchError:
+    return StateMismatchError(
+        f"{a!r} and {b!r} share memory in the state (tied weights, or views of one tensor), but {path} holds "
+        "different values for them, so no load can give each its own (the second would overwrite the first). "
+        "That is no damage of the checkpoint: give each its own tensor (untie them) to load it")
+
+
+def _stored_alike(manifest: Manifest, a: str, b: str) -> bool:
+    """Whether tensors ``a`` and ``b`` are stored with the same values: same dtype, shape and
+    pieces, and the same checksums of every block."""
+    ea, eb = manifest.tensors[a], manifest.tensors[b]
+    return (ea.dtype == eb.dtype and ea.shape == eb.shape and ea.layout == eb.layout
+            and all(np.array_equal(x, y) for x, y in ((ea.start, eb.start), (ea.size, eb.size),
+                                                       (ea.checksum, eb.checksum))))
+
+
 class Loading:
     """One load (``load``'s arguments) in its three steps, for a caller with other work to run
     between checking the target and reading its bytes: a restore from the node-local level
@@ -358,6 +403,9 @@ class Loading:
         self.comm.agree(error, f"loading {self.path}")
         try:
             self.skip = _match(self.flat, self.manifest, self.comm, self.strict, self.path, cast, partial)
+            tied_apart = _tied_apart(self.flat, self.manifest, self.skip, self.path)
+            if tied_apart is not None:
+                raise tied_apart
             zero_unfilled(self.created, [item.local for item in self.flat.tensors if item.fqn in self.skip])
         except Exception as exc:
             error = exc
@@ -375,6 +423,8 @@ class Loading:
                 self.nbytes = fill_tensors(self.flat, self.manifest, backend or self.backend, self.path, self.skip,
                                            self.verify, self.threads, self.strict, self.exchange.received,
                                            self.progress)
+            except CorruptCheckpointError as exc:
+                self._error = _tied_apart(self.flat, self.manifest, self.skip, self.path, after_failure=True) or exc
             except Exception as exc:
                 self._error = exc
 

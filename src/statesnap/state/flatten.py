@@ -360,7 +360,7 @@ def _merged(held: Any, value: Any, filled: list[tuple[int, int]] | None = None) 
     ranges filled so far."""
     filled = [] if filled is None else filled
     if isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor):
-        span = _address_range(held)
+        span = address_range(held)
         if held.shape != value.shape or held.dtype != value.dtype or \
                 any(start < span[1] and span[0] < end for start, end in filled):
             return value
@@ -385,7 +385,7 @@ def _merged(held: Any, value: Any, filled: list[tuple[int, int]] | None = None) 
     return value
 
 
-def _address_range(t: torch.Tensor) -> tuple[int, int]:
+def address_range(t: torch.Tensor) -> tuple[int, int]:
     """The bytes a tensor's elements lie in, first to last (an empty tensor: none)."""
     if t.numel() == 0:
         return 0, 0
