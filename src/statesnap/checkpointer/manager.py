@@ -404,12 +404,11 @@ class Checkpointer:
             log.warning("statesnap: the program is ending with checkpoints of steps %s in flight and %s not closed; "
                         "finishing them (close() the Checkpointer to wait for them yourself)",
                         [snap.step for snap in inflight], self.persistent.root)
-        deadline = now() + self.config.commit_timeout_s
-        for snap in inflight:
-            if not snap.finished.wait(max(0.0, deadline - now())):
-                log.error("statesnap: step %d was not finished within commit_timeout_s (%g s) of the program's end; "
-                          "it is lost", snap.step, self.config.commit_timeout_s)
-                return
+        late = self._wait_all(self.config.commit_timeout_s)
+        if late is not None:
+            log.error("statesnap: step %d was not finished within commit_timeout_s (%g s) of the program's end; "
+                      "it is lost", late.step, self.config.commit_timeout_s)
+            return
         try:
             self._raise_pending()
         except CheckpointError:
@@ -674,11 +673,15 @@ class Checkpointer:
             oldest.finished.wait()
             self.events.add("backpressure", step, start, now())
 
-    def _wait_all(self) -> None:
+    def _wait_all(self, timeout: float | None = None) -> Snapshot | None:
+        """Wait for every snapshot in flight; return the first not finished within ``timeout``."""
+        deadline = None if timeout is None else now() + timeout
         with self._lock:
             inflight = list(self._inflight)
         for snap in inflight:
-            snap.finished.wait()
+            if not snap.finished.wait(None if deadline is None else max(0.0, deadline - now())):
+                return snap
+        return None
 
     def _release_inflight(self, optimizer_id: int | None) -> None:
         """A writer waited and is about to change tensors: an optimizer's step (its own items),

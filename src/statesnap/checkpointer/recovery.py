@@ -271,4 +271,4 @@ class LocalRecovery:
     def remove(self, step: int) -> None:
         """Node leaders drop the node-local copy of ``step`` (their own or a peer's replica)."""
         if self.topology.is_leader:
-            self.level.backend.retire(self.level.path(step), MANIFEST_NAME)
+            self.level.remove_step(step)

@@ -320,23 +320,24 @@ def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_p
     return loading.finish()
 
 
-def _tied_apart(flat: Flattened, manifest: Manifest, skip: set, path: str,
-                after_failure: bool = False) -> StateMismatchError | None:
-    """Two targets of the state in one memory (weights tied in the model but saved untied,
-    views of one tensor) that the checkpoint holds different values for: each would get its
-    stored bytes, the second over the first, which a load must not pass off as loaded (nor, if
-    the first then fails its checksum, call the intact checkpoint damaged). Before reading, the
-    same tensor object under two names (tied weights: one dict lookup per tensor);
-    ``after_failure``, any overlap of memory, which costs more and is looked for only once a
-    checksum has failed."""
-    if not after_failure:
-        first: dict[int, str] = {}
-        for item in flat.tensors:
-            other = first.setdefault(id(item.local), item.fqn)
-            if other != item.fqn and item.fqn not in skip and other not in skip and \
-                    not _stored_alike(manifest, other, item.fqn):
-                return _tied_error(other, item.fqn, path)
-        return None
+def _tied_apart(flat: Flattened, manifest: Manifest, skip: set, path: str) -> StateMismatchError | None:
+    """Weights tied in the state (one tensor object under two names) that the checkpoint holds
+    different values for (saved untied): each would get its stored bytes, the second over the
+    first, which a load must not pass off as loaded. Checked before reading: one dict lookup
+    per tensor."""
+    first: dict[int, str] = {}
+    for item in flat.tensors:
+        other = first.setdefault(id(item.local), item.fqn)
+        if other != item.fqn and item.fqn not in skip and other not in skip and \
+                not _stored_alike(manifest, other, item.fqn):
+            return _tied_error(other, item.fqn, path)
+    return None
+
+
+def _overlapping_apart(flat: Flattened, manifest: Manifest, skip: set, path: str) -> StateMismatchError | None:
+    """The same for any targets whose memory overlaps (views of one tensor): looked for only once
+    a checksum has failed, as it costs a sort of every target, so that an intact checkpoint is
+    not called damaged because the second view overwrote the first."""
     spans = sorted((str(item.local.device), *address_range(item.local), item.fqn)
                    for item in flat.tensors if item.fqn not in skip and item.local.numel())
     reach = None  # (device, end, fqn) of the span reaching furthest so far
@@ -424,7 +425,7 @@ class Loading:
                                            self.verify, self.threads, self.strict, self.exchange.received,
                                            self.progress)
             except CorruptCheckpointError as exc:
-                self._error = _tied_apart(self.flat, self.manifest, self.skip, self.path, after_failure=True) or exc
+                self._error = _overlapping_apart(self.flat, self.manifest, self.skip, self.path) or exc
             except Exception as exc:
                 self._error = exc
 

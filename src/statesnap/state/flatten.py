@@ -350,26 +350,26 @@ def _assigner(fqn: str, container: Any, key: Any) -> Callable[[Any], None]:
     return fill
 
 
-def _merged(held: Any, value: Any, filled: list[tuple[int, int]] | None = None) -> Any:
+def _merged(held: Any, value: Any, filled: dict[int, list[tuple[int, int]]] | None = None) -> Any:
     """``value`` put into ``held`` in place as far as it goes: a tensor of the same shape and
     dtype is copied into, a list or dict keeps its object (a list of another length, or a dict,
     takes the stored elements, each merged with the one it replaces); anything else is the
     stored value itself, which the caller puts in its place. A tensor whose memory overlaps one
     filled before (``[t] * n``) is replaced, not filled: one memory cannot hold two stored
     values; views of one buffer that do not overlap are each filled. ``filled``: the address
-    ranges filled so far."""
-    filled = [] if filled is None else filled
+    ranges filled so far, by storage (memory of two storages never overlaps)."""
+    filled = {} if filled is None else filled
     if isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor):
-        span = address_range(held)
+        span, spans = address_range(held), filled.setdefault(held.untyped_storage().data_ptr(), [])
         if held.shape != value.shape or held.dtype != value.dtype or \
-                any(start < span[1] and span[0] < end for start, end in filled):
+                any(start < span[1] and span[0] < end for start, end in spans):
             return value
         try:
             with torch.no_grad():
                 held.copy_(value)
         except RuntimeError:  # one that cannot be written (an inference tensor): replaced
             return value
-        filled.append(span)
+        spans.append(span)
         return held
     if isinstance(held, list) and isinstance(value, list):
         held[:] = [_merged(h, v, filled) for h, v in zip(held, value)] + value[len(held):]
