@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 
 import pytest
@@ -25,7 +26,7 @@ def releaser(log, name):
 
 def test_ring_releases_only_the_slots_that_hold_the_space_it_hands_out():
     log = []
-    ring = PinnedRing(100, pin=False)
+    ring = PinnedRing([100])
     assert ring.take(40) == 0
     ring.hold(0, 40, releaser(log, "a"))
     assert ring.take(40) == 40
@@ -43,10 +44,36 @@ def test_ring_releases_only_the_slots_that_hold_the_space_it_hands_out():
 
 def test_ring_hands_out_the_whole_capacity_to_one_large_request():
     log = []
-    ring = PinnedRing(64, pin=False)
+    ring = PinnedRing([64])
     ring.hold(ring.take(16), 16, releaser(log, "a"))
     ring.hold(ring.take(16), 16, releaser(log, "b"))
     assert ring.take(64) == 0 and log == ["a", "b"]
+
+
+def test_no_slot_crosses_a_segment_end_of_the_ring():
+    """Separately locked ranges are separate allocations to the driver: a copy out of two fails."""
+    ring = PinnedRing([100, 150, 200])
+    assert ring.take(60) == 0
+    assert ring.take(30) == 60  # fits before 100
+    assert ring.take(30) == 100  # would cross 100: the next segment
+    assert ring.take(40) == 150  # would cross 150
+    assert ring.take(60) == 0  # larger than the segments after it: wraps
+    assert ring.take(40) == 60
+    assert ring.take(50) == 100  # exactly the second segment
+    assert ring.take(100) == 0  # only the first holds it
+    with pytest.raises(ValueError):
+        ring.take(101)
+
+
+def test_the_ring_has_a_segment_per_wave_or_three_for_larger_loads(monkeypatch):
+    monkeypatch.setattr(device_load, "WAVE_BYTES", 100)
+    sizes = [40, 40, 40, 250, 0, 10]
+    assert device_load._ring_segments(sizes, _waves(sizes)) == [80, 120, 370, 380]  # 380 <= 250 + 2 * 100
+    sizes = [100] * 6
+    assert device_load._ring_segments(sizes, _waves(sizes)) == [100, 200, 300]
+    sizes = [60, 300, 60, 60, 60, 60]
+    assert device_load._ring_segments(sizes, _waves(sizes)) == [300, 400, 500]
+    assert device_load._ring_segments([0, 0], [[0, 1]]) == [device_load.DIRECT_ALIGN]
 
 
 def test_waves_group_consecutive_targets_and_put_a_large_one_alone(monkeypatch):
@@ -73,16 +100,109 @@ class NoStream:
         pass
 
 
+class FakeLocks:
+    """Stands in for cudaHostRegister/Unregister: records the segments locked and unlocked, and
+    the device context current at each call. The call numbered ``block_at`` (from 0) waits until
+    ``go`` is set; the one numbered ``fail_at`` fails."""
+
+    def __init__(self, monkeypatch, block_at=None, fail_at=None):
+        self.locked, self.unlocked, self.devices = [], [], []
+        self.block_at, self.fail_at, self.go = block_at, fail_at, threading.Event()
+        self.current, self.calls = None, 0
+        monkeypatch.setattr(device_load, "lock_pages", self.lock)
+        monkeypatch.setattr(device_load, "unlock_pages", self.unlocked.append)
+        monkeypatch.setattr(torch.cuda, "device", self.device)
+
+    @contextlib.contextmanager
+    def device(self, device):
+        self.current = device
+        yield
+
+    def lock(self, start, nbytes):
+        call, self.calls = self.calls, self.calls + 1
+        if call == self.block_at:
+            self.go.wait()
+        if call == self.fail_at:
+            raise ss.CheckpointError("could not pin (test)")
+        self.locked.append((start, nbytes))
+        self.devices.append(self.current)
+
+
 @pytest.fixture
-def host_streams(monkeypatch) -> list[int]:
-    """The wave pipeline on the CPU (NoStream); returns the sizes of the rings it allocates."""
-    rings = []
+def host_streams(monkeypatch) -> FakeLocks:
+    """The wave pipeline on the CPU (NoStream, FakeLocks): what it locks and unlocks."""
     monkeypatch.setattr(torch.cuda, "Stream", NoStream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: NoStream())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(device_load, "pinned_pages", lambda n: rings.append(n) or torch.empty(n, dtype=torch.uint8))
     monkeypatch.setattr(device_load, "WAVE_BYTES", 1 << 16)
-    return rings
+    return FakeLocks(monkeypatch)
+
+
+def test_the_ring_is_locked_in_order_behind_the_reads_and_unlocked_at_close(monkeypatch):
+    """Reads start before the ring is locked; a copy waits only for the segments it uses; a
+    failure to lock is raised where a copy needs that memory; close() unlocks what was locked."""
+    locks = FakeLocks(monkeypatch)
+    ring = PinnedRing([4096, 2 * 4096, 3 * 4096, 4 * 4096], torch.device("cpu"))
+    base = ring.buffer.data_ptr()
+    ring.wait_locked(0, 4 * 4096)
+    assert locks.locked == [(base + i * 4096, 4096) for i in range(4)]
+    assert set(locks.devices) == {torch.device("cpu")}  # the targets' device, in the locking thread
+    ring.close()
+    assert sorted(locks.unlocked) == [base + i * 4096 for i in range(4)]
+
+    ring = PinnedRing([1], None)  # no device: nothing locked, nothing waited for
+    ring.wait_locked(0, 1)
+    ring.close()
+    assert len(locks.locked) == 4 and len(locks.unlocked) == 4
+
+    locks = FakeLocks(monkeypatch, block_at=2, fail_at=3)
+    ring = PinnedRing([4096, 2 * 4096, 3 * 4096, 4 * 4096 + 100], torch.device("cpu"))
+    base = ring.buffer.data_ptr()
+    ring.wait_locked(0, 2 * 4096)  # the first two segments do not wait for the third
+    waiter = threading.Thread(target=ring.wait_locked, args=(4096, 4096 + 10))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # ends in the third segment: waits for it
+    locks.go.set()
+    waiter.join(5)
+    assert not waiter.is_alive()
+    with pytest.raises(ss.CheckpointError, match="could not pin"):
+        ring.wait_locked(3 * 4096, 1)
+    ring.close()
+    assert sorted(locks.unlocked) == [base + i * 4096 for i in range(3)]
+
+
+def test_a_ring_closed_while_locking_stops_and_unlocks_what_it_locked(monkeypatch):
+    locks = FakeLocks(monkeypatch, block_at=1)
+    ring = PinnedRing([4096 * i for i in range(1, 9)], torch.device("cpu"))
+    ring.wait_locked(0, 4096)
+    closer = threading.Thread(target=ring.close)
+    closer.start()
+    time.sleep(0.05)
+    locks.go.set()  # the segment being locked finishes; none after it starts
+    closer.join(5)
+    assert not closer.is_alive()
+    assert len(locks.locked) <= 3
+    assert sorted(locks.unlocked) == sorted(start for start, _ in locks.locked)
+
+
+def test_a_load_that_cannot_lock_its_ring_names_why_and_unlocks_what_it_locked(tmp_path, host_streams, monkeypatch):
+    from statesnap.engine.read import ReadExecutor
+    from statesnap.plan import plan_target
+    from statesnap.state.items import TensorItem
+    from statesnap.storage import LocalBackend
+
+    path = str(tmp_path / "c")
+    ss.save({"big": tall()}, path, block_bytes=4096)
+    manifest = ss.open(path).manifest
+    item = TensorItem("big", torch.zeros(300, 1000), (300, 1000))
+    entry = manifest.tensor_part("big", item.layout, item.start, item.size)
+    targets = device_load.wave_parts(item, entry, plan_target(entry, item.layout, item.start, item.size),
+                                     manifest.block_bytes)
+    host_streams.fail_at = 1  # the ring's second segment: the first wave is copied, the second is not
+    with pytest.raises(ss.CheckpointError, match="could not pin"):
+        device_load.fill_device_targets(targets, lambda: ReadExecutor(LocalBackend(), path, manifest))
+    assert host_streams.locked and sorted(host_streams.unlocked) == sorted(s for s, _ in host_streams.locked)
 
 
 def _save_rows(rank, world, path):
@@ -136,7 +256,9 @@ def test_a_tensor_larger_than_a_wave_loads_in_parts_through_a_ring_of_three_wave
     assert nbytes >= sum(item.local.numel() * 4 for _, item in wanted.values())
     for name, (values, item) in wanted.items():
         assert torch.equal(item.local.view(torch.int32), values.reshape(item.local.shape).view(torch.int32)), name
-    assert host_streams and max(host_streams) <= 3 * (1 << 16) + 4096
+    ring = sum(size for _, size in host_streams.locked)  # one ring, one segment of LOCK_SEGMENT
+    assert 0 < ring <= 3 * (1 << 16) + 4096
+    assert sorted(host_streams.unlocked) == sorted(start for start, _ in host_streams.locked)
 
 
 def test_a_failed_wave_stops_the_reads_and_closes_every_file(tmp_path, host_streams):
@@ -224,7 +346,8 @@ def assert_bit_exact(expected: dict, model, opt):
 
 @cuda
 def test_save_and_load_gpu_state_bit_exact_through_many_waves_and_a_wrapping_ring(tmp_path, monkeypatch):
-    monkeypatch.setattr(device_load, "WAVE_BYTES", 64 << 10)  # many waves, and the ring wraps
+    # many waves, and the ring wraps through its three separately locked segments
+    monkeypatch.setattr(device_load, "WAVE_BYTES", 64 << 10)
     model, opt = gpu_state()
     for i in range(3):
         step(model, opt, i)

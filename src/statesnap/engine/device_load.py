@@ -12,13 +12,20 @@ target larger than a wave is loaded in parts (:func:`wave_parts`): locking memor
 which a ring sized for the largest tensor paid at every load. The ring holds the largest part
 (a wave or a checksum block; a strided target, or a row larger than that, whole) plus two
 waves, locked for the load alone: that, and a read thread's scratch for a piece that cannot be
-read in place, bound the extra host memory whatever the size of the state. Targets that the
+read in place, bound the extra host memory whatever the size of the state. Reads need no locked
+memory, only the copies to a device do, so the ring is locked a segment (a wave's room) at a
+time, in ring order, on a thread of its own while the first waves are read
+(:class:`_SegmentLocker`); locked at once, the 384 MiB ring of a load of 4 GB had kept every
+read waiting about 0.13 s. Targets that the
 checkpoint covers only in part (``strict=False``) go the CPU way (``load.py``), which leaves what
 it does not cover as it was.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable
@@ -28,31 +35,110 @@ import torch
 from ..format.manifest import FLAT, TensorEntry
 from ..plan.load_plan import TargetPlan, plan_target
 from ..state.items import TensorItem
-from ..storage.aligned import pinned_pages
+from ..storage.aligned import lock_pages, private_pages, unlock_pages
 from ..storage.base import DIRECT_ALIGN
 from .read import ReadExecutor
 
 WAVE_BYTES = 128 << 20  # a wave keeps every read thread busy; a few fit the ring
 
 
-class PinnedRing:
-    """Page-locked staging space handed out in ring order and reclaimed in the same order: each
-    slot is held with a function that returns once nothing uses the slot any more."""
+class _SegmentLocker:
+    """Page-locks the memory from ``start`` up to each of ``ends`` in turn, one segment per call,
+    on a thread of its own; :meth:`wait` returns once a prefix is locked, :meth:`close` unlocks.
 
-    def __init__(self, capacity: int, pin: bool = True):
-        self.capacity = capacity
-        # exactly this much locked memory, unlocked when the load ends (storage/aligned.py)
-        self.buffer = pinned_pages(capacity) if pin else torch.empty(capacity, dtype=torch.uint8)
+    A copy whose host memory spans two segments fails (``cudaErrorInvalidValue``: the driver
+    takes separately locked ranges as separate allocations), so the ring never places a slot
+    across a segment's end (:meth:`PinnedRing.take`)."""
+
+    def __init__(self, start: int, ends: list[int], device: torch.device):
+        self._start, self._ends, self._device = start, ends, device
+        self._locked: list[int] = []  # addresses of the segments locked so far
+        self._upto = 0  # bytes locked from the start
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._lock_segments, name="statesnap-lock", daemon=True)
+        self._thread.start()
+
+    def _lock_segments(self) -> None:
+        try:
+            # a fresh thread's current device is device 0: locking there would create a context
+            # on a GPU this process may not use (each rank of a node drives its own)
+            with torch.cuda.device(self._device):
+                for lo, hi in zip([0, *self._ends], self._ends):
+                    with self._changed:
+                        if self._stopping:
+                            return
+                    lock_pages(self._start + lo, hi - lo)
+                    with self._changed:
+                        self._locked.append(self._start + lo)
+                        self._upto = hi
+                        self._changed.notify_all()
+        except BaseException as exc:  # noqa: BLE001 (raised where a copy waits for it)
+            with self._changed:
+                self._error = exc
+                self._changed.notify_all()
+
+    def wait(self, end: int) -> None:
+        """Return once the first ``end`` bytes are locked; raise why they cannot be."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._upto >= end or self._error is not None)
+            if self._upto < end:
+                raise self._error
+
+    def close(self) -> None:
+        """Lock no more and unlock what is locked; only once no copy uses the memory."""
+        with self._changed:
+            self._stopping = True
+        self._thread.join()
+        while self._locked:
+            unlock_pages(self._locked.pop())
+
+
+class PinnedRing:
+    """Staging space in segments ending at ``ends`` (the last is the capacity), handed out in ring
+    order and reclaimed in the same order: each slot is held with a function that returns once
+    nothing uses the slot any more, and no slot crosses a segment's end. ``device``: each segment
+    is page-locked (for every device), in order, with that device current; ``None``: not locked."""
+
+    def __init__(self, ends: list[int], device: torch.device | None = None):
+        self.ends = ends
+        self.capacity = ends[-1]
+        # exactly this much memory, locked while the first waves are read, unlocked by close()
+        self.buffer = torch.frombuffer(private_pages(self.capacity), dtype=torch.uint8)
+        self._locker = None if device is None else _SegmentLocker(self.buffer.data_ptr(), ends, device)
         self._held: deque[tuple[int, int, Callable[[], None]]] = deque()  # (start, end, release), oldest first
         self._head = 0
 
+    def wait_locked(self, start: int, nbytes: int) -> None:
+        """Return once ``nbytes`` from ``start`` are locked (the segments are locked in order)."""
+        if self._locker is not None:
+            self._locker.wait(start + nbytes)
+
+    def close(self) -> None:
+        """Unlock the memory: only once every copy out of it has finished."""
+        if self._locker is not None:
+            self._locker.close()
+
     def take(self, nbytes: int) -> int:
         """The start of ``nbytes`` free bytes, releasing the oldest slots until they are free."""
-        start = self._head if self._head + nbytes <= self.capacity else 0
+        start = self._next_start(nbytes)
         while self._held and any(s < start + nbytes and start < e for s, e, _ in self._held):
             self._held.popleft()[2]()
         self._head = start + nbytes
         return start
+
+    def _next_start(self, nbytes: int) -> int:
+        """The head, if the slot fits in the head's segment (a head on a segment's end begins the
+        next one); else the start of the next segment, in ring order, large enough."""
+        ends, index = self.ends, bisect.bisect_right(self.ends, self._head)
+        if index < len(ends) and self._head + nbytes <= ends[index]:
+            return self._head
+        for i in [*range(index + 1, len(ends)), *range(min(index + 1, len(ends)))]:
+            start = ends[i - 1] if i else 0
+            if ends[i] - start >= nbytes:
+                return start
+        raise ValueError(f"no segment of the ring holds {nbytes} bytes")
 
     def hold(self, start: int, nbytes: int, release: Callable[[], None]) -> None:
         self._held.append((start, start + nbytes, release))
@@ -67,7 +153,7 @@ class _Wave:
 
     def __init__(self, targets: list, sizes: list[int], ring: PinnedRing, executor: ReadExecutor,
                  pool: ThreadPoolExecutor, streams: dict):
-        self.executor, self.nbytes, self.streams = executor, sum(sizes), streams
+        self.executor, self.nbytes, self.streams, self.ring = executor, sum(sizes), streams, ring
         self.start = ring.take(self.nbytes)
         self.staged, pos = [], self.start
         for (fqn, entry, local, plan), size in zip(targets, sizes):
@@ -94,6 +180,7 @@ class _Wave:
         finally:
             wait(self.reads)  # ...and close its files only once no read uses them
             self.executor.close()
+        self.ring.wait_locked(self.start, self.nbytes)
         used = {}
         with torch.no_grad():
             for local, host in self.staged:
@@ -140,8 +227,6 @@ def fill_device_targets(targets: list, make_executor: Callable[[], ReadExecutor]
         return 0
     # each target's bytes start on a block boundary, where direct I/O can read into them
     sizes = [-(-local.numel() * local.element_size() // DIRECT_ALIGN) * DIRECT_ALIGN for _, _, local, _ in targets]
-    # room for the largest wave and the two after it, never more than the targets need
-    ring = PinnedRing(max(min(max(*sizes, WAVE_BYTES) + 2 * WAVE_BYTES, sum(sizes)), DIRECT_ALIGN))
     streams = {}
     for _, _, local, _ in targets:  # the side streams start after whatever is queued on the targets
         if local.device not in streams:
@@ -150,9 +235,12 @@ def fill_device_targets(targets: list, make_executor: Callable[[], ReadExecutor]
     waves: list[_Wave] = []
     first = make_executor()
     pool = ThreadPoolExecutor(first.threads, thread_name_prefix="statesnap-read")
+    waves_of_targets = _waves(sizes)
+    ring = None
     failed = True
     try:
-        for index, wave in enumerate(_waves(sizes)):
+        ring = PinnedRing(_ring_segments(sizes, waves_of_targets), targets[0][2].device)
+        for index, wave in enumerate(waves_of_targets):
             waves.append(_Wave([targets[i] for i in wave], [sizes[i] for i in wave], ring,
                                first if index == 0 else make_executor(), pool, streams))
             if len(waves) > 1:  # two waves read at once; the one before them goes to the devices
@@ -162,15 +250,30 @@ def fill_device_targets(targets: list, make_executor: Callable[[], ReadExecutor]
         failed = False
     finally:  # after a failure too: no read may still fill, and no copy still read, the ring
         pool.shutdown(wait=True, cancel_futures=True)
-        for wave in waves:
-            wave.executor.close()
-        for stream in streams.values():
-            try:
-                stream.synchronize()
-            except Exception:  # noqa: BLE001 (the failure being raised is the one to report)
-                if not failed:
-                    raise
+        for executor in (first, *(wave.executor for wave in waves)):
+            executor.close()
+        try:
+            for stream in streams.values():
+                try:
+                    stream.synchronize()
+                except Exception:  # noqa: BLE001 (the failure being raised is the one to report)
+                    if not failed:
+                        raise
+        finally:
+            if ring is not None:
+                ring.close()
     return sum(wave.executor.bytes_read for wave in waves)
+
+
+def _ring_segments(sizes: list[int], waves: list[list[int]]) -> list[int]:
+    """The ends of the ring's segments: room for the largest wave and the two after it, each in a
+    segment of its own, or one segment per wave where they take no more room than that."""
+    largest = max(*sizes, WAVE_BYTES)
+    ends = list(itertools.accumulate(sum(sizes[i] for i in wave) for wave in waves))
+    if ends[-1] > largest + 2 * WAVE_BYTES:
+        ends = [largest, largest + WAVE_BYTES, largest + 2 * WAVE_BYTES]
+    ends = [end for i, end in enumerate(ends) if end > (ends[i - 1] if i else 0)]  # waves of empty targets
+    return ends or [DIRECT_ALIGN]
 
 
 def _waves(sizes: list[int]) -> list[list[int]]:
