@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from statesnap.integrations.lightning import STORE_DIR, read_checkpoint
+from statesnap.integrations.lightning import STORE_DIR, load_from_checkpoint, read_checkpoint
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "integrations", "lightning_train.py")
 
@@ -108,6 +108,33 @@ def test_statesnap_checkpoints_leave_training_as_lightnings_own_do(tmp_path):
         assert torch.equal(ckpt["state_dict"][name], value), name
     assert isinstance(ckpt["optimizer_states"][0]["param_groups"][0]["betas"], tuple)
     assert set(ckpt["optimizer_states"][0]["state"]) == {0, 1, 2, 3}  # integer keys, as saved
+
+    # Lightning's way to build a model from a checkpoint file, with the pointer it named
+    net = _script_module().Net
+    with pytest.raises(Exception):  # torch.load cannot read a pointer: hence the function below
+        net.load_from_checkpoint(ours / "ckpt" / "last.ckpt")
+    model = load_from_checkpoint(net, ours / "ckpt" / "last.ckpt", map_location="cpu", width=32)
+    assert model.hparams.width == 32
+    assert model.state_dict().keys() == final.keys()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, final[name]), name
+    own = load_from_checkpoint(net, theirs / "ckpt" / "last.ckpt")  # a file Lightning wrote itself
+    for name, value in own.state_dict().items():
+        assert torch.equal(value, final[name]), name
+
+
+def _script_module():
+    """The training script's module (its LightningModule), imported without its thread setting."""
+    import importlib.util
+
+    threads = torch.get_num_threads()
+    spec = importlib.util.spec_from_file_location("lightning_train", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        torch.set_num_threads(threads)
+    return module
 
 
 def test_a_save_of_unchanged_tensors_shares_the_stored_step(tmp_path):

@@ -35,6 +35,8 @@ class Net(pl.LightningModule):
         self.layers = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
 
     def configure_model(self):
+        if self._trainer is None:  # built by load_from_checkpoint: nothing to shard for
+            return
         if isinstance(self.trainer.strategy, StatesnapModelParallelStrategy):
             from torch.distributed.fsdp import fully_shard
             mesh = self.device_mesh["data_parallel"]

@@ -28,6 +28,7 @@ DCP checkpoints itself and never calls a ``CheckpointIO``: use
 """
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
@@ -426,6 +427,28 @@ def read_checkpoint(path: str, allow_pickle: bool = False, storage_options: dict
     state = {"lightning": {"format": None, "skeleton": None}, "tensors": tensors}
     load(state, path, storage_options=storage_options, allow_pickle=allow_pickle)
     return skeleton.join(own_state or state["lightning"]["skeleton"], tensors, allow_pickle, where=path)
+
+
+def load_from_checkpoint(cls, path, *, allow_pickle: bool = False, storage_options: dict | None = None, **kwargs):
+    """``cls.load_from_checkpoint(path, **kwargs)`` (a ``LightningModule`` or ``LightningDataModule``
+    class) for a checkpoint that :class:`StatesnapCheckpointIO` saved, such as
+    ``ModelCheckpoint.best_model_path``.
+
+    Lightning's classmethod reads the file with ``torch.load``, and the file Lightning named is a
+    statesnap pointer, which ``torch.load`` cannot read. This reads the checkpoint it names
+    (verified as it is read) and hands it to the classmethod as a stream, so hyper-parameters,
+    ``map_location``, ``strict`` and the module's ``on_load_checkpoint`` work as they do for
+    Lightning's own files; a file Lightning wrote itself goes to the classmethod as it is. The
+    stream is a second copy of the checkpoint in host memory while the model is built."""
+    pointer = _read_pointer(_normal(path), storage_options)
+    if pointer is None:
+        return cls.load_from_checkpoint(path, **kwargs)
+    checkpoint = read_checkpoint(pointer[0], allow_pickle, storage_options, own_state=pointer[1])
+    stream = io.BytesIO()
+    torch.save(checkpoint, stream)
+    stream.seek(0)
+    kwargs.pop("weights_only", None)  # the stream holds what was just read, not the file's bytes
+    return cls.load_from_checkpoint(stream, weights_only=False, **kwargs)
 
 
 def _parameter_names(optimizer_state: dict) -> list:
