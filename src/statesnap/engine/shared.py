@@ -62,7 +62,10 @@ class SharedReads:
                 for i in indices:
                     local = flat.tensors[i].local
                     n = flat.tensors[i].nbytes
-                    local.copy_(inbox[peer][pos:pos + n].view(local.dtype).reshape(local.shape))
+                    piece = inbox[peer][pos:pos + n]
+                    if pos % local.element_size():  # packed after an odd size: a dtype view needs alignment
+                        piece = piece.clone()
+                    local.copy_(piece.view(local.dtype).reshape(local.shape))
                     pos += n
                 self.bytes_received += pos
 
