@@ -38,6 +38,7 @@ from .further import FurtherCopier
 from .levels import MemoryLevel, StorageLevel, matching_target, restore_from_memory
 from .local import LocalFlusher, Topology, peer_buffer_bytes
 from .recovery import LocalRecovery, complete_steps, inventory
+from .roots import RootClaims
 from .pipeline import UNGUARDED, Flusher, FlushTarget, Snapshot, Stager, as_checkpoint_error
 from .staging import MAX_SEGMENT_BYTES, REGION_ALIGN, Arena, align_up
 from .state_cache import StateCache
@@ -94,14 +95,16 @@ class Checkpointer:
             self._start_local_level()
         # shared plain values are compared across ranks at each commit (engine/replicas.py)
         self._compares_objects = self._comm.world_size > 1 and cfg.replica_check_mb > 0
+        self._roots = RootClaims([level for level in (self.persistent, self.further) if level is not None],
+                                 self.local, self._comm, cfg)
         try:
-            self._claim_roots()
-        except CheckpointError:
+            self._roots.claim_shared()
+            if self.local is not None:
+                self._roots.claim_local(self._local_leader, self._recovery.comm)
+        except BaseException:
             if self._group is not None:
                 dist.destroy_process_group(self._group)
             raise
-        if self.local is not None:
-            self._claim_local_level()
         # the event log lives in the root; while that is out, in the node-local one
         events_level = self.persistent if self.persistent.unreachable is None else self.local
         events_path = None
@@ -110,7 +113,7 @@ class Checkpointer:
         try:
             self.events = EventLog(self.rank, events_path)
         except OSError as exc:
-            self._release_roots()
+            self._roots.release()
             raise CheckpointError(f"cannot keep checkpoints under {events_level.root}: {exc}") from exc
         self._arena: Arena | None = None
         self._segment_bytes = MAX_SEGMENT_BYTES
@@ -139,7 +142,7 @@ class Checkpointer:
             what = f"copies to {self.further.root}"
             self._further_group, comm = self._side_comm(what)
             self._further_copier = FurtherCopier(self.persistent, self.further, comm, cfg.durable, self.events,
-                                                 self._further_done, self._try_claim)
+                                                 self._further_done, self._roots.try_claim)
         self._local_flusher = None
         if self.local is not None:
             self._local_flusher = LocalFlusher(
@@ -385,7 +388,7 @@ class Checkpointer:
                 self._local_flusher.close()
             self._guard.close()
             self.events.flush()
-            self._release_roots()
+            self._roots.release()
             for group in (self._group, self._local_group, self._further_group):
                 if group is not None:
                     dist.destroy_process_group(group)
@@ -414,7 +417,7 @@ class Checkpointer:
         except CheckpointError:
             log.exception("statesnap: a checkpoint of %s failed; found as the program ended", self.persistent.root)
         try:  # a lease on an object store would keep the restart out until it expires
-            self._release_roots()
+            self._roots.release()
         except Exception:  # noqa: BLE001 (the lease then runs out by itself)
             log.warning("statesnap: releasing %s at the program's end failed", self.persistent.root, exc_info=True)
 
@@ -426,115 +429,13 @@ class Checkpointer:
 
     # ----------------------------------------------------------------- roots
 
-    def _claim_roots(self) -> None:
-        """Rank 0 claims the storage roots for this job and clears what crashed saves left there;
-        every rank raises if it could not (another live job owns a root: its cleanup would delete
-        that job's saves in flight, its retention that job's checkpoints). Storage that cannot be
-        reached is raised too, unless a node-local level can hold the steps meanwhile: then the
-        job starts (or restarts from the local level) without that level, and claims it again
-        at each step due there (see docs/checkpointer.md, "Failure matrix")."""
-        levels = [level for level in (self.persistent, self.further) if level is not None]
-
-        def release() -> None:  # after a failed start, which raises its own error, not this one's
-            try:
-                self._release_roots()
-            except Exception:  # noqa: BLE001
-                log.warning("statesnap: releasing the claimed roots after a failed start failed", exc_info=True)
-        problem, unreachable = None, {}
-        if self.rank == 0:
-            # Whatever fails here must reach the broadcast: the other ranks wait in it.
-            for level in levels:
-                try:
-                    outage = self._try_claim(level)
-                except CheckpointError as exc:
-                    problem = exc
-                    break
-                if outage is not None and self.local is None:
-                    problem = outage
-                    break
-                if outage is not None:
-                    unreachable[level.name] = str(outage)
-            if problem is not None:
-                release()
-        try:
-            problem, unreachable = self._comm.broadcast((problem, unreachable))
-        except BaseException:  # a rank lost before it got the outcome (PeerLostError): no claim stays
-            release()
-            raise
-        if problem is not None:
-            raise problem
-        for level in levels:
-            level.unreachable = unreachable.get(level.name)
-            if level.unreachable is not None and self.rank == 0:
-                message = (f"statesnap: starting without the {level.name} level ({level.unreachable}); steps due "
-                           "there stay in memory and the node-local level until it can be claimed again")
-                log.warning(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=4)
-
-    def _try_claim(self, level: StorageLevel) -> CheckpointError | None:
-        """Rank 0: claim ``level``'s root and clear what crashed saves left there. Another job
-        holding it is raised; storage that cannot be reached or written is returned."""
-        try:
-            level.claim_root(self.config.take_over, self.config.lease_s)
-            level.remove_leftovers()
-            return None
-        except CheckpointError:
-            raise
-        except OSError as exc:  # a root that is a file, a directory we may not write, a lost mount
-            outage = CheckpointError(f"cannot keep checkpoints under {level.root}: {exc}")
-        except Exception as exc:  # noqa: BLE001 - a storage library's own error (connection refused, ...)
-            outage = CheckpointError(f"cannot claim {level.root} for this job: {type(exc).__name__}: {exc}")
-            outage.__cause__ = exc
-        try:
-            level.release()
-        except Exception:  # noqa: BLE001 (the storage is gone; its lease runs out by itself)
-            level.claim = None
-        return outage
-
     def _reachable(self, level: StorageLevel, step: int) -> bool:
-        """Whether ``step`` can go to ``level``: yes unless it was unreachable, in which case rank
-        0 tries to claim it again now (collective: every rank saves the same steps)."""
-        if level.unreachable is None:
-            return True
-        outage = None
-        if self.rank == 0:
-            try:
-                outage = self._try_claim(level)
-            except CheckpointError as exc:  # taken by another job meanwhile: never ours again
-                outage = exc
-        outage = self._comm.broadcast(None if outage is None else str(outage))
-        if outage is None:
-            level.unreachable = None
-            if level is self.persistent:
-                self._flusher.target.backend = level.backend  # claimed now
-            log.warning("statesnap: the %s level at %s is back; step %d goes there", level.name, level.root, step)
-            return True
-        level.unreachable = outage
-        log.warning("statesnap: step %d stays in memory and the node-local level: the %s level is unreachable (%s)",
-                    step, level.name, outage)
-        return False
-
-    def _claim_local_level(self) -> None:
-        """Each node's leader claims its node-local level, as rank 0 claims the shared roots (two
-        jobs on one node given the same ``local_root`` would delete each other's saves in flight
-        and restore each other's steps), then clears what crashed saves left there. Only once
-        the shared roots are this job's: a job refused them must not delete the holder's saves in
-        flight. Every rank waits for it (one listing the level meanwhile would see it half
-        cleared), and a failure is raised on every rank, with the roots released."""
-        error = None
-        if self._local_leader:
-            try:
-                self.local.claim_root(self.config.take_over, self.config.lease_s)
-                self.local.remove_leftovers()
-            except Exception as exc:  # noqa: BLE001 (raised below, on every rank of the node)
-                error = exc
-        try:
-            self._recovery.comm.agree(error, f"claiming the node-local level {self.local.root}")
-        except BaseException:
-            self._release_roots()
-            if self._group is not None:
-                dist.destroy_process_group(self._group)
-            raise
+        """Whether ``step`` can go to ``level`` (claimed anew if it was unreachable)."""
+        if not self._roots.reachable(level, step):
+            return False
+        if level is self.persistent:
+            self._flusher.target.backend = level.backend  # as claimed (anew, after an outage)
+        return True
 
     def _start_local_level(self) -> None:
         """Learn which node every rank is on, make the group the node-local level talks on, and
@@ -558,11 +459,6 @@ class Checkpointer:
             ranks = None if cfg.process_group is None else dist.get_process_group_ranks(cfg.process_group)
             group = timed_group(ranks, cfg.commit_timeout_s, what, self._comm.rank)
         return group, Comm(group or cfg.process_group, what, cfg.commit_timeout_s, dedicated=group is not None)
-
-    def _release_roots(self) -> None:
-        for level in (self.persistent, self.further, self.local):
-            if level is not None:
-                level.release()
 
     # ----------------------------------------------------------------- planning (training thread)
 
