@@ -6,6 +6,7 @@ on a GPU machine). The ring and wave logic the GPU load is built on is tested he
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import threading
 import time
@@ -65,15 +66,34 @@ def test_no_slot_crosses_a_segment_end_of_the_ring():
         ring.take(101)
 
 
-def test_the_ring_has_a_segment_per_wave_or_three_for_larger_loads(monkeypatch):
-    monkeypatch.setattr(device_load, "WAVE_BYTES", 100)
-    sizes = [40, 40, 40, 250, 0, 10]
-    assert device_load._ring_segments(sizes, _waves(sizes)) == [80, 120, 370, 380]  # 380 <= 250 + 2 * 100
-    sizes = [100] * 6
-    assert device_load._ring_segments(sizes, _waves(sizes)) == [100, 200, 300]
-    sizes = [60, 300, 60, 60, 60, 60]
-    assert device_load._ring_segments(sizes, _waves(sizes)) == [300, 400, 500]
-    assert device_load._ring_segments([0, 0], [[0, 1]]) == [device_load.DIRECT_ALIGN]
+def test_the_ring_has_a_segment_per_wave_or_room_for_two_parts_in_flight(monkeypatch):
+    page = max(mmap.PAGESIZE, device_load.DIRECT_ALIGN)
+    monkeypatch.setattr(device_load, "WAVE_BYTES", 4 * page)
+    segments = device_load._ring_segments
+
+    def of(sizes):
+        return [end // page for end in segments([n * page for n in sizes], _waves([n * page for n in sizes]))]
+
+    assert of([1, 1, 1, 10, 0, 1]) == [3, 13, 14]  # a segment per wave: no more room than the ring's
+    assert of([4] * 6) == [4, 8, 12]  # three waves of a wave each
+    assert of([2, 12, 2, 2, 2, 2]) == [12, 20]  # a part larger than a wave, and room for two waves
+    assert of([0, 0]) == [1]
+    assert segments([5000], [[0]]) == [-(-5000 // page) * page]  # ends on page boundaries
+
+
+def test_two_parts_larger_than_a_wave_are_in_flight_at_once(monkeypatch):
+    """With parts of two waves (checksum blocks of two waves), the next part's reads start before
+    the one before it is released, as they did in a ring of one piece."""
+    page = max(mmap.PAGESIZE, device_load.DIRECT_ALIGN)
+    monkeypatch.setattr(device_load, "WAVE_BYTES", 4 * page)
+    sizes = [8 * page] * 5
+    ring = PinnedRing(device_load._ring_segments(sizes, _waves(sizes)))
+    log = []
+    for index, size in enumerate(sizes):
+        ring.hold(ring.take(size), size, releaser(log, index))
+        if index == 1:
+            assert log == []  # the second part found room beside the first
+    assert log == [0, 1, 2]
 
 
 def test_waves_group_consecutive_targets_and_put_a_large_one_alone(monkeypatch):
@@ -256,7 +276,7 @@ def test_a_tensor_larger_than_a_wave_loads_in_parts_through_a_ring_of_three_wave
     assert nbytes >= sum(item.local.numel() * 4 for _, item in wanted.values())
     for name, (values, item) in wanted.items():
         assert torch.equal(item.local.view(torch.int32), values.reshape(item.local.shape).view(torch.int32)), name
-    ring = sum(size for _, size in host_streams.locked)  # one ring, one segment of LOCK_SEGMENT
+    ring = sum(size for _, size in host_streams.locked)  # the one ring's segments
     assert 0 < ring <= 3 * (1 << 16) + 4096
     assert sorted(host_streams.unlocked) == sorted(start for start, _ in host_streams.locked)
 

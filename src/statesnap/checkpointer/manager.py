@@ -434,7 +434,7 @@ class Checkpointer:
         if not self._roots.reachable(level, step):
             return False
         if level is self.persistent:
-            self._flusher.target.backend = level.backend  # as claimed (anew, after an outage)
+            self._flusher.target.backend = level.backend  # the claim's (made anew after an outage)
         return True
 
     def _start_local_level(self) -> None:

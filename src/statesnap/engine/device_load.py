@@ -13,8 +13,8 @@ which a ring sized for the largest tensor paid at every load. The ring holds the
 (a wave or a checksum block; a strided target, or a row larger than that, whole) plus two
 waves, locked for the load alone: that, and a read thread's scratch for a piece that cannot be
 read in place, bound the extra host memory whatever the size of the state. Reads need no locked
-memory, only the copies to a device do, so the ring is locked a segment (a wave's room) at a
-time, in ring order, on a thread of its own while the first waves are read
+memory, only the copies to a device do, so the ring is locked a segment at a time
+(:func:`_ring_segments`), in ring order, on a thread of its own while the first waves are read
 (:class:`_SegmentLocker`); locked at once, the 384 MiB ring of a load of 4 GB had kept every
 read waiting about 0.13 s. Targets that the
 checkpoint covers only in part (``strict=False``) go the CPU way (``load.py``), which leaves what
@@ -25,7 +25,9 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import mmap
 import threading
+import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable
@@ -91,8 +93,9 @@ class _SegmentLocker:
         with self._changed:
             self._stopping = True
         self._thread.join()
-        while self._locked:
-            unlock_pages(self._locked.pop())
+        with torch.cuda.device(self._device):  # as locked: no context made on another device
+            while self._locked:
+                unlock_pages(self._locked.pop())
 
 
 class PinnedRing:
@@ -106,19 +109,23 @@ class PinnedRing:
         self.capacity = ends[-1]
         # exactly this much memory, locked while the first waves are read, unlocked by close()
         self.buffer = torch.frombuffer(private_pages(self.capacity), dtype=torch.uint8)
-        self._locker = None if device is None else _SegmentLocker(self.buffer.data_ptr(), ends, device)
+        self._unlock = None
+        if device is not None:
+            self._locker = _SegmentLocker(self.buffer.data_ptr(), ends, device)
+            # a ring dropped without close() unlocks too, before its memory is unmapped
+            self._unlock = weakref.finalize(self, self._locker.close)
         self._held: deque[tuple[int, int, Callable[[], None]]] = deque()  # (start, end, release), oldest first
         self._head = 0
 
     def wait_locked(self, start: int, nbytes: int) -> None:
         """Return once ``nbytes`` from ``start`` are locked (the segments are locked in order)."""
-        if self._locker is not None:
+        if self._unlock is not None:
             self._locker.wait(start + nbytes)
 
     def close(self) -> None:
         """Unlock the memory: only once every copy out of it has finished."""
-        if self._locker is not None:
-            self._locker.close()
+        if self._unlock is not None:
+            self._unlock()
 
     def take(self, nbytes: int) -> int:
         """The start of ``nbytes`` free bytes, releasing the oldest slots until they are free."""
@@ -266,14 +273,23 @@ def fill_device_targets(targets: list, make_executor: Callable[[], ReadExecutor]
 
 
 def _ring_segments(sizes: list[int], waves: list[list[int]]) -> list[int]:
-    """The ends of the ring's segments: room for the largest wave and the two after it, each in a
-    segment of its own, or one segment per wave where they take no more room than that."""
+    """The ends of the ring's segments, on page boundaries (a page locked twice would be refused).
+
+    One segment per wave where the waves take no more room than the ring would; else room for
+    the largest part and two waves, as three segments of a wave each (the usual case: parts are
+    a wave at most, and the first copies wait for one wave's locking only) or, with a part
+    larger than a wave, as that part's segment and one of two waves, so that two such parts
+    (of up to two waves) are still read and copied at once."""
+    page = max(mmap.PAGESIZE, DIRECT_ALIGN)
     largest = max(*sizes, WAVE_BYTES)
-    ends = list(itertools.accumulate(sum(sizes[i] for i in wave) for wave in waves))
-    if ends[-1] > largest + 2 * WAVE_BYTES:
-        ends = [largest, largest + WAVE_BYTES, largest + 2 * WAVE_BYTES]
-    ends = [end for i, end in enumerate(ends) if end > (ends[i - 1] if i else 0)]  # waves of empty targets
-    return ends or [DIRECT_ALIGN]
+    room = [-(-sum(sizes[i] for i in wave) // page) * page for wave in waves]
+    if sum(room) <= largest + 2 * WAVE_BYTES:
+        ends = list(itertools.accumulate(size for size in room if size))  # (waves of empty targets: none)
+        return ends or [page]
+    largest = -(-largest // page) * page
+    if largest == WAVE_BYTES:
+        return [largest, largest + WAVE_BYTES, largest + 2 * WAVE_BYTES]
+    return [largest, largest + 2 * WAVE_BYTES]
 
 
 def _waves(sizes: list[int]) -> list[list[int]]:

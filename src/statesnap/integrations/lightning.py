@@ -28,6 +28,7 @@ DCP checkpoints itself and never calls a ``CheckpointIO``: use
 """
 from __future__ import annotations
 
+import inspect
 import io
 import logging
 import os
@@ -436,19 +437,29 @@ def load_from_checkpoint(cls, path, *, allow_pickle: bool = False, storage_optio
 
     Lightning's classmethod reads the file with ``torch.load``, and the file Lightning named is a
     statesnap pointer, which ``torch.load`` cannot read. This reads the checkpoint it names
-    (verified as it is read) and hands it to the classmethod as a stream, so hyper-parameters,
-    ``map_location``, ``strict`` and the module's ``on_load_checkpoint`` work as they do for
-    Lightning's own files; a file Lightning wrote itself goes to the classmethod as it is. The
-    stream is a second copy of the checkpoint in host memory while the model is built."""
+    (verified as it is read; objects that are not plain data only with ``allow_pickle``) and
+    hands it to the classmethod as a stream, so hyper-parameters, ``map_location``, ``strict``
+    and the module's ``on_load_checkpoint`` work as they do for Lightning's own files; a file
+    Lightning wrote itself goes to the classmethod as it is. ``weights_only`` applies to such a
+    file only: the stream holds what was read, and nothing more. While the model is built, the
+    stream is one copy of the checkpoint in host memory more than Lightning's own load holds."""
     pointer = _read_pointer(_normal(path), storage_options)
     if pointer is None:
         return cls.load_from_checkpoint(path, **kwargs)
-    checkpoint = read_checkpoint(pointer[0], allow_pickle, storage_options, own_state=pointer[1])
+    kwargs.pop("weights_only", None)
+    stream = _as_stream(read_checkpoint(pointer[0], allow_pickle, storage_options, own_state=pointer[1]))
+    if "weights_only" in inspect.signature(cls.load_from_checkpoint).parameters:  # Lightning 2.6 and later
+        # (earlier ones hand what they do not know to the constructor)
+        kwargs["weights_only"] = False  # the stream's objects are those just read
+    return cls.load_from_checkpoint(stream, **kwargs)
+
+
+def _as_stream(checkpoint: dict) -> io.BytesIO:
+    """``checkpoint`` as ``torch.save`` writes it, in memory (the dict itself is let go)."""
     stream = io.BytesIO()
     torch.save(checkpoint, stream)
     stream.seek(0)
-    kwargs.pop("weights_only", None)  # the stream holds what was just read, not the file's bytes
-    return cls.load_from_checkpoint(stream, weights_only=False, **kwargs)
+    return stream
 
 
 def _parameter_names(optimizer_state: dict) -> list:
