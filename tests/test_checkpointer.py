@@ -355,6 +355,23 @@ def test_checkpointer_start_puts_back_a_checkpoint_an_overwrite_left_aside(tmp_p
     assert sorted(os.listdir(tmp_path)) == [".statesnap-lock", "step-1"]
 
 
+def test_a_step_directory_renamed_or_copied_in_is_not_restored_as_that_step(tmp_path):
+    """step-5 holding what step 2 saved (renamed by hand, copied from another run) is no step 5:
+    load_latest goes back to the step before it, saying why, instead of returning 5 with step
+    2's values."""
+    with ss.Checkpointer(tmp_path, events=False, keep_last=5) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"t": torch.full((3,), float(step))}).wait()
+    os.rename(tmp_path / "step-2", tmp_path / "step-5")
+    with ss.Checkpointer(tmp_path, events=False) as ckpt:
+        target = {"t": torch.zeros(3)}
+        with pytest.warns(RuntimeWarning, match="step-5 holds step 2, not step 5"):
+            assert ckpt.load_latest(target) == 1
+    assert torch.equal(target["t"], torch.ones(3))
+    ss.load(target, tmp_path / "step-5")  # as a plain checkpoint it still loads
+    assert torch.equal(target["t"], torch.full((3,), 2.0))
+
+
 def test_wait_staged_covers_custom_loops(tmp_path, monkeypatch):
     model, optim = make_training()
     state = {"model": model}

@@ -155,12 +155,27 @@ def test_a_data_file_that_is_not_a_regular_file(ckpt, kind):
         with pytest.raises(ss.CorruptCheckpointError) as caught:
             attempt()
         assert file.name in str(caught.value) and "model.big" in str(caught.value)
+        # damage, not a read that may succeed again: a restart goes back to an older step
+        assert not isinstance(caught.value, ss.ReadFailedError)
     assert_good_neighbour_loads(path, state)
     if kind == "fifo":
         (path / MANIFEST_NAME).unlink()
         os.mkfifo(path / MANIFEST_NAME)
         with pytest.raises(ss.CorruptCheckpointError, match="manifest.json is a FIFO"):
             ss.open(path)
+
+
+def test_a_manifest_that_cannot_be_read_is_a_checkpoint_error_naming_it(ckpt):
+    """A loop of links (or no permission) where the manifest is: a ReadFailedError (the file may
+    be intact) from open, load and verify alike, not a bare OSError."""
+    import os
+
+    path, state = ckpt
+    (path / MANIFEST_NAME).unlink()
+    os.symlink(MANIFEST_NAME, path / MANIFEST_NAME)
+    for attempt in (lambda: ss.open(path), lambda: ss.load(blank_like(state), path)):
+        with pytest.raises(ss.ReadFailedError, match="manifest.json cannot be read"):
+            attempt()
 
 
 def test_a_checkpoint_of_links_into_a_blob_store_loads_and_a_link_to_other_bytes_is_caught(ckpt, tmp_path):

@@ -615,6 +615,26 @@ def test_overwrite_killed_between_fallback_renames_is_recovered(tmp_path, monkey
     assert torch.equal(target["t"], torch.zeros(4)) and path.is_dir()
     ss.open(path).verify()
 
+    # Killed again, then saved to anew: the aside is still the checkpoint there, so a save
+    # without overwrite is refused and one with it replaces the aside, which does not outlive it.
+    # (Two asides left by two such kills had made a load take the older one half the time.)
+    for value in (1.0, 2.0):
+        monkeypatch.setattr(local.os, "rename", killed_after_first_rename)
+        with pytest.raises(KeyboardInterrupt):
+            ss.save({"t": torch.full((4,), value + 10)}, path, overwrite=True)
+        monkeypatch.setattr(local.os, "rename", real_rename)
+        assert not path.exists()
+        with pytest.raises(ss.CheckpointExistsError):
+            ss.save({"t": torch.full((4,), value)}, path)
+        ss.save({"t": torch.full((4,), value)}, path, overwrite=True)
+        assert [p.name for p in tmp_path.iterdir()] == ["c"]
+    monkeypatch.setattr(local.os, "rename", killed_after_first_rename)
+    with pytest.raises(KeyboardInterrupt):
+        ss.save({"t": torch.full((4,), 30.0)}, path, overwrite=True)
+    monkeypatch.setattr(local.os, "rename", real_rename)
+    ss.load(target, path)
+    assert torch.equal(target["t"], torch.full((4,), 2.0))
+
 
 def test_fsspec_memory_url_round_trip():
     url = "memory://statesnap-tests/run/step-3"

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine.dist import Comm, PeerLostError, timed_group
-from ..engine.load import load
+from ..engine.load import Loading
 from ..engine.replicas import limit_bytes, object_digests
 from ..engine.save import encode_objects, per_rank_names, plan_by_owners, shared_names
 from ..engine.write import default_threads
@@ -352,12 +352,15 @@ class Checkpointer:
         """Load ``step`` from a storage level; return the bytes read and the level's name
         (``"local"`` becomes ``"peer"`` when some node fetched files from another)."""
         options = dict(allow_pickle=self.config.allow_pickle, storage_options=self.config.storage_options,
-                       process_group=self.config.process_group, timeout_s=self.config.commit_timeout_s, cast=cast)
+                       process_group=self.config.process_group, timeout_s=self.config.commit_timeout_s, cast=cast,
+                       step=step)
         if name == "local":
             nbytes, fetched = self._recovery.restore(state, step, inventories, **options)
             return nbytes, "peer" if fetched else "local"
         level = self.persistent if name == "persistent" else self.further
-        return load(state, level.path(step), **options).bytes, name
+        loading = Loading(state, level.path(step), **options)
+        loading.fill()
+        return loading.finish().bytes, name
 
     def stats(self) -> dict:
         """Sums of the events so far: stall, background time, throughput, back-pressure, ..."""

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from ..collector import collector_paused
-from ..errors import CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, StateMismatchError
+from ..errors import (CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, ReadFailedError,
+                      StateMismatchError)
 from ..format.checksum import checksum_whole
 from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from ..plan.load_plan import TargetPlan, plan_target
@@ -52,6 +53,8 @@ def read_manifest(backend: StorageBackend, path: str) -> Manifest:
             raise CheckpointError(f"no checkpoint at {path}") from None
         raise ManifestError(f"{path} has no {MANIFEST_NAME}: it is not a committed statesnap checkpoint "
                             f"({_what_else(backend, path)})") from None
+    except OSError as exc:  # no permission, a loop of links, an I/O error: the file may be intact
+        raise ReadFailedError(f"the manifest {where} cannot be read: {exc}") from None
     return Manifest.from_bytes(raw, where=where, fetch=section_fetcher(backend, path))
 
 
@@ -380,8 +383,9 @@ class Loading:
                  verify: bool = True, allow_pickle: bool = False, storage_options: dict | None = None,
                  process_group=None, threads: int | None = None, shared_reads: bool | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, cast: bool = False, progress: bool | None = None,
-                 partial: bool = False):
+                 partial: bool = False, step: int | None = None):
         self.started = time.perf_counter()
+        self.step = step  # the Checkpointer's step-N: a checkpoint that records another is no step N
         self.path = normalize(path)
         self.comm = Comm(process_group, f"loading {self.path}", timeout_s)
         self.backend = backend_for(self.path, storage_options)
@@ -398,6 +402,9 @@ class Loading:
         error = None
         try:
             self.manifest = manifest if manifest is not None else read_manifest(self.backend, self.path)
+            recorded = self.manifest.meta.get("step", self.step)
+            if self.step is not None and recorded != self.step:  # a step renamed, or copied in from another run
+                raise CorruptCheckpointError(f"{self.path} holds step {recorded!r}, not step {self.step}")
             self.flat = flatten_for_load(state, StoredNames(self.manifest.keys()), self.created, self.fresh)
         except Exception as exc:
             error = exc

@@ -182,6 +182,9 @@ class ReadExecutor:
                 except FileNotFoundError:
                     raise MissingFileError(f"data file {name} of {self.directory} is missing "
                                            f"(needed for tensor {job.fqn!r})") from None
+                except (IsADirectoryError, NotADirectoryError) as exc:  # what was written is not there
+                    raise CorruptCheckpointError(f"data file {name} of {self.directory} is not a file (needed "
+                                                 f"for tensor {job.fqn!r}): {exc}") from None
                 except OSError as exc:
                     raise ReadFailedError(f"data file {name} of {self.directory} cannot be read (needed "
                                           f"for tensor {job.fqn!r}): {exc}") from None

@@ -414,6 +414,7 @@ def open_staging(backend: StorageBackend, path: str, overwrite: bool) -> tuple[s
     broadcasts the outcome, so a failure there cannot leave the other ranks waiting."""
     token = uuid.uuid4().hex[:12]
     try:
+        backend.recover(path)  # a checkpoint an overwrite killed halfway left aside is still there
         if backend.exists(backend.join(path, MANIFEST_NAME)) and not overwrite:
             return None, token, None
         foreign = foreign_entries(backend, path)
@@ -458,7 +459,7 @@ def commit_manifest(backend, path, staging, outputs, overwrite, durable,
         backend.commit(staging, path, overwrite, durable, keep=[*manifest.files, MANIFEST_NAME])
     except Exception as exc:
         backend.abort(staging, path, written)
-        if isinstance(exc, RootBusyError):  # the root was taken over: callers catch this type
+        if isinstance(exc, (RootBusyError, CheckpointExistsError)):  # callers catch these types
             return exc
         return f"committing {path} failed: {type(exc).__name__}: {exc}"
     return manifest.total_bytes
@@ -466,7 +467,8 @@ def commit_manifest(backend, path, staging, outputs, overwrite, durable,
 
 def committed_bytes(result: Any, path: str) -> int:
     """The bytes a commit wrote, from what ``commit_manifest`` returned; its failure raised: a
-    lost claim as the ``RootBusyError`` it is (callers catch that type), any other as text."""
+    lost claim or a checkpoint there as the ``RootBusyError`` or ``CheckpointExistsError`` it is
+    (callers catch those types), any other as text."""
     if isinstance(result, CheckpointError):
         raise result
     if not isinstance(result, int):

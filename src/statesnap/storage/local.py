@@ -307,6 +307,10 @@ class LocalBackend(StorageBackend):
         parent = os.path.dirname(final)
         if durable:
             fsync_dir(staging)
+        # An overwrite killed halfway left the checkpoint at ``final`` aside: it is still the one
+        # there (loads put it back), so this save replaces it only as an overwrite, and no aside
+        # outlives a commit (a later kill would leave two, and a load might take the older).
+        self.recover(final)
         if os.path.exists(final):
             if not overwrite:
                 raise CheckpointExistsError(f"{final} already exists; pass overwrite=True to replace it")
@@ -350,10 +354,13 @@ class LocalBackend(StorageBackend):
         parent, name = os.path.split(final)
         if os.path.exists(final):
             return False
-        asides = [n for n in self.listdir(parent) if n.startswith(f".{name}.tmp-") and n.endswith(_ASIDE_SUFFIX)]
+        asides = [os.path.join(parent, n) for n in self.listdir(parent)
+                  if n.startswith(f".{name}.tmp-") and n.endswith(_ASIDE_SUFFIX)]
         if not asides:
             return False
-        os.rename(os.path.join(parent, asides[0]), final)  # it was committed at ``final`` before
+        # it was committed at ``final`` before; of several (left by an older version), the one
+        # put aside last (a rename changes the inode's ctime)
+        os.rename(max(asides, key=lambda aside: os.stat(aside).st_ctime_ns), final)
         fsync_dir(parent)
         return True
 
