@@ -352,13 +352,12 @@ class Checkpointer:
         """Load ``step`` from a storage level; return the bytes read and the level's name
         (``"local"`` becomes ``"peer"`` when some node fetched files from another)."""
         options = dict(allow_pickle=self.config.allow_pickle, storage_options=self.config.storage_options,
-                       process_group=self.config.process_group, timeout_s=self.config.commit_timeout_s, cast=cast,
-                       step=step)
+                       process_group=self.config.process_group, timeout_s=self.config.commit_timeout_s, cast=cast)
         if name == "local":
             nbytes, fetched = self._recovery.restore(state, step, inventories, **options)
             return nbytes, "peer" if fetched else "local"
         level = self.persistent if name == "persistent" else self.further
-        loading = Loading(state, level.path(step), **options)
+        loading = Loading(state, level.path(step), step=step, **options)
         loading.fill()
         return loading.finish().bytes, name
 

@@ -116,7 +116,8 @@ class LocalRecovery:
             gathered = comm.all_gather((lacking, opened))
             transfers = self._plan_transfers(step, [wants for wants, _ in gathered], inventories)
             arrivals = Arrivals([name for name, _, dst in transfers if dst == comm.rank])
-            loading = Loading(state, self.level.path(step), manifest=manifest, shared_reads=False, **load_options)
+            loading = Loading(state, self.level.path(step), manifest=manifest, shared_reads=False, step=step,
+                              **load_options)
             # The state fills while the transfers run, reading the files this rank receives as
             # their bytes arrive; a rank that needs a file another rank of its node receives fills after.
             early = set(lacking) <= set(arrivals.names)
