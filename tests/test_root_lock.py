@@ -19,7 +19,8 @@ import statesnap as ss
 from statesnap.bench.faults import Faults
 from statesnap.storage import backend_for
 from statesnap.storage.local import LocalBackend
-from statesnap.storage.lock import LEASE_NAME, ClaimedBackend, FlockClaim, LeaseClaim, RootBusyError
+from statesnap.storage.lock import (LEASE_NAME, ClaimedBackend, FlockClaim, LeaseClaim, LeaseUnreachableError,
+                                    RootBusyError)
 
 
 def _state(value):
@@ -184,6 +185,29 @@ def _by_hand(claim):
     claim._stop.set()
     claim._renewer.join()
     return claim
+
+
+@pytest.mark.parametrize("fault", ["read", "write"])
+def test_a_lease_the_storage_cannot_read_or_write_is_an_outage_not_another_job(tmp_path, fault):
+    """An object store that is down at a restart: its lease cannot be read (or written) and
+    that is an outage, not 'owned by another job', so a job with a node-local level starts
+    without the store and restores from the node, as for any other outage."""
+    root, backend, faults = _lease_root(f"outage-{fault}")
+    settings = dict(local_root=tmp_path / "local", storage_options={"faults": faults}, host_memory_gb=0.05)
+    with ss.Checkpointer(root, **settings) as ckpt:
+        ckpt.save(1, _state(1)).wait()
+    faults.sticky = True
+    faults.reset(**{f"fail_{fault}": 1})
+    with pytest.raises(LeaseUnreachableError, match="injected fault"):
+        LeaseClaim(root, backend, take_over=False, lease_s=3)
+    with pytest.raises(ss.CheckpointError, match="cannot keep checkpoints under"):
+        ss.Checkpointer(root, storage_options={"faults": faults}, host_memory_gb=0.05)
+    with pytest.warns(RuntimeWarning, match="starting without the persistent level"):
+        ckpt = ss.Checkpointer(root, **settings)
+    with ckpt:
+        state = _state(0)
+        assert ckpt.load_latest(state) == 1 and ckpt.loaded_from == "local"
+        assert torch.equal(state["t"], _state(1)["t"])
 
 
 def test_a_failed_renewal_extends_nothing_and_the_next_one_renews():

@@ -414,7 +414,6 @@ def open_staging(backend: StorageBackend, path: str, overwrite: bool) -> tuple[s
     broadcasts the outcome, so a failure there cannot leave the other ranks waiting."""
     token = uuid.uuid4().hex[:12]
     try:
-        backend.recover(path)  # a checkpoint an overwrite killed halfway left aside is still there
         if backend.exists(backend.join(path, MANIFEST_NAME)) and not overwrite:
             return None, token, None
         foreign = foreign_entries(backend, path)

@@ -52,6 +52,11 @@ class RootBusyError(CheckpointError):
     """Another live job (or another Checkpointer in this process) owns the checkpoint root."""
 
 
+class LeaseUnreachableError(OSError):
+    """The storage failed to read or write a root's lease: it says nothing of another job, and
+    the Checkpointer handles it as the outage it is (it may start without the level)."""
+
+
 def _holder_record(token: str, expires: float | None = None) -> dict:
     record = {"token": token, "host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
               "command": " ".join(sys.argv)[:200]}
@@ -202,7 +207,9 @@ class LeaseClaim(RootClaim):
         self.renew_errors = 0  # renewals that failed (and were retried)
         if not take_over:
             kind, found = self._look()
-            if kind in ("garbled", "error"):
+            if kind == "error":
+                raise LeaseUnreachableError(f"the lease at {self.path} cannot be read ({found})")
+            if kind == "garbled":
                 raise RootBusyError(f"{root} may be owned by another job: the lease at {self.path} is unreadable "
                                     f"({found}). take_over=True claims the root anyway (only if no other job "
                                     f"uses it).")
@@ -210,14 +217,19 @@ class LeaseClaim(RootClaim):
                 raise RootBusyError(f"{root} is owned by another job: {describe_holder(found)}, whose lease runs "
                                     f"for {found['expires'] - time.time():.0f} s more unless renewed. "
                                     f"{TAKE_OVER_HINT}.")
-        self._store()
+        try:
+            self._store()
+        except Exception as exc:  # noqa: BLE001 (any storage library's error)
+            raise LeaseUnreachableError(f"the lease at {self.path} cannot be written: {type(exc).__name__}: "
+                                        f"{exc}") from exc
         kind, found = self._look()  # another opener that wrote at the same moment reads back too
+        if kind == "error":
+            raise LeaseUnreachableError(f"reading back this job's lease at {self.path} failed ({found})")
         if kind != "held" or found["token"] != self.token:
             raise RootBusyError(f"{root} was not claimed: " + (
                 f"{describe_holder(found)} claimed it at the same moment" if kind == "held" else
                 f"this job's lease at {self.path} was replaced by an unreadable one ({found})" if kind == "garbled"
-                else f"this job's lease at {self.path} was deleted right after it was written" if kind == "free"
-                else f"reading back this job's lease at {self.path} failed ({found}); try again"))
+                else f"this job's lease at {self.path} was deleted right after it was written"))
         self._stop = threading.Event()
         self._renewer = threading.Thread(target=self._renew, name="statesnap-lease", daemon=True)
         self._renewer.start()
