@@ -101,6 +101,15 @@ def test_export_and_convert_refuse_to_overwrite_and_spec_applies_on_export(tmp_p
     assert load_file(tmp_path / "w.safetensors").keys() == {"model.w", "optim.m"}
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")], "staging left behind"
 
+    # exports write local paths: a URL is refused (it was written under ./s3:/... and reported
+    # done), a file:// URL is the local path it names
+    for url in ("memory://bucket/w.safetensors", "s3://bucket/w.safetensors"):
+        with pytest.raises(ss.CheckpointError, match="exports go to local paths"):
+            ss.export(tmp_path / "ck", url)
+    ss.export(tmp_path / "ck", f"file://{tmp_path}/u.safetensors")
+    assert load_file(tmp_path / "u.safetensors").keys() == {"model.w", "optim.m"}
+    assert not os.path.exists("s3:") and not os.path.exists("memory:")
+
 
 def test_export_skips_per_rank_values(tmp_path):
     ss.save({"w": torch.arange(3), "rng": ss.PerRank({"seed": 3})}, tmp_path / "ck")

@@ -507,5 +507,5 @@ def test_two_jobs_sharing_a_node_local_root_are_refused(tmp_path):
     assert sorted(os.listdir(local_root)) == before
     ss.Checkpointer(tmp_path / "root-b", host_memory_gb=0.05).close()  # its root was released
     first.close()
-    with ss.Checkpointer(tmp_path / "root-b", local_root=local_root, host_memory_gb=0.05) as second:
+    with ss.Checkpointer(tmp_path / "root-b", local_root=local_root, host_memory_gb=0.05):
         assert ".step-2.tmp-abcdef" not in os.listdir(local_root)  # its leftovers, cleared now

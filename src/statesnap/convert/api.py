@@ -22,6 +22,7 @@ from ..engine.save import SaveInfo
 from ..errors import CheckpointError, CheckpointExistsError
 from ..progress import bar
 from ..reader import Reader, TensorInfo
+from ..storage import is_url, normalize
 from ..storage.local import LocalBackend, fsync_dir
 from . import dcp, deepspeed, megatron, safetensors_io, torch_save, ucp
 from .transform import Lazy, apply_spec, is_tensor, load_spec, materialize
@@ -110,6 +111,10 @@ def export(path, dst, to: str = "safetensors", *, spec: Any = None, max_shard_by
     already there needs ``overwrite=True``. ``progress``: a bar on stderr (default: on a terminal)."""
     started = time.perf_counter()
     dst = os.fspath(dst)
+    if is_url(normalize(dst)):  # (a file:// URL is a local path)
+        raise CheckpointError(f"exports go to local paths, not {dst}: export to a local path and copy it there "
+                              "(the checkpoint exported may itself be at a URL)")
+    dst = normalize(dst)
     if to not in TARGETS:
         raise CheckpointError(f"unknown export format {to!r}; choose one of {', '.join(TARGETS)}")
     if max_shard_bytes is not None and (to != "safetensors" or max_shard_bytes <= 0):
