@@ -111,6 +111,24 @@ def test_export_and_convert_refuse_to_overwrite_and_spec_applies_on_export(tmp_p
     assert not os.path.exists("s3:") and not os.path.exists("memory:")
 
 
+def test_an_empty_dict_converts_as_ss_save_keeps_it(tmp_path):
+    """A fresh optimizer's state ({}) and an empty dict of metadata are values: dropped by convert,
+    the converted checkpoint did not load back into the state it came from."""
+    model = torch.nn.Linear(3, 2)
+    state = {"model": model.state_dict(), "meta": {},
+             "optim": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9).state_dict()}
+    torch.save(state, tmp_path / "a.pt")
+    ss.save(state, tmp_path / "saved")
+    ss.convert(tmp_path / "a.pt", tmp_path / "converted")
+    assert sorted(ss.open(tmp_path / "converted").keys()) == sorted(ss.open(tmp_path / "saved").keys())
+    target = {"model": torch.nn.Linear(3, 2).state_dict(), "meta": {},
+              "optim": torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9).state_dict()}
+    ss.load(target, tmp_path / "converted")
+    assert target["meta"] == {} and target["optim"]["state"] == {}
+    assert target["optim"]["param_groups"][0]["lr"] == 0.1
+    assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
+
+
 def test_export_skips_per_rank_values(tmp_path):
     ss.save({"w": torch.arange(3), "rng": ss.PerRank({"seed": 3})}, tmp_path / "ck")
     info = ss.export(tmp_path / "ck", tmp_path / "out.pt", to="torch")

@@ -129,9 +129,11 @@ def flatten_tree(tree: Any, where: str, prefix: str = "") -> dict[str, Any]:
 
 def _flatten(fqn: str, value: Any, out: dict[str, Any], where: str) -> None:
     if isinstance(value, Mapping):
-        for key, inner in value.items():
-            _flatten(join(fqn, key), inner, out, where)
-        return
+        if value or not fqn:
+            for key, inner in value.items():
+                _flatten(join(fqn, key), inner, out, where)
+            return
+        value = {}  # an empty dict is a value, as ss.save keeps it (a fresh optimizer's state)
     if isinstance(value, (list, tuple)) and not _is_plain(value):
         for index, inner in enumerate(value):
             _flatten(join(fqn, index), inner, out, where)
