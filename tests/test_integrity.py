@@ -165,6 +165,25 @@ def test_a_data_file_that_is_not_a_regular_file(ckpt, kind):
             ss.open(path)
 
 
+def test_a_directory_where_a_pickled_object_was_is_damage(tmp_path):
+    """As for tensors' files: load and verify call it damage (a CorruptCheckpointError, not a
+    read to retry, nor a bare IsADirectoryError), naming the file and the object."""
+    import os
+
+    path = tmp_path / "c"
+    ss.save({"o": {1, 2}}, path, allow_pickle=True)
+    data = [p for p in path.iterdir() if p.name != MANIFEST_NAME]
+    assert len(data) == 1
+    data[0].unlink()
+    data[0].mkdir()
+    for attempt in (lambda: ss.load({"o": set()}, path, allow_pickle=True),
+                    lambda: ss.open(path, allow_pickle=True).verify()):
+        with pytest.raises(ss.CorruptCheckpointError, match=f"{data[0].name}.*'o'") as caught:
+            attempt()
+        assert not isinstance(caught.value, ss.ReadFailedError)
+    assert os.path.isdir(data[0])
+
+
 def test_a_manifest_that_cannot_be_read_is_a_checkpoint_error_naming_it(ckpt):
     """A loop of links (or no permission) where the manifest is: a ReadFailedError (the file may
     be intact) from open, load and verify alike, not a bare OSError."""

@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 import weakref
 
 import pytest
@@ -208,6 +209,34 @@ def test_a_lease_the_storage_cannot_read_or_write_is_an_outage_not_another_job(t
         state = _state(0)
         assert ckpt.load_latest(state) == 1 and ckpt.loaded_from == "local"
         assert torch.equal(state["t"], _state(1)["t"])
+
+
+@pytest.mark.parametrize("forget_fails", [False, True])
+def test_a_lease_written_but_not_read_back_is_never_taken_for_another_job(tmp_path, monkeypatch, forget_fails):
+    """The store fails the read-back of the lease this job just wrote: the job starts without the
+    level; the lease left there (deleted if the store answers, else kept) is this job's own at
+    the next claim, which persists the next step instead of failing it as 'owned by another job'."""
+    root = f"memory://read-back-{forget_fails}-{uuid.uuid4().hex[:8]}/root"
+    real_look = LeaseClaim._look
+    looks = {"n": 0}
+
+    def flaky(self):
+        looks["n"] += 1
+        failing = (2, 3) if forget_fails else (2,)  # the read-back, and the look before deleting
+        return ("error", "reading it failed: ConnectionError: test") if looks["n"] in failing else real_look(self)
+
+    monkeypatch.setattr(LeaseClaim, "_look", flaky)
+    with pytest.warns(RuntimeWarning, match="starting without the persistent level"):
+        ckpt = ss.Checkpointer(root, local_root=tmp_path / "local", host_memory_gb=0.05, lease_s=30)
+    monkeypatch.setattr(LeaseClaim, "_look", real_look)
+    with ckpt:
+        assert ckpt.persistent.unreachable is not None
+        ckpt.save(1, _state(1)).wait()
+        assert ckpt.persistent.unreachable is None and ckpt.persistent.is_committed(1)
+    second = ss.Checkpointer(root, host_memory_gb=0.05)  # closed: the lease was released
+    state = _state(0)
+    assert second.load_latest(state) == 1 and second.loaded_from == "persistent"
+    second.close()
 
 
 def test_a_failed_renewal_extends_nothing_and_the_next_one_renews():

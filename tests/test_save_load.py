@@ -635,6 +635,23 @@ def test_overwrite_killed_between_fallback_renames_is_recovered(tmp_path, monkey
     ss.load(target, path)
     assert torch.equal(target["t"], torch.full((4,), 2.0))
 
+    # Killed while deleting the old checkpoint after a completed overwrite: what is left is no
+    # aside (nothing puts it back, even once the checkpoint at the name is gone).
+    real_rmtree = local.shutil.rmtree
+
+    def killed_while_deleting(where, *args, **kwargs):
+        raise KeyboardInterrupt  # stands in for SIGKILL
+
+    monkeypatch.setattr(local.shutil, "rmtree", killed_while_deleting)
+    with pytest.raises(KeyboardInterrupt):
+        ss.save({"t": torch.full((4,), 3.0)}, path, overwrite=True)
+    monkeypatch.setattr(local.shutil, "rmtree", real_rmtree)
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".old")]
+    real_rmtree(path)
+    ss.save({"t": torch.full((4,), 4.0)}, path)  # nothing there: no old checkpoint comes back
+    ss.load(target, path)
+    assert torch.equal(target["t"], torch.full((4,), 4.0))
+
 
 def test_fsspec_memory_url_round_trip():
     url = "memory://statesnap-tests/run/step-3"

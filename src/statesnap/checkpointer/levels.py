@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 import warnings
 
 import torch
@@ -49,6 +50,7 @@ class StorageLevel:
     def __init__(self, name: str, root: str, backend: StorageBackend, keep_last: int):
         self.name, self.root, self.backend, self.keep_last = name, root, backend, keep_last
         self.claim = None
+        self._lease_token = uuid.uuid4().hex  # every claim of this level's root: see claim_root
         self.unreachable: str | None = None  # why the root could not be claimed, while it cannot
         # steps a restore found damaged here and went back past: retention neither counts them
         # (they would take the places of good ones) nor deletes them, until one is saved again
@@ -56,7 +58,7 @@ class StorageLevel:
 
     def claim_root(self, take_over: bool, lease_s: float) -> None:
         """Own the root for this job; from then on every commit and deletion checks the claim."""
-        self.claim = claim_root(self.root, self.backend, take_over, lease_s)
+        self.claim = claim_root(self.root, self.backend, take_over, lease_s, self._lease_token)
         self.backend = ClaimedBackend(self.backend, self.claim)
 
     def release(self) -> None:

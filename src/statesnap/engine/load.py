@@ -29,7 +29,7 @@ from .buffers import host_contiguous
 from .device_load import fill_device_targets, wave_parts
 from .dist import DEFAULT_TIMEOUT_S, Comm
 from .objects import decode_value
-from .read import ReadExecutor
+from .read import ReadExecutor, open_data_file
 from .shared import plan_shared_reads, should_share
 
 MAX_LISTED = 20
@@ -102,11 +102,7 @@ def blob_reader(backend: StorageBackend, path: str, manifest: Manifest):
     """A function that reads and verifies a pickled object's bytes."""
     def read(fqn: str, ref: list) -> bytes:
         file, offset, nbytes, checksum = ref
-        try:
-            reader = backend.open_read(backend.join(path, manifest.files[file]))
-        except FileNotFoundError:
-            raise MissingFileError(f"data file {manifest.files[file]} of {path} is missing "
-                                   f"(needed for object {fqn!r})") from None
+        reader = open_data_file(backend, path, manifest.files[file], f"object {fqn!r}")
         try:
             data = read_at_most(reader, offset, nbytes)
             if len(data) != nbytes or checksum_whole(memoryview(data)) != checksum:

@@ -52,6 +52,25 @@ class _Job:
     size: int
 
 
+def open_data_file(backend: StorageBackend, directory: str, name: str, needed_for: str) -> FileReader:
+    """A reader of the checkpoint's data file ``name``, its failures named with what needed it: a
+    missing file is a ``MissingFileError``; something else where the file was (a directory, a
+    FIFO) is damage; any other ``OSError`` a ``ReadFailedError`` (the file may be intact)."""
+    try:
+        return backend.open_read(backend.join(directory, name))
+    except FileNotFoundError:
+        raise MissingFileError(f"data file {name} of {directory} is missing (needed for {needed_for})") from None
+    except (IsADirectoryError, NotADirectoryError) as exc:  # what was written is not there
+        raise CorruptCheckpointError(f"data file {name} of {directory} is not a file (needed for {needed_for}): "
+                                     f"{exc}") from None
+    except OSError as exc:
+        raise ReadFailedError(f"data file {name} of {directory} cannot be read (needed for {needed_for}): "
+                              f"{exc}") from None
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"data file {name} of {directory} cannot be read (needed for {needed_for}): "
+                                     f"{exc}") from None
+
+
 class ReadExecutor:
     def __init__(self, backend: StorageBackend, directory: str, manifest: Manifest, verify: bool = True,
                  threads: int | None = None, advance: Callable[[int], None] = lambda nbytes: None):
@@ -176,21 +195,8 @@ class ReadExecutor:
         with self._lock:
             reader = self._files.get(job.file)
             if reader is None:
-                name = self.manifest.files[job.file]
-                try:
-                    reader = self.backend.open_read(self.backend.join(self.directory, name))
-                except FileNotFoundError:
-                    raise MissingFileError(f"data file {name} of {self.directory} is missing "
-                                           f"(needed for tensor {job.fqn!r})") from None
-                except (IsADirectoryError, NotADirectoryError) as exc:  # what was written is not there
-                    raise CorruptCheckpointError(f"data file {name} of {self.directory} is not a file (needed "
-                                                 f"for tensor {job.fqn!r}): {exc}") from None
-                except OSError as exc:
-                    raise ReadFailedError(f"data file {name} of {self.directory} cannot be read (needed "
-                                          f"for tensor {job.fqn!r}): {exc}") from None
-                except CorruptCheckpointError as exc:
-                    raise CorruptCheckpointError(f"data file {name} of {self.directory} cannot be read (needed "
-                                                 f"for tensor {job.fqn!r}): {exc}") from None
+                reader = open_data_file(self.backend, self.directory, self.manifest.files[job.file],
+                                        f"tensor {job.fqn!r}")
                 self._files[job.file] = reader
             return reader
 

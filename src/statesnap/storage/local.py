@@ -308,8 +308,7 @@ class LocalBackend(StorageBackend):
         if durable:
             fsync_dir(staging)
         # An overwrite killed halfway left the checkpoint at ``final`` aside: it is still the one
-        # there (loads put it back), so this save replaces it only as an overwrite, and no aside
-        # outlives a commit (a later kill would leave two, and a load might take the older).
+        # there (loads put it back), so this save replaces it only as an overwrite.
         self.recover(final)
         if os.path.exists(final):
             if not overwrite:
@@ -323,6 +322,10 @@ class LocalBackend(StorageBackend):
                 if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
                     raise CheckpointExistsError(f"{final} appeared while saving; not replacing it") from None
                 raise
+        # No aside outlives a commit: a later kill would leave two, and a load might take the older;
+        # one left half deleted would come back if ``final`` went.
+        for aside in self._asides(final):
+            self._delete_hidden(aside, final)
         if durable:
             fsync_dir(parent)
 
@@ -331,37 +334,48 @@ class LocalBackend(StorageBackend):
             # ``staging`` now holds the old checkpoint: it is deleted only after the swap.
             shutil.rmtree(staging, ignore_errors=True)
             return
-        aside = staging + _ASIDE_SUFFIX
-        os.rename(final, aside)
+        os.rename(final, staging + _ASIDE_SUFFIX)  # deleted by ``commit`` once the new one is in
         os.rename(staging, final)
-        shutil.rmtree(aside, ignore_errors=True)
 
     def retire(self, path: str, marker: str) -> None:
         """Rename the checkpoint to a hidden name (atomic), make the rename durable, then delete:
         a kill at any moment leaves either the whole checkpoint or nothing at its name."""
         path = os.path.abspath(path)
-        parent, name = os.path.split(path)
+        self._delete_hidden(path, path, durable=True)
+
+    def _delete_hidden(self, path: str, final: str, durable: bool = False) -> None:
+        """Rename ``path`` to a hidden name of ``final``'s that nothing puts back (a leftover a
+        Checkpointer's start removes), then delete it: a kill while deleting leaves no aside."""
+        parent, name = os.path.split(final)
         hidden = os.path.join(parent, f".{name}{RETIRED_MARK}{os.urandom(6).hex()}")
         try:
             os.rename(path, hidden)
         except FileNotFoundError:
             return
-        fsync_dir(parent)
+        if durable:
+            fsync_dir(parent)
         shutil.rmtree(hidden, ignore_errors=True)
+
+    def _asides(self, final: str) -> list[str]:
+        """The checkpoints interrupted overwrites of ``final`` left aside."""
+        parent, name = os.path.split(final)
+        return [os.path.join(parent, n) for n in self.listdir(parent)
+                if n.startswith(f".{name}.tmp-") and n.endswith(_ASIDE_SUFFIX)]
 
     def recover(self, final: str) -> bool:
         final = os.path.abspath(final)
-        parent, name = os.path.split(final)
         if os.path.exists(final):
             return False
-        asides = [os.path.join(parent, n) for n in self.listdir(parent)
-                  if n.startswith(f".{name}.tmp-") and n.endswith(_ASIDE_SUFFIX)]
+        asides = self._asides(final)
         if not asides:
             return False
         # it was committed at ``final`` before; of several (left by an older version), the one
         # put aside last (a rename changes the inode's ctime)
-        os.rename(max(asides, key=lambda aside: os.stat(aside).st_ctime_ns), final)
-        fsync_dir(parent)
+        try:
+            os.rename(max(asides, key=lambda aside: os.stat(aside).st_ctime_ns), final)
+        except FileNotFoundError:  # another thread or process put it back (or deleted it) first
+            return os.path.exists(final)
+        fsync_dir(os.path.dirname(final))
         return True
 
     def abort(self, staging: str, final: str, written: Sequence[str] = ()) -> None:

@@ -194,11 +194,12 @@ class LeaseClaim(RootClaim):
       someone else took by then stays lost.
     """
 
-    def __init__(self, root: str, backend: StorageBackend, take_over: bool, lease_s: float):
+    def __init__(self, root: str, backend: StorageBackend, take_over: bool, lease_s: float,
+                 token: str | None = None):
         super().__init__(root)
         self.backend, self.lease_s = backend, lease_s
         self.path = backend.join(root, LEASE_NAME)
-        self.token = uuid.uuid4().hex
+        self.token = token or uuid.uuid4().hex
         self.expires: float | None = None  # the wall-clock expiry last stored
         self._deadline = float("-inf")  # time.monotonic() until which this holder's lease stands
         self._since = time.time()
@@ -213,17 +214,19 @@ class LeaseClaim(RootClaim):
                 raise RootBusyError(f"{root} may be owned by another job: the lease at {self.path} is unreadable "
                                     f"({found}). take_over=True claims the root anyway (only if no other job "
                                     f"uses it).")
-            if kind == "held" and found["expires"] > time.time():
+            if kind == "held" and found["expires"] > time.time() and found["token"] != self.token:
                 raise RootBusyError(f"{root} is owned by another job: {describe_holder(found)}, whose lease runs "
                                     f"for {found['expires'] - time.time():.0f} s more unless renewed. "
                                     f"{TAKE_OVER_HINT}.")
         try:
             self._store()
         except Exception as exc:  # noqa: BLE001 (any storage library's error)
+            self._forget()  # (a write reported failed may have landed)
             raise LeaseUnreachableError(f"the lease at {self.path} cannot be written: {type(exc).__name__}: "
                                         f"{exc}") from exc
         kind, found = self._look()  # another opener that wrote at the same moment reads back too
         if kind == "error":
+            self._forget()
             raise LeaseUnreachableError(f"reading back this job's lease at {self.path} failed ({found})")
         if kind != "held" or found["token"] != self.token:
             raise RootBusyError(f"{root} was not claimed: " + (
@@ -235,6 +238,17 @@ class LeaseClaim(RootClaim):
         self._renewer.start()
 
     # ----------------------------------------------------------------- the lease object
+
+    def _forget(self) -> None:
+        """After a claim that failed once its lease may have been written: delete the lease if it
+        is this one's, where the storage answers (else the next claim with the same token, or
+        its expiry, frees it)."""
+        try:
+            kind, found = self._look()
+            if kind == "held" and found["token"] == self.token:
+                self.backend.remove(self.path)
+        except Exception:  # noqa: BLE001 (the storage is failing: nothing more to do)
+            pass
 
     def _look(self) -> tuple[str, dict | str | None]:
         """What the lease object holds: ("free", None) if there is none, ("held", record) for a
@@ -359,9 +373,12 @@ class LeaseClaim(RootClaim):
                                 exc, self._deadline - time.monotonic())
 
 
-def claim_root(root: str, backend: StorageBackend, take_over: bool = False, lease_s: float = 60.0) -> RootClaim:
+def claim_root(root: str, backend: StorageBackend, take_over: bool = False, lease_s: float = 60.0,
+               token: str | None = None) -> RootClaim:
     """Claim ``root`` for this job: a ``flock`` where the backend is a POSIX file system, a lease
-    elsewhere. Raises :class:`RootBusyError` naming the holder if another job holds it."""
+    elsewhere. Raises :class:`RootBusyError` naming the holder if another job holds it. ``token``:
+    the lease's owner token, the same at every claim of one level, so that a lease an earlier
+    claim wrote and could not confirm is taken for this job's own."""
     if isinstance(backend, LocalBackend):
         try:
             return FlockClaim(root, take_over)
@@ -369,7 +386,7 @@ def claim_root(root: str, backend: StorageBackend, take_over: bool = False, leas
             if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 raise
             # a file system without flock (some FUSE mounts): fall back to a lease file
-    return LeaseClaim(root, backend, take_over, lease_s)
+    return LeaseClaim(root, backend, take_over, lease_s, token)
 
 
 class ClaimedBackend:
