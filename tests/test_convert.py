@@ -127,6 +127,9 @@ def test_an_empty_dict_converts_as_ss_save_keeps_it(tmp_path):
     assert target["meta"] == {} and target["optim"]["state"] == {}
     assert target["optim"]["param_groups"][0]["lr"] == 0.1
     assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items())
+    # DCP's own flattening drops empty dicts: an export there says which values it loses
+    info = ss.export(tmp_path / "converted", tmp_path / "dcp", to="dcp")
+    assert sorted(info.skipped) == ["meta (DCP drops empty dicts)", "optim.state (DCP drops empty dicts)"]
 
 
 def test_export_skips_per_rank_values(tmp_path):

@@ -257,3 +257,35 @@ def test_the_optimizer_containers_step_waits_for_the_snapshot_copy(tmp_path, mon
     for name, value in before.items():
         assert torch.equal(saved.read(f"model.{name}"), value), name
     assert not torch.equal(model[0].weight, before["0.weight"])
+
+
+class _Value:
+    """A stateful of one tensor, as torchtitan's states are."""
+
+    def __init__(self, value: float):
+        self.t = torch.full((3,), value)
+
+    def state_dict(self):
+        return {"t": self.t}
+
+    def load_state_dict(self, state):
+        self.t.copy_(state["t"])
+
+
+def test_a_step_directory_renamed_is_not_loaded_as_that_step(tmp_path):
+    """step-5 holding what step 2 saved is damage, named, not step 5 with step 2's values."""
+    model = _Value(0)
+    saver = TorchtitanCheckpointer(tmp_path, {"model": model, "train_state": _Value(0)}, interval=1,
+                                   async_mode="disabled", last_save_model_only=False)
+    for step in (1, 2):
+        model.t.fill_(step)
+        saver.save(step)
+    saver.close()
+    (tmp_path / "step-2").rename(tmp_path / "step-5")
+    fresh = _Value(0)
+    loader = TorchtitanCheckpointer(tmp_path, {"model": fresh, "train_state": _Value(0)}, interval=1,
+                                    async_mode="disabled", last_save_model_only=False)
+    with pytest.raises(ss.CorruptCheckpointError, match="step-5 holds step 2, not step 5"):
+        loader.load()
+    assert loader.load(step=1) and torch.equal(fresh.t, torch.ones(3))
+    loader.close()

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine.dist import Comm, PeerLostError, timed_group
-from ..engine.load import Loading
+from ..engine.load import load_step
 from ..engine.replicas import limit_bytes, object_digests
 from ..engine.save import encode_objects, per_rank_names, plan_by_owners, shared_names
 from ..engine.write import default_threads
@@ -357,9 +357,7 @@ class Checkpointer:
             nbytes, fetched = self._recovery.restore(state, step, inventories, **options)
             return nbytes, "peer" if fetched else "local"
         level = self.persistent if name == "persistent" else self.further
-        loading = Loading(state, level.path(step), step=step, **options)
-        loading.fill()
-        return loading.finish().bytes, name
+        return load_step(state, level.path(step), step, **options).bytes, name
 
     def stats(self) -> dict:
         """Sums of the events so far: stall, background time, throughput, back-pressure, ..."""

@@ -125,6 +125,8 @@ def export(path, dst, to: str = "safetensors", *, spec: Any = None, max_shard_by
     values = apply_spec(ops, values)
     if to == "safetensors":
         skipped += [f"{name} (safetensors holds tensors only)" for name, v in values.items() if not is_tensor(v)]
+    if to == "dcp":  # its flattening drops empty dicts: {} is lost, [{}, t] comes back as [None, t]
+        skipped += [f"{name} (DCP drops empty dicts)" for name, v in values.items() if _holds_empty_dict(v)]
     single_file = to == "torch" or dst.endswith(safetensors_io.SUFFIX)
     tensors = [v for v in values.values() if is_tensor(v)]
     nbytes = sum(safetensors_io.tensor_bytes(v) for v in tensors)
@@ -137,6 +139,12 @@ def export(path, dst, to: str = "safetensors", *, spec: Any = None, max_shard_by
             files = (torch_save.write if to == "torch" else dcp.write)(values, target)
     return ExportInfo(dst, to, [dst] if single_file else files, len(tensors), nbytes,
                       time.perf_counter() - started, skipped)
+
+
+def _holds_empty_dict(value: Any) -> bool:
+    if isinstance(value, dict):
+        return not value or any(_holds_empty_dict(v) for v in value.values())
+    return isinstance(value, (list, tuple)) and any(_holds_empty_dict(v) for v in value)
 
 
 def checkpoint_values(reader: Reader) -> tuple[dict[str, Any], list[str]]:

@@ -311,10 +311,16 @@ def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_p
     read by each (False), or shared only when storage is not local (None; see engine/shared.py).
     Every collective waits at most ``timeout_s`` for the other ranks; a rank that vanishes or
     hangs makes the load raise a ``CheckpointError`` on the others."""
-    loading = Loading(state, path, strict=strict, verify=verify, allow_pickle=allow_pickle,
-                      storage_options=storage_options, process_group=process_group, threads=threads,
-                      shared_reads=shared_reads, timeout_s=timeout_s, cast=cast, progress=progress,
-                      partial=partial)
+    return load_step(state, path, None, strict=strict, verify=verify, allow_pickle=allow_pickle,
+                     storage_options=storage_options, process_group=process_group, threads=threads,
+                     shared_reads=shared_reads, timeout_s=timeout_s, cast=cast, progress=progress, partial=partial)
+
+
+def load_step(state: dict, path, step: int | None, **options) -> LoadInfo:
+    """:func:`load` of the ``step-N`` of a Checkpointer's root (``step``: N, or None for any
+    checkpoint): one whose manifest records another step (a step directory renamed, or copied in
+    from another run) is a ``CorruptCheckpointError``, not step N."""
+    loading = Loading(state, path, step=step, **options)
     loading.fill()
     return loading.finish()
 

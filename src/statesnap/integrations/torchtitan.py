@@ -35,6 +35,7 @@ import torch
 
 import statesnap as ss
 
+from ..engine.load import load_step
 from ..errors import CheckpointError
 
 MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE = (
@@ -133,16 +134,16 @@ class TorchtitanCheckpointer:
         if step not in committed:
             raise CheckpointError(f"no committed checkpoint of step {step} under {self.folder} "
                                   f"(committed: {committed or 'none'})")
-        self._load_from(self.ckpt.persistent.path(step), model_only=step == 0)
+        self._load_from(self.ckpt.persistent.path(step), model_only=step == 0, step=step)
         return True
 
-    def _load_from(self, path: str, model_only: bool) -> None:
+    def _load_from(self, path: str, model_only: bool, step: int | None = None) -> None:
         wanted = {MODEL: self.states[MODEL]} if model_only else \
             {k: v for k, v in self.states.items() if k not in self.exclude_from_loading}
         config = self.ckpt.config
-        ss.load(self._state(wanted), path, partial=len(wanted) < len(self.states),
-                storage_options=config.storage_options, process_group=config.process_group,
-                timeout_s=config.commit_timeout_s)
+        load_step(self._state(wanted), path, step, partial=len(wanted) < len(self.states),
+                  storage_options=config.storage_options, process_group=config.process_group,
+                  timeout_s=config.commit_timeout_s)
 
     def wait_for_saving(self) -> None:
         """Wait until the last async save is committed; raise what failed."""
