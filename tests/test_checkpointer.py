@@ -372,6 +372,70 @@ def test_a_step_directory_renamed_or_copied_in_is_not_restored_as_that_step(tmp_
     assert torch.equal(target["t"], torch.full((3,), 2.0))
 
 
+def test_first_saves_from_several_threads_share_one_arena_and_are_exact(tmp_path, monkeypatch):
+    """Two threads' first saves at once each made an arena, and a step copied into one was
+    written from the other, zeroed: saves are taken one at a time."""
+    from statesnap.checkpointer import manager
+
+    made = []
+
+    class SlowArena(manager.Arena):
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+            time.sleep(0.2)  # the other thread's save arrives meanwhile
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(manager, "Arena", SlowArena)
+    state = {"w": {f"t{i}": torch.randn(64, 64, generator=torch.Generator().manual_seed(i)) for i in range(8)}}
+    expected = {k: v.clone() for k, v in state["w"].items()}
+    errors = []
+    with ss.Checkpointer(tmp_path, host_memory_gb=0.01, keep_last=10, events=False) as ckpt:
+        start = threading.Barrier(2)
+
+        def saves(first):
+            try:
+                start.wait()
+                for step in (first, first + 1):
+                    ckpt.save(step, state)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=saves, args=(first,)) for first in (10, 20)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert not errors and len(made) == 1
+    for step in (10, 11, 20, 21):
+        reader = ss.open(tmp_path / f"step-{step}")
+        for name, value in expected.items():
+            assert torch.equal(reader.read(f"w.{name}"), value), (step, name)
+
+
+def test_a_forked_child_is_told_the_checkpointer_is_the_parents(tmp_path):
+    """Its save used to wait forever for threads that do not survive a fork; close() there
+    leaves the parent's work and roots alone."""
+    with ss.Checkpointer(tmp_path, host_memory_gb=0.01, events=False) as ckpt:
+        ckpt.save(1, {"t": torch.ones(3)}).wait()
+        pid = os.fork()
+        if pid == 0:  # the child: no pytest machinery past this point
+            import signal
+            signal.alarm(30)  # a child that hangs dies (and fails the test) instead of outliving it
+            code = 3
+            try:
+                ckpt.save(2, {"t": torch.ones(3)})
+            except ss.CheckpointError as exc:
+                code = 0 if "forked child" in str(exc) else 4
+            except BaseException:  # noqa: BLE001
+                code = 5
+            ckpt.close()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        ckpt.save(2, {"t": torch.full((3,), 2.0)}).wait()  # the parent's Checkpointer is untouched
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-1", "step-2"]
+
+
 def test_wait_staged_covers_custom_loops(tmp_path, monkeypatch):
     model, optim = make_training()
     state = {"model": model}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import numbers
+import os
 import threading
 import warnings
 from collections import deque
@@ -125,6 +126,8 @@ class Checkpointer:
         self._failed: list[tuple[Snapshot | None, CheckpointError]] = []
         self._copying_further: set[int] = set()
         self._lock = threading.Lock()
+        self._saving = threading.RLock()
+        self._pid = os.getpid()  # a forked child has none of this Checkpointer's threads
         self._counts = {"committed": 0, "memory_only": 0, "skipped": 0, "failed": 0}
         self._warned_streaming = False
         self._closed = False
@@ -157,7 +160,12 @@ class Checkpointer:
     # ----------------------------------------------------------------- training-thread API
 
     def save(self, step: int, state: dict) -> SaveHandle:
-        """Snapshot ``state`` as step ``step`` and return at once (no tensor byte is copied here)."""
+        """Snapshot ``state`` as step ``step`` and return at once (no tensor byte is copied here).
+        Saves from several threads are taken one at a time."""
+        with self._saving:  # (two first saves at once made an arena each, and a step was written from the other)
+            return self._save(step, state)
+
+    def _save(self, step: int, state: dict) -> SaveHandle:
         if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
             # (step-N is its name: "-1" or 8.9 would be saved where no restart looks)
             raise CheckpointError(f"step must be a non-negative integer, not {step!r}")
@@ -371,8 +379,9 @@ class Checkpointer:
         return out
 
     def close(self) -> None:
-        """Wait for the work in flight, stop the background threads, and raise what failed."""
-        if self._closed:
+        """Wait for the work in flight, stop the background threads, and raise what failed. In a
+        forked child, nothing: the work, the threads and the roots' claims are the parent's."""
+        if self._closed or os.getpid() != self._pid:
             return
         with self._lock:
             self._closing = True  # a save() on another thread now raises instead of queueing behind the end
@@ -721,3 +730,6 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")
+        if os.getpid() != self._pid:  # its work would wait forever for threads the child lacks
+            raise CheckpointError(f"this Checkpointer belongs to process {self._pid}; a forked child (pid "
+                                  f"{os.getpid()}) cannot use it: make one in the child")
