@@ -412,7 +412,7 @@ def test_first_saves_from_several_threads_share_one_arena_and_are_exact(tmp_path
             assert torch.equal(reader.read(f"w.{name}"), value), (step, name)
 
 
-def test_a_forked_child_is_told_the_checkpointer_is_the_parents(tmp_path):
+def test_a_forked_child_is_told_the_checkpointer_is_the_parents(tmp_path, monkeypatch):
     """Its save used to wait forever for threads that do not survive a fork; close() there
     leaves the parent's work and roots alone."""
     with ss.Checkpointer(tmp_path, host_memory_gb=0.01, events=False) as ckpt:
@@ -432,7 +432,59 @@ def test_a_forked_child_is_told_the_checkpointer_is_the_parents(tmp_path):
             os._exit(code)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
+        # a child forked while a copy is in flight: its optimizer steps do not wait for it (its
+        # memory is its own), and waiting for the parent's step is refused, not endless
+        model = nn.Linear(4, 4)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.ones(1, 4)).sum().backward()
+        gate = Gate(monkeypatch)  # the copy of step 3 stays in flight
+        handle = ckpt.save(3, {"model": model, "optim": optim})
+        pid = os.fork()
+        if pid != 0:
+            backstop = threading.Timer(40, gate.open)  # the parent's close() never waits forever
+            backstop.daemon = True
+            backstop.start()
+        if pid == 0:
+            import signal
+            signal.alarm(30)
+            code = 3
+            try:
+                optim.step()
+                try:
+                    handle.wait()
+                except ss.CheckpointError as exc:
+                    code = 0 if "forked child" in str(exc) else 4
+            except BaseException:  # noqa: BLE001
+                code = 5
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        gate.open()
+        backstop.cancel()
+        handle.wait()
         ckpt.save(2, {"t": torch.full((3,), 2.0)}).wait()  # the parent's Checkpointer is untouched
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-1", "step-2", "step-3"]
+
+
+def test_on_commit_may_not_save(tmp_path, caplog):
+    """It runs on the thread committing a checkpoint: a save there would wait for that commit
+    (with a training thread growing the arena meanwhile, forever). It is refused, and logged."""
+    ckpt = None
+    refused = []
+
+    def on_commit(record):
+        try:
+            ckpt.save(1000, {"t": torch.ones(2)})
+        except ss.CheckpointError as exc:
+            refused.append(str(exc))
+            raise
+
+    with caplog.at_level(logging.ERROR, logger="statesnap"):
+        with ss.Checkpointer(tmp_path, host_memory_gb=0.01, events=False, on_commit=on_commit) as ckpt:
+            ckpt.save(1, {"t": torch.ones(2)}).wait()
+            ckpt.save(2, {"t": torch.ones(1 << 20)}).wait()  # a larger arena: waits for step 1's commit
+    assert refused and "save() was called from on_commit" in refused[0]
+    assert "on_commit raised for step 1" in caplog.text
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-1", "step-2"]
 
 

@@ -130,6 +130,8 @@ def test_an_empty_dict_converts_as_ss_save_keeps_it(tmp_path):
     # DCP's own flattening drops empty dicts: an export there says which values it loses
     info = ss.export(tmp_path / "converted", tmp_path / "dcp", to="dcp")
     assert sorted(info.skipped) == ["meta (DCP drops empty dicts)", "optim.state (DCP drops empty dicts)"]
+    ss.convert(tmp_path / "dcp", tmp_path / "back")  # what was written reads back whole
+    assert "optim.param_groups" in ss.open(tmp_path / "back").keys()
 
 
 def test_export_skips_per_rank_values(tmp_path):

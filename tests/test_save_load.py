@@ -652,6 +652,17 @@ def test_overwrite_killed_between_fallback_renames_is_recovered(tmp_path, monkey
     ss.load(target, path)
     assert torch.equal(target["t"], torch.full((4,), 4.0))
 
+    # the aside of a checkpoint named c.tmp-x is its own, not c's
+    other = tmp_path / "c.tmp-x"
+    ss.save({"t": torch.full((4,), 7.0)}, other)
+    monkeypatch.setattr(local.os, "rename", killed_after_first_rename)
+    with pytest.raises(KeyboardInterrupt):
+        ss.save({"t": torch.full((4,), 8.0)}, other, overwrite=True)
+    monkeypatch.setattr(local.os, "rename", real_rename)
+    ss.save({"t": torch.full((4,), 5.0)}, path, overwrite=True)
+    ss.load(target, other)
+    assert torch.equal(target["t"], torch.full((4,), 7.0))
+
 
 def test_fsspec_memory_url_round_trip():
     url = "memory://statesnap-tests/run/step-3"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import threading
 import warnings
 import weakref
@@ -241,6 +242,7 @@ class StepGuard:
                  released: Callable[[int | None], None] = lambda optimizer_id: None):
         self._gates_for = gates_for
         self._on_wait = on_wait
+        self._pid = os.getpid()
         self._released = released  # (optimizer id, or None: a guarded method) after its wait
         self._handles: dict[int, tuple[weakref.ref, object]] = {}
         self._guarded: dict[tuple[int, str], tuple[weakref.ref, _ClassPatch]] = {}
@@ -327,6 +329,8 @@ class StepGuard:
         return closure_then_wait
 
     def _wait(self, optimizer_id: int | None) -> None:
+        if os.getpid() != self._pid:  # a forked child: its writes go to its own copy of the memory
+            return
         for step, gate in self._gates_for(optimizer_id):
             if not gate.done():
                 start = now()

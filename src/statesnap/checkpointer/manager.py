@@ -54,9 +54,13 @@ class SaveHandle:
 
     def __init__(self, step: int, staged: Future, durable: Future, snap: Snapshot | None = None):
         self.step, self.staged, self.durable, self._snap = step, staged, durable, snap
+        self._pid = os.getpid()
 
     def wait(self, timeout: float | None = None):
         """Wait until durable; raise the checkpoint's error (then it is not raised again later)."""
+        if os.getpid() != self._pid:  # the threads that finish it are the parent's
+            raise CheckpointError(f"step {self.step} is saved by process {self._pid}; a forked child cannot wait "
+                                  "for it")
         try:
             return self.durable.result(timeout)
         except CheckpointError:
@@ -127,6 +131,7 @@ class Checkpointer:
         self._copying_further: set[int] = set()
         self._lock = threading.Lock()
         self._saving = threading.RLock()
+        self._in_on_commit = threading.local()
         self._pid = os.getpid()  # a forked child has none of this Checkpointer's threads
         self._counts = {"committed": 0, "memory_only": 0, "skipped": 0, "failed": 0}
         self._warned_streaming = False
@@ -161,7 +166,12 @@ class Checkpointer:
 
     def save(self, step: int, state: dict) -> SaveHandle:
         """Snapshot ``state`` as step ``step`` and return at once (no tensor byte is copied here).
-        Saves from several threads are taken one at a time."""
+        Saves from several threads are taken one at a time. ``on_commit``, which runs on the
+        thread that committed, may not save: that save would wait for the commit it runs in."""
+        self._check_open()  # (before the lock, which a fork may have copied held)
+        if getattr(self._in_on_commit, "active", False):
+            raise CheckpointError("save() was called from on_commit, which runs on the thread committing a "
+                                  "checkpoint: it would wait for that commit; save from the training loop")
         with self._saving:  # (two first saves at once made an arena each, and a step was written from the other)
             return self._save(step, state)
 
@@ -634,10 +644,13 @@ class Checkpointer:
             log.info("statesnap: committed step %d to %s: %d bytes, stall %.4f s, written in %.3f s (%.2f GB/s)",
                      step, record.path, record.bytes, record.stall_s, record.write_s, record.throughput_gbps)
         if self.config.on_commit is not None:
+            self._in_on_commit.active = True
             try:
                 self.config.on_commit(record)
             except Exception:  # noqa: BLE001 (logged; the checkpoint is committed)
                 log.exception("statesnap: on_commit raised for step %d; the checkpoint is committed", step)
+            finally:
+                self._in_on_commit.active = False
 
     def _after_commit(self, step: int) -> None:
         """Start the further-level copy (every rank copies its own files), then rank 0 applies

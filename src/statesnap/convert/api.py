@@ -125,8 +125,10 @@ def export(path, dst, to: str = "safetensors", *, spec: Any = None, max_shard_by
     values = apply_spec(ops, values)
     if to == "safetensors":
         skipped += [f"{name} (safetensors holds tensors only)" for name, v in values.items() if not is_tensor(v)]
-    if to == "dcp":  # its flattening drops empty dicts: {} is lost, [{}, t] comes back as [None, t]
-        skipped += [f"{name} (DCP drops empty dicts)" for name, v in values.items() if _holds_empty_dict(v)]
+    if to == "dcp":  # its flattening drops empty dicts: {} is lost, [{}, t] comes back as [None, t] (or fails)
+        lost = [name for name, v in values.items() if _holds_empty_dict(v)]
+        skipped += [f"{name} (DCP drops empty dicts)" for name in lost]
+        values = {name: v for name, v in values.items() if name not in lost}
     single_file = to == "torch" or dst.endswith(safetensors_io.SUFFIX)
     tensors = [v for v in values.values() if is_tensor(v)]
     nbytes = sum(safetensors_io.tensor_bytes(v) for v in tensors)

@@ -13,6 +13,7 @@ import ctypes
 import errno
 import mmap
 import os
+import re
 import shutil
 import stat
 import threading
@@ -359,8 +360,9 @@ class LocalBackend(StorageBackend):
     def _asides(self, final: str) -> list[str]:
         """The checkpoints interrupted overwrites of ``final`` left aside."""
         parent, name = os.path.split(final)
-        return [os.path.join(parent, n) for n in self.listdir(parent)
-                if n.startswith(f".{name}.tmp-") and n.endswith(_ASIDE_SUFFIX)]
+        # exactly a staging name of ``final`` (a hex token): ``ck.tmp-x``'s asides are not ``ck``'s
+        aside = re.compile(rf"\.{re.escape(name)}\.tmp-[0-9a-f]+{re.escape(_ASIDE_SUFFIX)}")
+        return [os.path.join(parent, n) for n in self.listdir(parent) if aside.fullmatch(n)]
 
     def recover(self, final: str) -> bool:
         final = os.path.abspath(final)

@@ -242,7 +242,8 @@ class LeaseClaim(RootClaim):
     def _forget(self) -> None:
         """After a claim that failed once its lease may have been written: delete the lease if it
         is this one's, where the storage answers (else the next claim with the same token, or
-        its expiry, frees it)."""
+        its expiry, frees it). Read, then delete, as :meth:`release` does, with the same window:
+        a take-over between the two loses its fresh lease, and its next check says so."""
         try:
             kind, found = self._look()
             if kind == "held" and found["token"] == self.token:
