@@ -466,13 +466,20 @@ def test_a_forked_child_is_told_the_checkpointer_is_the_parents(tmp_path, monkey
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-1", "step-2", "step-3"]
 
 
-def test_on_commit_may_not_save(tmp_path, caplog):
+def test_on_commit_may_not_wait_for_its_own_commit(tmp_path, caplog):
     """It runs on the thread committing a checkpoint: a save there would wait for that commit
-    (with a training thread growing the arena meanwhile, forever). It is refused, and logged."""
+    (with a training thread growing the arena meanwhile, forever), as would a restore, close()
+    or removing that step. They are refused, and logged; removing another step works."""
     ckpt = None
     refused = []
 
     def on_commit(record):
+        for call in (lambda: ckpt.load_latest({"t": torch.zeros(2)}), lambda: ckpt.remove(record.step),
+                     ckpt.close):
+            with pytest.raises(ss.CheckpointError, match="was called from on_commit"):
+                call()
+        if record.step == 2:
+            ckpt.remove(1)  # another step: fine there
         try:
             ckpt.save(1000, {"t": torch.ones(2)})
         except ss.CheckpointError as exc:
@@ -483,9 +490,9 @@ def test_on_commit_may_not_save(tmp_path, caplog):
         with ss.Checkpointer(tmp_path, host_memory_gb=0.01, events=False, on_commit=on_commit) as ckpt:
             ckpt.save(1, {"t": torch.ones(2)}).wait()
             ckpt.save(2, {"t": torch.ones(1 << 20)}).wait()  # a larger arena: waits for step 1's commit
-    assert refused and "save() was called from on_commit" in refused[0]
-    assert "on_commit raised for step 1" in caplog.text
-    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-1", "step-2"]
+    assert len(refused) == 2 and "save() was called from on_commit" in refused[0]
+    assert "on_commit raised for step 1" in caplog.text and "on_commit raised for step 2" in caplog.text
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-2"]
 
 
 def test_wait_staged_covers_custom_loops(tmp_path, monkeypatch):

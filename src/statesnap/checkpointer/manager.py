@@ -167,11 +167,9 @@ class Checkpointer:
     def save(self, step: int, state: dict) -> SaveHandle:
         """Snapshot ``state`` as step ``step`` and return at once (no tensor byte is copied here).
         Saves from several threads are taken one at a time. ``on_commit``, which runs on the
-        thread that committed, may not save: that save would wait for the commit it runs in."""
+        thread that committed, may not save (that save could wait for the commit it runs in)."""
         self._check_open()  # (before the lock, which a fork may have copied held)
-        if getattr(self._in_on_commit, "active", False):
-            raise CheckpointError("save() was called from on_commit, which runs on the thread committing a "
-                                  "checkpoint: it would wait for that commit; save from the training loop")
+        self._refuse_in_on_commit("save()")
         with self._saving:  # (two first saves at once made an arena each, and a step was written from the other)
             return self._save(step, state)
 
@@ -231,6 +229,7 @@ class Checkpointer:
         memory or a node's disk. For trainers that choose what to keep themselves (Lightning's
         top-k by a metric): give such a Checkpointer a ``keep_last`` no run reaches."""
         self._check_open()
+        self._refuse_in_on_commit(f"remove({step})", step)
         with self._lock:
             pending = [snap for snap in self._inflight if snap.step == step]
         for snap in pending:
@@ -291,6 +290,7 @@ class Checkpointer:
         the returned step say which it was, and retention spares the steps before the damaged
         ones until the run has saved them again."""
         self._check_open()
+        self._refuse_in_on_commit("load_latest()")
         self._wait_all()
         self._raise_pending()
         started = now()
@@ -393,6 +393,7 @@ class Checkpointer:
         forked child, nothing: the work, the threads and the roots' claims are the parent's."""
         if self._closed or os.getpid() != self._pid:
             return
+        self._refuse_in_on_commit("close()")
         with self._lock:
             self._closing = True  # a save() on another thread now raises instead of queueing behind the end
         try:
@@ -644,13 +645,13 @@ class Checkpointer:
             log.info("statesnap: committed step %d to %s: %d bytes, stall %.4f s, written in %.3f s (%.2f GB/s)",
                      step, record.path, record.bytes, record.stall_s, record.write_s, record.throughput_gbps)
         if self.config.on_commit is not None:
-            self._in_on_commit.active = True
+            self._in_on_commit.step = step
             try:
                 self.config.on_commit(record)
             except Exception:  # noqa: BLE001 (logged; the checkpoint is committed)
                 log.exception("statesnap: on_commit raised for step %d; the checkpoint is committed", step)
             finally:
-                self._in_on_commit.active = False
+                self._in_on_commit.step = None
 
     def _after_commit(self, step: int) -> None:
         """Start the further-level copy (every rank copies its own files), then rank 0 applies
@@ -739,6 +740,14 @@ class Checkpointer:
         if self.config.on_error == "raise":
             raise error
         warnings.warn(str(error), RuntimeWarning, stacklevel=3)
+
+    def _refuse_in_on_commit(self, what: str, step: int | None = None) -> None:
+        """``on_commit`` runs on the thread committing a step: a call that waits for that commit
+        (any save, restore or close; removing that step) would wait forever."""
+        committing = getattr(self._in_on_commit, "step", None)
+        if committing is not None and (step is None or step == committing):
+            raise CheckpointError(f"{what} was called from on_commit, which runs on the thread committing step "
+                                  f"{committing}: it would wait for that commit; call it from the training loop")
 
     def _check_open(self) -> None:
         if self._closed:

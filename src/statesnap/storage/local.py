@@ -5,7 +5,8 @@ cannot both win, ``RENAME_EXCHANGE`` for overwrite so the old checkpoint stays w
 until the very instant the new one replaces it. Where ``renameat2`` is missing (old kernels, other
 file systems) a rename-aside fallback keeps the old checkpoint under a hidden name until the new
 one is in place; a kill between its two renames leaves the old checkpoint under that name, and
-:meth:`LocalBackend.recover` (called by loads and by the Checkpointer at start) puts it back.
+:meth:`LocalBackend.recover` (called by loads, by the next commit to that name and by the
+Checkpointer at start) puts it back.
 """
 from __future__ import annotations
 
