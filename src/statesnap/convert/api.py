@@ -110,11 +110,10 @@ def export(path, dst, to: str = "safetensors", *, spec: Any = None, max_shard_by
     ``dst`` may be an existing empty directory (as ``save_pretrained`` allows); anything else
     already there needs ``overwrite=True``. ``progress``: a bar on stderr (default: on a terminal)."""
     started = time.perf_counter()
-    dst = os.fspath(dst)
-    if is_url(normalize(dst)):  # (a file:// URL is a local path)
+    dst = normalize(os.fspath(dst))  # (a file:// URL is the local path it names)
+    if is_url(dst):
         raise CheckpointError(f"exports go to local paths, not {dst}: export to a local path and copy it there "
                               "(the checkpoint exported may itself be at a URL)")
-    dst = normalize(dst)
     if to not in TARGETS:
         raise CheckpointError(f"unknown export format {to!r}; choose one of {', '.join(TARGETS)}")
     if max_shard_bytes is not None and (to != "safetensors" or max_shard_bytes <= 0):

@@ -109,7 +109,7 @@ class PinnedRing:
         self.capacity = ends[-1]
         # exactly this much memory, locked while the first waves are read, unlocked by close()
         self.buffer = torch.frombuffer(private_pages(self.capacity), dtype=torch.uint8)
-        self._unlock = None
+        self._locker = self._unlock = None
         if device is not None:
             self._locker = _SegmentLocker(self.buffer.data_ptr(), ends, device)
             # a ring dropped without close() unlocks too, before its memory is unmapped
@@ -119,7 +119,7 @@ class PinnedRing:
 
     def wait_locked(self, start: int, nbytes: int) -> None:
         """Return once ``nbytes`` from ``start`` are locked (the segments are locked in order)."""
-        if self._unlock is not None:
+        if self._locker is not None:
             self._locker.wait(start + nbytes)
 
     def close(self) -> None:

@@ -404,8 +404,8 @@ class Loading:
         error = None
         try:
             self.manifest = manifest if manifest is not None else read_manifest(self.backend, self.path)
-            recorded = self.manifest.meta.get("step", self.step)
-            if self.step is not None and recorded != self.step:  # a step renamed, or copied in from another run
+            recorded = self.manifest.meta.get("step")  # (none in checkpoints no Checkpointer wrote)
+            if self.step is not None and recorded not in (None, self.step):  # renamed, or copied in from another run
                 raise CorruptCheckpointError(f"{self.path} holds step {recorded!r}, not step {self.step}")
             self.flat = flatten_for_load(state, StoredNames(self.manifest.keys()), self.created, self.fresh)
         except Exception as exc:
