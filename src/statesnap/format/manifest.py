@@ -71,6 +71,8 @@ class TensorEntry:
 
     @staticmethod
     def pack_checksums(per_piece: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        if len(per_piece) == 1:  # most entries, built at every commit: numpy's per-call cost is the time here
+            return np.array(per_piece[0], np.uint64), np.array((0, len(per_piece[0])), np.int64)
         counts = np.fromiter((len(c) for c in per_piece), np.int64, len(per_piece))
         bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         flat = np.fromiter((x for c in per_piece for x in c), np.uint64, int(bounds[-1]))
@@ -93,13 +95,15 @@ class TensorEntry:
 
     def to_json(self) -> dict:
         out = {"dtype": dtype_name(self.dtype), "shape": list(self.shape), "layout": self.layout}
-        counts = np.diff(self.checksum_bounds)
         if self.num_pieces < PACK_MIN_PIECES:
+            # plain lists, one call each: this runs for every entry at every commit, on a thread
+            # that holds the GIL the training's thread needs
+            bounds, sums = self.checksum_bounds.tolist(), self.checksum.tolist()
             out.update(file=self.file.tolist(), offset=self.offset.tolist(), nbytes=self.nbytes.tolist(),
                        start=self.start.tolist(), size=self.size.tolist(),
-                       checksum=[self.piece_checksums(i) if counts[i] != 1 else int(self.checksum[self.checksum_bounds[i]])
-                                 for i in range(self.num_pieces)])
+                       checksum=[sums[a] if b - a == 1 else sums[a:b] for a, b in zip(bounds, bounds[1:])])
             return out
+        counts = np.diff(self.checksum_bounds)
         # many-dimensional boxes stay uncompressed: the manifest keeps within the inflation budget
         # its reader allows (format/columns.py), whatever the layout
         boxes = self.start.shape[1] <= PACK_ZLIB_MAX_DIMS
