@@ -55,10 +55,21 @@ def test_piece_tables_round_trip_plain_and_packed(pieces):
     assert back.piece_checksums(pieces - 1) == entry.piece_checksums(pieces - 1)
 
 
-def test_multi_block_checksums_round_trip_packed():
-    entry = _entry(200, multi_block=True)
+@pytest.mark.parametrize("pieces", [1, PACK_MIN_PIECES - 1, 200])
+def test_multi_block_checksums_round_trip(pieces):
+    """Plain (one piece, a few) and packed tables; checksums over the whole uint64 range."""
+    entry = _entry(pieces, multi_block=True)
+    entry.checksum[::2] |= np.uint64(1 << 63)
     back = Manifest.from_bytes(_manifest(entry, block_bytes=64).to_bytes()).tensors["w"]
-    assert [back.piece_checksums(i) for i in range(200)] == [entry.piece_checksums(i) for i in range(200)]
+    assert [back.piece_checksums(i) for i in range(pieces)] == [entry.piece_checksums(i) for i in range(pieces)]
+    assert np.array_equal(back.checksum_bounds, entry.checksum_bounds)
+
+
+def test_one_piece_checksums_pack_like_many():
+    for sums in ([], [5], [(1 << 64) - 1, 1 << 63, 0]):
+        checksum, bounds = TensorEntry.pack_checksums([sums])
+        assert checksum.dtype == np.uint64 and bounds.dtype == np.int64
+        assert checksum.tolist() == sums and bounds.tolist() == [0, len(sums)]
 
 
 def test_packed_column_survives_full_uint64_range():
