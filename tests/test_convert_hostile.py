@@ -427,3 +427,56 @@ def test_a_single_file_export_does_not_replace_a_directory(to, name, tmp_path):
         ss.export(str(tmp_path / "ck"), str(tmp_path / name), to=to, overwrite=True)
     assert (tmp_path / name / "keep").read_text() == "mine"
     assert sorted(os.listdir(tmp_path)) == sorted(["ck", name])
+
+
+# --- DCP: its pickles are read without running code ---------------------------------------------
+
+class _RunsCode:
+    """Pickles as a call of ``os.system``: what a hostile checkpoint would hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_dcp_metadata_file_that_names_code_is_refused_and_runs_nothing(tmp_path):
+    import pickle
+
+    src, marker = tmp_path / "dcp", tmp_path / "ran"
+    src.mkdir()
+    (src / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    with pytest.raises(ss.UnsafeCheckpointError, match=r"\.metadata.*global posix\.system"):
+        _convert(src, tmp_path)
+    (src / ".metadata").write_bytes(pickle.dumps({"not": "metadata"}))
+    with pytest.raises(CheckpointError, match=r"\.metadata is not DCP metadata"):
+        _convert(src, tmp_path)
+    (src / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(CheckpointError, match=r"\.metadata is not readable DCP metadata"):
+        _convert(src, tmp_path)
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("eager", [True, False])
+def test_a_dcp_value_that_names_code_is_refused_by_name_and_runs_nothing(tmp_path, monkeypatch, eager):
+    import torch.distributed.checkpoint as dcp
+
+    from statesnap.convert import dcp as convert_dcp
+
+    src, marker = tmp_path / "dcp", tmp_path / "ran"
+    dcp.save({"w": torch.arange(6.0), "plain": {"step": 3, "betas": (0.9, 0.99)}, "evil": _RunsCode(marker)},
+             checkpoint_id=str(src), no_dist=True)
+    if not eager:  # values are read with the large tensors one by one, not all at first
+        monkeypatch.setattr(convert_dcp, "EAGER_BYTES", -1)
+    with pytest.raises(ss.UnsafeCheckpointError, match=r"__0_0\.distcp: value 'evil'.*posix\.system"):
+        _convert(src, tmp_path)
+    assert not marker.exists()
+    dcp.save({"w": torch.arange(6.0), "plain": {"step": 3, "betas": (0.9, 0.99)}}, checkpoint_id=str(src),
+             no_dist=True)
+    _convert(src, tmp_path, overwrite=True)
+    reader = ss.open(tmp_path / "out")
+    assert reader.read("plain.step") == 3 and reader.read("plain.betas") == (0.9, 0.99)
+    assert torch.equal(reader.read("w"), torch.arange(6.0))

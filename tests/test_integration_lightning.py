@@ -292,6 +292,58 @@ def test_a_pointer_that_cannot_be_written_is_raised_and_the_others_are_written(t
     assert torch.equal(loaded["state_dict"]["w"], weight) and loaded["callbacks"] == {"k": 1}
 
 
+@pytest.mark.parametrize("commits", [True, False])
+def test_a_removal_waits_for_the_save_in_flight(tmp_path, monkeypatch, commits):
+    """With ``save_top_k=1`` Lightning removes the one good checkpoint right after it starts
+    saving the next: the removal happens once that save commits, and never if it fails (a crash
+    or a full disk then still leaves a checkpoint to resume from)."""
+    import threading
+
+    from statesnap import CheckpointError
+    from statesnap.integrations.lightning import StatesnapCheckpointIO
+    from statesnap.storage.local import LocalBackend
+
+    io = StatesnapCheckpointIO()
+    old, new = str(tmp_path / "epoch=0-step=4.ckpt"), str(tmp_path / "epoch=1-step=8.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(4)}, "global_step": 4}, old)
+    io.load_checkpoint(old)  # committed
+    release, commit = threading.Event(), LocalBackend.commit
+
+    def held_commit(self, staging, final, *args, **kwargs):
+        assert release.wait(60)
+        if not commits:
+            raise OSError(28, "No space left on device")
+        return commit(self, staging, final, *args, **kwargs)
+    monkeypatch.setattr(LocalBackend, "commit", held_commit)
+    io.save_checkpoint({"state_dict": {"w": torch.ones(4)}, "global_step": 8}, new)
+    io.remove_checkpoint(old)  # as ModelCheckpoint does, the new save still in flight
+    assert os.path.exists(old) and len(_stored_steps(tmp_path)) == 1
+    release.set()
+    if commits:
+        io.teardown()
+        assert not os.path.exists(old) and len(_stored_steps(tmp_path)) == 1
+        assert torch.equal(StatesnapCheckpointIO().load_checkpoint(new)["state_dict"]["w"], torch.ones(4))
+    else:
+        with pytest.raises(CheckpointError, match="No space left"):
+            io.teardown()
+        assert not os.path.exists(new)
+        assert torch.equal(StatesnapCheckpointIO().load_checkpoint(old)["state_dict"]["w"], torch.zeros(4))
+
+
+def test_a_checkpoint_saved_by_hand_loads_at_once_elsewhere_in_the_process(tmp_path):
+    """``trainer.save_checkpoint(path)`` returns before the pointer is written (at the commit):
+    a load of ``path`` by another plugin (a new Trainer) or ``load_from_checkpoint`` waits for it."""
+    from statesnap.integrations.lightning import StatesnapCheckpointIO
+
+    saver = StatesnapCheckpointIO()
+    path = str(tmp_path / "manual.ckpt")
+    saver.save_checkpoint({"state_dict": {"w": torch.arange(1 << 18, dtype=torch.float32)}, "global_step": 3}, path)
+    loaded = StatesnapCheckpointIO().load_checkpoint(path)
+    assert loaded["global_step"] == 3 and torch.equal(loaded["state_dict"]["w"], torch.arange(1 << 18,
+                                                                                         dtype=torch.float32))
+    saver.teardown()
+
+
 def test_a_damaged_pointer_keeps_its_step_and_does_not_stop_later_saves(tmp_path):
     from statesnap import CheckpointError
     from statesnap.integrations.lightning import StatesnapCheckpointIO

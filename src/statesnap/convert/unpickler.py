@@ -168,7 +168,7 @@ def load(path: str) -> Any:
         raise
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(
-            f"{path}: refused to unpickle: {_reason(exc)}. statesnap admits only tensors, plain data, numpy "
+            f"{path}: refused to unpickle: {refusal_reason(exc)}. statesnap admits only tensors, plain data, numpy "
             f"arrays and the records {', '.join(STAND_INS)} (as inert data), and never runs code from a "
             "checkpoint") from None
     except Exception as exc:
@@ -176,7 +176,7 @@ def load(path: str) -> Any:
                               f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
 
 
-def _reason(exc: Exception) -> str:
+def refusal_reason(exc: Exception) -> str:
     """The line of torch's message that says what was refused: the global it names, or what a
     stand-in found wrong with its arguments (torch wraps both in advice to pass weights_only=False)."""
     text = str(exc)

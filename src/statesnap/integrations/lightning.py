@@ -13,7 +13,9 @@ copy (its step runs the forward and backward inside its closure, which keeps the
 The path Lightning named becomes a small pointer file, written only once the checkpoint is
 committed: a crash at any moment leaves every pointer naming a whole checkpoint, so
 ``ckpt_path="last"`` resumes from the newest one committed. ``remove_checkpoint`` deletes the
-pointer and, once no pointer names it, the checkpoint. A save whose tensors did not change since
+pointer and, once no pointer names it, the checkpoint; while a save is in flight, only once that
+save has committed (with ``save_top_k=1`` Lightning removes the one good checkpoint right after
+starting the save of its successor). A save whose tensors did not change since
 the previous one (``last.ckpt`` after the top-k file of the same step) shares its stored step:
 only its own non-tensor state goes into its pointer.
 
@@ -71,6 +73,10 @@ _TEMPORARY = re.compile(r"\.tmp-[0-9a-f]{8}$")
 _FIXED = ("keep_last", "persist_every", "on_commit", "process_group")
 _OWN_STATE_MAX = 256 << 10  # a pointer carries at most this much of a checkpoint's own state
 log = logging.getLogger("statesnap")
+# path -> the handle of a save to it still in flight, for every plugin of the process: a load
+# right after ``trainer.save_checkpoint`` (by a new Trainer, or ``load_from_checkpoint``) waits
+# for the pointer instead of finding no file
+_IN_FLIGHT: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 class StatesnapCheckpointIO(CheckpointIO):
@@ -111,8 +117,9 @@ class StatesnapCheckpointIO(CheckpointIO):
 
     def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         path = _normal(path)
+        _wait_in_flight(path)
         for store in self._stores.values():
-            store.wait_for(path)
+            store.raise_failures()
         pointer = _read_pointer(path, self.storage_options)
         if pointer is None:  # a checkpoint Lightning wrote itself: read it the way Lightning does
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
@@ -200,8 +207,9 @@ class StatesnapModelParallelStrategy(ModelParallelStrategy):
             StateDictOptions, set_model_state_dict, set_optimizer_state_dict,
         )
         path = _normal(self.broadcast(str(checkpoint_path)))
+        _wait_in_flight(path)
         for store in self._statesnap._stores.values():
-            store.wait_for(path)
+            store.raise_failures()
         pointer = _read_pointer(path, self._statesnap.storage_options)
         if pointer is None:
             raise CheckpointError(f"{path} is not a statesnap checkpoint of a Lightning run")
@@ -248,7 +256,10 @@ class _Store:
         self._lock = threading.Lock()
         self._named: dict[str, int] = {}  # pointer path -> step
         self._waiting: dict[int, list[tuple]] = {}  # step in flight -> [(path, own state)] to point at it
-        self._handles: dict[str, Any] = {}  # path -> its newest save's handle
+        self._handles: dict[str, Any] = {}  # path -> its newest save's handle, until it is known to have committed
+        # (step whose commit it waits for, pointer path, the step it named) of each removal
+        # asked for while saves were in flight
+        self._deferred: list[tuple[int, str, int]] = []
         self._failures = PointerFailures()
         self._previous: tuple | None = None  # (fingerprint, step, handle, skeleton, tensors) of the newest save
         self._storage_options = storage_options
@@ -299,7 +310,7 @@ class _Store:
             with self._lock:
                 self._waiting.pop(step, None)
             raise
-        self._handles[path] = handle
+        self._track(path, handle)
         # The tensors are kept referenced so that no new tensor can take their addresses, which
         # the next save's fingerprint compares.
         self._previous = (fingerprint, step, handle, structure, tensors)
@@ -327,14 +338,15 @@ class _Store:
                 waiting.append((path, own_state))  # pointed at once it commits
         if waiting is None:
             self._point(path, step, own_state)
-        self._handles[path] = handle
+        self._track(path, handle)
         return True
 
-    def wait_for(self, path: str) -> None:
-        handle = self._handles.get(path)
-        if handle is not None:
-            handle.wait()
-        self._failures.raise_first()
+    def _track(self, path: str, handle) -> None:
+        """Remember the newest save to ``path``; forget those that committed (a run that keeps
+        every checkpoint would otherwise hold a handle, and its snapshot, per checkpoint)."""
+        self._handles = {p: h for p, h in self._handles.items()
+                         if not (h.durable.done() and h.durable.exception() is None)}
+        self._handles[path] = _IN_FLIGHT[path] = handle
 
     def remove(self, path: str) -> None:
         handle = self._handles.pop(path, None)
@@ -344,15 +356,38 @@ class _Store:
             except CheckpointError:
                 pass  # it never committed: nothing of it to remove
         with self._lock:
-            step = self._named.pop(path, None)
+            step = self._named.get(path)
+            newest = max(self._waiting, default=None)
+            if step is not None and newest is not None:
+                # a save in flight may be the one meant to replace it: should it never commit
+                # (a crash, a full disk), this one is all there is
+                self._deferred.append((newest, path, step))
+                return
+        self._drop(path, step)
+
+    def _drop(self, path: str, step: int | None) -> None:
+        """Delete the pointer ``path`` (which named ``step``), and the step once nothing names it."""
+        with self._lock:
+            if self._named.get(path) != step:
+                return  # pointed at a newer step since, which dropped this one if nothing else named it
+            self._named.pop(path, None)
             orphaned = step is not None and step not in self._named.values()
         if self.rank == 0 and self.fs.exists(path):
             self.fs.rm(path)
         if orphaned:
             self.ckpt.remove(step)
 
+    def raise_failures(self) -> None:
+        """Raise the first pointer that could not be written or removed, once."""
+        self._failures.raise_first()
+
     def close(self) -> None:
-        self.ckpt.close()
+        try:
+            self.ckpt.close()
+        finally:
+            for after, path, step in self._deferred:
+                log.warning("statesnap: kept %s (step %d), which Lightning removed: the save of step %d, meant "
+                            "to come after it, never committed", path, step, after)
         self._failures.raise_first()
 
     def _usable(self, step: int, handle) -> bool:
@@ -365,16 +400,24 @@ class _Store:
     def _committed(self, record) -> None:
         """On commit (the Checkpointer's flush thread): point the paths waiting for it at the step.
         A pointer that cannot be written does not keep the others from theirs; its failure is
-        raised by the next ``wait_for`` or ``close`` (the Checkpointer only logs what its
+        raised by the next load or ``close`` (the Checkpointer only logs what its
         ``on_commit`` raises)."""
         with self._lock:
             paths = self._waiting.pop(record.step, [])
+            due = [(path, step) for after, path, step in self._deferred if after <= record.step]
+            self._deferred = [entry for entry in self._deferred if entry[0] > record.step]
         for path, own_state in paths:
             try:
                 self._point(path, record.step, own_state)
             except Exception as exc:  # noqa: BLE001 (raised on the training thread)
                 self._failures.add(CheckpointError(f"{path} could not be pointed at step {record.step}: "
                                                    f"{type(exc).__name__}: {exc}"))
+        for path, step in due:  # removals that waited for this commit
+            try:
+                self._drop(path, step)
+            except Exception as exc:  # noqa: BLE001 (raised on the training thread)
+                self._failures.add(CheckpointError(f"{path} (step {step}) could not be removed after step "
+                                                   f"{record.step} committed: {type(exc).__name__}: {exc}"))
 
     def _point(self, path: str, step: int, own_state: str | None = None) -> None:
         """Write the pointer ``path`` -> ``step`` (with the state that differs from the stored
@@ -443,6 +486,7 @@ def load_from_checkpoint(cls, path, *, allow_pickle: bool = False, storage_optio
     Lightning wrote itself goes to the classmethod as it is. ``weights_only`` applies to such a
     file only: the stream holds what was read, and nothing more. While the model is built, the
     stream is one copy of the checkpoint in host memory more than Lightning's own load holds."""
+    _wait_in_flight(_normal(path))
     pointer = _read_pointer(_normal(path), storage_options)
     if pointer is None:
         return cls.load_from_checkpoint(path, **kwargs)
@@ -501,6 +545,13 @@ def _fingerprint(checkpoint: dict, tensors: dict[str, torch.Tensor], optimizer_s
         local = tensor.to_local() if is_dtensor(tensor) else tensor
         entries.append((name, local.data_ptr(), version, tuple(local.shape), local.stride(), local.dtype))
     return checkpoint.get("epoch"), checkpoint.get("global_step"), optimizer_steps, tuple(entries)
+
+
+def _wait_in_flight(path: str) -> None:
+    """Return once no save of this process to ``path`` is in flight; raise its failure."""
+    handle = _IN_FLIGHT.get(path)
+    if handle is not None:
+        handle.wait()
 
 
 def _normal(path) -> str:
