@@ -1,5 +1,6 @@
 """Damage is reported, never loaded silently: each kind raises its own error naming file and tensor."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,8 @@ def test_verify_reports_a_data_file_of_another_size_than_recorded(ckpt):
         f.write(b"\0" * 100)
     with pytest.raises(ss.CorruptCheckpointError) as caught:
         ss.open(path).verify()
-    assert f"larger than recorded: {file.name} is {size + 100} bytes, the manifest records {size}" in str(caught.value)
+    assert f"another size than recorded: {file.name} is {size + 100} bytes, the manifest records {size}" in \
+        str(caught.value)
     target = blank_like(state)
     ss.load(target, path)  # the tensors themselves are intact
     assert torch.equal(target["model"]["big"], state["model"]["big"])
@@ -99,6 +101,22 @@ def test_verify_accepts_unwritten_padding_recorded_by_older_checkpoints(ckpt):
     manifest.pop("manifest_xxh3", None)
     (path / "manifest.json").write_text(json.dumps(manifest))
     assert ss.open(path).verify() > 0
+
+
+@pytest.mark.parametrize("more", [64, 1 << 62])
+def test_verify_refuses_a_file_shorter_than_recorded_past_the_padding(ckpt, more):
+    """A recorded size the file lacks more than padding of: cut short after the pieces the
+    manifest lists, or a size that would have verify report bytes it never read."""
+    path, _ = ckpt
+    file, _, _ = piece(path, "model.big")
+    size = file.stat().st_size
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["file_sizes"][manifest["files"].index(file.name)] += more
+    manifest.pop("manifest_xxh3", None)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ss.CorruptCheckpointError, match=f"{file.name} is {size} bytes, the manifest records "
+                                                        f"{size + more}"):
+        ss.open(path).verify()
 
 
 def test_verify_false_skips_checksums(ckpt):
@@ -324,6 +342,21 @@ def test_manifest_values_of_the_wrong_kind(ckpt, change, words):
     with pytest.raises(ss.ManifestError, match=words):
         ss.open(path)
     assert_good_neighbour_loads(path, state)
+
+
+@pytest.mark.parametrize("value", [{"__ss_float": "1e400"}, {"__ss_what": 1}, {"__ss_bytes": "not base64!"}])
+def test_a_malformed_plain_value_is_damage_to_verify_and_names_the_manifest(tmp_path, value):
+    path = tmp_path / "c"
+    ss.save({"w": torch.ones(2), "extra": {"step": 7, "other": [1]}}, path)
+    edit_manifest(path, lambda doc: (doc.pop("manifest_xxh3"), doc["objects"].update({"extra.step": {"json": value}})))
+    manifest = str(path / MANIFEST_NAME)
+    with pytest.raises(ss.CorruptCheckpointError, match=r"1 damaged value\(s\): .*manifest\.json: .*extra\.step"):
+        ss.open(path).verify()
+    with pytest.raises(ss.ManifestError, match=re.escape(manifest) + ".*extra.step"):
+        ss.open(path).read("extra.step")
+    with pytest.raises(ss.ManifestError, match=re.escape(manifest) + ".*extra.step"):
+        ss.load({"w": torch.zeros(2), "extra": {"step": 0, "other": [0]}}, path)
+    assert ss.open(path).read("extra.other") == [1]
 
 
 def test_damaged_pickled_object(tmp_path):

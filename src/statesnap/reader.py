@@ -11,10 +11,13 @@ from .engine.load import blob_reader, read_manifest
 from .engine.objects import decode_value
 from .engine.read import ReadExecutor
 from .engine.write import default_threads
-from .errors import CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, NotInCheckpointError
+from .errors import (
+    CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, NotInCheckpointError, UnsafeCheckpointError,
+)
 from .format.checksum import checksum_blocks
-from .format.manifest import BOX, Manifest, SplitTensors, TensorEntry
+from .format.manifest import BOX, MANIFEST_NAME, Manifest, SplitTensors, TensorEntry
 from .plan.load_plan import plan_target
+from .plan.save_plan import ALIGN
 from .progress import bar
 from .storage import backend_for, normalize
 
@@ -81,7 +84,7 @@ class Reader:
         if entry is None:
             if fqn in self.manifest.objects:
                 return decode_value(fqn, self.manifest.objects[fqn], self.allow_pickle,
-                                    blob_reader(self.backend, self.path, self.manifest))
+                                    blob_reader(self.backend, self.path, self.manifest), self._manifest_path)
             raise NotInCheckpointError(self._unknown(fqn))
         start, size, squeeze = _region(entry.shape, index, fqn)
         try:
@@ -99,19 +102,19 @@ class Reader:
         return out.squeeze(squeeze) if squeeze else out
 
     def verify(self, threads: int | None = None, progress: bool | None = None) -> int:
-        """Read every stored byte and check it against its checksum, and that no file grew past the
-        size the manifest records; return the bytes checked.
+        """Read every stored byte and check it against its checksum, and that every file has the
+        size the manifest records; return the bytes of the data files checked.
 
         Raises one :class:`CorruptCheckpointError` (or :class:`MissingFileError`) listing every
         damaged piece by tensor and file, so one run shows the whole extent of the damage.
         ``progress``: a bar on stderr (default: only when stderr is a terminal)."""
-        problems, missing, grown = [], [], []
+        problems, missing, resized = [], [], []
         for index, name in enumerate(self.manifest.files):
             where = self.backend.join(self.path, name)
             if not self.backend.exists(where):
                 missing.append(name)
                 continue
-            grown += self._grown(where, name, int(self.manifest.file_sizes[index]))
+            resized += self._resized(where, name, int(self.manifest.file_sizes[index]))
         entries = self._readable_entries(problems)
         tasks = [(fqn, entry, i) for fqn, entry in entries for i in range(entry.num_pieces)
                  if self.manifest.files[int(entry.file[i])] not in missing]
@@ -124,9 +127,10 @@ class Reader:
                 return problem
 
             problems += [problem for problem in pool.map(check, tasks) if problem]
-        problems += self._verify_pickled(missing)
+        values = self._verify_objects(missing)
         found = [f"{len(kind)} {what}: " + "; ".join(kind[:20])
-                 for kind, what in ((problems, "damaged piece(s)"), (grown, "file(s) larger than recorded")) if kind]
+                 for kind, what in ((problems, "damaged piece(s)"), (values, "damaged value(s)"),
+                                    (resized, "file(s) of another size than recorded")) if kind]
         if missing:  # (with what else is wrong: the other files were checked all the same)
             needed = {fqn for fqn, _, _ in self._pieces_in(missing, entries)} | self._in_sections(missing)
             needed |= {fqn for fqn, ref in self._pickle_refs() if self.manifest.files[ref[0]] in missing}
@@ -141,12 +145,13 @@ class Reader:
             raise CorruptCheckpointError(f"{self.path}: " + "; ".join(found))
         return self.manifest.total_bytes
 
-    def _grown(self, where: str, name: str, recorded: int) -> list[str]:
+    def _resized(self, where: str, name: str, recorded: int) -> list[str]:
         """A file larger than the manifest records was written to after the commit (appended to,
         or overwritten by a larger file), even where every checksummed piece still reads back
-        intact. A shorter one is not reported here: what it lacks of a piece or blob fails that
-        piece's read, and checkpoints written before sizes were exact record the ALIGN padding
-        after the last piece that was never written (docs/format.md §1)."""
+        intact. One shorter by less than ``ALIGN`` bytes is whole: checkpoints written before
+        sizes were exact record the padding after the last piece that was never written
+        (docs/format.md §1); shorter by more, it is cut short, or its recorded size (which
+        ``verify`` reports as checked) is false."""
         try:
             reader = self.backend.open_read(where)
         except (OSError, CorruptCheckpointError):
@@ -155,10 +160,11 @@ class Reader:
             size = reader.size()
         finally:
             reader.close()
-        return [f"{name} is {size} bytes, the manifest records {recorded}"] if size > recorded else []
+        return [f"{name} is {size} bytes, the manifest records {recorded}"] if not 0 <= recorded - size < ALIGN else []
 
-    def _verify_pickled(self, missing: list[str]) -> list[str]:
-        """Problems with pickled objects' bytes (checked by checksum, never unpickled)."""
+    def _verify_objects(self, missing: list[str]) -> list[str]:
+        """Problems with the values that are not tensors: plain data that does not decode, and
+        pickled bytes that do not match their checksum (checked, never unpickled)."""
         read_blob = blob_reader(self.backend, self.path, self.manifest)
         problems = []
         for fqn, ref in self._pickle_refs():
@@ -167,7 +173,19 @@ class Reader:
                     read_blob(fqn, ref)
                 except CorruptCheckpointError as exc:
                     problems.append(str(exc))
+        for fqn, entry in self.manifest.objects.items():
+            if entry.kind != "pickle":
+                try:
+                    decode_value(fqn, entry, False, None, self._manifest_path)
+                except UnsafeCheckpointError:
+                    pass  # a per-rank value pickled on some rank: its bytes are checked above
+                except ManifestError as exc:
+                    problems.append(str(exc))
         return problems
+
+    @property
+    def _manifest_path(self) -> str:
+        return self.backend.join(self.path, MANIFEST_NAME)
 
     def _pickle_refs(self):
         """(fqn, [file, offset, nbytes, checksum]) of every pickled value, per-rank ones included."""

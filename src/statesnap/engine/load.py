@@ -270,12 +270,13 @@ def _fill_cast(backend: StorageBackend, path: str, manifest: Manifest, verify: b
 def fill_objects(flat: Flattened, manifest: Manifest, backend: StorageBackend, path: str, skip: set[str],
                  allow_pickle: bool, comm: Comm) -> None:
     read_blob = blob_reader(backend, path, manifest)
+    where = backend.join(path, MANIFEST_NAME)
     for item in flat.objects:
         if item.fqn in skip:
             continue
         entry = manifest.objects[item.fqn]
         if item.per_rank is not None:
-            values = decode_value(item.fqn, entry, allow_pickle, read_blob)
+            values = decode_value(item.fqn, entry, allow_pickle, read_blob, where)
             values = values if entry.kind == "per_rank" else [values]
             found, value = item.per_rank.choose(values, comm.rank, comm.world_size, item.fqn)
             if found:
@@ -283,7 +284,7 @@ def fill_objects(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
             continue
         if entry.kind == "per_rank":
             raise CheckpointError(f"{item.fqn} was saved per rank; wrap it in ss.PerRank(...) to load it")
-        item.assign(decode_value(item.fqn, entry, allow_pickle, read_blob))
+        item.assign(decode_value(item.fqn, entry, allow_pickle, read_blob, where))
 
 
 def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_pickle: bool = False,

@@ -5,7 +5,7 @@ import io
 import pickle
 from typing import Any
 
-from ..errors import UnsafeCheckpointError
+from ..errors import ManifestError, UnsafeCheckpointError
 from ..format import plaindata
 from ..format.manifest import ObjectEntry
 
@@ -24,12 +24,18 @@ def encode_value(fqn: str, value: Any, allow_pickle: bool) -> tuple[ObjectEntry,
         return ObjectEntry("pickle", None), buf.getvalue()
 
 
-def decode_value(fqn: str, entry: ObjectEntry, allow_pickle: bool, read_blob) -> Any:
-    """The stored value; for a per-rank entry, the list of every saved rank's value."""
+def decode_value(fqn: str, entry: ObjectEntry, allow_pickle: bool, read_blob, where: str = "") -> Any:
+    """The stored value; for a per-rank entry, the list of every saved rank's value. ``where``:
+    the manifest the entry comes from, named by a ManifestError about its value."""
     if entry.kind == "per_rank":
-        return [decode_value(fqn, e, allow_pickle, read_blob) for e in entry.per_rank]
+        return [decode_value(fqn, e, allow_pickle, read_blob, where) for e in entry.per_rank]
     if entry.kind == "json":
-        return plaindata.decode(entry.value, fqn)
+        try:
+            return plaindata.decode(entry.value, fqn)
+        except ManifestError as exc:
+            if not where:
+                raise
+            raise ManifestError(f"{where}: {exc}") from None
     if not allow_pickle:
         raise UnsafeCheckpointError(
             f"{fqn} is stored with pickle, which can run arbitrary code when loaded; pass "
