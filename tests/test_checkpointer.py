@@ -618,6 +618,13 @@ def test_invalid_settings_fail_at_construction(tmp_path, bad):
         CheckpointerConfig(root=str(tmp_path), **bad)
 
 
+def test_a_misspelled_setting_is_a_checkpoint_error_naming_the_close_ones(tmp_path):
+    with pytest.raises(ss.CheckpointError) as caught:
+        ss.Checkpointer(tmp_path, keep_lats=2, wat=1)
+    assert "no setting 'keep_lats' (did you mean 'keep_last'" in str(caught.value) and "'wat'" in str(caught.value)
+    assert not list(tmp_path.iterdir())  # refused before the root is claimed
+
+
 def test_settings_take_numpy_numbers(tmp_path):
     import numpy as np
 

@@ -5,6 +5,8 @@ confusing error in a background thread an hour into training.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import numbers
 import os
 from dataclasses import dataclass
@@ -141,6 +143,19 @@ class CheckpointerConfig:
         for ok, message in checks:
             if not ok:
                 raise CheckpointError(f"invalid Checkpointer setting: {message}")
+
+    @classmethod
+    def of(cls, root, settings: dict) -> "CheckpointerConfig":
+        """The config of ``Checkpointer(root, **settings)``: a misspelled setting is a
+        CheckpointError naming the closest ones (a bare TypeError says nothing of what exists)."""
+        known = [f.name for f in dataclasses.fields(cls) if f.name != "root"]
+        unknown = sorted(set(settings) - set(known))
+        if unknown:
+            hints = [f"{name!r} (did you mean {', '.join(map(repr, close))}?)" if close else repr(name)
+                     for name in unknown for close in [difflib.get_close_matches(name, known, 2)]]
+            raise CheckpointError(f"invalid Checkpointer setting: no setting {', '.join(hints)}; the settings are "
+                                  "the fields of CheckpointerConfig (docs/checkpointer.md)")
+        return cls(root=str(root), **settings)
 
     def _check_types(self) -> None:
         """Numbers where numbers belong, before the ranges are compared (``keep_last=None``

@@ -75,7 +75,7 @@ class Checkpointer:
     it as a context manager) so the last checkpoints finish."""
 
     def __init__(self, root, **settings):
-        self.config = cfg = CheckpointerConfig(root=str(root), **settings)
+        self.config = cfg = CheckpointerConfig.of(root, settings)
         root = normalize(cfg.root)
         backend = cfg.backend or backend_for(root, cfg.storage_options)
         self.persistent = StorageLevel("persistent", root, backend, cfg.keep_last)
