@@ -81,16 +81,19 @@ def test_export_pretrained_loads_with_from_pretrained(tmp_path):
     for name, value in trainer.model.state_dict().items():
         assert torch.equal(exported.state_dict()[name], value), name
 
-    # a model of another shape is refused, not exported half loaded (or not at all) from the checkpoint
+    # A model of another shape is refused, not exported half loaded (or not at all) from the
+    # checkpoint; so is one of fewer layers, which loaded the layers it had.
     config = trainer.model.config.to_dict()
-    wider = LlamaForCausalLM(type(trainer.model.config).from_dict({**config, "hidden_size": 64}))
-    other = StatesnapTrainer(model=wider, args=args, train_dataset=hf_train.Tokens(),
-                             statesnap_settings={"host_memory_gb": 0.05})
-    with pytest.raises(ss.StateMismatchError, match="shape/dtype mismatch"):
-        export_pretrained(other, str(tmp_path / "run" / "checkpoint-2"), str(tmp_path / "export-wider"))
-    with pytest.raises(ss.StateMismatchError, match="shape/dtype mismatch"):
-        other._load_from_checkpoint(str(tmp_path / "run" / "checkpoint-2"))
-    assert not os.path.exists(tmp_path / "export-wider")
+    for change, problem in (({"hidden_size": 64}, "shape/dtype mismatch"),
+                            ({"num_hidden_layers": 1}, r"unexpected in checkpoint \(9\): model.model.layers.1\.")):
+        model = LlamaForCausalLM(type(trainer.model.config).from_dict({**config, **change}))
+        other = StatesnapTrainer(model=model, args=args, train_dataset=hf_train.Tokens(),
+                                 statesnap_settings={"host_memory_gb": 0.05})
+        with pytest.raises(ss.StateMismatchError, match=problem):
+            export_pretrained(other, str(tmp_path / "run" / "checkpoint-2"), str(tmp_path / "export-other"))
+        with pytest.raises(ss.StateMismatchError, match=problem):
+            other._load_from_checkpoint(str(tmp_path / "run" / "checkpoint-2"))  # the model's part of a resume
+    assert not os.path.exists(tmp_path / "export-other")
 
 
 def test_an_unreadable_pointer_keeps_every_step_no_readable_pointer_names(tmp_path, caplog):
