@@ -82,15 +82,18 @@ def test_export_pretrained_loads_with_from_pretrained(tmp_path):
         assert torch.equal(exported.state_dict()[name], value), name
 
     # A model of another shape is refused, not exported half loaded (or not at all) from the
-    # checkpoint; so is one of fewer layers, which loaded the layers it had.
+    # checkpoint; so is one of fewer layers, which loaded the layers it had. The advice is one the
+    # Trainer's user can follow: it has no strict=False.
     config = trainer.model.config.to_dict()
     for change, problem in (({"hidden_size": 64}, "shape/dtype mismatch"),
                             ({"num_hidden_layers": 1}, r"unexpected in checkpoint \(9\): model.model.layers.1\.")):
         model = LlamaForCausalLM(type(trainer.model.config).from_dict({**config, **change}))
         other = StatesnapTrainer(model=model, args=args, train_dataset=hf_train.Tokens(),
                                  statesnap_settings={"host_memory_gb": 0.05})
-        with pytest.raises(ss.StateMismatchError, match=problem):
+        with pytest.raises(ss.StateMismatchError, match=problem) as caught:
             export_pretrained(other, str(tmp_path / "run" / "checkpoint-2"), str(tmp_path / "export-other"))
+        assert "into the model it was saved from" in str(caught.value)
+        assert "Pass strict=False" not in str(caught.value)
         with pytest.raises(ss.StateMismatchError, match=problem):
             other._load_from_checkpoint(str(tmp_path / "run" / "checkpoint-2"))  # the model's part of a resume
     assert not os.path.exists(tmp_path / "export-other")

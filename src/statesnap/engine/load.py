@@ -145,6 +145,12 @@ def in_part(name: str, part: str) -> bool:
     return name == part or name.startswith(part + ".")
 
 
+def parts_lacking(stored: list[str], parts: list[str]) -> list[str]:
+    """The top-level ``parts`` of a state that a checkpoint of the names ``stored`` holds nothing of
+    (saved without them: an optimizer, a model-only export)."""
+    return [part for part in parts if not any(in_part(name, part) for name in stored)]
+
+
 def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: str, cast: bool,
            parts: list[str] | None = None) -> set[str]:
     """Check the target against the checkpoint; return the names to skip (non-strict). ``parts``
@@ -184,13 +190,13 @@ def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: 
         loaded = [k in mine or (parts is not None and not any(in_part(k, p) for p in parts)) for k in keys]
         unexpected = [k for k, wanted in zip(keys, comm.any_of(loaded)) if not wanted]
     if strict and (missing or mismatched or unexpected):
-        parts = [_format_list(t, sorted(n)) for t, n in
-                 (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
-                  ("shape/dtype mismatch", mismatched)) if n]
+        listed = [_format_list(t, sorted(n)) for t, n in
+                  (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
+                   ("shape/dtype mismatch", mismatched)) if n]
         hint = " Pass cast=True to convert between floating dtypes." if precision_only else ""
-        raise StateMismatchError(f"state does not match checkpoint {path}: " + "; ".join(parts) +
-                                 f". Pass strict=False to load only what matches.{hint}",
-                                 missing, unexpected, mismatched)
+        raise StateMismatchError(f"state does not match checkpoint {path}: " + "; ".join(listed) + ".",
+                                 missing, unexpected, mismatched,
+                                 advice=f"Pass strict=False to load only what matches.{hint}")
     return set(missing) | {m.split(" ", 1)[0] for m in mismatched}
 
 
@@ -366,7 +372,7 @@ def _tied_error(a: str, b: str, path: str) -> StateMismatchError:
     return StateMismatchError(
         f"{a!r} and {b!r} share memory in the state (tied weights, or views of one tensor), but {path} holds "
         "different values for them, so no load can give each its own (the second would overwrite the first). "
-        "That is no damage of the checkpoint: give each its own tensor (untie them) to load it")
+        "That is no damage of the checkpoint.", advice="Give each its own tensor (untie them) to load it.")
 
 
 def _stored_alike(manifest: Manifest, a: str, b: str) -> bool:
