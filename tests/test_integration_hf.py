@@ -202,3 +202,33 @@ def test_a_checkpoint_directory_that_cannot_be_made_is_raised(tmp_path, monkeypa
     made = sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-"))
     assert "checkpoint-2" in made and "checkpoint-4" not in made  # (step 6 may have been saved before 4 committed)
     assert "step-4" in os.listdir(tmp_path / "statesnap")
+
+
+def test_a_second_job_on_the_output_directory_is_refused_before_its_first_step(tmp_path):
+    """A second StatesnapTrainer on a directory another one trains in was refused only at its first
+    save, after up to save_steps steps of training: now at once, and the first trains on unharmed."""
+    from transformers import TrainerCallback, TrainingArguments
+
+    from statesnap.integrations.transformers import StatesnapTrainer
+    from statesnap.storage.lock import RootBusyError
+
+    hf_train = _hf_train()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, save_steps=2, report_to=[], use_cpu=True,
+                             per_device_train_batch_size=4, disable_tqdm=True, seed=0)
+    second = StatesnapTrainer(model=hf_train.model(), args=args, train_dataset=hf_train.Tokens(),
+                              statesnap_settings={"host_memory_gb": 0.05})
+    refused = []
+
+    class StartTheSecond(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:  # the first job's store is claimed, nothing saved yet
+                with pytest.raises(RootBusyError, match="another Checkpointer in this process"):
+                    second.train()
+                refused.append(second.state.global_step)
+
+    first = StatesnapTrainer(model=hf_train.model(), args=args, train_dataset=hf_train.Tokens(),
+                             callbacks=[StartTheSecond()], statesnap_settings={"host_memory_gb": 0.05})
+    first.train()
+    assert refused == [0]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-4"]
+    assert {"step-2", "step-4"} <= set(os.listdir(tmp_path / STORE_DIR))

@@ -169,9 +169,13 @@ class StatesnapTrainer(Trainer):
             if step != record.step and step not in self._unmade:
                 self._checkpointers[run_dir].remove(step)
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, trial=None, *args, **kwargs):
         try:
-            return super().train(*args, **kwargs)
+            if self.args.save_strategy != "no":
+                # Claim the store before anything runs: a second job on this output directory is
+                # refused now, not at its first save (after up to save_steps steps of training).
+                self._checkpointer(self._get_output_dir(trial=trial))
+            return super().train(resume_from_checkpoint, trial, *args, **kwargs)
         finally:
             self.close_checkpoints()
 
