@@ -5,6 +5,7 @@ losses and ends with the same parameters as a run never killed, bit for bit, whi
 stock Trainer's run. The final model exports as ``save_pretrained`` does."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -232,3 +233,24 @@ def test_a_second_job_on_the_output_directory_is_refused_before_its_first_step(t
     assert refused == [0]
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-4"]
     assert {"step-2", "step-4"} <= set(os.listdir(tmp_path / STORE_DIR))
+
+
+def test_a_pointer_to_a_step_that_is_gone_is_named_with_the_step(tmp_path):
+    """``checkpoint-2/statesnap.json`` naming a deleted ``statesnap/step-2`` said only 'no checkpoint
+    at .../statesnap/step-2'; the pointer that led there is named too."""
+    from transformers import TrainingArguments
+
+    from statesnap.integrations.transformers import POINTER_NAME, StatesnapTrainer
+
+    hf_train = _hf_train()
+
+    def trainer(steps):
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=steps, save_steps=2, report_to=[],
+                                 use_cpu=True, per_device_train_batch_size=4, disable_tqdm=True, seed=0)
+        return StatesnapTrainer(model=hf_train.model(), args=args, train_dataset=hf_train.Tokens(),
+                                statesnap_settings={"host_memory_gb": 0.05})
+    trainer(2).train()
+    shutil.rmtree(tmp_path / STORE_DIR / "step-2")
+    with pytest.raises(ss.CheckpointError, match=f"checkpoint-2/{POINTER_NAME} names .*/{STORE_DIR}/step-2, which "
+                                                 "is not there"):
+        trainer(4).train(resume_from_checkpoint=True)

@@ -277,11 +277,18 @@ def _load_part(checkpoint_dir: str, target: str, part: dict) -> None:
 @contextlib.contextmanager
 def _loading_from(checkpoint_dir: str, target: str):
     """Errors of a load from the step ``checkpoint_dir`` names, said so that a Trainer's user can act:
-    a state that does not match gets advice the Trainer can follow (it has no ``strict=False``)."""
+    a step that is gone is named with the pointer that led there, and a state that does not match
+    gets advice the Trainer can follow (it has no ``strict=False``)."""
     try:
         yield
     except StateMismatchError as exc:
         raise exc.advised(MISMATCH_ADVICE) from None
+    except CheckpointError as exc:
+        if os.path.exists(target):
+            raise
+        raise CheckpointError(f"{os.path.join(checkpoint_dir, POINTER_NAME)} names {target}, which is not there "
+                              f"(deleted, or not copied along with {checkpoint_dir}): pass another checkpoint-N as "
+                              f"resume_from_checkpoint, or delete {checkpoint_dir}") from exc
 
 
 def _torch_optimizer(optimizer):
