@@ -7,7 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
+
+import statesnap as ss
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "integrations", "accelerate_train.py")
 
@@ -72,3 +75,24 @@ def test_the_gradient_scaler_is_saved_and_restored(tmp_path):
     with AcceleratorCheckpoints(older, tmp_path / "older") as checkpoints:
         assert checkpoints.load_latest() == 5
     assert older.scaler.get_scale() == 2.0 ** 16
+
+
+def test_a_state_that_does_not_match_is_refused_with_advice_this_class_can_follow(tmp_path):
+    """The mismatch error advised 'Pass strict=False', which ``load_latest`` does not take."""
+    from accelerate import Accelerator
+
+    from statesnap.integrations.accelerate import AcceleratorCheckpoints
+
+    def prepared(outputs):
+        accelerator = Accelerator(cpu=True)
+        model = torch.nn.Linear(4, outputs)
+        accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return accelerator
+
+    with AcceleratorCheckpoints(prepared(1), tmp_path) as checkpoints:
+        checkpoints.save(1)
+    with AcceleratorCheckpoints(prepared(2), tmp_path) as checkpoints:
+        with pytest.raises(ss.StateMismatchError, match=r"shape/dtype mismatch \(2\): models.0.bias") as caught:
+            checkpoints.load_latest()
+    assert "prepare the same models" in str(caught.value) and "strict=False" not in str(caught.value)
+    assert caught.value.mismatched and not caught.value.missing

@@ -5,6 +5,7 @@ losses and ends with the same parameters as a run never killed, bit for bit, whi
 stock Trainer's run. The final model exports as ``save_pretrained`` does."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -81,16 +82,22 @@ def test_export_pretrained_loads_with_from_pretrained(tmp_path):
     for name, value in trainer.model.state_dict().items():
         assert torch.equal(exported.state_dict()[name], value), name
 
-    # a model of another shape is refused, not exported half loaded (or not at all) from the checkpoint
+    # A model of another shape is refused, not exported half loaded (or not at all) from the
+    # checkpoint; so is one of fewer layers, which loaded the layers it had. The advice is one the
+    # Trainer's user can follow: it has no strict=False.
     config = trainer.model.config.to_dict()
-    wider = LlamaForCausalLM(type(trainer.model.config).from_dict({**config, "hidden_size": 64}))
-    other = StatesnapTrainer(model=wider, args=args, train_dataset=hf_train.Tokens(),
-                             statesnap_settings={"host_memory_gb": 0.05})
-    with pytest.raises(ss.StateMismatchError, match="shape/dtype mismatch"):
-        export_pretrained(other, str(tmp_path / "run" / "checkpoint-2"), str(tmp_path / "export-wider"))
-    with pytest.raises(ss.StateMismatchError, match="shape/dtype mismatch"):
-        other._load_from_checkpoint(str(tmp_path / "run" / "checkpoint-2"))
-    assert not os.path.exists(tmp_path / "export-wider")
+    for change, problem in (({"hidden_size": 64}, "shape/dtype mismatch"),
+                            ({"num_hidden_layers": 1}, r"unexpected in checkpoint \(9\): model.model.layers.1\.")):
+        model = LlamaForCausalLM(type(trainer.model.config).from_dict({**config, **change}))
+        other = StatesnapTrainer(model=model, args=args, train_dataset=hf_train.Tokens(),
+                                 statesnap_settings={"host_memory_gb": 0.05})
+        with pytest.raises(ss.StateMismatchError, match=problem) as caught:
+            export_pretrained(other, str(tmp_path / "run" / "checkpoint-2"), str(tmp_path / "export-other"))
+        assert "into the model it was saved from" in str(caught.value)
+        assert "Pass strict=False" not in str(caught.value)
+        with pytest.raises(ss.StateMismatchError, match=problem):
+            other._load_from_checkpoint(str(tmp_path / "run" / "checkpoint-2"))  # the model's part of a resume
+    assert not os.path.exists(tmp_path / "export-other")
 
 
 def test_an_unreadable_pointer_keeps_every_step_no_readable_pointer_names(tmp_path, caplog):
@@ -196,3 +203,54 @@ def test_a_checkpoint_directory_that_cannot_be_made_is_raised(tmp_path, monkeypa
     made = sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-"))
     assert "checkpoint-2" in made and "checkpoint-4" not in made  # (step 6 may have been saved before 4 committed)
     assert "step-4" in os.listdir(tmp_path / "statesnap")
+
+
+def test_a_second_job_on_the_output_directory_is_refused_before_its_first_step(tmp_path):
+    """A second StatesnapTrainer on a directory another one trains in was refused only at its first
+    save, after up to save_steps steps of training: now at once, and the first trains on unharmed."""
+    from transformers import TrainerCallback, TrainingArguments
+
+    from statesnap.integrations.transformers import StatesnapTrainer
+    from statesnap.storage.lock import RootBusyError
+
+    hf_train = _hf_train()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, save_steps=2, report_to=[], use_cpu=True,
+                             per_device_train_batch_size=4, disable_tqdm=True, seed=0)
+    second = StatesnapTrainer(model=hf_train.model(), args=args, train_dataset=hf_train.Tokens(),
+                              statesnap_settings={"host_memory_gb": 0.05})
+    refused = []
+
+    class StartTheSecond(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:  # the first job's store is claimed, nothing saved yet
+                with pytest.raises(RootBusyError, match="another Checkpointer in this process"):
+                    second.train()
+                refused.append(second.state.global_step)
+
+    first = StatesnapTrainer(model=hf_train.model(), args=args, train_dataset=hf_train.Tokens(),
+                             callbacks=[StartTheSecond()], statesnap_settings={"host_memory_gb": 0.05})
+    first.train()
+    assert refused == [0]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-4"]
+    assert {"step-2", "step-4"} <= set(os.listdir(tmp_path / STORE_DIR))
+
+
+def test_a_pointer_to_a_step_that_is_gone_is_named_with_the_step(tmp_path):
+    """``checkpoint-2/statesnap.json`` naming a deleted ``statesnap/step-2`` said only 'no checkpoint
+    at .../statesnap/step-2'; the pointer that led there is named too."""
+    from transformers import TrainingArguments
+
+    from statesnap.integrations.transformers import POINTER_NAME, StatesnapTrainer
+
+    hf_train = _hf_train()
+
+    def trainer(steps):
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=steps, save_steps=2, report_to=[],
+                                 use_cpu=True, per_device_train_batch_size=4, disable_tqdm=True, seed=0)
+        return StatesnapTrainer(model=hf_train.model(), args=args, train_dataset=hf_train.Tokens(),
+                                statesnap_settings={"host_memory_gb": 0.05})
+    trainer(2).train()
+    shutil.rmtree(tmp_path / STORE_DIR / "step-2")
+    with pytest.raises(ss.CheckpointError, match=f"checkpoint-2/{POINTER_NAME} names .*/{STORE_DIR}/step-2, which "
+                                                 "is not there"):
+        trainer(4).train(resume_from_checkpoint=True)

@@ -10,6 +10,8 @@ its position by data-parallel rank, as bytes; the trainer saves ``step`` and ``n
 """
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from torch import nn
@@ -289,3 +291,42 @@ def test_a_step_directory_renamed_is_not_loaded_as_that_step(tmp_path):
         loader.load()
     assert loader.load(step=1) and torch.equal(fresh.t, torch.ones(3))
     loader.close()
+
+
+def test_a_restart_after_a_model_only_last_save_resumes_from_the_newest_step_holding_every_state(tmp_path, caplog):
+    """``last_save_model_only=True`` (the default) leaves the last step with the model alone; a run
+    restarted with more steps failed in ``load(-1)`` ('missing in checkpoint ... train_state'),
+    advising a strict=False it does not take. Now it resumes from the newest step that holds every
+    state it loads, and says why it passed over the newer one, as torchtitan's own resume passes
+    over its model-only Hugging Face exports."""
+    def checkpointer(folder, model, train_state, **policy):
+        return TorchtitanCheckpointer(folder, {"model": model, "train_state": train_state}, interval=2,
+                                      keep_latest_k=2, async_mode="disabled", **policy)
+    model, train_state = _Value(0), _Value(0)
+    saver = checkpointer(tmp_path, model, train_state)
+    for step in range(1, 7):
+        model.t.fill_(step)
+        train_state.t.fill_(step)
+        saver.save(step, last_step=step == 6)
+    saver.close()
+    assert ss.open(tmp_path / "step-6").keys() == ["model.t"]
+
+    model, train_state = _Value(0), _Value(0)
+    loader = checkpointer(tmp_path, model, train_state)
+    with caplog.at_level("WARNING", logger="statesnap"):
+        assert loader.load()
+    assert torch.equal(model.t, torch.full((3,), 4.0)) and torch.equal(train_state.t, torch.full((3,), 4.0))
+    assert "resuming from step 4, not from the newer step 6, which holds no train_state" in caplog.text
+    with pytest.raises(ss.StateMismatchError, match=r"missing in checkpoint \(1\): train_state.t") as caught:
+        loader.load(step=6)  # asked for by number: refused, with advice this API can follow
+    assert "exclude_from_loading" in str(caught.value) and "strict=False" not in str(caught.value)
+    loader.close()
+
+    model_only = checkpointer(tmp_path, model, train_state, exclude_from_loading=["train_state"])
+    assert model_only.load() and torch.equal(model.t, torch.full((3,), 6.0))  # the model is all it loads
+    model_only.close()
+    shutil.rmtree(tmp_path / "step-4")  # (keep_latest_k=2 kept steps 4 and 6)
+    alone = checkpointer(tmp_path, model, train_state)
+    with pytest.raises(ss.CheckpointError, match="the newest, step 6, holds no train_state .* exclude_from_loading"):
+        alone.load()
+    alone.close()

@@ -369,8 +369,10 @@ def test_strict_load_lists_every_mismatch(tmp_path):
 
 
 def test_a_partial_load_takes_a_part_but_refuses_what_does_not_match(tmp_path):
-    """``partial=True``: names only the checkpoint holds are left unread, but every name of the
-    state must be there with its shape and dtype (a model of another size is refused)."""
+    """``partial=True``: the checkpoint's names outside the state's top-level keys are left
+    unread, but under them both sides must match: every name of the state must be there with its
+    shape and dtype (a model of another size is refused), and the checkpoint may hold none the
+    state lacks (a model of fewer layers loaded the layers it had)."""
     ss.save({"model": {"w": torch.arange(6.0).reshape(2, 3)}, "optim": {"m": torch.ones(4)}, "step": 3}, tmp_path / "c")
     target = {"model": {"w": torch.zeros(2, 3)}}
     ss.load(target, tmp_path / "c", partial=True)
@@ -383,6 +385,12 @@ def test_a_partial_load_takes_a_part_but_refuses_what_does_not_match(tmp_path):
     assert caught.value.unexpected == [] and torch.equal(wider["model"]["w"], torch.zeros(2, 4))
     with pytest.raises(ss.StateMismatchError, match=r"missing in checkpoint \(1\): model.b"):
         ss.load({"model": {"w": torch.zeros(2, 3), "b": torch.zeros(1)}}, tmp_path / "c", partial=True)
+    ss.save({"model": {"w": torch.ones(2, 3), "layers": {"1": torch.ones(2)}}, "optim": {"m": torch.ones(4)}},
+            tmp_path / "deeper")
+    with pytest.raises(ss.StateMismatchError, match=r"unexpected in checkpoint \(1\): model.layers.1\.") as caught:
+        ss.load(target, tmp_path / "deeper", partial=True)
+    assert caught.value.unexpected == ["model.layers.1"]
+    assert torch.equal(target["model"]["w"], torch.arange(6.0).reshape(2, 3))  # nothing was loaded
 
 
 def test_a_tensor_where_the_checkpoint_holds_a_plain_value_is_a_mismatch_not_a_missing_name(tmp_path):

@@ -39,13 +39,20 @@ class NewerFormatError(ManifestError):
 
 
 class StateMismatchError(CheckpointError):
-    """Strict load found missing or unexpected keys, or shape/dtype mismatches."""
+    """Strict load found missing or unexpected keys, or shape/dtype mismatches. ``advice`` ends
+    the message apart from the rest: what the reader can do depends on the API that loaded."""
 
-    def __init__(self, message: str, missing=(), unexpected=(), mismatched=()):
-        super().__init__(message)
+    def __init__(self, message: str, missing=(), unexpected=(), mismatched=(), advice: str = ""):
+        super().__init__(f"{message} {advice}" if advice else message)
+        self.problem, self.advice = message, advice
         self.missing = list(missing)
         self.unexpected = list(unexpected)
         self.mismatched = list(mismatched)
+
+    def advised(self, advice: str) -> StateMismatchError:
+        """The same error with ``advice`` instead of its own: for an API (a trainer integration)
+        that does not offer what the load's own advice names (``strict=False``, ``cast=True``)."""
+        return StateMismatchError(self.problem, self.missing, self.unexpected, self.mismatched, advice)
 
 
 class CheckpointExistsError(CheckpointError):

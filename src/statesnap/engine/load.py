@@ -140,10 +140,22 @@ def _castable(stored: torch.dtype, target: torch.dtype) -> bool:
     return stored.is_floating_point and target.is_floating_point
 
 
+def in_part(name: str, part: str) -> bool:
+    """Whether the stored ``name`` is the state's top-level ``part`` or lies under it."""
+    return name == part or name.startswith(part + ".")
+
+
+def parts_lacking(stored: list[str], parts: list[str]) -> list[str]:
+    """The top-level ``parts`` of a state that a checkpoint of the names ``stored`` holds nothing of
+    (saved without them: an optimizer, a model-only export)."""
+    return [part for part in parts if not any(in_part(name, part) for name in stored)]
+
+
 def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: str, cast: bool,
-           partial: bool = False) -> set[str]:
-    """Check the target against the checkpoint; return the names to skip (non-strict). With
-    ``partial``, what the checkpoint holds beyond the target is not unexpected."""
+           parts: list[str] | None = None) -> set[str]:
+    """Check the target against the checkpoint; return the names to skip (non-strict). ``parts``
+    (a partial load: the state's top-level names): what the checkpoint holds outside them is not
+    unexpected, but what it holds under them is (a model of fewer layers loads no part of a deeper one)."""
     missing, mismatched, precision_only = [], [], False
     for item in flat.tensors:
         entry = manifest.header(item.fqn)
@@ -172,18 +184,19 @@ def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: 
             mismatched.append(f"{obj.fqn} (checkpoint a tensor {str(entry.dtype)[6:]}{list(entry.shape)}, "
                               f"target a {type(obj.value).__name__})")
     unexpected = []
-    if strict and not partial:
+    if strict:
         # what no rank loads: one flag per stored name from each rank, never every rank's names
         keys, mine = list(manifest.keys()), {i.fqn for i in flat.tensors} | {o.fqn for o in flat.objects}
-        unexpected = [k for k, wanted in zip(keys, comm.any_of([k in mine for k in keys])) if not wanted]
+        loaded = [k in mine or (parts is not None and not any(in_part(k, p) for p in parts)) for k in keys]
+        unexpected = [k for k, wanted in zip(keys, comm.any_of(loaded)) if not wanted]
     if strict and (missing or mismatched or unexpected):
-        parts = [_format_list(t, sorted(n)) for t, n in
-                 (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
-                  ("shape/dtype mismatch", mismatched)) if n]
+        listed = [_format_list(t, sorted(n)) for t, n in
+                  (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
+                   ("shape/dtype mismatch", mismatched)) if n]
         hint = " Pass cast=True to convert between floating dtypes." if precision_only else ""
-        raise StateMismatchError(f"state does not match checkpoint {path}: " + "; ".join(parts) +
-                                 f". Pass strict=False to load only what matches.{hint}",
-                                 missing, unexpected, mismatched)
+        raise StateMismatchError(f"state does not match checkpoint {path}: " + "; ".join(listed) + ".",
+                                 missing, unexpected, mismatched,
+                                 advice=f"Pass strict=False to load only what matches.{hint}")
     return set(missing) | {m.split(" ", 1)[0] for m in mismatched}
 
 
@@ -295,8 +308,9 @@ def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_p
 
     ``strict`` (the default): every name of ``state`` must be in the checkpoint with its shape
     and dtype, and every name of the checkpoint in ``state``; ``partial=True`` loads a part of a
-    checkpoint (the model alone, say): the first rule holds, names only the checkpoint has are
-    left unread. ``strict=False`` loads only what matches and skips the rest.
+    checkpoint (the model alone, say): both rules hold for the names under the top-level keys of
+    ``state`` (``model.*``), the checkpoint's other names are left unread. ``strict=False`` loads
+    only what matches and skips the rest.
 
     ``progress``: a bar on stderr for the bytes this rank reads; by default only on a terminal and
     once the load has taken a few seconds (True: at once, False: never).
@@ -359,7 +373,7 @@ def _tied_error(a: str, b: str, path: str) -> StateMismatchError:
     return StateMismatchError(
         f"{a!r} and {b!r} share memory in the state (tied weights, or views of one tensor), but {path} holds "
         "different values for them, so no load can give each its own (the second would overwrite the first). "
-        "That is no damage of the checkpoint: give each its own tensor (untie them) to load it")
+        "That is no damage of the checkpoint.", advice="Give each its own tensor (untie them) to load it.")
 
 
 def _stored_alike(manifest: Manifest, a: str, b: str) -> bool:
@@ -413,7 +427,8 @@ class Loading:
             error = exc
         self.comm.agree(error, f"loading {self.path}")
         try:
-            self.skip = _match(self.flat, self.manifest, self.comm, self.strict, self.path, cast, partial)
+            self.skip = _match(self.flat, self.manifest, self.comm, self.strict, self.path, cast,
+                               [str(key) for key in state] if partial else None)
             tied_apart = _tied_apart(self.flat, self.manifest, self.skip, self.path)
             if tied_apart is not None:
                 raise tied_apart

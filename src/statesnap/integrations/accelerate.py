@@ -28,6 +28,8 @@ from ..state.wrappers import PerRank
 from .rng import RngStates
 
 log = logging.getLogger("statesnap")
+MISMATCH_ADVICE = ("AcceleratorCheckpoints restores into what it saved: prepare the same models (the same config), "
+                   "optimizers and schedulers and register the same objects, or start afresh under another root.")
 
 
 class AcceleratorCheckpoints:
@@ -64,7 +66,7 @@ class AcceleratorCheckpoints:
         with a warning: the scaler then starts from its initial scale."""
         state = self.state()
         try:
-            return self.ckpt.load_latest(state)
+            return self._load_latest(state)
         except StateMismatchError as exc:
             if "scaler" not in state or not exc.missing or exc.unexpected or exc.mismatched or \
                     not all(name.startswith("scaler.") for name in exc.missing):
@@ -72,7 +74,13 @@ class AcceleratorCheckpoints:
         log.warning("statesnap: the checkpoint holds no gradient scaler (saved before it was); restoring the rest, "
                     "the scaler starts from its initial scale")
         del state["scaler"]
-        return self.ckpt.load_latest(state)
+        return self._load_latest(state)
+
+    def _load_latest(self, state: dict) -> int | None:
+        try:
+            return self.ckpt.load_latest(state)
+        except StateMismatchError as exc:  # with advice this class can follow: it has no strict=False
+            raise exc.advised(MISMATCH_ADVICE) from None
 
     @property
     def loaded_from(self) -> str | None:

@@ -28,6 +28,7 @@ trainer builds from ``Trainer.Config.checkpoint``, is made on first use and need
 """
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
@@ -35,12 +36,15 @@ import torch
 
 import statesnap as ss
 
-from ..engine.load import load_step
-from ..errors import CheckpointError
+from ..engine.load import load_step, parts_lacking
+from ..errors import CheckpointError, StateMismatchError
 
+log = logging.getLogger("statesnap")
 MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE = (
     "model", "optimizer", "lr_scheduler", "dataloader", "train_state")  # torchtitan's state names
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+MISMATCH_ADVICE = ("The checkpointer loads into the model config the checkpoint was saved with; name the states not "
+                   "to load in exclude_from_loading, or start afresh in another folder.")
 
 
 class _ThroughStateDict:
@@ -119,31 +123,61 @@ class TorchtitanCheckpointer:
 
     @torch.no_grad()
     def load(self, step: int = -1) -> bool:
-        """Restore ``step`` (``-1``: the newest committed one); with no checkpoint in ``folder``,
-        ``initial_load_path`` (a statesnap checkpoint) if given. A step-0 (seed) checkpoint and
-        ``initial_load_model_only`` restore the model alone. Returns whether anything was loaded.
-        Every name loaded must be in the checkpoint with its shape and dtype; a load of the whole
-        state also refuses names of the checkpoint the state lacks."""
+        """Restore ``step`` (``-1``: the newest committed one that holds the states a load restores:
+        a model-only last save, ``last_save_model_only``, is passed over with a warning, as
+        torchtitan's own resume passes over its model-only Hugging Face exports); with no
+        checkpoint in ``folder``, ``initial_load_path`` (a statesnap checkpoint) if given. A step-0 (seed)
+        checkpoint and ``initial_load_model_only`` restore the model alone. Returns whether anything
+        was loaded. Every name loaded must be in the checkpoint with its shape and dtype, and the
+        checkpoint may hold no name the state lacks under the states loaded (all of them, for a
+        load of the whole state)."""
         committed = self.ckpt.persistent.committed_steps()
         if step == -1 and not committed:
             if not self.initial_load_path:
                 return False
             self._load_from(self.initial_load_path, model_only=self.initial_load_model_only)
             return True
-        step = committed[-1] if step == -1 else step
+        step = self._newest_resumable(committed) if step == -1 else step
         if step not in committed:
             raise CheckpointError(f"no committed checkpoint of step {step} under {self.folder} "
                                   f"(committed: {committed or 'none'})")
         self._load_from(self.ckpt.persistent.path(step), model_only=step == 0, step=step)
         return True
 
+    def _newest_resumable(self, committed: list[int]) -> int:
+        """The newest of the ``committed`` steps that holds every state its load restores."""
+        passed = []  # (step, the states it lacks), newest first
+        for step in reversed(committed):
+            stored = ss.open(self.ckpt.persistent.path(step), storage_options=self.ckpt.config.storage_options).keys()
+            lacking = parts_lacking(stored, list(self._state(self._wanted(model_only=step == 0))))
+            if not lacking:
+                break
+            passed.append((step, lacking))
+        else:
+            raise CheckpointError(
+                f"no committed checkpoint under {self.folder} holds every state to load: the newest, step "
+                f"{passed[0][0]}, holds no {', '.join(passed[0][1])} (as a last save with last_save_model_only=True "
+                "does); to load what it holds, name those in exclude_from_loading")
+        for newer, lacking in passed:
+            log.warning("statesnap: resuming from step %d, not from the newer step %d, which holds no %s (as a last "
+                        "save with last_save_model_only=True does)", step, newer, ", ".join(lacking))
+        return step
+
+    def _wanted(self, model_only: bool) -> dict[str, Any]:
+        """The states a load restores: the model alone, or all but those excluded from loading."""
+        if model_only:
+            return {MODEL: self.states[MODEL]}
+        return {k: v for k, v in self.states.items() if k not in self.exclude_from_loading}
+
     def _load_from(self, path: str, model_only: bool, step: int | None = None) -> None:
-        wanted = {MODEL: self.states[MODEL]} if model_only else \
-            {k: v for k, v in self.states.items() if k not in self.exclude_from_loading}
+        wanted = self._wanted(model_only)
         config = self.ckpt.config
-        load_step(self._state(wanted), path, step, partial=len(wanted) < len(self.states),
-                  storage_options=config.storage_options, process_group=config.process_group,
-                  timeout_s=config.commit_timeout_s)
+        try:
+            load_step(self._state(wanted), path, step, partial=len(wanted) < len(self.states),
+                      storage_options=config.storage_options, process_group=config.process_group,
+                      timeout_s=config.commit_timeout_s)
+        except StateMismatchError as exc:
+            raise exc.advised(MISMATCH_ADVICE) from None
 
     def wait_for_saving(self) -> None:
         """Wait until the last async save is committed; raise what failed."""

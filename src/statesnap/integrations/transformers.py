@@ -19,6 +19,7 @@ size: the Trainer's data order depends on it anyway). ``export_pretrained`` writ
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -32,8 +33,8 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..checkpointer import Checkpointer
-from ..engine.load import load
-from ..errors import CheckpointError
+from ..engine.load import load, parts_lacking
+from ..errors import CheckpointError, StateMismatchError
 from ..reader import open as open_checkpoint
 from ..state.wrappers import PerRank
 from .pointers import PointerFailures, fsync_directory, parse_pointer, pointer_bytes, step_of
@@ -45,6 +46,9 @@ log = logging.getLogger("statesnap")
 TRAINER_STATE_NAME = "trainer_state.json"
 STORE_DIR = "statesnap"
 KEEP_ALL = 1 << 30  # the Trainer's rotation decides what goes
+MISMATCH_ADVICE = ("A StatesnapTrainer loads a checkpoint into the model it was saved from (the same config) and, to "
+                   "resume, the same optimizer; to start from the weights that match, ss.load({'model': model}, "
+                   "<that checkpoint>, strict=False) and train without resume_from_checkpoint.")
 
 
 class _Ignored:
@@ -165,9 +169,13 @@ class StatesnapTrainer(Trainer):
             if step != record.step and step not in self._unmade:
                 self._checkpointers[run_dir].remove(step)
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, trial=None, *args, **kwargs):
         try:
-            return super().train(*args, **kwargs)
+            if self.args.save_strategy != "no":
+                # Claim the store before anything runs: a second job on this output directory is
+                # refused now, not at its first save (after up to save_steps steps of training).
+                self._checkpointer(self._get_output_dir(trial=trial))
+            return super().train(resume_from_checkpoint, trial, *args, **kwargs)
         finally:
             self.close_checkpoints()
 
@@ -194,47 +202,39 @@ class StatesnapTrainer(Trainer):
         if target is None:  # a checkpoint the Trainer wrote itself
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         model = self.accelerator.unwrap_model(model if model is not None else self.model)
-        self._load_part(target, {"model": model})
+        _load_part(resume_from_checkpoint, target, {"model": model})
 
     def _load_best_model(self) -> None:
         self.close_checkpoints()  # training is over; the best step may still be in flight
         target = pointer_target(self.state.best_model_checkpoint)
         if target is None:
             return super()._load_best_model()
-        self._load_part(target, {"model": self.accelerator.unwrap_model(self.model)})
+        _load_part(self.state.best_model_checkpoint, target, {"model": self.accelerator.unwrap_model(self.model)})
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         target = pointer_target(checkpoint) if checkpoint else None
         if target is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        if not any(name.startswith("optimizer.") for name in open_checkpoint(target).keys()):
-            return  # saved with save_only_model: both start afresh, as the Trainer's do (the model is loaded)
-        # Optimizer state is stored by parameter name, which the model gives: it comes along. The
-        # RNG states are restored later, where the Trainer restores them (rng: a stand-in here),
-        # so this load is strict: anything of the checkpoint left unmatched is an error.
-        model = self.accelerator.unwrap_model(self.model)
-        load({"model": model, "optimizer": _torch_optimizer(self.optimizer), "scheduler": self.lr_scheduler,
-              "rng": PerRank(_Ignored(), on_resize="skip"), "trainer": {"state": None}}, target)
+        with _loading_from(checkpoint, target):
+            if parts_lacking(open_checkpoint(target).keys(), ["optimizer"]):
+                return  # saved with save_only_model: both start afresh, as the Trainer's do (the model is loaded)
+            # Optimizer state is stored by parameter name, which the model gives: it comes along. The
+            # RNG states are restored later, where the Trainer restores them (rng: a stand-in here),
+            # so this load is strict: anything of the checkpoint left unmatched is an error.
+            model = self.accelerator.unwrap_model(self.model)
+            load({"model": model, "optimizer": _torch_optimizer(self.optimizer), "scheduler": self.lr_scheduler,
+                  "rng": PerRank(_Ignored(), on_resize="skip"), "trainer": {"state": None}}, target)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         target = pointer_target(checkpoint) if checkpoint else None
         if target is None:
             return super()._load_rng_state(checkpoint)
         # another world size: the Trainer's data order changes too; it goes on, as the Trainer does
-        self._load_part(target, {"rng": PerRank(RngStates(), on_resize="skip")})
+        _load_part(checkpoint, target, {"rng": PerRank(RngStates(), on_resize="skip")})
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         if checkpoint and pointer_target(checkpoint) is None:
             super()._load_scaler(checkpoint)
-
-    def _load_part(self, target: str, part: dict) -> None:
-        """Load ``part`` of the checkpoint at ``target`` in place, refusing a part it lacks and
-        a model of another shape (``partial``: what ``part`` holds must be there and match)."""
-        stored = set(open_checkpoint(target).keys())
-        for prefix in part:
-            if not any(name == prefix or name.startswith(prefix + ".") for name in stored):
-                raise CheckpointError(f"{target} holds no {prefix!r} (saved with save_only_model?)")
-        load(part, target, partial=True)
 
 
 def export_pretrained(trainer: Trainer, checkpoint: str, output_dir: str) -> None:
@@ -245,7 +245,7 @@ def export_pretrained(trainer: Trainer, checkpoint: str, output_dir: str) -> Non
     if target is None:
         raise CheckpointError(f"{checkpoint} is not a checkpoint of a StatesnapTrainer")
     model = trainer.accelerator.unwrap_model(trainer.model)
-    load({"model": model}, target, partial=True)
+    _load_part(checkpoint, target, {"model": model})
     model.save_pretrained(output_dir, safe_serialization=True)
 
 
@@ -261,6 +261,34 @@ def pointer_target(checkpoint_dir: str) -> str | None:
         raise CheckpointError(f"{path} is damaged: it is not a statesnap pointer; restore it, or resume from "
                               "another checkpoint")
     return os.path.join(os.path.dirname(os.path.abspath(checkpoint_dir)), pointer[0])
+
+
+def _load_part(checkpoint_dir: str, target: str, part: dict) -> None:
+    """Load ``part`` of the checkpoint that ``checkpoint_dir`` names (at ``target``) in place,
+    refusing a part it lacks and one that differs from it (``partial``: under the part's names,
+    both sides must match; a model of fewer layers is refused too)."""
+    with _loading_from(checkpoint_dir, target):
+        lacking = parts_lacking(open_checkpoint(target).keys(), list(part))
+        if lacking:
+            raise CheckpointError(f"{target} holds no {lacking[0]!r} (saved with save_only_model?)")
+        load(part, target, partial=True)
+
+
+@contextlib.contextmanager
+def _loading_from(checkpoint_dir: str, target: str):
+    """Errors of a load from the step ``checkpoint_dir`` names, said so that a Trainer's user can act:
+    a step that is gone is named with the pointer that led there, and a state that does not match
+    gets advice the Trainer can follow (it has no ``strict=False``)."""
+    try:
+        yield
+    except StateMismatchError as exc:
+        raise exc.advised(MISMATCH_ADVICE) from None
+    except CheckpointError as exc:
+        if os.path.exists(target):
+            raise
+        raise CheckpointError(f"{os.path.join(checkpoint_dir, POINTER_NAME)} names {target}, which is not there "
+                              f"(deleted, or not copied along with {checkpoint_dir}): pass another checkpoint-N as "
+                              f"resume_from_checkpoint, or delete {checkpoint_dir}") from exc
 
 
 def _torch_optimizer(optimizer):
