@@ -110,8 +110,13 @@ def test_checkpointer_load_latest_casts_when_asked(tmp_path):
         ckpt.save(3, state).wait()
     with ss.Checkpointer(tmp_path, events=False) as ckpt:
         target = {"w": torch.zeros(6, 3, dtype=torch.bfloat16)}
-        with pytest.raises(StateMismatchError, match="cast=True"):
+        with pytest.raises(StateMismatchError, match="cast=True") as caught:
             ckpt.load_latest(target)
+        assert "load_latest restores the whole state" in str(caught.value)
+        assert "Pass strict=False" not in str(caught.value)  # load_latest has no strict
+        with pytest.raises(StateMismatchError, match=r"missing in checkpoint \(1\): v\. load_latest restores") as caught:
+            ckpt.load_latest({"w": torch.zeros(6, 3), "v": torch.zeros(1)})
+        assert "cast=True" not in str(caught.value)
         assert ckpt.load_latest(target, cast=True) == 3
     assert same_bits(target["w"], state["w"].to(torch.bfloat16))
 

@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 from ..engine.dist import Comm, PeerLostError, timed_group
-from ..engine.load import load_step
+from ..engine.load import CAST_HINT, load_step
 from ..engine.replicas import limit_bytes, object_digests
 from ..engine.save import encode_objects, per_rank_names, plan_by_owners, shared_names
 from ..engine.write import default_threads
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StateMismatchError
 from ..monitor.events import EventLog, now
 from ..state.flatten import create_adam_state
 from ..storage import backend_for, is_url, normalize
@@ -45,6 +45,8 @@ from .staging import MAX_SEGMENT_BYTES, REGION_ALIGN, Arena, align_up
 from .state_cache import StateCache
 
 log = logging.getLogger("statesnap")
+LOAD_LATEST_ADVICE = ("load_latest restores the whole state: build the model and optimizer the checkpoint was saved "
+                      "with, or load what matches with ss.load(state, <that step's path>, strict=False).")
 
 
 class SaveHandle:
@@ -293,6 +295,12 @@ class Checkpointer:
         self._refuse_in_on_commit("load_latest()")
         self._wait_all()
         self._raise_pending()
+        try:
+            return self._load_newest(state, cast)
+        except StateMismatchError as exc:  # whose own advice names ss.load's strict=False
+            raise exc.advised(LOAD_LATEST_ADVICE + (CAST_HINT if CAST_HINT in exc.advice else "")) from None
+
+    def _load_newest(self, state: dict, cast: bool) -> int | None:
         started = now()
         snap = self.memory.newest()
         flat = matching_target(snap, state) if snap is not None else None

@@ -140,6 +140,9 @@ def _castable(stored: torch.dtype, target: torch.dtype) -> bool:
     return stored.is_floating_point and target.is_floating_point
 
 
+CAST_HINT = " Pass cast=True to convert between floating dtypes."
+
+
 def in_part(name: str, part: str) -> bool:
     """Whether the stored ``name`` is the state's top-level ``part`` or lies under it."""
     return name == part or name.startswith(part + ".")
@@ -193,7 +196,7 @@ def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: 
         listed = [_format_list(t, sorted(n)) for t, n in
                   (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
                    ("shape/dtype mismatch", mismatched)) if n]
-        hint = " Pass cast=True to convert between floating dtypes." if precision_only else ""
+        hint = CAST_HINT if precision_only else ""
         raise StateMismatchError(f"state does not match checkpoint {path}: " + "; ".join(listed) + ".",
                                  missing, unexpected, mismatched,
                                  advice=f"Pass strict=False to load only what matches.{hint}")
