@@ -197,3 +197,40 @@ def test_bench_json_to_stdout_is_one_document(tmp_path):
     assert out.returncode == 0, out.stderr
     figures = json.loads(out.stdout)
     assert isinstance(figures, dict) and figures and all(key in out.stderr for key in figures)
+
+
+def strict_json(text: str):
+    """``text`` parsed as RFC 8259 JSON: Python's own parser also takes NaN and Infinity."""
+    def refuse(literal):
+        raise ValueError(f"{literal} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_urls_fsspec_cannot_serve_are_one_line_errors(ckpt, capsys):
+    url = "nosuchprotocol://b/x"
+    error = f"cannot open {url}: ValueError: Protocol not known: nosuchprotocol"
+    for argv, status, printed in (
+            (["inspect", url], 2, f"statesnap inspect: {error}"),
+            (["diff", url, str(ckpt)], 2, f"statesnap diff: {error}"),
+            (["verify", url], 1, f"DAMAGED {url}: {error}"),
+            (["export", url, str(ckpt.parent / "x.safetensors")], 1, f"statesnap export: {error}")):
+        assert main(argv) == status
+        assert capsys.readouterr().err == printed + "\n"
+    for argv, status in ((["inspect", "--json", url], 2), (["verify", "--json", url], 1),
+                         (["diff", "--json", url, str(ckpt)], 2)):
+        assert main(argv) == status
+        captured = capsys.readouterr()
+        assert error in captured.out and captured.err == ""
+        strict_json(captured.out)
+
+
+@pytest.mark.parametrize("options", ["[1]", '"x"', "1", "null", "not json"])
+def test_storage_options_that_are_not_a_json_object_are_a_usage_error(ckpt, options, capsys):
+    for argv in (["inspect", str(ckpt)], ["inspect", "--json", "s3://bucket/ckpt"], ["verify", str(ckpt)],
+                 ["diff", str(ckpt), str(ckpt)]):
+        with pytest.raises(SystemExit) as exited:
+            main([argv[0], "--storage-options", options, *argv[1:]])
+        assert exited.value.code == 2
+        captured = capsys.readouterr()
+        assert "argument --storage-options" in captured.err and captured.out == ""
+    assert main(["inspect", "--storage-options", '{"anon": true}', str(ckpt)]) == 0

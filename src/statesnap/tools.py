@@ -34,9 +34,20 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}"
 
 
+def json_object(text: str) -> dict:
+    """``--storage-options``: fsspec takes keyword arguments, so only a JSON object will do."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object like '{{\"anon\": true}}'")
+    return value
+
+
 def _parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"statesnap {prog}", description=description)
-    parser.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
+    parser.add_argument("--storage-options", type=json_object, default=None, metavar="JSON",
                         help="fsspec storage options as a JSON object (for URLs such as s3://...)")
     return parser
 
