@@ -234,3 +234,15 @@ def test_storage_options_that_are_not_a_json_object_are_a_usage_error(ckpt, opti
         captured = capsys.readouterr()
         assert "argument --storage-options" in captured.err and captured.out == ""
     assert main(["inspect", "--storage-options", '{"anon": true}', str(ckpt)]) == 0
+
+
+@pytest.mark.parametrize("atol", ["nan", "-1", "inf", "one"])
+def test_diff_refuses_a_tolerance_every_difference_would_pass(tmp_path, atol, capsys):
+    """With a NaN or infinite tolerance different checkpoints "matched"."""
+    ss.save({"w": torch.zeros(3)}, tmp_path / "l")
+    ss.save({"w": torch.ones(3)}, tmp_path / "r")
+    for json_args in ([], ["--json"]):
+        with pytest.raises(SystemExit) as exited:
+            main(["diff", *json_args, "--atol", atol, str(tmp_path / "l"), str(tmp_path / "r")])
+        assert exited.value.code == 2 and "argument --atol" in capsys.readouterr().err
+    assert main(["diff", "--atol", "0.5", str(tmp_path / "l"), str(tmp_path / "r")]) == 1

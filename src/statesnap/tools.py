@@ -238,12 +238,25 @@ def _fingerprint(entry: ObjectEntry):
     return [_fingerprint(e) for e in entry.per_rank]
 
 
+def tolerance(text: str) -> float:
+    """``--atol``: no difference exceeds a NaN or infinite tolerance, so with one every pair of
+    checkpoints would "match"."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0")
+    return value
+
+
 def diff_main(argv: list[str]) -> int:
     parser = _parser("diff", "compare two checkpoints key by key; exit 1 if they differ")
     parser.add_argument("left")
     parser.add_argument("right")
-    parser.add_argument("--atol", type=float, default=0.0,
-                        help="ignore tensors whose max abs difference is at most this (default 0: bit-exact)")
+    parser.add_argument("--atol", type=tolerance, default=0.0,
+                        help="ignore tensors whose max abs difference is at most this, a finite number >= 0 "
+                             "(default 0: bit-exact)")
     json_flag(parser)
     args = parser.parse_args(argv)
     try:
