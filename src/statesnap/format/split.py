@@ -30,7 +30,7 @@ import xxhash
 
 from ..errors import CorruptCheckpointError, ManifestError
 from .boxes import region, tiling_problem
-from .columns import INFLATE_RATIO, INT64_MAX, InflationBudget, integer, shape_problem, shape_text
+from .columns import INFLATE_RATIO, INT64_MAX, InflationBudget, integer, parse_json, shape_problem, shape_text
 from .dtypes import dtype_name, tensor_dtype
 
 CHUNK_PIECES = 32
@@ -198,7 +198,7 @@ def unpack_json(value, budget: InflationBudget, where: str):
         if not inflater.eof:
             raise ValueError("the zlib stream is cut short or inflates past the manifest's budget")
         budget.take(len(data), where)
-        return json.loads(data)
+        return parse_json(data)
     except (ValueError, zlib.error, TypeError, RecursionError) as exc:  # (recursion: absurd nesting)
         raise ValueError(f"malformed packed value ({exc})") from None
 
