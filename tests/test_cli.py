@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import statesnap as ss
-from statesnap.cli import main
+from statesnap.cli import json_text, main
 from statesnap.format.manifest import MANIFEST_NAME
 
 
@@ -246,3 +246,15 @@ def test_diff_refuses_a_tolerance_every_difference_would_pass(tmp_path, atol, ca
             main(["diff", *json_args, "--atol", atol, str(tmp_path / "l"), str(tmp_path / "r")])
         assert exited.value.code == 2 and "argument --atol" in capsys.readouterr().err
     assert main(["diff", "--atol", "0.5", str(tmp_path / "l"), str(tmp_path / "r")]) == 1
+
+
+def test_json_documents_are_rfc_8259_even_where_the_manifest_is_not(ckpt, capsys):
+    """A manifest holding NaN is refused (format/columns.py) and the error is a valid document; a
+    non-finite float in a document (a bench figure) is written as a string, never as NaN."""
+    raw = (ckpt / MANIFEST_NAME).read_bytes()
+    (ckpt / MANIFEST_NAME).write_bytes(raw.replace(b'"meta":{}', b'"meta":{"loss":NaN}'))
+    assert main(["inspect", "--json", str(ckpt)]) == 2
+    doc = strict_json(capsys.readouterr().out)
+    assert "NaN is not a JSON value" in doc["error"]
+    assert strict_json(json_text({"figures": [float("nan"), float("inf"), -float("inf"), 0.5]})) == \
+        {"figures": ["nan", "inf", "-inf", 0.5]}

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib
+import json
+import math
 import sys
 
 # subcommand -> (module, function taking argv and returning an exit code, one-line help)
@@ -15,6 +17,24 @@ COMMANDS = {
     "bench": ("statesnap.bench", "main", "benchmark statesnap against torch.save and DCP"),
     "demo": ("statesnap.demo", "main", "train a small GPT on the CPU with checkpoints, kill it, resume"),
 }
+
+
+def json_text(doc) -> str:
+    """``doc`` as one RFC 8259 JSON document, for scripts: Python's json would write a non-finite
+    float as NaN or Infinity, which other parsers refuse, so it is written as the string "nan",
+    "inf" or "-inf" (``float()`` reads each back). Only bench figures have any: a manifest holds
+    none (format/columns.py's parse_json)."""
+    return json.dumps(_finite_floats(doc), indent=2, allow_nan=False, default=str)
+
+
+def _finite_floats(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {key: _finite_floats(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_floats(item) for item in value]
+    return value
 
 
 def _usage() -> str:

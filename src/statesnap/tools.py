@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from .cli import json_text
 from .errors import CheckpointError
 from .format.dtypes import dtype_name
 from .format.manifest import MANIFEST_NAME, ObjectEntry
@@ -54,7 +55,7 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 def json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
-                        help="print one JSON document on stdout instead of text (same exit status)")
+                        help="print one JSON document (RFC 8259) on stdout instead of text (same exit status)")
 
 
 def progress_flags(parser: argparse.ArgumentParser) -> None:
@@ -130,12 +131,12 @@ def inspect_main(argv: list[str]) -> int:
         doc = describe(_open(args.path, args))
     except CheckpointError as exc:
         if args.json:  # (a script reads stdout: the error in the document, as diff and verify do)
-            print(json.dumps({"path": args.path, "error": str(exc)}, indent=2))
+            print(json_text({"path": args.path, "error": str(exc)}))
         else:
             print(f"statesnap inspect: {exc}", file=sys.stderr)
         return TROUBLE
     if args.json:
-        print(json.dumps(doc, indent=2))
+        print(json_text(doc))
     else:
         print_description(doc, args.files)
     return OK
@@ -162,7 +163,7 @@ def verify_main(argv: list[str]) -> int:
         if not args.json:
             print(f"ok {path}: {len(reader.manifest.tensors)} tensors, {human_bytes(checked)} verified")
     if args.json:
-        print(json.dumps({"checkpoints": results}, indent=2))
+        print(json_text({"checkpoints": results}))
     return OK if all(r["ok"] for r in results) else FOUND
 
 
@@ -263,12 +264,12 @@ def diff_main(argv: list[str]) -> int:
         lines = diff(_open(args.left, args), _open(args.right, args), args.atol)
     except CheckpointError as exc:
         if args.json:
-            print(json.dumps({"left": args.left, "right": args.right, "error": str(exc)}, indent=2))
+            print(json_text({"left": args.left, "right": args.right, "error": str(exc)}))
         else:
             print(f"statesnap diff: {exc}", file=sys.stderr)
         return TROUBLE
     if args.json:
-        print(json.dumps({"left": args.left, "right": args.right, "match": not lines, "differences": lines}, indent=2))
+        print(json_text({"left": args.left, "right": args.right, "match": not lines, "differences": lines}))
         return FOUND if lines else OK
     for line in lines:
         print(line)
