@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import statesnap as ss
-from statesnap.cli import json_text, main
+from statesnap.cli import json_text, main, printable
 from statesnap.format.manifest import MANIFEST_NAME
 
 
@@ -258,3 +258,25 @@ def test_json_documents_are_rfc_8259_even_where_the_manifest_is_not(ckpt, capsys
     assert "NaN is not a JSON value" in doc["error"]
     assert strict_json(json_text({"figures": [float("nan"), float("inf"), -float("inf"), 0.5]})) == \
         {"figures": ["nan", "inf", "-inf", 0.5]}
+
+
+def test_names_from_the_manifest_are_printed_escaped(ckpt, tmp_path, capsys):
+    """A name holding a newline or a terminal escape sequence would forge lines of the output or
+    drive the terminal: inspect, diff and export print it escaped (--json escapes as JSON does)."""
+    forged = "model.weight\nok everything verified\x1b[2K\x1b]0;title\x07"
+    doc = json.loads((ckpt / MANIFEST_NAME).read_bytes())
+    doc.pop("manifest_xxh3")
+    doc["tensors"][forged] = doc["tensors"].pop("model.weight")
+    doc["objects"][forged + ".step"] = doc["objects"].pop("extra.step")
+    (ckpt / MANIFEST_NAME).write_text(json.dumps(doc))
+    save_training(tmp_path / "b")
+    escaped = "model.weight\\nok everything verified\\x1b[2K\\x1b]0;title\\x07"
+    for argv in (["inspect", str(ckpt)], ["diff", str(ckpt), str(tmp_path / "b")],
+                 ["export", "--no-progress", str(ckpt), str(tmp_path / "x.safetensors")]):
+        main(argv)
+        printed = capsys.readouterr().out
+        assert escaped in printed and "\x1b" not in printed and "\x07" not in printed
+        assert not any(line.startswith("ok everything") for line in printed.splitlines())
+    assert main(["inspect", "--json", str(ckpt)]) == 0
+    assert forged in {t["name"] for t in json.loads(capsys.readouterr().out)["tensors"]}
+    assert printable("naïve ✓ name") == "naïve ✓ name"

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from .cli import json_text
+from .cli import json_text, printable
 from .errors import CheckpointError
 from .format.dtypes import dtype_name
 from .format.manifest import MANIFEST_NAME, ObjectEntry
@@ -106,16 +106,16 @@ def _columns(rows: list[list[str]]) -> list[str]:
 
 def print_description(doc: dict, show_files: bool) -> None:
     totals = doc["totals"]
-    print(f"{doc['path']}: statesnap format v{doc['format_version']}, saved by {doc['world_size']} rank(s)")
+    print(printable(f"{doc['path']}: statesnap format v{doc['format_version']}, saved by {doc['world_size']} rank(s)"))
     if doc["tensors"]:
         rows = [["tensor", "dtype", "shape", "bytes", "pieces"]]
-        rows += [[t["name"], t["dtype"], str(t["shape"]), human_bytes(t["bytes"]),
+        rows += [[printable(t["name"]), t["dtype"], str(t["shape"]), human_bytes(t["bytes"]),
                   str(t["pieces"]) + ("" if t["layout"] == "box" else " flat")] for t in doc["tensors"]]
         print("\n".join(_columns(rows)))
     if doc["objects"]:
-        print("\n".join(_columns([["object", "kind"]] + [[o["name"], o["kind"]] for o in doc["objects"]])))
+        print("\n".join(_columns([["object", "kind"]] + [[printable(o["name"]), o["kind"]] for o in doc["objects"]])))
     if show_files:
-        print("\n".join(_columns([["file", "bytes"]] + [[f["name"], human_bytes(f["bytes"])] for f in doc["files"]])))
+        print("\n".join(_columns([["file", "bytes"]] + [[printable(f["name"]), human_bytes(f["bytes"])] for f in doc["files"]])))
     print(f"total: {totals['tensors']} tensors in {totals['pieces']} pieces, {human_bytes(totals['tensor_bytes'])}; "
           f"{totals['objects']} objects; {totals['files']} data files, {human_bytes(totals['file_bytes'])}; "
           f"manifest {human_bytes(totals['manifest_bytes'])}")
@@ -133,7 +133,7 @@ def inspect_main(argv: list[str]) -> int:
         if args.json:  # (a script reads stdout: the error in the document, as diff and verify do)
             print(json_text({"path": args.path, "error": str(exc)}))
         else:
-            print(f"statesnap inspect: {exc}", file=sys.stderr)
+            print(printable(f"statesnap inspect: {exc}"), file=sys.stderr)
         return TROUBLE
     if args.json:
         print(json_text(doc))
@@ -157,11 +157,11 @@ def verify_main(argv: list[str]) -> int:
         except CheckpointError as exc:
             results.append({"path": path, "ok": False, "error": str(exc)})
             if not args.json:
-                print(f"DAMAGED {path}: {exc}", file=sys.stderr)
+                print(printable(f"DAMAGED {path}: {exc}"), file=sys.stderr)
             continue
         results.append({"path": path, "ok": True, "tensors": len(reader.manifest.tensors), "bytes_verified": checked})
         if not args.json:
-            print(f"ok {path}: {len(reader.manifest.tensors)} tensors, {human_bytes(checked)} verified")
+            print(printable(f"ok {path}: {len(reader.manifest.tensors)} tensors, {human_bytes(checked)} verified"))
     if args.json:
         print(json_text({"checkpoints": results}))
     return OK if all(r["ok"] for r in results) else FOUND
@@ -266,13 +266,13 @@ def diff_main(argv: list[str]) -> int:
         if args.json:
             print(json_text({"left": args.left, "right": args.right, "error": str(exc)}))
         else:
-            print(f"statesnap diff: {exc}", file=sys.stderr)
+            print(printable(f"statesnap diff: {exc}"), file=sys.stderr)
         return TROUBLE
     if args.json:
         print(json_text({"left": args.left, "right": args.right, "match": not lines, "differences": lines}))
         return FOUND if lines else OK
     for line in lines:
-        print(line)
+        print(printable(line))
     if lines:
         print(f"{len(lines)} difference(s)")
         return FOUND

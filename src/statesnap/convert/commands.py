@@ -6,6 +6,7 @@ import re
 import sys
 from typing import Any, Callable
 
+from ..cli import printable
 from ..errors import CheckpointError
 from ..tools import progress_flags
 from .api import SOURCES, TARGETS, convert, export
@@ -41,7 +42,7 @@ def _run(name: str, call: Callable[[], Any]) -> Any:
     try:
         return call()
     except CheckpointError as exc:
-        print(f"statesnap {name}: {exc}", file=sys.stderr)
+        print(printable(f"statesnap {name}: {exc}"), file=sys.stderr)
         return None
 
 
@@ -59,9 +60,9 @@ def convert_main(argv: list[str]) -> int:
                                            copy=args.copy, progress=args.progress))
     if info is None:
         return 1
-    print(f"converted {args.src} -> {info.path}: {info.bytes} bytes in {info.seconds:.2f} s")
+    print(printable(f"converted {args.src} -> {info.path}: {info.bytes} bytes in {info.seconds:.2f} s"))
     for line in info.notes:
-        print(f"  note: {line}")
+        print(printable(f"  note: {line}"))
     return 0
 
 
@@ -77,8 +78,8 @@ def export_main(argv: list[str]) -> int:
                                          allow_pickle=args.allow_pickle, progress=args.progress))
     if info is None:
         return 1
-    print(f"exported {args.src} -> {info.path} ({info.to}): {info.tensors} tensors, {info.bytes} bytes "
-          f"in {len(info.files)} file(s), {info.seconds:.2f} s")
+    print(printable(f"exported {args.src} -> {info.path} ({info.to}): {info.tensors} tensors, {info.bytes} bytes "
+                    f"in {len(info.files)} file(s), {info.seconds:.2f} s"))
     for line in info.skipped:
-        print(f"  skipped {line}")
+        print(printable(f"  skipped {line}"))
     return 0
