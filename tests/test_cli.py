@@ -1,5 +1,6 @@
 """The ``statesnap`` command: inspect, verify and diff, through cli.main and a real subprocess."""
 import json
+import re
 import subprocess
 import sys
 
@@ -280,3 +281,36 @@ def test_names_from_the_manifest_are_printed_escaped(ckpt, tmp_path, capsys):
     assert main(["inspect", "--json", str(ckpt)]) == 0
     assert forged in {t["name"] for t in json.loads(capsys.readouterr().out)["tensors"]}
     assert printable("naïve ✓ name") == "naïve ✓ name"
+
+
+def _events_file(tmp_path, name: str, text: str):
+    (tmp_path / name / "events").mkdir(parents=True)
+    (tmp_path / name / "events" / "rank-00000.jsonl").write_text(text)
+    return tmp_path / name
+
+
+EVENT = '{"phase":"save","step":1,"rank":0,"start":0.5,"end":1.0,"nbytes":8,"thread":"MainThread","info":{}}\n'
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"phase":"save","step":1,"rank":0,"start":0,"end":1}\n', "line 1 is not a checkpoint event: its field 'nbytes' "
+                                                               "is missing or not an integer"),
+    (EVENT + "[1, 2]\n", r"line 2 is not a checkpoint event \(a JSON object\)"),
+    (EVENT.replace('"rank":0', '"rank":"0"'), "line 1 is not a checkpoint event: its field 'rank'"),
+    (EVENT.replace("1.0", "NaN"), "its field 'end' is missing or not a finite number"),
+    ("garbage{\n", r"hold no events: 1 line\(s\) that are not JSON, the first in .*rank-00000.jsonl, line 1$"),
+])
+def test_trace_of_malformed_events_files_is_a_one_line_error_naming_file_and_line(tmp_path, text, words, capsys):
+    source = _events_file(tmp_path, "root", text)
+    assert main(["trace", str(source), "--no-png"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(f"^statesnap trace: .*{words}", err.strip()) and len(err.strip().splitlines()) == 1
+    assert str(source) in err
+
+
+def test_trace_skips_a_line_cut_short_saying_so(tmp_path, capsys):
+    source = _events_file(tmp_path, "root", EVENT + '{"phase":"wri')
+    assert main(["trace", str(source), "--no-png"]) == 0
+    captured = capsys.readouterr()
+    assert "skipped 1 line(s) that are not JSON, the first in" in captured.err and "line 2" in captured.err
+    assert "1 events" in captured.out
