@@ -214,7 +214,7 @@ def test_urls_fsspec_cannot_serve_are_one_line_errors(ckpt, capsys):
             (["inspect", url], 2, f"statesnap inspect: {error}"),
             (["diff", url, str(ckpt)], 2, f"statesnap diff: {error}"),
             (["verify", url], 1, f"DAMAGED {url}: {error}"),
-            (["export", url, str(ckpt.parent / "x.safetensors")], 1, f"statesnap export: {error}")):
+            (["export", url, str(ckpt.parent / "x.safetensors")], 2, f"statesnap export: {error}")):
         assert main(argv) == status
         assert capsys.readouterr().err == printed + "\n"
     for argv, status in ((["inspect", "--json", url], 2), (["verify", "--json", url], 1),
@@ -314,3 +314,25 @@ def test_trace_skips_a_line_cut_short_saying_so(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "skipped 1 line(s) that are not JSON, the first in" in captured.err and "line 2" in captured.err
     assert "1 events" in captured.out
+
+
+def test_no_command_is_a_usage_error(capsys):
+    assert main([]) == 2
+    captured = capsys.readouterr()
+    assert "no command given" in captured.err and "usage: statesnap COMMAND" in captured.err and captured.out == ""
+    assert main(["--help"]) == 0
+    assert "Exit status" in capsys.readouterr().out
+
+
+def test_the_manifest_file_is_not_taken_for_its_checkpoint_saying_which_is(ckpt, capsys):
+    assert main(["inspect", str(ckpt / MANIFEST_NAME)]) == 2
+    assert capsys.readouterr().err == (f"statesnap inspect: {ckpt / MANIFEST_NAME} is a checkpoint's manifest, not the "
+                                       f"checkpoint: name its directory, {ckpt}, instead\n")
+
+
+def test_export_and_convert_exit_as_inspect_does_for_what_they_cannot_read(tmp_path, capsys):
+    nowhere = str(tmp_path / "nowhere")
+    assert main(["inspect", nowhere]) == 2
+    assert main(["export", nowhere, str(tmp_path / "x.safetensors")]) == 2
+    assert main(["convert", nowhere, str(tmp_path / "ck")]) == 2
+    assert capsys.readouterr().err.count("nowhere") == 3

@@ -47,13 +47,19 @@ def printable(text: str) -> str:
 def _usage() -> str:
     lines = ["usage: statesnap COMMAND [options]", "", "commands:"]
     lines += [f"  {name:<8} {help_}" for name, (_, _, help_) in COMMANDS.items()]
-    lines += ["", "Run 'statesnap COMMAND --help' for a command's options."]
+    lines += ["", "Run 'statesnap COMMAND --help' for a command's options.", "",
+              "Exit status: 0 done (verify: every checkpoint good; diff: they match); 1 verify found a",
+              "checkpoint damaged or unreadable, or diff found differences; 2 a usage error, or the command",
+              "could not do its work (a checkpoint or events file it cannot read, a conversion refused)."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        print(f"statesnap: no command given\n\n{_usage()}", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
     name, rest = argv[0], argv[1:]
