@@ -1,5 +1,6 @@
 """The ``statesnap`` command: inspect, verify and diff, through cli.main and a real subprocess."""
 import json
+import re
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import statesnap as ss
-from statesnap.cli import main
+from statesnap.cli import json_text, main, printable
 from statesnap.format.manifest import MANIFEST_NAME
 
 
@@ -197,3 +198,141 @@ def test_bench_json_to_stdout_is_one_document(tmp_path):
     assert out.returncode == 0, out.stderr
     figures = json.loads(out.stdout)
     assert isinstance(figures, dict) and figures and all(key in out.stderr for key in figures)
+
+
+def strict_json(text: str):
+    """``text`` parsed as RFC 8259 JSON: Python's own parser also takes NaN and Infinity."""
+    def refuse(literal):
+        raise ValueError(f"{literal} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_urls_fsspec_cannot_serve_are_one_line_errors(ckpt, capsys):
+    url = "nosuchprotocol://b/x"
+    error = f"cannot open {url}: ValueError: Protocol not known: nosuchprotocol"
+    for argv, status, printed in (
+            (["inspect", url], 2, f"statesnap inspect: {error}"),
+            (["diff", url, str(ckpt)], 2, f"statesnap diff: {error}"),
+            (["verify", url], 1, f"DAMAGED {url}: {error}"),
+            (["export", url, str(ckpt.parent / "x.safetensors")], 2, f"statesnap export: {error}")):
+        assert main(argv) == status
+        assert capsys.readouterr().err == printed + "\n"
+    for argv, status in ((["inspect", "--json", url], 2), (["verify", "--json", url], 1),
+                         (["diff", "--json", url, str(ckpt)], 2)):
+        assert main(argv) == status
+        captured = capsys.readouterr()
+        assert error in captured.out and captured.err == ""
+        strict_json(captured.out)
+
+
+@pytest.mark.parametrize("options", ["[1]", '"x"', "1", "null", "not json"])
+def test_storage_options_that_are_not_a_json_object_are_a_usage_error(ckpt, options, capsys):
+    for argv in (["inspect", str(ckpt)], ["inspect", "--json", "s3://bucket/ckpt"], ["verify", str(ckpt)],
+                 ["diff", str(ckpt), str(ckpt)]):
+        with pytest.raises(SystemExit) as exited:
+            main([argv[0], "--storage-options", options, *argv[1:]])
+        assert exited.value.code == 2
+        captured = capsys.readouterr()
+        assert "argument --storage-options" in captured.err and captured.out == ""
+    assert main(["inspect", "--storage-options", '{"anon": true}', str(ckpt)]) == 0
+
+
+@pytest.mark.parametrize("atol", ["nan", "-1", "inf", "one"])
+def test_diff_refuses_a_tolerance_every_difference_would_pass(tmp_path, atol, capsys):
+    """With a NaN or infinite tolerance different checkpoints "matched"."""
+    ss.save({"w": torch.zeros(3)}, tmp_path / "l")
+    ss.save({"w": torch.ones(3)}, tmp_path / "r")
+    for json_args in ([], ["--json"]):
+        with pytest.raises(SystemExit) as exited:
+            main(["diff", *json_args, "--atol", atol, str(tmp_path / "l"), str(tmp_path / "r")])
+        assert exited.value.code == 2 and "argument --atol" in capsys.readouterr().err
+    assert main(["diff", "--atol", "0.5", str(tmp_path / "l"), str(tmp_path / "r")]) == 1
+
+
+def test_json_documents_are_rfc_8259_even_where_the_manifest_is_not(ckpt, capsys):
+    """A manifest holding NaN is refused (format/columns.py) and the error is a valid document; a
+    non-finite float in a document (a bench figure) is written as a string, never as NaN."""
+    raw = (ckpt / MANIFEST_NAME).read_bytes()
+    (ckpt / MANIFEST_NAME).write_bytes(raw.replace(b'"meta":{}', b'"meta":{"loss":NaN}'))
+    assert main(["inspect", "--json", str(ckpt)]) == 2
+    doc = strict_json(capsys.readouterr().out)
+    assert "NaN is not a JSON value" in doc["error"]
+    assert strict_json(json_text({"figures": [float("nan"), float("inf"), -float("inf"), 0.5]})) == \
+        {"figures": ["nan", "inf", "-inf", 0.5]}
+
+
+def test_names_from_the_manifest_are_printed_escaped(ckpt, tmp_path, capsys):
+    """A name holding a newline or a terminal escape sequence would forge lines of the output or
+    drive the terminal: inspect, diff and export print it escaped (--json escapes as JSON does)."""
+    forged = "model.weight\nok everything verified\x1b[2K\x1b]0;title\x07"
+    doc = json.loads((ckpt / MANIFEST_NAME).read_bytes())
+    doc.pop("manifest_xxh3")
+    doc["tensors"][forged] = doc["tensors"].pop("model.weight")
+    doc["objects"][forged + ".step"] = doc["objects"].pop("extra.step")
+    (ckpt / MANIFEST_NAME).write_text(json.dumps(doc))
+    save_training(tmp_path / "b")
+    escaped = "model.weight\\nok everything verified\\x1b[2K\\x1b]0;title\\x07"
+    for argv in (["inspect", str(ckpt)], ["diff", str(ckpt), str(tmp_path / "b")],
+                 ["export", "--no-progress", str(ckpt), str(tmp_path / "x.safetensors")]):
+        main(argv)
+        printed = capsys.readouterr().out
+        assert escaped in printed and "\x1b" not in printed and "\x07" not in printed
+        assert not any(line.startswith("ok everything") for line in printed.splitlines())
+    assert main(["inspect", "--json", str(ckpt)]) == 0
+    assert forged in {t["name"] for t in json.loads(capsys.readouterr().out)["tensors"]}
+    assert printable("naïve ✓ name") == "naïve ✓ name"
+
+
+def _events_file(tmp_path, name: str, text: str):
+    (tmp_path / name / "events").mkdir(parents=True)
+    (tmp_path / name / "events" / "rank-00000.jsonl").write_text(text)
+    return tmp_path / name
+
+
+EVENT = '{"phase":"save","step":1,"rank":0,"start":0.5,"end":1.0,"nbytes":8,"thread":"MainThread","info":{}}\n'
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"phase":"save","step":1,"rank":0,"start":0,"end":1}\n', "line 1 is not a checkpoint event: its field 'nbytes' "
+                                                               "is missing or not an integer"),
+    (EVENT + "[1, 2]\n", r"line 2 is not a checkpoint event \(a JSON object\)"),
+    (EVENT.replace('"rank":0', '"rank":"0"'), "line 1 is not a checkpoint event: its field 'rank'"),
+    (EVENT.replace("1.0", "NaN"), "its field 'end' is missing or not a finite number"),
+    ("garbage{\n", r"hold no events: 1 line\(s\) that are not JSON, the first in .*rank-00000.jsonl, line 1$"),
+])
+def test_trace_of_malformed_events_files_is_a_one_line_error_naming_file_and_line(tmp_path, text, words, capsys):
+    source = _events_file(tmp_path, "root", text)
+    assert main(["trace", str(source), "--no-png"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(f"^statesnap trace: .*{words}", err.strip()) and len(err.strip().splitlines()) == 1
+    assert str(source) in err
+
+
+def test_trace_skips_a_line_cut_short_saying_so(tmp_path, capsys):
+    source = _events_file(tmp_path, "root", EVENT + '{"phase":"wri')
+    assert main(["trace", str(source), "--no-png"]) == 0
+    captured = capsys.readouterr()
+    assert "skipped 1 line(s) that are not JSON, the first in" in captured.err and "line 2" in captured.err
+    assert "1 events" in captured.out
+
+
+def test_no_command_is_a_usage_error(capsys):
+    assert main([]) == 2
+    captured = capsys.readouterr()
+    assert "no command given" in captured.err and "usage: statesnap COMMAND" in captured.err and captured.out == ""
+    assert main(["--help"]) == 0
+    assert "Exit status" in capsys.readouterr().out
+
+
+def test_the_manifest_file_is_not_taken_for_its_checkpoint_saying_which_is(ckpt, capsys):
+    assert main(["inspect", str(ckpt / MANIFEST_NAME)]) == 2
+    assert capsys.readouterr().err == (f"statesnap inspect: {ckpt / MANIFEST_NAME} is a checkpoint's manifest, not the "
+                                       f"checkpoint: name its directory, {ckpt}, instead\n")
+
+
+def test_export_and_convert_exit_as_inspect_does_for_what_they_cannot_read(tmp_path, capsys):
+    nowhere = str(tmp_path / "nowhere")
+    assert main(["inspect", nowhere]) == 2
+    assert main(["export", nowhere, str(tmp_path / "x.safetensors")]) == 2
+    assert main(["convert", nowhere, str(tmp_path / "ck")]) == 2
+    assert capsys.readouterr().err.count("nowhere") == 3

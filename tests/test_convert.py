@@ -353,7 +353,7 @@ def test_malicious_torch_save_is_refused_naming_the_file(tmp_path, capsys):
     torch.save({"w": torch.ones(2), "payload": _Payload(marker)}, tmp_path / "evil.pt")
     with pytest.raises(ss.UnsafeCheckpointError, match=r"evil\.pt: refused to unpickle.*posix\.mkdir"):
         ss.convert(tmp_path / "evil.pt", tmp_path / "ck")
-    assert cli.main(["convert", str(tmp_path / "evil.pt"), str(tmp_path / "ck")]) == 1
+    assert cli.main(["convert", str(tmp_path / "evil.pt"), str(tmp_path / "ck")]) == 2
     assert "evil.pt: refused to unpickle" in capsys.readouterr().err
     assert not os.path.exists(marker) and not (tmp_path / "ck").exists()
 
@@ -386,5 +386,5 @@ def test_cli_convert_and_export(tmp_path, capsys):
     assert shards.keys() == expected.keys()
     for name, tensor in expected.items():
         assert same_bits(shards[name], tensor), name
-    assert cli.main(["export", str(tmp_path / "ck"), str(tmp_path / "x"), "--to", "torch", "--max-shard-size", "1GB"]) == 1
+    assert cli.main(["export", str(tmp_path / "ck"), str(tmp_path / "x"), "--to", "torch", "--max-shard-size", "1GB"]) == 2
     assert "safetensors exports only" in capsys.readouterr().err

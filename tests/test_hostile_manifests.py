@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import importlib
 import json
+import re
 import zlib
 
 import pytest
@@ -171,3 +172,38 @@ def test_a_file_table_naming_one_file_twice_is_refused(ckpt_dir):
     _rewrite(ckpt_dir, twice)
     with pytest.raises(ManifestError, match="malformed field 'files'.*named twice"):
         ss.open(ckpt_dir)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_nan_and_infinity_literals_are_a_manifest_error_naming_it(ckpt_dir, value):
+    """Python's json reads NaN, Infinity and -Infinity, which RFC 8259 (and so every other
+    reader) refuses; statesnap writes none (plain data tags non-finite floats), and one read
+    would make `statesnap inspect --json` print what JSON parsers refuse."""
+    target = _checkpoint(ckpt_dir)
+    _rewrite(ckpt_dir, lambda doc: doc.update(meta={"loss": value}))  # json.dumps writes the literal
+    literal = json.dumps(value)
+    assert literal.encode() in (ckpt_dir / MANIFEST_NAME).read_bytes()
+    where = re.escape(str(ckpt_dir / MANIFEST_NAME))
+    for attempt in (lambda: ss.open(ckpt_dir), lambda: ss.load(target, ckpt_dir)):
+        with pytest.raises(ManifestError, match=f"^{where} is not valid JSON \\({literal} is not a JSON value"):
+            attempt()
+
+
+def test_a_number_past_the_largest_float_is_a_manifest_error(ckpt_dir):
+    """1e999 is JSON, but Python reads it as inf: as good as an Infinity literal."""
+    _checkpoint(ckpt_dir)
+    _rewrite(ckpt_dir, lambda doc: doc.update(meta={"lr": 0.25}))
+    raw = (ckpt_dir / MANIFEST_NAME).read_bytes()
+    (ckpt_dir / MANIFEST_NAME).write_bytes(raw.replace(b'"lr":0.25', b'"lr":1e999'))
+    with pytest.raises(ManifestError, match="is not valid JSON .*1e999 is past the largest 64-bit float"):
+        ss.open(ckpt_dir)
+
+
+def test_a_packed_value_holding_nan_is_a_manifest_error(ckpt_dir, monkeypatch):
+    target = _split_checkpoint(ckpt_dir, monkeypatch)
+    packed = base64.b64encode(zlib.compress(b"[NaN, 1]")).decode()
+    _rewrite(ckpt_dir, lambda doc: doc.update(file_sizes={"zjson": packed}))
+    for attempt in (lambda: ss.open(ckpt_dir), lambda: ss.load(target, ckpt_dir)):
+        with pytest.raises(ManifestError, match=f"^{re.escape(str(ckpt_dir / MANIFEST_NAME))} has malformed "
+                                                "field 'file_sizes' .*NaN is not a JSON value"):
+            attempt()

@@ -12,7 +12,9 @@ import torch
 import statesnap as ss
 from statesnap.bench import planning
 from statesnap.cli import main
-from statesnap.errors import CorruptCheckpointError
+from statesnap.errors import CorruptCheckpointError, ManifestError
+from statesnap.format import split
+from statesnap.format.columns import InflationBudget
 from statesnap.format.manifest import MANIFEST_NAME, Manifest
 from statesnap.plan.load_plan import plan_target
 from tests.dist_utils import run_ranks
@@ -147,6 +149,26 @@ def test_a_damaged_section_is_refused_naming_the_tensor(tmp_path, monkeypatch):
     with pytest.raises(CorruptCheckpointError, match=f"section {name}: .*'w'"):
         ss.load({"w": torch.zeros(ROWS, COLS)}, path)
     assert main(["verify", str(path)]) != 0
+
+
+def test_an_unknown_dtype_is_refused_naming_the_manifest_and_the_tensor_as_in_version_1(tmp_path, monkeypatch):
+    for version, split_min_ranks in ((1, 64), (2, 1)):
+        monkeypatch.setattr(save_module, "SPLIT_MIN_RANKS", split_min_ranks)
+        path = tmp_path / f"v{version}"
+        ss.save({"w": _full(), "bias": torch.zeros(5)}, path)
+        doc = json.loads((path / MANIFEST_NAME).read_bytes())
+        doc.pop("manifest_xxh3")  # (a manifest without its checksum of itself still loads)
+        assert doc["version"] == version
+        if version == 1:
+            doc["tensors"]["w"]["dtype"] = "float128"
+        else:
+            doc["tensors"] = [row if row[0] != "w" else [row[0], "float128", *row[2:]]
+                              for row in split.unpack_json(doc["tensors"], InflationBudget(1 << 20), "index")]
+        (path / MANIFEST_NAME).write_text(json.dumps(doc))
+        with pytest.raises(ManifestError) as caught:
+            ss.open(path)
+        assert str(caught.value) == (f"{path / MANIFEST_NAME}: tensor 'w': unknown dtype 'float128'; "
+                                     "the checkpoint may come from a newer statesnap or torch")
 
 
 def test_verify_goes_on_past_a_damaged_section(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 """The fsspec backend's streaming writer: exact files, bounded memory, errors that surface."""
 import hashlib
+import importlib
 import random
 import threading
 import time
@@ -312,3 +313,21 @@ def test_checkpointer_streams_to_an_object_store_bit_exact(monkeypatch):
         for name, value in record.items():
             if name != "ema":
                 assert torch.equal(reader.read(f"model.{name}"), value), (step, name)
+
+
+def test_a_url_fsspec_cannot_serve_is_a_checkpoint_error_naming_it(monkeypatch):
+    """An unknown protocol, one whose package is not installed (gs:// without gcsfs), or options
+    the file system refuses: a CheckpointError naming the URL and the reason, as any other
+    trouble opening a checkpoint is, not fsspec's ValueError or ImportError."""
+    registry = importlib.import_module("fsspec.registry")  # (fsspec.registry is its dict of classes)
+    monkeypatch.setitem(registry.known_implementations, "notinstalled",
+                        {"class": "statesnap_no_such_package.FileSystem", "err": "Please install no-such-package"})
+    cases = {"nosuchprotocol://bucket/ckpt": "Protocol not known: nosuchprotocol",
+             "notinstalled://bucket/ckpt": "ImportError: Please install no-such-package"}
+    for url, reason in cases.items():
+        for attempt in (lambda: ss.open(url), lambda: ss.load({"w": torch.zeros(2)}, url),
+                        lambda: ss.save({"w": torch.zeros(2)}, url)):
+            with pytest.raises(ss.CheckpointError, match=f"^cannot open {url}: .*{reason}"):
+                attempt()
+    with pytest.raises(ss.CheckpointError, match="^cannot open memory://b/ckpt: .*retries"):
+        ss.open("memory://b/ckpt", storage_options={"retries": 0})

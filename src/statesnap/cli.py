@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib
+import json
+import math
 import sys
 
 # subcommand -> (module, function taking argv and returning an exit code, one-line help)
@@ -17,16 +19,47 @@ COMMANDS = {
 }
 
 
+def json_text(doc) -> str:
+    """``doc`` as one RFC 8259 JSON document, for scripts: Python's json would write a non-finite
+    float as NaN or Infinity, which other parsers refuse, so it is written as the string "nan",
+    "inf" or "-inf" (``float()`` reads each back). Only bench figures have any: a manifest holds
+    none (format/columns.py's parse_json)."""
+    return json.dumps(_finite_floats(doc), indent=2, allow_nan=False, default=str)
+
+
+def _finite_floats(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {key: _finite_floats(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_floats(item) for item in value]
+    return value
+
+
+def printable(text: str) -> str:
+    """``text`` for a terminal, each non-printable character as its Python escape (``\\n``,
+    ``\\x1b``): names come from manifests, which anyone may write, and a newline or an escape
+    sequence in one would forge lines of the output or drive the terminal."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _usage() -> str:
     lines = ["usage: statesnap COMMAND [options]", "", "commands:"]
     lines += [f"  {name:<8} {help_}" for name, (_, _, help_) in COMMANDS.items()]
-    lines += ["", "Run 'statesnap COMMAND --help' for a command's options."]
+    lines += ["", "Run 'statesnap COMMAND --help' for a command's options.", "",
+              "Exit status: 0 done (verify: every checkpoint good; diff: they match); 1 verify found a",
+              "checkpoint damaged or unreadable, or diff found differences; 2 a usage error, or the command",
+              "could not do its work (a checkpoint or events file it cannot read, a conversion refused)."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        print(f"statesnap: no command given\n\n{_usage()}", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
     name, rest = argv[0], argv[1:]

@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from .cli import json_text, printable
 from .errors import CheckpointError
 from .format.dtypes import dtype_name
 from .format.manifest import MANIFEST_NAME, ObjectEntry
@@ -34,16 +35,27 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}"
 
 
+def json_object(text: str) -> dict:
+    """``--storage-options``: fsspec takes keyword arguments, so only a JSON object will do."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object like '{{\"anon\": true}}'")
+    return value
+
+
 def _parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"statesnap {prog}", description=description)
-    parser.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
+    parser.add_argument("--storage-options", type=json_object, default=None, metavar="JSON",
                         help="fsspec storage options as a JSON object (for URLs such as s3://...)")
     return parser
 
 
 def json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
-                        help="print one JSON document on stdout instead of text (same exit status)")
+                        help="print one JSON document (RFC 8259) on stdout instead of text (same exit status)")
 
 
 def progress_flags(parser: argparse.ArgumentParser) -> None:
@@ -94,16 +106,16 @@ def _columns(rows: list[list[str]]) -> list[str]:
 
 def print_description(doc: dict, show_files: bool) -> None:
     totals = doc["totals"]
-    print(f"{doc['path']}: statesnap format v{doc['format_version']}, saved by {doc['world_size']} rank(s)")
+    print(printable(f"{doc['path']}: statesnap format v{doc['format_version']}, saved by {doc['world_size']} rank(s)"))
     if doc["tensors"]:
         rows = [["tensor", "dtype", "shape", "bytes", "pieces"]]
-        rows += [[t["name"], t["dtype"], str(t["shape"]), human_bytes(t["bytes"]),
+        rows += [[printable(t["name"]), t["dtype"], str(t["shape"]), human_bytes(t["bytes"]),
                   str(t["pieces"]) + ("" if t["layout"] == "box" else " flat")] for t in doc["tensors"]]
         print("\n".join(_columns(rows)))
     if doc["objects"]:
-        print("\n".join(_columns([["object", "kind"]] + [[o["name"], o["kind"]] for o in doc["objects"]])))
+        print("\n".join(_columns([["object", "kind"]] + [[printable(o["name"]), o["kind"]] for o in doc["objects"]])))
     if show_files:
-        print("\n".join(_columns([["file", "bytes"]] + [[f["name"], human_bytes(f["bytes"])] for f in doc["files"]])))
+        print("\n".join(_columns([["file", "bytes"]] + [[printable(f["name"]), human_bytes(f["bytes"])] for f in doc["files"]])))
     print(f"total: {totals['tensors']} tensors in {totals['pieces']} pieces, {human_bytes(totals['tensor_bytes'])}; "
           f"{totals['objects']} objects; {totals['files']} data files, {human_bytes(totals['file_bytes'])}; "
           f"manifest {human_bytes(totals['manifest_bytes'])}")
@@ -119,12 +131,12 @@ def inspect_main(argv: list[str]) -> int:
         doc = describe(_open(args.path, args))
     except CheckpointError as exc:
         if args.json:  # (a script reads stdout: the error in the document, as diff and verify do)
-            print(json.dumps({"path": args.path, "error": str(exc)}, indent=2))
+            print(json_text({"path": args.path, "error": str(exc)}))
         else:
-            print(f"statesnap inspect: {exc}", file=sys.stderr)
+            print(printable(f"statesnap inspect: {exc}"), file=sys.stderr)
         return TROUBLE
     if args.json:
-        print(json.dumps(doc, indent=2))
+        print(json_text(doc))
     else:
         print_description(doc, args.files)
     return OK
@@ -145,13 +157,13 @@ def verify_main(argv: list[str]) -> int:
         except CheckpointError as exc:
             results.append({"path": path, "ok": False, "error": str(exc)})
             if not args.json:
-                print(f"DAMAGED {path}: {exc}", file=sys.stderr)
+                print(printable(f"DAMAGED {path}: {exc}"), file=sys.stderr)
             continue
         results.append({"path": path, "ok": True, "tensors": len(reader.manifest.tensors), "bytes_verified": checked})
         if not args.json:
-            print(f"ok {path}: {len(reader.manifest.tensors)} tensors, {human_bytes(checked)} verified")
+            print(printable(f"ok {path}: {len(reader.manifest.tensors)} tensors, {human_bytes(checked)} verified"))
     if args.json:
-        print(json.dumps({"checkpoints": results}, indent=2))
+        print(json_text({"checkpoints": results}))
     return OK if all(r["ok"] for r in results) else FOUND
 
 
@@ -227,27 +239,40 @@ def _fingerprint(entry: ObjectEntry):
     return [_fingerprint(e) for e in entry.per_rank]
 
 
+def tolerance(text: str) -> float:
+    """``--atol``: no difference exceeds a NaN or infinite tolerance, so with one every pair of
+    checkpoints would "match"."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0")
+    return value
+
+
 def diff_main(argv: list[str]) -> int:
     parser = _parser("diff", "compare two checkpoints key by key; exit 1 if they differ")
     parser.add_argument("left")
     parser.add_argument("right")
-    parser.add_argument("--atol", type=float, default=0.0,
-                        help="ignore tensors whose max abs difference is at most this (default 0: bit-exact)")
+    parser.add_argument("--atol", type=tolerance, default=0.0,
+                        help="ignore tensors whose max abs difference is at most this, a finite number >= 0 "
+                             "(default 0: bit-exact)")
     json_flag(parser)
     args = parser.parse_args(argv)
     try:
         lines = diff(_open(args.left, args), _open(args.right, args), args.atol)
     except CheckpointError as exc:
         if args.json:
-            print(json.dumps({"left": args.left, "right": args.right, "error": str(exc)}, indent=2))
+            print(json_text({"left": args.left, "right": args.right, "error": str(exc)}))
         else:
-            print(f"statesnap diff: {exc}", file=sys.stderr)
+            print(printable(f"statesnap diff: {exc}"), file=sys.stderr)
         return TROUBLE
     if args.json:
-        print(json.dumps({"left": args.left, "right": args.right, "match": not lines, "differences": lines}, indent=2))
+        print(json_text({"left": args.left, "right": args.right, "match": not lines, "differences": lines}))
         return FOUND if lines else OK
     for line in lines:
-        print(line)
+        print(printable(line))
     if lines:
         print(f"{len(lines)} difference(s)")
         return FOUND

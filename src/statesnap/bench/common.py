@@ -18,6 +18,8 @@ import sys
 import time
 from typing import Callable, Iterable, Sequence
 
+from ..cli import json_text
+
 DEFAULT_OUT = "/tmp/statesnap-bench"
 DROP_CACHES = "/proc/sys/vm/drop_caches"
 
@@ -192,7 +194,8 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 def add_output_arguments(parser) -> None:
     """``--out`` and ``--json``, which every suite takes."""
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"scratch and output directory (default {DEFAULT_OUT})")
-    parser.add_argument("--json", help="also write the results as JSON here ('-' = stdout)")
+    parser.add_argument("--json", help="also write the results as JSON here ('-' = stdout); a non-finite figure "
+                                         'is the string "nan", "inf" or "-inf"')
 
 
 def parse_choices(parser, text: str, choices, what: str) -> tuple[str, ...]:
@@ -211,7 +214,7 @@ def publish(result: dict, report: str, path: str | None) -> None:
     print(report, file=sys.stderr if path == "-" else sys.stdout)
     if path is None:
         return
-    text = json.dumps(result, indent=2, default=str)
+    text = json_text(result)
     if path == "-":
         print(text)
         return

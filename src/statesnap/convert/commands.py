@@ -6,8 +6,9 @@ import re
 import sys
 from typing import Any, Callable
 
+from ..cli import printable
 from ..errors import CheckpointError
-from ..tools import progress_flags
+from ..tools import OK, TROUBLE, progress_flags
 from .api import SOURCES, TARGETS, convert, export
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -41,7 +42,7 @@ def _run(name: str, call: Callable[[], Any]) -> Any:
     try:
         return call()
     except CheckpointError as exc:
-        print(f"statesnap {name}: {exc}", file=sys.stderr)
+        print(printable(f"statesnap {name}: {exc}"), file=sys.stderr)
         return None
 
 
@@ -58,11 +59,11 @@ def convert_main(argv: list[str]) -> int:
                                            overwrite=args.overwrite, allow_pickle=args.allow_pickle,
                                            copy=args.copy, progress=args.progress))
     if info is None:
-        return 1
-    print(f"converted {args.src} -> {info.path}: {info.bytes} bytes in {info.seconds:.2f} s")
+        return TROUBLE
+    print(printable(f"converted {args.src} -> {info.path}: {info.bytes} bytes in {info.seconds:.2f} s"))
     for line in info.notes:
-        print(f"  note: {line}")
-    return 0
+        print(printable(f"  note: {line}"))
+    return OK
 
 
 def export_main(argv: list[str]) -> int:
@@ -76,9 +77,9 @@ def export_main(argv: list[str]) -> int:
                                          max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
                                          allow_pickle=args.allow_pickle, progress=args.progress))
     if info is None:
-        return 1
-    print(f"exported {args.src} -> {info.path} ({info.to}): {info.tensors} tensors, {info.bytes} bytes "
-          f"in {len(info.files)} file(s), {info.seconds:.2f} s")
+        return TROUBLE
+    print(printable(f"exported {args.src} -> {info.path} ({info.to}): {info.tensors} tensors, {info.bytes} bytes "
+                    f"in {len(info.files)} file(s), {info.seconds:.2f} s"))
     for line in info.skipped:
-        print(f"  skipped {line}")
-    return 0
+        print(printable(f"  skipped {line}"))
+    return OK

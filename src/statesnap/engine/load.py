@@ -51,6 +51,9 @@ def read_manifest(backend: StorageBackend, path: str) -> Manifest:
             return read_manifest(backend, path)
         if not backend.exists(path):
             raise CheckpointError(f"no checkpoint at {path}") from None
+        if os.path.basename(path) == MANIFEST_NAME:
+            raise ManifestError(f"{path} is a checkpoint's manifest, not the checkpoint: name its directory, "
+                                f"{os.path.dirname(path) or '.'}, instead") from None
         raise ManifestError(f"{path} has no {MANIFEST_NAME}: it is not a committed statesnap checkpoint "
                             f"({_what_else(backend, path)})") from None
     except OSError as exc:  # no permission, a loop of links, an I/O error: the file may be intact

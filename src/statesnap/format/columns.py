@@ -15,6 +15,7 @@ each tensor's pieces at the number of ranks that saved it (``format/manifest.py`
 from __future__ import annotations
 
 import base64
+import json
 import math
 import zlib
 from typing import Any, Sequence
@@ -51,6 +52,25 @@ class InflationBudget:
                 f"past {self.limit} bytes, {INFLATE_RATIO} times the manifest's own size; no manifest "
                 "statesnap writes inflates that much, so it is refused as damaged or hostile")
         self.left -= nbytes
+
+
+def parse_json(data: bytes | str) -> Any:
+    """RFC 8259 JSON, as every other reader of a manifest parses it: Python's json module also
+    takes the literals NaN, Infinity and -Infinity, and turns a number like 1e999 into inf.
+    statesnap never writes either (plain data tags non-finite floats ``__ss_float``), and a
+    non-finite number read from a manifest would make ``statesnap inspect --json`` print invalid JSON."""
+    return json.loads(data, parse_constant=_refuse_literal, parse_float=_finite_float)
+
+
+def _refuse_literal(literal: str):
+    raise ValueError(f"{literal} is not a JSON value (RFC 8259)")
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {literal[:40]} is past the largest 64-bit float")
+    return value
 
 
 def pack(values: np.ndarray, kind: str = "i8", *, delta: bool = False, compress: bool = True) -> dict:

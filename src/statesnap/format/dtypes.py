@@ -33,5 +33,14 @@ def dtype_from_name(name: str, where: str = "") -> torch.dtype:
                             "the checkpoint may come from a newer statesnap or torch") from None
 
 
+def tensor_dtype(name: str, where: str) -> torch.dtype:
+    """The dtype a manifest records for a tensor; ``where`` (the manifest and the tensor) leads
+    the error, as it does every other error about the tensor."""
+    try:
+        return dtype_from_name(name)
+    except ManifestError as exc:
+        raise ManifestError(f"{where}: {exc}") from None
+
+
 def itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize

@@ -32,8 +32,8 @@ from ..errors import CorruptCheckpointError, ManifestError, NewerFormatError
 from .checksum import DEFAULT_BLOCK_BYTES
 from .boxes import few_boxes_tile, first_outside, region, tiling_problem
 from .columns import (PACK_MIN_PIECES, PACK_ZLIB_MAX_DIMS, UINT64_MAX, InflationBudget, integer, pack,
-                      shape_problem, shape_text, unpack)
-from .dtypes import dtype_from_name, dtype_name
+                      parse_json, shape_problem, shape_text, unpack)
+from .dtypes import dtype_name, tensor_dtype
 from .plain_entries import BOX, FEW_PIECES, FLAT, read_plain_entries
 from .split import (Fetch, SectionReader, TensorRow, pack_files, pack_json, parse_rows, region_problem, row_json,
                     unpack_files, unpack_json)
@@ -138,10 +138,7 @@ class TensorEntry:
         where = f"{where}: tensor {fqn!r}"
         if not isinstance(data, dict):
             raise ManifestError(f"{where} is malformed (not a JSON object)")
-        try:
-            dtype = dtype_from_name(data.get("dtype"))
-        except ManifestError as exc:
-            raise ManifestError(f"{where}: {exc}") from None
+        dtype = tensor_dtype(data.get("dtype"), where)
         shape = _field(data, "shape", where, lambda v: tuple(integer(s) for s in v))
         problem = shape_problem(shape, dtype.itemsize)
         if problem:
@@ -421,9 +418,9 @@ class Manifest:
         if not isinstance(raw, bytes):  # the checksum is of bytes
             raw = raw.encode() if isinstance(raw, str) else bytes(raw)
         try:
-            doc = json.loads(raw)
+            doc = parse_json(raw)
         except (ValueError, RecursionError) as exc:  # recursion: absurd nesting; ValueError: bad UTF-8 or
-            # JSON, or an integer literal longer than Python converts (4,300 digits)
+            # JSON (NaN, 1e999: columns.parse_json), or an integer literal longer than Python converts (4,300 digits)
             raise ManifestError(f"{where} is not valid JSON ({exc}); the checkpoint is damaged or not "
                                 "a statesnap checkpoint") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
@@ -473,7 +470,7 @@ class Manifest:
             count = _field(doc, "sections", where, lambda v: integer(v, high=len(files)))
             sections = list(range(len(files) - count, len(files)))  # the last files of the table
             tensors_doc = _field(doc, "tensors", where, packed(
-                lambda v: parse_rows(v, [file_sizes[i] for i in sections], world_size)))
+                lambda v: parse_rows(v, [file_sizes[i] for i in sections], world_size, where)))
         else:
             tensors_doc = _field(doc, "tensors", where, _json_object)
         for name in files:

@@ -30,8 +30,8 @@ import xxhash
 
 from ..errors import CorruptCheckpointError, ManifestError
 from .boxes import region, tiling_problem
-from .columns import INFLATE_RATIO, INT64_MAX, InflationBudget, integer, shape_problem, shape_text
-from .dtypes import dtype_from_name, dtype_name
+from .columns import INFLATE_RATIO, INT64_MAX, InflationBudget, integer, parse_json, shape_problem, shape_text
+from .dtypes import dtype_name, tensor_dtype
 
 CHUNK_PIECES = 32
 SECTION_PREFIX = "manifest-"
@@ -198,15 +198,15 @@ def unpack_json(value, budget: InflationBudget, where: str):
         if not inflater.eof:
             raise ValueError("the zlib stream is cut short or inflates past the manifest's budget")
         budget.take(len(data), where)
-        return json.loads(data)
+        return parse_json(data)
     except (ValueError, zlib.error, TypeError, RecursionError) as exc:  # (recursion: absurd nesting)
         raise ValueError(f"malformed packed value ({exc})") from None
 
 
-def parse_rows(value, sections: Sequence[int], world_size: int) -> dict[str, TensorRow]:
+def parse_rows(value, sections: Sequence[int], world_size: int, where: str) -> dict[str, TensorRow]:
     """The index's tensor rows, each checked: a known dtype and layout, integers where integers
     belong, its head inside its section. Every loading rank parses all of them, so the checks
-    are inline rather than a call per number."""
+    are inline rather than a call per number. ``where``: the index, for the error of an unknown dtype."""
     rows, dtypes = {}, {}
     for row in value:
         if not isinstance(row, list) or len(row) != 8 or not isinstance(row[0], str):
@@ -220,7 +220,7 @@ def parse_rows(value, sections: Sequence[int], world_size: int) -> dict[str, Ten
         if section >= len(sections) or nbytes > sections[section] - offset or chunks > world_size:
             raise ValueError(f"tensor {fqn!r}: its head lies outside its section or has too many chunks")
         if dtype not in dtypes:
-            dtypes[dtype] = dtype_from_name(dtype)
+            dtypes[dtype] = tensor_dtype(dtype, f"{where}: tensor {fqn!r}")
         problem = shape_problem(shape, dtypes[dtype].itemsize)
         if problem:
             raise ValueError(f"tensor {fqn!r}: {shape_text(shape)} {problem}")

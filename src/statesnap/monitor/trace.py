@@ -11,10 +11,13 @@ import argparse
 import glob
 import importlib.util
 import json
+import math
 import os
 import sys
+from dataclasses import fields
 
-from .events import STALL_PHASES
+from ..errors import CheckpointError
+from .events import STALL_PHASES, Event
 
 COLORS = {"save": "#d62728", "backpressure": "#8c564b", "wait-in-hook": "#ff7f0e", "wait-staged": "#e377c2",
           "plan": "#bcbd22", "copy": "#1f77b4", "checksum": "#17becf", "write": "#2ca02c", "fsync": "#9467bd",
@@ -32,17 +35,49 @@ def event_files(source: str) -> list[str]:
     return []
 
 
-def read_events(files: list[str]) -> list[dict]:
-    """All events, by start time. A line cut short (the process was killed mid-write) is skipped."""
-    events = []
+# Event's field types (its annotations are strings): isinstance checks and words for messages. A
+# bool, an int to Python, is refused apart.
+_FIELD_TYPES = {"str": (str, "a string"), "int": (int, "an integer"), "float": ((int, float), "a finite number"),
+                "dict": (dict, "a JSON object")}
+
+
+def read_events(files: list[str]) -> tuple[list[dict], list[str]]:
+    """All events, by start time, and where the lines that are not JSON are ("FILE, line N"):
+    skipped, as a process killed mid-write leaves its last line cut short (and a restarted one
+    appends after it). A line that is JSON but no event, or a file that cannot be read, raises
+    a CheckpointError naming it."""
+    events, skipped = [], []
     for path in files:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    events.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-    return sorted(events, key=lambda e: e["start"])
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                lines = list(f)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {number}"
+            try:
+                record = json.loads(line)
+            except ValueError:
+                skipped.append(where)
+                continue
+            events.append(checked_event(record, where))
+    return sorted(events, key=lambda e: e["start"]), skipped
+
+
+def checked_event(record, where: str) -> dict:
+    """``record``, an events-file line, if it holds every field of an Event, each of its type."""
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{where} is not a checkpoint event (a JSON object)")
+    for field in fields(Event):
+        kinds, kind_text = _FIELD_TYPES[field.type]
+        value = record.get(field.name)
+        if field.name not in record or isinstance(value, bool) or not isinstance(value, kinds) \
+                or (isinstance(value, float) and not math.isfinite(value)):
+            raise CheckpointError(f"{where} is not a checkpoint event: its field {field.name!r} is missing or "
+                                  f"not {kind_text}")
+    return record
 
 
 def chrome_trace(events: list[dict]) -> dict:
@@ -107,16 +142,26 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     files = event_files(args.source)
     if not files:
-        print(f"statesnap trace: no events files (rank-*.jsonl) under {args.source}", file=sys.stderr)
-        return 1
-    events = read_events(files)
+        return _fail(f"no events files (rank-*.jsonl) under {args.source}")
+    try:
+        events, skipped = read_events(files)
+    except CheckpointError as exc:
+        return _fail(str(exc))
+    if skipped:
+        what = f"{len(skipped)} line(s) that are not JSON, the first in {skipped[0]}"
+        if not events:
+            return _fail(f"the events files under {args.source} hold no events: {what}")
+        print(f"statesnap trace: skipped {what} (a process killed mid-write leaves its last line cut short)",
+              file=sys.stderr)
     if not events:
-        print(f"statesnap trace: the events files under {args.source} are empty", file=sys.stderr)
-        return 1
+        return _fail(f"the events files under {args.source} are empty")
     folder = args.source if os.path.isdir(args.source) else os.path.dirname(args.source)
     output = args.output or os.path.join(folder, "trace.json")
-    with open(output, "w", encoding="utf-8") as f:
-        json.dump(chrome_trace(events), f)
+    try:
+        with open(output, "w", encoding="utf-8") as f:
+            json.dump(chrome_trace(events), f)
+    except OSError as exc:
+        return _fail(f"cannot write {output}: {exc.strerror or exc}")
     print(f"wrote {output} ({len(events)} events from {len(files)} rank file(s))")
     if not args.no_png:
         if not can_plot():
@@ -127,3 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         plot_timeline(events, png)
         print(f"wrote {png}")
     return 0
+
+
+def _fail(message: str) -> int:
+    print(f"statesnap trace: {message}", file=sys.stderr)
+    return 2  # the exit status of a command that could not do its work (cli.py)

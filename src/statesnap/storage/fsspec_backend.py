@@ -312,12 +312,17 @@ class FsspecBackend(StorageBackend):
     def __init__(self, url: str, storage_options: dict | None = None):
         self.protocol = url.split("://", 1)[0]
         options = dict(storage_options or {})
-        self.retry = RetryPolicy(options.pop("retries", 5), options.pop("retry_backoff_s", 0.2),
-                                 options.pop("retry_max_backoff_s", 10.0))
         self.s3 = self.protocol in S3_PROTOCOLS
-        if self.s3:
-            options = _s3_options(options)
-        self.fs, _ = fsspec.core.url_to_fs(url, **options)
+        try:
+            self.retry = RetryPolicy(options.pop("retries", 5), options.pop("retry_backoff_s", 0.2),
+                                     options.pop("retry_max_backoff_s", 10.0))
+            if self.s3:
+                options = _s3_options(options)
+            self.fs, _ = fsspec.core.url_to_fs(url, **options)
+        # ImportError: fsspec knows the protocol but its package (gcsfs, adlfs, ...) is not
+        # installed; ValueError: a protocol fsspec does not know, or an option it refuses
+        except (ImportError, ValueError, TypeError) as exc:
+            raise _error(f"cannot open {url}", exc) from exc
         if self.s3:
             # s3fs's own retries (a class attribute, not an option): one try. This instance is
             # statesnap's (fsspec caches instances by options, and botocore's retries are off in these).
