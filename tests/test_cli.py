@@ -336,3 +336,12 @@ def test_export_and_convert_exit_as_inspect_does_for_what_they_cannot_read(tmp_p
     assert main(["export", nowhere, str(tmp_path / "x.safetensors")]) == 2
     assert main(["convert", nowhere, str(tmp_path / "ck")]) == 2
     assert capsys.readouterr().err.count("nowhere") == 3
+
+
+def test_a_destination_that_exists_names_the_flag_that_replaces_it(ckpt, tmp_path, capsys):
+    (tmp_path / "o.safetensors").write_bytes(b"x")
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    assert main(["export", "--to", "safetensors", str(ckpt), str(tmp_path / "o.safetensors")]) == 2
+    assert main(["convert", str(tmp_path / "w.pt"), str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("pass --overwrite to replace it") == 2 and "overwrite=True" not in err

@@ -199,6 +199,22 @@ def test_a_number_past_the_largest_float_is_a_manifest_error(ckpt_dir):
         ss.open(ckpt_dir)
 
 
+@pytest.mark.parametrize("where", ["meta", "top"])
+def test_a_key_given_twice_is_a_manifest_error(ckpt_dir, where):
+    """Which of two equal keys counts is up to each JSON parser: one file, two checkpoints."""
+    target = _checkpoint(ckpt_dir)
+    _rewrite(ckpt_dir, lambda doc: doc.update(meta={"note": "hi"}))
+    raw = (ckpt_dir / MANIFEST_NAME).read_bytes()
+    twice = b'"note":"hi","note":"evil"' if where == "meta" else b'"note":"hi"},"meta":{"note":"evil"'
+    doc = raw.replace(b'"note":"hi"', twice)
+    body = doc[:doc.rindex(b',"manifest_xxh3"')] + b"}"
+    (ckpt_dir / MANIFEST_NAME).write_bytes(b'%s,"manifest_xxh3":%d}' % (body[:-1], xxhash.xxh3_64_intdigest(body)))
+    key = "note" if where == "meta" else "meta"
+    for attempt in (lambda: ss.open(ckpt_dir), lambda: ss.load(target, ckpt_dir)):
+        with pytest.raises(ManifestError, match=f"is not valid JSON \\(the key '{key}' appears twice in one object"):
+            attempt()
+
+
 def test_a_packed_value_holding_nan_is_a_manifest_error(ckpt_dir, monkeypatch):
     target = _split_checkpoint(ckpt_dir, monkeypatch)
     packed = base64.b64encode(zlib.compress(b"[NaN, 1]")).decode()

@@ -7,7 +7,7 @@ import sys
 from typing import Any, Callable
 
 from ..cli import printable
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointExistsError
 from ..tools import OK, TROUBLE, progress_flags
 from .api import SOURCES, TARGETS, convert, export
 
@@ -42,7 +42,10 @@ def _run(name: str, call: Callable[[], Any]) -> Any:
     try:
         return call()
     except CheckpointError as exc:
-        print(printable(f"statesnap {name}: {exc}"), file=sys.stderr)
+        message = str(exc)
+        if isinstance(exc, CheckpointExistsError):  # said for the Python call; here it is the flag
+            message = message.replace("pass overwrite=True", "pass --overwrite")
+        print(printable(f"statesnap {name}: {message}"), file=sys.stderr)
         return None
 
 

@@ -58,8 +58,19 @@ def parse_json(data: bytes | str) -> Any:
     """RFC 8259 JSON, as every other reader of a manifest parses it: Python's json module also
     takes the literals NaN, Infinity and -Infinity, and turns a number like 1e999 into inf.
     statesnap never writes either (plain data tags non-finite floats ``__ss_float``), and a
-    non-finite number read from a manifest would make ``statesnap inspect --json`` print invalid JSON."""
-    return json.loads(data, parse_constant=_refuse_literal, parse_float=_finite_float)
+    non-finite number read from a manifest would make ``statesnap inspect --json`` print invalid JSON.
+    A key given twice in one object is refused too: readers that keep the first and readers that
+    keep the last would load different checkpoints from one file (docs/format.md §8)."""
+    return json.loads(data, parse_constant=_refuse_literal, parse_float=_finite_float, object_pairs_hook=_unique_keys)
+
+
+def _unique_keys(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise ValueError(f"the key {twice!r} appears twice in one object")
+    return out
 
 
 def _refuse_literal(literal: str):
