@@ -480,3 +480,95 @@ def test_a_dcp_value_that_names_code_is_refused_by_name_and_runs_nothing(tmp_pat
     reader = ss.open(tmp_path / "out")
     assert reader.read("plain.step") == 3 and reader.read("plain.betas") == (0.9, 0.99)
     assert torch.equal(reader.read("w"), torch.arange(6.0))
+
+
+def _pickle_ops(*parts: bytes) -> bytes:
+    return b"\x80\x02" + b"".join(parts) + b"."
+
+
+def _text(value: str) -> bytes:
+    import pickle
+    import struct
+
+    data = value.encode()
+    return pickle.BINUNICODE + struct.pack("<I", len(data)) + data
+
+
+def _global(module: str, name: str) -> bytes:
+    return b"c" + f"{module}\n{name}\n".encode()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("case", ["function", "class", "enum member"])
+def test_dcp_metadata_gives_state_to_no_shared_object(tmp_path, case):
+    """pickle's BUILD never asks find_class: on an admitted function (``_get_layout``, whose
+    cache every torch.load of a layout reads), a class (``PurePosixPath``: every path of the
+    process) or an enum member, it would change them for the whole process."""
+    import pathlib
+    import pickle
+
+    target = {"function": _global("torch.serialization", "_get_layout"),
+              "class": _global("pathlib", "PosixPath"),
+              "enum member": _global("torch.distributed.checkpoint.planner", "WriteItemType")
+              + b"K\x01" + pickle.TUPLE1 + pickle.REDUCE}[case]
+    state = {"function": pickle.EMPTY_DICT + _text("cache") + pickle.EMPTY_DICT + pickle.SETITEM,
+             "class": pickle.NONE + pickle.EMPTY_DICT + _text("__str__") + _global("torch.serialization", "_get_layout")
+             + pickle.SETITEM + pickle.TUPLE2,
+             "enum member": pickle.EMPTY_DICT + _text("_value_") + b"Kc" + pickle.SETITEM}[case]
+    src = tmp_path / "dcp"
+    src.mkdir()
+    (src / ".metadata").write_bytes(_pickle_ops(target, state, pickle.BUILD, pickle.POP, pickle.EMPTY_DICT))
+    with pytest.raises(ss.UnsafeCheckpointError, match=r"\.metadata: refused to unpickle: state given to"):
+        _convert(src, tmp_path)
+    from torch.distributed.checkpoint.planner import WriteItemType
+    assert torch.serialization._get_layout("torch.strided") is torch.strided
+    assert str(pathlib.PurePosixPath("/a")) == "/a" and WriteItemType(1).value == 1
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_values_of_numpy_and_metadata_of_older_torch_convert(tmp_path):
+    """numpy arrays (Megatron's RNG state holds them) are data; DCP of torch 2.0-2.2 pickled
+    its TensorProperties from the sharded tensor's module."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._shard.sharded_tensor import metadata as sharded
+
+    src = tmp_path / "dcp"
+    dcp.save({"w": torch.arange(6.0), "arr": np.arange(3)}, checkpoint_id=str(src), no_dist=True)
+    metadata = pickle.loads((src / ".metadata").read_bytes())
+    for item in metadata.state_dict_metadata.values():
+        if hasattr(item, "properties"):
+            old = item.properties
+            item.properties = sharded.TensorProperties(dtype=old.dtype, layout=old.layout, requires_grad=False,
+                                                       memory_format=old.memory_format, pin_memory=False)
+    (src / ".metadata").write_bytes(pickle.dumps(metadata))
+    assert b"_shard.sharded_tensor.metadata" in (src / ".metadata").read_bytes()
+    _convert(src, tmp_path, allow_pickle=True)  # a numpy array is no plain data of statesnap's
+    reader = ss.open(tmp_path / "out", allow_pickle=True)
+    assert torch.equal(reader.read("w"), torch.arange(6.0)) and np.array_equal(reader.read("arr"), np.arange(3))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("how", ["absolute", "parent", "fifo"])
+def test_dcp_data_files_must_be_regular_files_inside_the_checkpoint(tmp_path, how):
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    elsewhere, src = tmp_path / "elsewhere", tmp_path / "dcp"
+    dcp.save({"w": torch.arange(3.0), "token": "secret"}, checkpoint_id=str(elsewhere), no_dist=True)
+    metadata = pickle.loads((elsewhere / ".metadata").read_bytes())
+    src.mkdir()
+    for info in metadata.storage_data.values():
+        if how == "fifo":
+            if not (src / info.relative_path).exists():
+                os.mkfifo(src / info.relative_path)
+        else:
+            info.relative_path = str(elsewhere / info.relative_path) if how == "absolute" else \
+                os.path.join("..", "elsewhere", info.relative_path)
+    (src / ".metadata").write_bytes(pickle.dumps(metadata))
+    words = "is not a regular file" if how == "fifo" else "which is not a path inside"
+    with pytest.raises(CheckpointError, match=words):
+        _convert(src, tmp_path)
+    assert not (tmp_path / "out").exists()

@@ -330,6 +330,44 @@ def test_a_removal_waits_for_the_save_in_flight(tmp_path, monkeypatch, commits):
         assert torch.equal(StatesnapCheckpointIO().load_checkpoint(old)["state_dict"]["w"], torch.zeros(4))
 
 
+def test_after_a_failed_save_removals_are_not_held_and_other_loads_read_what_is_there(tmp_path, monkeypatch):
+    """A save that failed is in flight no more: a removal after a later commit is done at once,
+    and another plugin's load of the failed save's path reads the step the file still names (the
+    failure is the saving plugin's to raise)."""
+    from statesnap.integrations.lightning import StatesnapCheckpointIO
+    from statesnap.storage.local import LocalBackend
+
+    commit, failing = LocalBackend.commit, [False]
+
+    def commit_or_fail(self, *args, **kwargs):
+        if failing[0]:
+            failing[0] = False
+            raise OSError(28, "No space left on device")
+        return commit(self, *args, **kwargs)
+    monkeypatch.setattr(LocalBackend, "commit", commit_or_fail)
+    io = StatesnapCheckpointIO(on_error="warn")
+    first, last, third = (str(tmp_path / name) for name in ("epoch=0.ckpt", "last.ckpt", "epoch=2.ckpt"))
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(4)}, "global_step": 4}, first)
+    io.save_checkpoint({"state_dict": {"w": torch.ones(4)}, "global_step": 6}, last)
+    io.load_checkpoint(last)
+    failing[0] = True
+    io.save_checkpoint({"state_dict": {"w": torch.full((4,), 2.0)}, "global_step": 8}, last)
+    assert StatesnapCheckpointIO().load_checkpoint(last)["global_step"] == 6
+    io.save_checkpoint({"state_dict": {"w": torch.full((4,), 3.0)}, "global_step": 10}, third)
+    io.load_checkpoint(third)
+    io.remove_checkpoint(first)  # nothing in flight: at once
+    assert not os.path.exists(first) and len(_stored_steps(tmp_path)) == 2
+    io.teardown()
+
+
+def test_a_misspelled_setting_is_refused_when_the_plugin_is_made():
+    from statesnap import CheckpointError
+    from statesnap.integrations.lightning import StatesnapCheckpointIO
+
+    with pytest.raises(CheckpointError, match="no setting 'host_memroy_gb' \\(did you mean 'host_memory_gb'"):
+        StatesnapCheckpointIO(host_memroy_gb=4)
+
+
 def test_a_checkpoint_saved_by_hand_loads_at_once_elsewhere_in_the_process(tmp_path):
     """``trainer.save_checkpoint(path)`` returns before the pointer is written (at the commit):
     a load of ``path`` by another plugin (a new Trainer) or ``load_from_checkpoint`` waits for it."""

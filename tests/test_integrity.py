@@ -359,6 +359,21 @@ def test_a_malformed_plain_value_is_damage_to_verify_and_names_the_manifest(tmp_
     assert ss.open(path).read("extra.other") == [1]
 
 
+@pytest.mark.parametrize("pickled_first", [True, False])
+def test_a_malformed_plain_value_of_one_rank_is_found_beside_a_pickled_one(tmp_path, pickled_first):
+    path = tmp_path / "c"
+    ss.save({"w": torch.ones(2), "obj": {1, 2}, "x": 3}, path, allow_pickle=True)
+
+    def change(doc):
+        doc.pop("manifest_xxh3")
+        doc["world_size"] = 2
+        values = [doc["objects"]["obj"], {"json": {"__ss_float": "1e400"}}]
+        doc["objects"]["x"] = {"per_rank": values if pickled_first else values[::-1]}
+    edit_manifest(path, change)
+    with pytest.raises(ss.CorruptCheckpointError, match=r"1 damaged value\(s\): .*manifest\.json: .*at x"):
+        ss.open(path).verify()
+
+
 def test_damaged_pickled_object(tmp_path):
     ss.save({"obj": {1, 2, 3}}, tmp_path / "c", allow_pickle=True)
     doc = json.loads((tmp_path / "c" / MANIFEST_NAME).read_text())

@@ -12,7 +12,7 @@ from .engine.objects import decode_value
 from .engine.read import ReadExecutor
 from .engine.write import default_threads
 from .errors import (
-    CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, NotInCheckpointError, UnsafeCheckpointError,
+    CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, NotInCheckpointError,
 )
 from .format.checksum import checksum_blocks
 from .format.manifest import BOX, MANIFEST_NAME, Manifest, SplitTensors, TensorEntry
@@ -173,12 +173,10 @@ class Reader:
                     read_blob(fqn, ref)
                 except CorruptCheckpointError as exc:
                     problems.append(str(exc))
-        for fqn, entry in self.manifest.objects.items():
-            if entry.kind != "pickle":
+        for fqn, entry in self._object_entries():
+            if entry.kind == "json":
                 try:
                     decode_value(fqn, entry, False, None, self._manifest_path)
-                except UnsafeCheckpointError:
-                    pass  # a per-rank value pickled on some rank: its bytes are checked above
                 except ManifestError as exc:
                     problems.append(str(exc))
         return problems
@@ -187,14 +185,17 @@ class Reader:
     def _manifest_path(self) -> str:
         return self.backend.join(self.path, MANIFEST_NAME)
 
-    def _pickle_refs(self):
-        """(fqn, [file, offset, nbytes, checksum]) of every pickled value, per-rank ones included."""
+    def _object_entries(self):
+        """(fqn, entry) of every value that is not a tensor, each rank's of a per-rank one too."""
         pending = list(self.manifest.objects.items())
         while pending:
             fqn, entry = pending.pop()
             pending += [(fqn, e) for e in entry.per_rank]
-            if entry.kind == "pickle":
-                yield fqn, entry.value
+            yield fqn, entry
+
+    def _pickle_refs(self):
+        """(fqn, [file, offset, nbytes, checksum]) of every pickled value, per-rank ones included."""
+        return ((fqn, entry.value) for fqn, entry in self._object_entries() if entry.kind == "pickle")
 
     def _readable_entries(self, problems: list[str]) -> list[tuple[str, TensorEntry]]:
         """Every tensor's entry, but those that a split manifest's damaged or missing section

@@ -146,8 +146,14 @@ class CheckpointerConfig:
 
     @classmethod
     def of(cls, root, settings: dict) -> "CheckpointerConfig":
-        """The config of ``Checkpointer(root, **settings)``: a misspelled setting is a
-        CheckpointError naming the closest ones (a bare TypeError says nothing of what exists)."""
+        """The config of ``Checkpointer(root, **settings)`` (see :meth:`check_names`)."""
+        cls.check_names(settings)
+        return cls(root=str(root), **settings)
+
+    @classmethod
+    def check_names(cls, settings: dict) -> None:
+        """A misspelled setting is a CheckpointError naming the closest ones (a bare TypeError
+        says nothing of what exists); the integrations check theirs before training starts."""
         known = [f.name for f in dataclasses.fields(cls) if f.name != "root"]
         unknown = sorted(set(settings) - set(known))
         if unknown:
@@ -155,7 +161,6 @@ class CheckpointerConfig:
                      for name in unknown for close in [difflib.get_close_matches(name, known, 2)]]
             raise CheckpointError(f"invalid Checkpointer setting: no setting {', '.join(hints)}; the settings are "
                                   "the fields of CheckpointerConfig (docs/checkpointer.md)")
-        return cls(root=str(root), **settings)
 
     def _check_types(self) -> None:
         """Numbers where numbers belong, before the ranges are compared (``keep_last=None``

@@ -7,19 +7,14 @@ read straight into place by :mod:`.dcp_chunks`, or, for what that does not read,
 nesting DCP flattened away is rebuilt from ``planner_data``, so an optimizer's ``param_groups``
 comes back as one list, as ``ss.save`` would have stored it.
 
-Trust: DCP pickles its ``.metadata`` file and every non-tensor value, and its own reader
-unpickles them with ``pickle.load`` and ``torch.load(weights_only=False)``: a hostile directory
-runs its code in ``dcp.load``. Here neither runs code. The metadata is read by an unpickler that
-admits only DCP's own metadata and plan records (:class:`_MetadataUnpickler`), the values by
-``torch.load(weights_only=True)`` (:class:`_PlainValuesPlanner`); anything else is refused with
+Trust: DCP pickles its ``.metadata`` file and every non-tensor value; they are read without
+running code from them (``dcp_pickles.py``), and anything else they name is refused with
 :class:`UnsafeCheckpointError` naming the file and the global. The statesnap checkpoint written
 from it holds no pickle.
 """
 from __future__ import annotations
 
 import os
-import pathlib
-import pickle
 import warnings
 from contextlib import contextmanager
 from functools import partial
@@ -27,21 +22,19 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint import filesystem, metadata as dcp_metadata, planner as dcp_planner
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..errors import CheckpointError, UnsafeCheckpointError
+from ..errors import CheckpointError
 from ..format.dtypes import itemsize
 from ..format.plaindata import MAX_INLINE_TENSOR_BYTES
 from .dcp_chunks import read_tensor
 from .transform import Lazy, materialize
+from .dcp_pickles import METADATA_NAME, PlainValuesPlanner, read_metadata
 from .torch_save import write_failed
-from .unpickler import refusal_reason
 from .tree import flatten_tree, nest_paths
 
-METADATA_NAME = ".metadata"
 # Tensors up to this size are read together, at once: they may be plain data inside a list (an
 # RNG state), which the statesnap checkpoint keeps as one value, and one call per tiny tensor
 # would cost more than it saves.
@@ -94,84 +87,18 @@ def _cause(exc: BaseException) -> str:
 
 
 class _MetadataOnce(FileSystemReader):
-    """DCP's reader of a directory, with its ``.metadata`` unpickled once, safely: ``dcp.load``
-    asks for it on every call, and the streaming read makes one call per tensor."""
+    """DCP's reader of a directory, with its ``.metadata`` unpickled once, safely
+    (``dcp_pickles.py``): ``dcp.load`` asks for it on every call, and the streaming read makes
+    one call per tensor."""
 
     def __init__(self, src: str):
         super().__init__(src)
-        self._src = src
+        self.src = src
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         if not hasattr(self, "_metadata"):
-            path = os.path.join(self._src, METADATA_NAME)
-            with open(path, "rb") as f:
-                try:
-                    metadata = _MetadataUnpickler(f).load()
-                except _Refused as exc:
-                    raise UnsafeCheckpointError(f"{path}: refused to unpickle: {exc}. statesnap admits only DCP's "
-                                                "metadata records there, and never runs code from a checkpoint") from None
-                except Exception as exc:  # noqa: BLE001 (a damaged file: what it is, in one line)
-                    raise CheckpointError(f"{path} is not readable DCP metadata (truncated or damaged?): "
-                                          f"{type(exc).__name__}: {exc}") from None
-            if not isinstance(metadata, Metadata):
-                raise CheckpointError(f"{path} is not DCP metadata: it holds a {type(metadata).__name__}")
-            if metadata.storage_meta is None:  # as DCP's own reader completes it
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            self._metadata = metadata
+            self._metadata = read_metadata(self.src, self.load_id)
         return self._metadata
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits the globals a DCP ``.metadata`` names, all inert records, and nothing else."""
-
-    _RECORDS = {(dcp_metadata.__name__, name): getattr(dcp_metadata, name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING") if hasattr(dcp_metadata, name)}
-    # Megatron's torch_dist saves keep the ranks' save plans in the metadata too
-    _RECORDS.update({(dcp_planner.__name__, name): getattr(dcp_planner, name) for name in (
-        "SavePlan", "LoadPlan", "WriteItem", "ReadItem", "WriteItemType", "LoadItemType", "TensorWriteData",
-        "BytesIOWriteData") if hasattr(dcp_planner, name)})
-    _RECORDS[(filesystem.__name__, "_StorageInfo")] = filesystem._StorageInfo
-    _RECORDS[("torch", "Size")] = torch.Size
-    _RECORDS[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-    # a checkpoint_id: as a pure path, which touches no file system
-    _RECORDS[("pathlib", "PosixPath")] = pathlib.PurePosixPath
-    _RECORDS[("pathlib", "WindowsPath")] = pathlib.PureWindowsPath
-    _RECORDS[("collections", "OrderedDict")] = dict
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in self._RECORDS:
-            return self._RECORDS[(module, name)]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise _Refused(f"global {module}.{name}")
-
-
-class _Refused(pickle.UnpicklingError):
-    """A global the metadata may not name (damage is another UnpicklingError)."""
-
-
-class _PlainValuesPlanner(DefaultLoadPlanner):
-    """DCP's planner for a flat state dict, with each non-tensor value unpickled the weights-only
-    way (DCP's own runs ``torch.load(weights_only=False)``, which runs what a checkpoint names)."""
-
-    def __init__(self, src: str, storage_data: dict):
-        super().__init__(flatten_state_dict=False)
-        self._src, self._storage_data = src, storage_data
-        self.refused: UnsafeCheckpointError | None = None  # raised by dcp.load wrapped in its own error
-
-    def load_bytes(self, read_item, value) -> None:
-        fqn = read_item.dest_index.fqn
-        try:
-            self.original_state_dict[fqn] = torch.load(value, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            stored = self._storage_data.get(read_item.storage_index)
-            where = os.path.join(self._src, stored.relative_path) if stored is not None else self._src
-            self.refused = UnsafeCheckpointError(
-                f"{where}: value {fqn!r}: refused to unpickle: {refusal_reason(exc)}. statesnap admits only "
-                "tensors and plain data there, and never runs code from a checkpoint")
-            raise self.refused from None
 
 
 def _small_values_failure(metadata, now: dict[str, Any], src: str, exc: BaseException) -> str:
@@ -193,13 +120,13 @@ def _size(src: str, name: str) -> int:
 
 
 def _load(reader: _MetadataOnce, state: dict[str, Any]) -> None:
-    planner = _PlainValuesPlanner(reader._src, reader.read_metadata().storage_data)
+    planner = PlainValuesPlanner(reader.src, reader.read_metadata().storage_data)
     try:
         with _single_process():
             dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
     except DCP_FAILURES:
-        if planner.refused is not None:
-            raise planner.refused from None
+        if planner.failed is not None:
+            raise planner.failed from None
         raise
 
 

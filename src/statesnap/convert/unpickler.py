@@ -158,21 +158,27 @@ def load(path: str) -> Any:
     try:
         with open_source(path) as f:  # a FIFO would block torch.load: refused here
             mmap = zipfile.is_zipfile(f)
-        with _LOCK, torch.serialization.safe_globals(_ALLOWED):
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-        check_graph(obj, path)  # before _plain walks it as a tree
-        return _plain(obj)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
+    return load_from(path, path, mmap)
+
+
+def load_from(source, where: str, mmap: bool = False) -> Any:
+    """As :func:`load`, from ``source`` (a path or a file object); errors name ``where``."""
+    try:
+        with _LOCK, torch.serialization.safe_globals(_ALLOWED):
+            obj = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+        check_graph(obj, where)  # before _plain walks it as a tree
+        return _plain(obj)
     except CheckpointError:
         raise
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(
-            f"{path}: refused to unpickle: {refusal_reason(exc)}. statesnap admits only tensors, plain data, numpy "
+            f"{where}: refused to unpickle: {refusal_reason(exc)}. statesnap admits only tensors, plain data, numpy "
             f"arrays and the records {', '.join(STAND_INS)} (as inert data), and never runs code from a "
             "checkpoint") from None
     except Exception as exc:
-        raise CheckpointError(f"{path} is not a readable torch.save file (truncated or damaged?): "
+        raise CheckpointError(f"{where} is not a readable torch.save file (truncated or damaged?): "
                               f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
 
 

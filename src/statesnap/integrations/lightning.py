@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import io
+from concurrent import futures
 import logging
 import os
 import re
@@ -47,6 +48,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..checkpointer import Checkpointer
 from ..checkpointer.at_exit import finish_at_exit
+from ..checkpointer.config import CheckpointerConfig
 from ..checkpointer.hooks import version_of
 from ..convert.torch_save import is_torch_save_bytes
 from ..engine.load import load
@@ -92,6 +94,7 @@ class StatesnapCheckpointIO(CheckpointIO):
         fixed = sorted(set(checkpointer_settings) & set(_FIXED))
         if fixed:
             raise CheckpointError(f"StatesnapCheckpointIO sets {', '.join(fixed)} itself")
+        CheckpointerConfig.check_names(checkpointer_settings)  # now, not at the first save an epoch later
         self.allow_pickle = allow_pickle
         self.storage_options = storage_options
         self.collective = False  # True: every rank saves (StatesnapModelParallelStrategy)
@@ -311,6 +314,7 @@ class _Store:
                 self._waiting.pop(step, None)
             raise
         self._track(path, handle)
+        handle.durable.add_done_callback(lambda done: done.exception() is not None and self._failed(step))
         # The tensors are kept referenced so that no new tensor can take their addresses, which
         # the next save's fingerprint compares.
         self._previous = (fingerprint, step, handle, structure, tensors)
@@ -340,6 +344,12 @@ class _Store:
             self._point(path, step, own_state)
         self._track(path, handle)
         return True
+
+    def _failed(self, step: int) -> None:
+        """A save that failed is in flight no more: nothing waits for its commit (a removal
+        deferred behind it waits for the next commit)."""
+        with self._lock:
+            self._waiting.pop(step, None)
 
     def _track(self, path: str, handle) -> None:
         """Remember the newest save to ``path``; forget those that committed (a run that keeps
@@ -548,10 +558,11 @@ def _fingerprint(checkpoint: dict, tensors: dict[str, torch.Tensor], optimizer_s
 
 
 def _wait_in_flight(path: str) -> None:
-    """Return once no save of this process to ``path`` is in flight; raise its failure."""
+    """Return once no save of this process to ``path`` is in flight. A failed one is the saving
+    plugin's to raise (at its next save or teardown); the load reads what the file names."""
     handle = _IN_FLIGHT.get(path)
     if handle is not None:
-        handle.wait()
+        futures.wait([handle.durable])
 
 
 def _normal(path) -> str:

@@ -33,6 +33,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..checkpointer import Checkpointer
+from ..checkpointer.config import CheckpointerConfig
 from ..engine.load import load, parts_lacking
 from ..errors import CheckpointError, StateMismatchError
 from ..reader import open as open_checkpoint
@@ -68,6 +69,7 @@ class StatesnapTrainer(Trainer):
         fixed = sorted(set(statesnap_settings or {}) & {"keep_last", "persist_every", "on_commit"})
         if fixed:
             raise CheckpointError(f"StatesnapTrainer sets {', '.join(fixed)} itself")
+        CheckpointerConfig.check_names(statesnap_settings or {})
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise CheckpointError("StatesnapTrainer does not take over DeepSpeed's or FSDP's checkpoints; use "
                                   "the Trainer, or convert its checkpoints with ss.convert")
