@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import threading
 import time
 
 import pytest
@@ -122,13 +121,11 @@ class NoStream:
 
 class FakeLocks:
     """Stands in for cudaHostRegister/Unregister: records the segments locked and unlocked, and
-    the device context current at each call. The call numbered ``block_at`` (from 0) waits until
-    ``go`` is set; the one numbered ``fail_at`` fails."""
+    the device context current at each call. The call numbered ``fail_at`` (from 0) fails."""
 
-    def __init__(self, monkeypatch, block_at=None, fail_at=None):
+    def __init__(self, monkeypatch, fail_at=None):
         self.locked, self.unlocked, self.devices = [], [], []
-        self.block_at, self.fail_at, self.go = block_at, fail_at, threading.Event()
-        self.current, self.calls = None, 0
+        self.fail_at, self.current, self.calls = fail_at, None, 0
         monkeypatch.setattr(device_load, "lock_pages", self.lock)
         monkeypatch.setattr(device_load, "unlock_pages", self.unlocked.append)
         monkeypatch.setattr(torch.cuda, "device", self.device)
@@ -140,8 +137,6 @@ class FakeLocks:
 
     def lock(self, start, nbytes):
         call, self.calls = self.calls, self.calls + 1
-        if call == self.block_at:
-            self.go.wait()
         if call == self.fail_at:
             raise ss.CheckpointError("could not pin (test)")
         self.locked.append((start, nbytes))
@@ -158,52 +153,33 @@ def host_streams(monkeypatch) -> FakeLocks:
     return FakeLocks(monkeypatch)
 
 
-def test_the_ring_is_locked_in_order_behind_the_reads_and_unlocked_at_close(monkeypatch):
-    """Reads start before the ring is locked; a copy waits only for the segments it uses; a
-    failure to lock is raised where a copy needs that memory; close() unlocks what was locked."""
+def test_the_ring_is_locked_where_copies_need_it_once_and_unlocked_at_close(monkeypatch):
+    """A segment is locked when a copy first needs it (its pages faulted in by the reads), once,
+    on the targets' device; a failure to lock is raised there; close() unlocks what was locked."""
     locks = FakeLocks(monkeypatch)
-    ring = PinnedRing([4096, 2 * 4096, 3 * 4096, 4 * 4096], torch.device("cpu"))
-    base = ring.buffer.data_ptr()
-    ring.wait_locked(0, 4 * 4096)
-    assert locks.locked == [(base + i * 4096, 4096) for i in range(4)]
-    assert set(locks.devices) == {torch.device("cpu")}  # the targets' device, in the locking thread
-    ring.close()
-    assert sorted(locks.unlocked) == [base + i * 4096 for i in range(4)]
-
-    ring = PinnedRing([1], None)  # no device: nothing locked, nothing waited for
-    ring.wait_locked(0, 1)
-    ring.close()
-    assert len(locks.locked) == 4 and len(locks.unlocked) == 4
-
-    locks = FakeLocks(monkeypatch, block_at=2, fail_at=3)
     ring = PinnedRing([4096, 2 * 4096, 3 * 4096, 4 * 4096 + 100], torch.device("cpu"))
     base = ring.buffer.data_ptr()
-    ring.wait_locked(0, 2 * 4096)  # the first two segments do not wait for the third
-    waiter = threading.Thread(target=ring.wait_locked, args=(4096, 4096 + 10))
-    waiter.start()
-    waiter.join(0.2)
-    assert waiter.is_alive()  # ends in the third segment: waits for it
-    locks.go.set()
-    waiter.join(5)
-    assert not waiter.is_alive()
-    with pytest.raises(ss.CheckpointError, match="could not pin"):
-        ring.wait_locked(3 * 4096, 1)
+    ring.lock(4096, 4096)  # the second segment alone
+    ring.lock(0, 2 * 4096 + 1)  # the first and third, the second already locked
+    ring.lock(2 * 4096, 0)
+    assert locks.locked == [(base + 4096, 4096), (base, 4096), (base + 2 * 4096, 4096)]
+    assert set(locks.devices) == {torch.device("cpu")}  # the targets' device
     ring.close()
     assert sorted(locks.unlocked) == [base + i * 4096 for i in range(3)]
 
+    ring = PinnedRing([1], None)  # no device: nothing locked
+    ring.lock(0, 1)
+    ring.close()
+    assert len(locks.locked) == 3 and len(locks.unlocked) == 3
 
-def test_a_ring_closed_while_locking_stops_and_unlocks_what_it_locked(monkeypatch):
-    locks = FakeLocks(monkeypatch, block_at=1)
-    ring = PinnedRing([4096 * i for i in range(1, 9)], torch.device("cpu"))
-    ring.wait_locked(0, 4096)
-    closer = threading.Thread(target=ring.close)
-    closer.start()
-    time.sleep(0.05)
-    locks.go.set()  # the segment being locked finishes; none after it starts
-    closer.join(5)
-    assert not closer.is_alive()
-    assert len(locks.locked) <= 3
-    assert sorted(locks.unlocked) == sorted(start for start, _ in locks.locked)
+    locks = FakeLocks(monkeypatch, fail_at=1)
+    ring = PinnedRing([4096, 2 * 4096, 3 * 4096], torch.device("cpu"))
+    base = ring.buffer.data_ptr()
+    ring.lock(0, 4096)
+    with pytest.raises(ss.CheckpointError, match="could not pin"):
+        ring.lock(4096, 2 * 4096)
+    ring.close()
+    assert locks.unlocked == [base]
 
 
 def test_a_load_that_cannot_lock_its_ring_names_why_and_unlocks_what_it_locked(tmp_path, host_streams, monkeypatch):

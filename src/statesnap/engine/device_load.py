@@ -7,16 +7,16 @@ more. Instead the GPU targets are taken in waves of about ``WAVE_BYTES``: each w
 verified straight into a pinned staging ring, then copied to its device on a side stream without
 waiting. The read threads are shared by two waves at a time, so they go on to the next wave's
 reads while the last reads of one finish, and the copies run behind the reads. A contiguous
-target larger than a wave is loaded in parts (:func:`wave_parts`): locking memory with
+target larger than a wave is loaded in parts (:func:`wave_parts`): locking fresh memory with
 ``cudaHostRegister`` runs at about 3 GB/s (a 768 MiB ring took 0.25-0.37 s on an H200 machine),
 which a ring sized for the largest tensor paid at every load. The ring holds the largest part
 (a wave or a checksum block; a strided target, or a row larger than that, whole) plus two
 waves, locked for the load alone: that, and a read thread's scratch for a piece that cannot be
 read in place, bound the extra host memory whatever the size of the state. Reads need no locked
 memory, only the copies to a device do, so the ring is locked a segment at a time
-(:func:`_ring_segments`), in ring order, on a thread of its own while the first waves are read
-(:class:`_SegmentLocker`); locked at once, the 384 MiB ring of a load of 4 GB had kept every
-read waiting about 0.13 s. Targets that the
+(:func:`_ring_segments`) when a wave's copies first need it (:class:`_SegmentLocks`), after the
+reads into it have faulted its pages in; locked at once before the reads, the 384 MiB ring of a
+load of 4 GB had kept every read waiting about 0.13 s. Targets that the
 checkpoint covers only in part (``strict=False``) go the CPU way (``load.py``), which leaves what
 it does not cover as it was.
 """
@@ -44,83 +44,65 @@ from .read import ReadExecutor
 WAVE_BYTES = 128 << 20  # a wave keeps every read thread busy; a few fit the ring
 
 
-class _SegmentLocker:
-    """Page-locks the memory from ``start`` up to each of ``ends`` in turn, one segment per call,
-    on a thread of its own; :meth:`wait` returns once a prefix is locked, :meth:`close` unlocks.
+class _SegmentLocks:
+    """Page-locks the segments of memory from ``start`` to each of ``ends`` when a copy first
+    needs them (:meth:`need`), with ``device`` current; :meth:`close` unlocks.
 
-    A copy whose host memory spans two segments fails (``cudaErrorInvalidValue``: the driver
-    takes separately locked ranges as separate allocations), so the ring never places a slot
-    across a segment's end (:meth:`PinnedRing.take`)."""
+    Locked when needed, a segment's pages have been faulted in by the reads into it, several
+    threads at once: locking memory already touched ran at 16-23 GB/s on an H200 machine, fresh
+    memory at about 3 GB/s (the lock faults it in, page by page, on one thread). A copy whose
+    host memory spans two segments fails (``cudaErrorInvalidValue``: the driver takes separately
+    locked ranges as separate allocations), so the ring never places a slot across a segment's
+    end (:meth:`PinnedRing.take`)."""
 
     def __init__(self, start: int, ends: list[int], device: torch.device):
         self._start, self._ends, self._device = start, ends, device
-        self._locked: list[int] = []  # addresses of the segments locked so far
-        self._upto = 0  # bytes locked from the start
-        self._error: BaseException | None = None
-        self._stopping = False
-        self._changed = threading.Condition()
-        self._thread = threading.Thread(target=self._lock_segments, name="statesnap-lock", daemon=True)
-        self._thread.start()
+        self._locked: dict[int, int] = {}  # segment index -> its address
+        self._mutex = threading.Lock()
 
-    def _lock_segments(self) -> None:
-        try:
-            # a fresh thread's current device is device 0: locking there would create a context
-            # on a GPU this process may not use (each rank of a node drives its own)
-            with torch.cuda.device(self._device):
-                for lo, hi in zip([0, *self._ends], self._ends):
-                    with self._changed:
-                        if self._stopping:
-                            return
-                    lock_pages(self._start + lo, hi - lo)
-                    with self._changed:
-                        self._locked.append(self._start + lo)
-                        self._upto = hi
-                        self._changed.notify_all()
-        except BaseException as exc:  # noqa: BLE001 (raised where a copy waits for it)
-            with self._changed:
-                self._error = exc
-                self._changed.notify_all()
-
-    def wait(self, end: int) -> None:
-        """Return once the first ``end`` bytes are locked; raise why they cannot be."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._upto >= end or self._error is not None)
-            if self._upto < end:
-                raise self._error
+    def need(self, start: int, nbytes: int) -> None:
+        """Lock every segment that bytes ``start`` to ``start + nbytes`` lie in; raise why one cannot be."""
+        if nbytes <= 0:
+            return
+        first, last = bisect.bisect_right(self._ends, start), bisect.bisect_right(self._ends, start + nbytes - 1)
+        with self._mutex, torch.cuda.device(self._device):  # not a context on another GPU of the node
+            for index in range(first, last + 1):
+                if index not in self._locked:
+                    low = self._ends[index - 1] if index else 0
+                    lock_pages(self._start + low, self._ends[index] - low)
+                    self._locked[index] = self._start + low
 
     def close(self) -> None:
-        """Lock no more and unlock what is locked; only once no copy uses the memory."""
-        with self._changed:
-            self._stopping = True
-        self._thread.join()
-        with torch.cuda.device(self._device):  # as locked: no context made on another device
+        """Unlock what is locked; only once no copy uses the memory."""
+        with self._mutex, torch.cuda.device(self._device):
             while self._locked:
-                unlock_pages(self._locked.pop())
+                unlock_pages(self._locked.popitem()[1])
 
 
 class PinnedRing:
     """Staging space in segments ending at ``ends`` (the last is the capacity), handed out in ring
     order and reclaimed in the same order: each slot is held with a function that returns once
     nothing uses the slot any more, and no slot crosses a segment's end. ``device``: each segment
-    is page-locked (for every device), in order, with that device current; ``None``: not locked."""
+    is page-locked (for every device) when a copy first needs it, with that device current;
+    ``None``: not locked."""
 
     def __init__(self, ends: list[int], device: torch.device | None = None):
         self.ends = ends
         self.capacity = ends[-1]
-        # exactly this much memory, locked while the first waves are read, unlocked by close()
+        # exactly this much memory, locked behind the first waves' reads, unlocked by close()
         self.buffer = torch.frombuffer(private_pages(self.capacity), dtype=torch.uint8)
-        self._locker = self._unlock = None
+        self._locks = self._unlock = None
         if device is not None:
-            self._locker = _SegmentLocker(self.buffer.data_ptr(), ends, device)
+            self._locks = _SegmentLocks(self.buffer.data_ptr(), ends, device)
             # a ring dropped without close() unlocks too, before its memory is unmapped
-            self._unlock = weakref.finalize(self, self._locker.close)
+            self._unlock = weakref.finalize(self, self._locks.close)
         self._held: deque[tuple[int, int, Callable[[], None]]] = deque()  # (start, end, release), oldest first
         self._head = 0
 
-    def wait_locked(self, start: int, nbytes: int) -> None:
-        """Return once ``nbytes`` from ``start`` are locked (the segments are locked in order)."""
-        if self._locker is not None:
-            self._locker.wait(start + nbytes)
+    def lock(self, start: int, nbytes: int) -> None:
+        """Page-lock the segments ``nbytes`` from ``start`` lie in, if not yet locked."""
+        if self._locks is not None:
+            self._locks.need(start, nbytes)
 
     def close(self) -> None:
         """Unlock the memory: only once every copy out of it has finished."""
@@ -187,7 +169,7 @@ class _Wave:
         finally:
             wait(self.reads)  # ...and close its files only once no read uses them
             self.executor.close()
-        self.ring.wait_locked(self.start, self.nbytes)
+        self.ring.lock(self.start, self.nbytes)  # after the reads, which faulted its pages in
         used = {}
         with torch.no_grad():
             for local, host in self.staged:
