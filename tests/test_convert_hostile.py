@@ -572,3 +572,40 @@ def test_dcp_data_files_must_be_regular_files_inside_the_checkpoint(tmp_path, ho
     with pytest.raises(CheckpointError, match=words):
         _convert(src, tmp_path)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_metadata_of_tuples_nested_to_hash_forever_is_refused_at_once(tmp_path):
+    """``t = (t', t')`` nested 64 deep is 465 bytes; used as a dict key, hashing it never ends."""
+    import pickle
+
+    ops = [pickle.EMPTY_DICT, pickle.NONE]
+    for _ in range(64):  # (t, t): the one below, twice, through the memo
+        ops += [pickle.MEMOIZE, pickle.DUP, pickle.TUPLE2]
+    src = tmp_path / "dcp"
+    src.mkdir()
+    (src / ".metadata").write_bytes(_pickle_ops(*ops, pickle.NONE, pickle.SETITEM))
+    started = time.perf_counter()
+    with pytest.raises(ss.UnsafeCheckpointError, match="tuples nested deeper than 8"):
+        _convert(src, tmp_path)
+    assert time.perf_counter() - started < 10
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("chunks, says", [([], r"\[0:3, 0:4\] is in no piece"),
+                                          ([((0, 0), (3, 4)), ((2, 0), (1, 4))], "overlap"),
+                                          ([((0, 0), (3, 5))], "chunk 0 lies outside it")])
+def test_dcp_chunks_that_do_not_cover_a_tensor_exactly_are_refused(tmp_path, chunks, says):
+    """A tensor they left a hole in was converted with whatever memory held there."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    src = tmp_path / "dcp"
+    dcp.save({"w": torch.arange(12.0).reshape(3, 4)}, checkpoint_id=str(src), no_dist=True)
+    metadata = pickle.loads((src / ".metadata").read_bytes())
+    metadata.state_dict_metadata["w"].chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks]
+    (src / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=r"\.metadata: tensor 'w' of shape \[3, 4\]: .*" + says):
+        _convert(src, tmp_path)

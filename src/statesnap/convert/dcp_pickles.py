@@ -5,9 +5,11 @@ with ``pickle.load`` and ``torch.load(weights_only=False)``: a hostile directory
 names in ``dcp.load``. Here the metadata goes through :class:`_MetadataUnpickler`, which admits
 only DCP's own metadata and plan records and gives state (pickle's BUILD) only to fresh instances
 of its dataclasses, never to a class, a function or an enum member that the rest of the process
-shares; and the values go through the allow-listed weights-only unpickler of ``unpickler.py``
-(tensors, plain data, numpy arrays: Megatron's RNG state is one). The files the metadata names
-must lie inside the checkpoint and be regular files (a FIFO would block the read for ever).
+shares, and builds no tuple nested deeper than :data:`MAX_NESTING`; the values go through the
+allow-listed weights-only unpickler of ``unpickler.py`` (tensors, plain data, numpy arrays:
+Megatron's RNG state is one). The files the metadata names must lie inside the checkpoint
+(symbolic links are followed, as for every source) and be regular files (a FIFO would block
+the read for ever), and each tensor's chunks must cover it exactly once.
 """
 from __future__ import annotations
 
@@ -17,16 +19,19 @@ import pathlib
 import pickle
 import stat
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint import planner as dcp_planner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from ..format.boxes import first_outside, tiling_problem
 from .unpickler import load_from
 
 METADATA_NAME = ".metadata"
+MAX_NESTING = 8  # tuples in tuples: DCP's records hold two levels (a torch.Size in a key)
 
 
 def read_metadata(src: str, load_id: str | None) -> Metadata:
@@ -44,6 +49,7 @@ def read_metadata(src: str, load_id: str | None) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} is not DCP metadata: it holds a {type(metadata).__name__}")
     _check_files(src, path, metadata)
+    _check_chunks(path, metadata)
     if metadata.storage_meta is None:  # as DCP's own reader completes it
         metadata.storage_meta = StorageMeta()
     metadata.storage_meta.load_id = load_id
@@ -64,6 +70,28 @@ def _check_files(src: str, path: str, metadata: Metadata) -> None:
         if not stat.S_ISREG(mode):
             raise CorruptCheckpointError(f"{os.path.join(src, name)}, a data file of DCP checkpoint {src}, is not a "
                                          "regular file")
+
+
+def _check_chunks(path: str, metadata: Metadata) -> None:
+    """Each tensor's chunks lie inside it and cover it exactly once: a tensor they leave a hole
+    in would be converted with whatever memory held there."""
+    tensors = metadata.state_dict_metadata if isinstance(metadata.state_dict_metadata, dict) else {}
+    for key, md in tensors.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        shape, rows = list(md.size), (len(md.chunks), len(md.size))
+        try:
+            start = np.array([list(chunk.offsets) for chunk in md.chunks], dtype=np.int64).reshape(rows)
+            size = np.array([list(chunk.sizes) for chunk in md.chunks], dtype=np.int64).reshape(rows)
+        except (TypeError, ValueError, OverflowError, AttributeError):
+            raise CheckpointError(f"{path}: tensor {key!r}: its chunks are not boxes of its {len(shape)} "
+                                  "dimensions") from None
+        outside = first_outside(start, size, shape)
+        if outside >= 0:
+            raise CheckpointError(f"{path}: tensor {key!r} of shape {shape}: chunk {outside} lies outside it")
+        problem = tiling_problem(shape, start, size, lambda i: f"chunk {i}")
+        if problem is not None:
+            raise CheckpointError(f"{path}: tensor {key!r} of shape {shape}: {problem}")
 
 
 def _admitted() -> dict:
@@ -113,11 +141,30 @@ class _MetadataUnpickler(pickle._Unpickler):
     def load_build(self):
         target = self.stack[-2]
         if type(target) not in self._BUILDABLE:
-            raise _Refused(f"state given to {type(target).__name__} {target!r:.60}")
+            raise _Refused(f"state given to a {type(target).__name__}")  # (its repr may be exponential)
         super().load_build()
+
+    def _load_nested(self, opcode: bytes) -> None:
+        """A tuple or frozenset, refused nested deeper than DCP's records ever are: a key of
+        ``t = (t', t')`` nested 64 deep is a few hundred bytes, and hashing it never ends."""
+        pickle._Unpickler.dispatch[opcode[0]](self)
+        made = self.stack[-1]
+        depth = 1 + max((self._depths.get(id(item), 0) for item in made), default=0)
+        if depth > MAX_NESTING:
+            raise _Refused(f"tuples nested deeper than {MAX_NESTING}")
+        self._depths[id(made)] = depth
+        self._kept.append(made)  # alive while its id is in _depths
+
+    def __init__(self, file):
+        super().__init__(file)
+        self._depths: dict[int, int] = {}
+        self._kept: list = []
 
     dispatch = dict(pickle._Unpickler.dispatch)
     dispatch[pickle.BUILD[0]] = load_build
+    for _opcode in (pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3, pickle.FROZENSET):
+        dispatch[_opcode[0]] = lambda self, _opcode=_opcode: self._load_nested(_opcode)
+    del _opcode
 
 
 class _Refused(pickle.UnpicklingError):
