@@ -576,17 +576,12 @@ def test_dcp_data_files_must_be_regular_files_inside_the_checkpoint(tmp_path, ho
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_metadata_of_tuples_nested_to_hash_forever_is_refused_at_once(tmp_path):
-    """``t = (t', t')`` nested 64 deep is 465 bytes; used as a dict key, hashing it never ends."""
-    import pickle
-
-    ops = [pickle.EMPTY_DICT, pickle.NONE]
-    for _ in range(64):  # (t, t): the one below, twice, through the memo
-        ops += [pickle.MEMOIZE, pickle.DUP, pickle.TUPLE2]
+    """``t = (t', t')`` nested 64 deep is a few hundred bytes; as a dict key, hashing it never ends."""
     src = tmp_path / "dcp"
     src.mkdir()
-    (src / ".metadata").write_bytes(_pickle_ops(*ops, pickle.NONE, pickle.SETITEM))
+    (src / ".metadata").write_bytes(_nested_key_pickle(64))
     started = time.perf_counter()
-    with pytest.raises(ss.UnsafeCheckpointError, match="tuples nested deeper than 8"):
+    with pytest.raises(ss.UnsafeCheckpointError, match="tuples nested deeper than 16"):
         _convert(src, tmp_path)
     assert time.perf_counter() - started < 10
 
@@ -609,3 +604,29 @@ def test_dcp_chunks_that_do_not_cover_a_tensor_exactly_are_refused(tmp_path, chu
     (src / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(CheckpointError, match=r"\.metadata: tensor 'w' of shape \[3, 4\]: .*" + says):
         _convert(src, tmp_path)
+
+
+def _nested_key_pickle(depth: int) -> bytes:
+    """``{t: None}`` with ``t = (t', t')`` ``depth`` deep, shared through the memo."""
+    import pickle
+
+    ops = [pickle.EMPTY_DICT, pickle.NONE]
+    for _ in range(depth):
+        ops += [pickle.MEMOIZE, pickle.DUP, pickle.TUPLE2]
+    return _pickle_ops(*ops, pickle.NONE, pickle.SETITEM)
+
+
+@pytest.mark.parametrize("depth, refused", [(64, True), (16, False)])
+def test_a_torch_save_file_of_tuples_nested_to_hash_forever_is_refused_at_once(tmp_path, depth, refused):
+    torch.save({"a": 1}, tmp_path / "good.pt")
+    with zipfile.ZipFile(tmp_path / "good.pt") as source, zipfile.ZipFile(tmp_path / "bad.pt", "w") as out:
+        for name in source.namelist():
+            out.writestr(name, _nested_key_pickle(depth) if name.endswith("data.pkl") else source.read(name))
+    started = time.perf_counter()
+    if refused:
+        with pytest.raises(ss.UnsafeCheckpointError, match="bad.pt: refused to unpickle: tuples nested deeper than 16"):
+            _convert(tmp_path / "bad.pt", tmp_path)
+    else:  # as deep as admitted: 2^16 hashes, quick; its key is no name a checkpoint can hold
+        with pytest.raises(CheckpointError):
+            _convert(tmp_path / "bad.pt", tmp_path)
+    assert time.perf_counter() - started < 20

@@ -168,8 +168,8 @@ def test_dcp_chunk_cut_short_is_an_error_naming_file_and_tensor(tmp_path):
     assert not (tmp_path / "ck").exists()
     with open(data, "r+b") as f:  # now the small values too: named with their file
         f.truncate(1000)
-    with pytest.raises(ss.CheckpointError, match=r"reading __0_0\.distcp \(cut short or missing\) of .*\(small values "
-                                                 r"step\) failed: CheckpointException: RuntimeError"):
+    with pytest.raises(ss.CheckpointError, match=r"__0_0\.distcp: value 'step' is not a readable torch\.save file "
+                                                 r"\(truncated or damaged\?\)"):
         ss.convert(tmp_path / "dcp", tmp_path / "ck", source="dcp", progress=False)
 
 

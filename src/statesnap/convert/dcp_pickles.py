@@ -5,7 +5,7 @@ with ``pickle.load`` and ``torch.load(weights_only=False)``: a hostile directory
 names in ``dcp.load``. Here the metadata goes through :class:`_MetadataUnpickler`, which admits
 only DCP's own metadata and plan records and gives state (pickle's BUILD) only to fresh instances
 of its dataclasses, never to a class, a function or an enum member that the rest of the process
-shares, and builds no tuple nested deeper than :data:`MAX_NESTING`; the values go through the
+shares, after ``unpickler.nesting_problem`` found no tuples nested too deep; the values go through the
 allow-listed weights-only unpickler of ``unpickler.py`` (tensors, plain data, numpy arrays:
 Megatron's RNG state is one). The files the metadata names must lie inside the checkpoint
 (symbolic links are followed, as for every source) and be regular files (a FIFO would block
@@ -28,10 +28,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from ..format.boxes import first_outside, tiling_problem
-from .unpickler import load_from
+from .unpickler import load_from, nesting_problem
 
 METADATA_NAME = ".metadata"
-MAX_NESTING = 8  # tuples in tuples: DCP's records hold two levels (a torch.Size in a key)
 
 
 def read_metadata(src: str, load_id: str | None) -> Metadata:
@@ -39,6 +38,10 @@ def read_metadata(src: str, load_id: str | None) -> Metadata:
     path = os.path.join(src, METADATA_NAME)
     try:
         with open(path, "rb") as f:
+            problem = nesting_problem(f)
+            if problem is not None:
+                raise _Refused(problem)
+            f.seek(0)
             metadata = _MetadataUnpickler(f).load()
     except _Refused as exc:
         raise UnsafeCheckpointError(f"{path}: refused to unpickle: {exc}. statesnap admits only DCP's metadata "
@@ -144,27 +147,8 @@ class _MetadataUnpickler(pickle._Unpickler):
             raise _Refused(f"state given to a {type(target).__name__}")  # (its repr may be exponential)
         super().load_build()
 
-    def _load_nested(self, opcode: bytes) -> None:
-        """A tuple or frozenset, refused nested deeper than DCP's records ever are: a key of
-        ``t = (t', t')`` nested 64 deep is a few hundred bytes, and hashing it never ends."""
-        pickle._Unpickler.dispatch[opcode[0]](self)
-        made = self.stack[-1]
-        depth = 1 + max((self._depths.get(id(item), 0) for item in made), default=0)
-        if depth > MAX_NESTING:
-            raise _Refused(f"tuples nested deeper than {MAX_NESTING}")
-        self._depths[id(made)] = depth
-        self._kept.append(made)  # alive while its id is in _depths
-
-    def __init__(self, file):
-        super().__init__(file)
-        self._depths: dict[int, int] = {}
-        self._kept: list = []
-
     dispatch = dict(pickle._Unpickler.dispatch)
     dispatch[pickle.BUILD[0]] = load_build
-    for _opcode in (pickle.TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3, pickle.FROZENSET):
-        dispatch[_opcode[0]] = lambda self, _opcode=_opcode: self._load_nested(_opcode)
-    del _opcode
 
 
 class _Refused(pickle.UnpicklingError):

@@ -22,6 +22,7 @@ from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointEr
 from ..storage.local import open_source
 from .transform import materialize
 from .tree import flatten_tree
+from .unpickler import nesting_problem_of
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -60,6 +61,9 @@ def load_file(path: str) -> Any:
     if not archive and not legacy:
         raise CorruptCheckpointError(f"{path} is not a torch.save file (neither a zip archive nor a pickle of "
                                      "protocol 2 or later): it is damaged or of another format")
+    problem = nesting_problem_of(path)
+    if problem is not None:
+        raise UnsafeCheckpointError(f"{path}: refused to unpickle: {problem}")
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=archive)
     except pickle.UnpicklingError as exc:

@@ -13,8 +13,11 @@ the global. After loading, the stand-ins are replaced by plain data (see :func:`
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import pickle
+import pickletools
 import threading
 import zipfile
 from collections import OrderedDict, namedtuple
@@ -165,6 +168,9 @@ def load(path: str) -> Any:
 
 def load_from(source, where: str, mmap: bool = False) -> Any:
     """As :func:`load`, from ``source`` (a path or a file object); errors name ``where``."""
+    problem = nesting_problem_of(source)
+    if problem is not None:
+        raise UnsafeCheckpointError(f"{where}: refused to unpickle: {problem}")
     try:
         with _LOCK, torch.serialization.safe_globals(_ALLOWED):
             obj = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
@@ -180,6 +186,75 @@ def load_from(source, where: str, mmap: bool = False) -> Any:
     except Exception as exc:
         raise CheckpointError(f"{where} is not a readable torch.save file (truncated or damaged?): "
                               f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+
+
+MAX_TUPLE_NESTING = 16
+_MADE_NESTED = {"TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "FROZENSET"}
+_KEEPS_TOP = {"BUILD", "SETITEM", "SETITEMS", "APPEND", "APPENDS", "ADDITEMS", "MEMOIZE", "DUP"}
+
+
+def nesting_problem(stream) -> str | None:
+    """Why the pickles at the start of ``stream`` (a binary file object, one pickle or several
+    back to back) may not be unpickled: tuples nested deeper than :data:`MAX_TUPLE_NESTING`.
+    ``t = (t', t')`` through the memo, 64 deep, is a few hundred bytes; as a dict key, unpickling
+    it hashes 2^64 tuples, and written out as a name it would be as long. Read from the opcodes
+    alone, before any unpickler runs; what they do not parse is left to the unpickler."""
+    while True:
+        stack: list = []  # per item, how deep its tuples nest (None: a mark)
+        memo: dict = {}
+        try:
+            for op, arg, _ in pickletools.genops(stream):
+                popped = _pop(stack, op.stack_before)
+                depth = 0
+                if op.name in _MADE_NESTED:
+                    depth = 1 + max((d for d in popped if d is not None), default=0)
+                    if depth > MAX_TUPLE_NESTING:
+                        return f"tuples nested deeper than {MAX_TUPLE_NESTING}"
+                elif op.name in _KEEPS_TOP:
+                    depth = popped[0]
+                elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+                    depth = memo.get(arg, 0)
+                if op.name in ("PUT", "BINPUT", "LONG_BINPUT") and stack:
+                    memo[arg] = stack[-1]
+                elif op.name == "MEMOIZE":
+                    memo[len(memo)] = depth
+                stack += [None if item is pickletools.markobject else depth for item in op.stack_after]
+        except (ValueError, IndexError):  # not (or no longer) a pickle: a legacy file's raw data
+            return None
+        if op.name != "STOP":  # the stream ended
+            return None
+
+
+def _pop(stack: list, before: list) -> list:
+    """The depths an opcode takes off ``stack`` (those above its mark, for a mark and a slice)."""
+    popped = []
+    count = len(before)
+    if count >= 2 and before[-1] is pickletools.stackslice:
+        while stack and stack[-1] is not None:
+            popped.append(stack.pop())
+        if not stack:
+            raise IndexError("no mark")
+        stack.pop()
+        count -= 2
+    for _ in range(count):
+        popped.append(stack.pop())  # IndexError on a stack too short: left to the unpickler
+    return popped[::-1]
+
+
+def nesting_problem_of(source) -> str | None:
+    """:func:`nesting_problem` of a ``torch.save`` file or stream: its archive's ``data.pkl``,
+    or the pickles a legacy file starts with."""
+    with contextlib.ExitStack() as stack:
+        if isinstance(source, (str, os.PathLike)):
+            source = stack.enter_context(open(source, "rb"))
+        start = source.tell()
+        stack.callback(source.seek, start)
+        if zipfile.is_zipfile(source):
+            archive = stack.enter_context(zipfile.ZipFile(source))
+            names = [name for name in archive.namelist() if name.endswith("/data.pkl") or name == "data.pkl"]
+            return nesting_problem(stack.enter_context(archive.open(names[0]))) if names else None
+        source.seek(start)
+        return nesting_problem(source)
 
 
 def refusal_reason(exc: Exception) -> str:
