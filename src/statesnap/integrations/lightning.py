@@ -360,11 +360,8 @@ class _Store:
 
     def remove(self, path: str) -> None:
         handle = self._handles.pop(path, None)
-        if handle is not None:
-            try:
-                handle.wait()
-            except CheckpointError:
-                pass  # it never committed: nothing of it to remove
+        if handle is not None:  # a save that failed left nothing to remove; the Checkpointer raises its error
+            futures.wait([handle.durable])
         with self._lock:
             step = self._named.get(path)
             newest = max(self._waiting, default=None)
