@@ -124,8 +124,8 @@ class TorchtitanCheckpointer:
     @torch.no_grad()
     def load(self, step: int = -1) -> bool:
         """Restore ``step`` (``-1``: the newest committed one that holds the states a load restores:
-        a model-only last save, ``last_save_model_only``, is passed over with a warning, as
-        torchtitan's own resume passes over its model-only Hugging Face exports); with no
+        a model-only last save, ``last_save_model_only``, is passed over with a warning, where
+        torchtitan's own manager would load it whole and fail); with no
         checkpoint in ``folder``, ``initial_load_path`` (a statesnap checkpoint) if given. A step-0 (seed)
         checkpoint and ``initial_load_model_only`` restore the model alone. Returns whether anything
         was loaded. Every name loaded must be in the checkpoint with its shape and dtype, and the
