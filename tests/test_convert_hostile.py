@@ -568,7 +568,7 @@ def test_dcp_data_files_must_be_regular_files_inside_the_checkpoint(tmp_path, ho
             info.relative_path = str(elsewhere / info.relative_path) if how == "absolute" else \
                 os.path.join("..", "elsewhere", info.relative_path)
     (src / ".metadata").write_bytes(pickle.dumps(metadata))
-    words = "is not a regular file" if how == "fifo" else "which is not a path inside"
+    words = "is a FIFO, not the regular file" if how == "fifo" else "which is not a path inside"
     with pytest.raises(CheckpointError, match=words):
         _convert(src, tmp_path)
     assert not (tmp_path / "out").exists()

@@ -17,7 +17,6 @@ import enum
 import os
 import pathlib
 import pickle
-import stat
 
 import numpy as np
 import torch
@@ -28,6 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from ..format.boxes import first_outside, tiling_problem
+from ..storage.local import open_source
 from .unpickler import load_from, nesting_problem
 
 METADATA_NAME = ".metadata"
@@ -67,12 +67,12 @@ def _check_files(src: str, path: str, metadata: Metadata) -> None:
         if not isinstance(name, str) or os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] == "..":
             raise CheckpointError(f"{path} names the data file {name!r}, which is not a path inside {src}")
         try:
-            mode = os.stat(os.path.join(src, name)).st_mode
+            open_source(os.path.join(src, name)).close()  # a FIFO there: CorruptCheckpointError
         except FileNotFoundError:
             continue
-        if not stat.S_ISREG(mode):
-            raise CorruptCheckpointError(f"{os.path.join(src, name)}, a data file of DCP checkpoint {src}, is not a "
-                                         "regular file")
+        except IsADirectoryError:
+            raise CorruptCheckpointError(f"{os.path.join(src, name)}, a data file of DCP checkpoint {src}, is a "
+                                         "directory") from None
 
 
 def _check_chunks(path: str, metadata: Metadata) -> None:

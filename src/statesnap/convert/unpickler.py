@@ -199,7 +199,7 @@ def nesting_problem(stream) -> str | None:
     ``t = (t', t')`` through the memo, 64 deep, is a few hundred bytes; as a dict key, unpickling
     it hashes 2^64 tuples, and written out as a name it would be as long. Read from the opcodes
     alone, before any unpickler runs; what they do not parse is left to the unpickler."""
-    while True:
+    while True:  # genops stops at each pickle's STOP
         stack: list = []  # per item, how deep its tuples nest (None: a mark)
         memo: dict = {}
         try:
@@ -207,7 +207,7 @@ def nesting_problem(stream) -> str | None:
                 popped = _pop(stack, op.stack_before)
                 depth = 0
                 if op.name in _MADE_NESTED:
-                    depth = 1 + max((d for d in popped if d is not None), default=0)
+                    depth = 1 + max(popped, default=0)
                     if depth > MAX_TUPLE_NESTING:
                         return f"tuples nested deeper than {MAX_TUPLE_NESTING}"
                 elif op.name in _KEEPS_TOP:
@@ -219,9 +219,7 @@ def nesting_problem(stream) -> str | None:
                 elif op.name == "MEMOIZE":
                     memo[len(memo)] = depth
                 stack += [None if item is pickletools.markobject else depth for item in op.stack_after]
-        except (ValueError, IndexError):  # not (or no longer) a pickle: a legacy file's raw data
-            return None
-        if op.name != "STOP":  # the stream ended
+        except (ValueError, IndexError):  # the end of the stream, or no pickle: a legacy file's raw data
             return None
 
 
