@@ -225,7 +225,7 @@ def test_urls_fsspec_cannot_serve_are_one_line_errors(ckpt, capsys):
         strict_json(captured.out)
 
 
-@pytest.mark.parametrize("options", ["[1]", '"x"', "1", "null", "not json"])
+@pytest.mark.parametrize("options", ["[1]", '"x"', "1", "null", "not json", '{"a": NaN}', '{"a": 1, "a": 2}'])
 def test_storage_options_that_are_not_a_json_object_are_a_usage_error(ckpt, options, capsys):
     for argv in (["inspect", str(ckpt)], ["inspect", "--json", "s3://bucket/ckpt"], ["verify", str(ckpt)],
                  ["diff", str(ckpt), str(ckpt)]):

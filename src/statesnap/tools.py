@@ -15,6 +15,7 @@ import torch
 
 from .cli import json_text, printable
 from .errors import CheckpointError
+from .format.columns import parse_json
 from .format.dtypes import dtype_name
 from .format.manifest import MANIFEST_NAME, ObjectEntry
 from .reader import Reader, TensorInfo
@@ -36,9 +37,10 @@ def human_bytes(n: float) -> str:
 
 
 def json_object(text: str) -> dict:
-    """``--storage-options``: fsspec takes keyword arguments, so only a JSON object will do."""
+    """``--storage-options``: fsspec takes keyword arguments, so only a JSON object will do, and
+    only RFC 8259 JSON (NaN, a key given twice: the same rules as a manifest's)."""
     try:
-        value = json.loads(text)
+        value = parse_json(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc})") from None
     if not isinstance(value, dict):
