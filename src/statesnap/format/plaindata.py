@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import ManifestError
-from .dtypes import dtype_from_name, dtype_name
+from .dtypes import DTYPE_TO_NAME, dtype_from_name, dtype_name
 
 TAG = "__ss_"
 # Inline tensors are for small state (RNG, counters); large tensors belong in data files.
@@ -26,9 +26,11 @@ class NotPlainData(TypeError):
 
 def inlinable(t: torch.Tensor) -> bool:
     """Small plain CPU tensors may live inside plain data (tagged JSON); others need data files.
-    Sparse and nested tensors are not plain: their bytes are not one strided block."""
+    Sparse and nested tensors are not plain: their bytes are not one strided block. Nor is a
+    dtype the format does not name (a quantized tensor): walked as a tensor, it is refused by
+    name (state/items.py) rather than by a bare dtype error from deep in the encoder."""
     return (type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided and not t.is_nested
-            and t.numel() * t.element_size() <= MAX_INLINE_TENSOR_BYTES)
+            and t.dtype in DTYPE_TO_NAME and t.numel() * t.element_size() <= MAX_INLINE_TENSOR_BYTES)
 
 
 def encode(value: Any) -> Any:

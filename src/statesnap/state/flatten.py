@@ -160,7 +160,7 @@ class _Walker:
                                                    replicated=has_replicate(value)))
         else:
             # A plain tensor under several ranks is a replica (DDP): identical boxes dedup on save.
-            self.out.tensors.append(TensorItem(fqn, value, tuple(value.shape)))
+            self.out.tensors.append(TensorItem(fqn, value))
 
     def module(self, fqn: str, module: nn.Module) -> None:
         if self._reused(fqn, module):

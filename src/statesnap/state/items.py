@@ -36,7 +36,7 @@ class TensorItem:
 
     fqn: str
     local: torch.Tensor
-    global_shape: tuple
+    global_shape: tuple | None = None  # None: the local tensor's own shape (read once it is known to have one)
     layout: str = BOX
     start: tuple = ()
     size: tuple = ()
@@ -46,6 +46,8 @@ class TensorItem:
         problem = _unstorable(self.local)
         if problem:
             raise CheckpointError(f"tensor {self.fqn!r} {problem}")
+        if self.global_shape is None:
+            self.global_shape = tuple(self.local.shape)
         if not self.size and self.layout == BOX:
             self.start, self.size = (0,) * len(self.global_shape), tuple(self.global_shape)
         self.global_shape = tuple(int(s) for s in self.global_shape)
@@ -64,7 +66,11 @@ class TensorItem:
 
 
 def _unstorable(t: torch.Tensor) -> str | None:
-    """Why ``t``'s values cannot be read or written as plain bytes, or None."""
+    """Why ``t``'s values cannot be read or written as plain bytes, or None. (A nested tensor of
+    the strided layout has no shape to ask for: it is looked for first.)"""
+    if t.is_nested:
+        return ("is a nested tensor: only dense (strided) tensors are saved or loaded into (t.unbind() gives its "
+                "components, t.to_padded_tensor(0.0) one dense tensor)")
     if t.layout != torch.strided:
         return f"is {str(t.layout)[6:]}: only dense (strided) tensors are saved or loaded into (t.to_dense() gives one)"
     if t.dtype not in DTYPE_TO_NAME:
