@@ -597,6 +597,18 @@ def test_tensors_without_plain_values_are_refused_by_name(tmp_path, make, words)
         ss.load({"ok": torch.zeros(2), "odd": make()}, tmp_path / "good")
 
 
+def test_an_expanded_target_is_refused_by_name(tmp_path):
+    """A load into ``t.expand(...)`` (stride 0) failed with PyTorch's "more than one element of
+    the written-to tensor refers to a single memory location", naming no tensor. Saving one is
+    fine: its values are read."""
+    row = torch.randn(1, 8)
+    ss.save({"ok": torch.ones(2), "wide": row.expand(4, 8)}, tmp_path / "c")
+    target = {"ok": torch.zeros(2), "wide": torch.zeros(1, 8).expand(4, 8)}
+    with pytest.raises(ss.CheckpointError, match="tensor 'wide' is an expanded view .*dimension 0"):
+        ss.load(target, tmp_path / "c")
+    assert torch.equal(ss.open(tmp_path / "c").read("wide"), row.expand(4, 8))
+
+
 @pytest.mark.parametrize("make, words", [
     (lambda: torch.quantize_per_tensor(torch.zeros(2), 0.1, 0, torch.quint8), "dtype torch.quint8"),
     (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "a nested tensor"),

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ..errors import CheckpointError
 from ..format.plaindata import inlinable
 from ..format.manifest import BOX
-from .items import Flattened, ObjectItem, TensorItem
+from .items import Flattened, ObjectItem, TensorItem, refuse_unwritable
 from .placement import dtensor_box, has_replicate, is_dtensor
 from .reuse import ProviderCache
 from .wrappers import PerRank, Replicated, Sharded
@@ -155,12 +155,15 @@ class _Walker:
         self._claim(fqn)
         if is_dtensor(value):
             box = dtensor_box(value, fqn)
-            if box is not None:
-                self.out.tensors.append(TensorItem(fqn, value.to_local(), tuple(value.shape), BOX, *box,
-                                                   replicated=has_replicate(value)))
+            if box is None:
+                return
+            item = TensorItem(fqn, value.to_local(), tuple(value.shape), BOX, *box, replicated=has_replicate(value))
         else:
             # A plain tensor under several ranks is a replica (DDP): identical boxes dedup on save.
-            self.out.tensors.append(TensorItem(fqn, value))
+            item = TensorItem(fqn, value)
+        if self.for_load:
+            refuse_unwritable(item)
+        self.out.tensors.append(item)
 
     def module(self, fqn: str, module: nn.Module) -> None:
         if self._reused(fqn, module):

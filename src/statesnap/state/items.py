@@ -82,6 +82,21 @@ def _unstorable(t: torch.Tensor) -> str | None:
     return None
 
 
+def refuse_unwritable(item: TensorItem) -> None:
+    """Refuse, naming it, a load target whose elements share memory: an expanded view (stride 0,
+    ``t.expand``) holds one value in memory for many. No checkpoint fills it unless all those
+    copies are stored alike, and PyTorch refuses the write anyway, in words that name no tensor."""
+    t = item.local
+    if t.is_contiguous():  # (the commonest, and cheapest to ask)
+        return
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if size > 1 and stride == 0:
+            raise CheckpointError(
+                f"tensor {item.fqn!r} is an expanded view (stride 0 in dimension {dim}, t.expand): its "
+                f"{size} elements along it share one place in memory, so a load cannot give each its own "
+                "value. Load into a tensor of its own (t.clone()), or into what it was expanded from")
+
+
 @dataclass
 class ObjectItem:
     """A non-tensor value; ``assign`` puts a loaded value back where the template had it."""
