@@ -4,6 +4,7 @@ manifest's checksum of itself catches edits that still parse (§5)."""
 import base64
 import json
 import math
+import os
 import time
 import zlib
 
@@ -182,6 +183,35 @@ def test_plain_data_nested_too_deeply_is_a_manifest_error():
         deep = [deep]
     with pytest.raises(ManifestError, match="nested too deeply"):
         decode(deep, "extra.x")
+
+
+@pytest.mark.parametrize("meta, words", [
+    ({"shape": (2, 3)}, r"meta\['shape'\] is a tuple"),
+    ({1: "a"}, "meta has the key 1, which is not a string"),
+    ({"loss": float("nan")}, r"meta\['loss'\] is a non-finite float"),
+    ({"deep": [{"b": b"x"}]}, r"meta\['deep'\]\[0\]\['b'\] is a bytes"),
+    ({"n": 10 ** 4300}, r"meta\['n'\] is an int of more than 4300 digits"),
+    ("step 3", "meta must be a dict, not str"),
+])
+def test_meta_json_cannot_give_back_as_it_was_is_refused_before_writing(tmp_path, meta, words):
+    """``meta`` is stored as JSON: a tuple came back a list and a key 1 came back "1" without a
+    word; NaN, bytes, a tensor or an int of 4301 digits failed the commit once every byte was
+    written, in json's words ("Out of range float values are not JSON compliant")."""
+    with pytest.raises(ss.CheckpointError, match=words):
+        ss.save({"t": torch.ones(2)}, tmp_path / "c", meta=meta)
+    assert os.listdir(tmp_path) == []
+    ss.save({"t": torch.ones(2)}, tmp_path / "c", meta={"n": 10 ** 4299, "shape": [2, 3], "x": {"y": None}})
+    assert ss.open(tmp_path / "c").meta == {"n": 10 ** 4299, "shape": [2, 3], "x": {"y": None}}
+
+
+def test_a_plain_int_longer_than_json_readers_take_is_refused_by_name(tmp_path):
+    """An int of 4301 digits failed the commit naming nothing; in a process that had raised
+    Python's digit limit it was written, and no reader could open the checkpoint ("not valid
+    JSON ... damaged"). Stored with pickle, when allowed, it comes back whole."""
+    with pytest.raises(ss.UnsafeCheckpointError, match=r"extra.n: an int of more than 4300 digits"):
+        ss.save({"extra": {"n": -10 ** 4300}}, tmp_path / "c")
+    ss.save({"extra": {"n": -10 ** 4300}}, tmp_path / "c", allow_pickle=True)
+    assert ss.open(tmp_path / "c", allow_pickle=True).read("extra.n") == -10 ** 4300
 
 
 def test_plain_data_inside_a_list_keeps_non_str_keys(tmp_path):

@@ -24,6 +24,20 @@ class NotPlainData(TypeError):
     pass
 
 
+# Readers refuse an integer literal of more digits than Python converts by default (docs/format.md
+# §8, rule 1), so a writer must not write one, whatever limit its own process set.
+MAX_INT_DIGITS = 4300
+_INT_LIMIT = 10 ** MAX_INT_DIGITS
+
+
+def int_too_long(value: int) -> str | None:
+    """Why ``value`` cannot be a JSON integer of the manifest, or None."""
+    if -_INT_LIMIT < value < _INT_LIMIT:
+        return None
+    return (f"an int of more than {MAX_INT_DIGITS} digits ({value.bit_length()} bits), longer than JSON readers "
+            "take")
+
+
 def inlinable(t: torch.Tensor) -> bool:
     """Small plain CPU tensors may live inside plain data (tagged JSON); others need data files.
     Sparse and nested tensors are not plain: their bytes are not one strided block. Nor is a
@@ -38,6 +52,8 @@ def encode(value: Any) -> Any:
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
+        if int_too_long(value):
+            raise NotPlainData(int_too_long(value))
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else {TAG + "float": repr(value)}
