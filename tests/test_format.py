@@ -154,6 +154,21 @@ def test_plain_data_round_trips(tmp_path):
     assert reader.read("extra.bytes") == PLAIN["bytes"]
 
 
+def test_a_nan_keeps_its_sign_and_payload(tmp_path):
+    """Every NaN was written "nan" and read back as math.nan: ``inf - inf`` (-nan on x86, sign
+    bit set) and a NaN carrying a payload came back with other bits, breaking the bit-for-bit
+    promise for plain values. Now such a NaN is written by its bits; math.nan still as "nan"."""
+    import struct
+    bits = [0xFFF8000000000000, 0x7FF0000000000123, 0xFFFFFFFFFFFFFFFF, 0x7FF8000000000000]
+    values = [struct.unpack("<d", struct.pack("<Q", b))[0] for b in bits]
+    ss.save({"v": (*values, [values[0]], {"x": values[1]})}, tmp_path / "c")
+    back = ss.open(tmp_path / "c").read("v")
+    assert [struct.unpack("<Q", struct.pack("<d", x))[0] for x in (*back[:4], back[4][0], back[5]["x"])] == \
+        [*bits, bits[0], bits[1]]
+    doc = json.loads((tmp_path / "c" / MANIFEST_NAME).read_bytes())
+    assert doc["objects"]["v"]["json"]["__ss_tuple"][3] == {"__ss_float": "nan"}
+
+
 @pytest.mark.parametrize("tagged", [
     {"__ss_float": "1.5"}, {"__ss_float": 7}, {"__ss_tuple": "abc"}, {"__ss_tuple": {"a": 1}},
     {"__ss_bytes": "!!!"}, {"__ss_bytes": 5}, {"__ss_dict": [[1]]}, {"__ss_dict": [[[1], 2]]},
@@ -162,6 +177,8 @@ def test_plain_data_round_trips(tmp_path):
     {"__ss_tensor": {"dtype": "float32", "shape": [True], "data": "AAAAAA=="}},
     {"__ss_tensor": {"dtype": "float32", "shape": [1], "data": "AAAAAA==", "extra": 1}},
     {"__ss_float": "nan", "__ss_tuple": []}, {"__ss_float": "nan", "x": 1}, {"__ss_what": 1},
+    {"__ss_float": "nan:7ff0000000000000"}, {"__ss_float": "nan:FFF8000000000000"},
+    {"__ss_float": "nan:7ff8000000000000"}, {"__ss_float": "nan:fff8"},
 ])
 def test_plain_data_that_encode_never_writes_is_refused_not_guessed_at(tagged):
     """docs/format.md §6: a tagged value is exactly what the writer writes, or a ManifestError
