@@ -820,6 +820,18 @@ def test_an_optimizer_over_a_wrapped_sequential_loads(tmp_path):
     assert_same_optim(optim, optim2)
 
 
+def test_names_holding_a_lone_surrogate_save_and_load(tmp_path):
+    """A key from ``os.fsdecode`` of a file name that is not UTF-8 holds a lone surrogate; the
+    save failed with a bare UnicodeEncodeError from the planner (which hashes names), not a
+    CheckpointError. Such names save, load and read back as they are."""
+    name = os.fsdecode(b"shard-\xff")
+    ss.save({"files": {name: torch.arange(3.0), "n": {name: 7}}}, tmp_path / "c")
+    assert ss.open(tmp_path / "c").keys() == sorted([f"files.{name}", f"files.n.{name}"])
+    target = {"files": {name: torch.zeros(3), "n": {name: 0}}}
+    ss.load(target, tmp_path / "c")
+    assert torch.equal(target["files"][name], torch.arange(3.0)) and target["files"]["n"][name] == 7
+
+
 def test_views_of_one_buffer_in_a_list_are_each_filled(tmp_path):
     """Views that do not overlap are filled in place, each with its stored value."""
     ss.save({"halves": [torch.ones(2), torch.full((2,), 2.0)]}, tmp_path / "c")
