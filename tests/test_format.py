@@ -79,11 +79,26 @@ def test_zero_dim_empty_and_non_contiguous(tmp_path):
 
 
 @pytest.mark.parametrize("index", [slice(2, 9), 3, -1, (slice(1, 12), slice(4, 9)), (slice(None), 7, slice(1, 4)),
-                                   (-1, -2), slice(5, 5), (4, 16, 0)])
+                                   (-1, -2), slice(5, 5), (4, 16, 0), np.int64(2), (torch.tensor(3), slice(np.int32(1), 5))])
 def test_reader_reads_regions(tmp_path, index):
     original = torch.randn(13, 17, 5)
     ss.save({"t": original}, tmp_path / "c", block_bytes=64)
     assert torch.equal(ss.open(tmp_path / "c").read("t", index), original[index])
+
+
+@pytest.mark.parametrize("name, index, words", [
+    ("t", True, "a bool cannot index a region"),
+    ("t", (0, torch.tensor(False)), "a bool cannot index a region"),
+    ("t", slice(0.5, 2), "slice bounds must be integers"),
+    ("n", 0, "n is a plain value, not a tensor"),
+])
+def test_reader_region_indices_that_would_read_something_else_are_refused(tmp_path, name, index, words):
+    """``read("t", True)`` read row 1 (a bool is an int), where torch's ``t[True]`` adds a
+    dimension; an index into a plain value was ignored and the whole value returned; a slice of
+    float bounds raised a bare TypeError. Numpy and 0-d tensor integers read as the ints they are."""
+    ss.save({"t": torch.randn(3, 4), "n": [1, 2]}, tmp_path / "c")
+    with pytest.raises(ss.CheckpointError, match=words):
+        ss.open(tmp_path / "c").read(name, index)
 
 
 def test_reader_region_reads_only_its_bytes(tmp_path, monkeypatch):
