@@ -463,6 +463,15 @@ def test_values_in_a_tuple_are_filled_in_place_or_must_be_the_stored_ones(tmp_pa
     assert torch.equal(target["pair"][0].weight, model.weight)
 
 
+def test_a_tuple_keeps_no_float_that_differs_from_the_stored_one_in_its_bits(tmp_path):
+    """Values in a tuple must be the stored ones; floats were compared with ==, so a tuple
+    holding 0.0 took a checkpoint storing -0.0 (or another NaN) and kept its own value."""
+    ss.save({"pair": (nn.Linear(2, 2), -0.0)}, tmp_path / "c")
+    with pytest.raises(ss.CheckpointError, match=r"pair.1 lies in a tuple.*-0.0 against 0.0"):
+        ss.load({"pair": (nn.Linear(2, 2), 0.0)}, tmp_path / "c")
+    ss.load({"pair": (nn.Linear(2, 2), -0.0)}, tmp_path / "c")
+
+
 def test_a_list_of_large_tensors_against_a_checkpoint_that_stored_it_whole_is_a_mismatch(tmp_path):
     ss.save({"y": [torch.arange(4.0), torch.arange(5.0)]}, tmp_path / "c")  # small: stored whole
     target = {"y": [torch.zeros(BIG), torch.zeros(BIG)]}

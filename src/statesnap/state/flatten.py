@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
 import operator
+import struct
 from typing import Any, Callable
 
 import torch
@@ -397,14 +397,15 @@ def address_range(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal values, looking inside tuples (NaN equals NaN: a value saved is the value loaded; a
-    named tuple comes back as a plain one)."""
+    """Equal values, looking inside tuples (a named tuple comes back as a plain one). Floats are
+    compared bit for bit: NaN equals the NaN of the same bits (a value saved is the value loaded),
+    and -0.0 is not 0.0, which ``==`` would let a tuple keep in place of the stored one."""
     if isinstance(a, tuple) and isinstance(b, tuple):
         return len(a) == len(b) and all(map(_same, a, b))
     if type(a) is not type(b):
         return False
-    if isinstance(a, float) and math.isnan(a):
-        return math.isnan(b)
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 (values whose comparison is ambiguous or raises)
