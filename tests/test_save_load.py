@@ -472,6 +472,17 @@ def test_a_tuple_keeps_no_float_that_differs_from_the_stored_one_in_its_bits(tmp
     ss.load({"pair": (nn.Linear(2, 2), -0.0)}, tmp_path / "c")
 
 
+def test_a_tuple_keeps_no_small_tensor_of_another_dtype_than_the_stored_one(tmp_path):
+    """The same for a small tensor in a tuple stored whole: == of one-element tensors of two
+    dtypes is True, so a float32 1.0 stayed where the checkpoint holds a float64 1.0."""
+    ss.save({"pair": (nn.Linear(2, 2), (torch.tensor(1.0, dtype=torch.float64), 1))}, tmp_path / "c")
+    with pytest.raises(ss.CheckpointError, match=r"pair.1 lies in a tuple"):
+        ss.load({"pair": (nn.Linear(2, 2), (torch.tensor(1.0), 1))}, tmp_path / "c")
+    target = {"pair": (nn.Linear(2, 2), (torch.tensor(0.0, dtype=torch.float64), 1))}
+    ss.load(target, tmp_path / "c")  # the same dtype: filled in place
+    assert target["pair"][1][0].item() == 1.0
+
+
 def test_a_list_of_large_tensors_against_a_checkpoint_that_stored_it_whole_is_a_mismatch(tmp_path):
     ss.save({"y": [torch.arange(4.0), torch.arange(5.0)]}, tmp_path / "c")  # small: stored whole
     target = {"y": [torch.zeros(BIG), torch.zeros(BIG)]}

@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import StateMismatchError
-from ..state.flatten import address_range
+from ..state.flatten import address_range, same_bits
 from ..state.items import TensorItem
 
 
@@ -72,11 +72,9 @@ def first_overwritten(pairs: list[tuple[TensorItem, TensorItem]],
 
 
 def _holds(target: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether ``target`` holds ``values`` bit for bit (NaN payloads and -0.0 included),
-    compared where the target lives (a GPU target is not copied to the host for it)."""
-    def raw(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
-    return torch.equal(raw(target), raw(values.to(device=target.device, dtype=target.dtype)))
+    """Whether ``target`` holds ``values`` bit for bit, compared where the target lives (a GPU
+    target is not copied to the host for it)."""
+    return same_bits(target, values.to(dtype=target.dtype))
 
 
 def tie_error(a: str, b: str, where: str) -> StateMismatchError:

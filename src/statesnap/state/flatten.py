@@ -406,10 +406,20 @@ def _same(a: Any, b: Any) -> bool:
         return False
     if isinstance(a, float):
         return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, torch.Tensor):  # (== of one-element tensors of two dtypes is True)
+        return same_bits(a, b)
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 (values whose comparison is ambiguous or raises)
         return False
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` have one dtype and shape and hold the same bytes (NaN payloads and
+    -0.0 included), compared where ``a`` lives."""
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw(a), raw(b.to(a.device)))
 
 
 def _model_state_dict(module: nn.Module) -> dict:
