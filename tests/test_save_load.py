@@ -852,6 +852,27 @@ def test_names_holding_a_lone_surrogate_save_and_load(tmp_path):
     assert torch.equal(target["files"][name], torch.arange(3.0)) and target["files"]["n"][name] == 7
 
 
+class _Counter:
+    """Something with state_dict/load_state_dict whose state dict is not a dict."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return self.value
+
+    def load_state_dict(self, sd):
+        self.value = sd
+
+
+@pytest.mark.parametrize("value", [[1, 2], torch.ones(2), 5])
+def test_a_state_dict_that_is_no_dict_is_refused_by_name(tmp_path, value):
+    """It failed with "preparing the save failed on rank 0: 'list' object has no attribute
+    'items'", naming neither the value nor what to do."""
+    with pytest.raises(ss.CheckpointError, match=r"sampler: state_dict\(\) of the _Counter returned a "):
+        ss.save({"sampler": _Counter(value)}, tmp_path / "c")
+
+
 def test_views_of_one_buffer_in_a_list_are_each_filled(tmp_path):
     """Views that do not overlap are filled in place, each with its stored value."""
     ss.save({"halves": [torch.ones(2), torch.full((2,), 2.0)]}, tmp_path / "c")

@@ -133,6 +133,10 @@ class _Walker:
                 self.walk(join(fqn, index), element, value, index)
         elif _is_stateful(value):
             sd = value.state_dict()
+            if not isinstance(sd, dict):  # (walk_dict would fail with "'list' object has no attribute 'items'")
+                raise CheckpointError(f"{fqn}: state_dict() of the {type(value).__name__} returned a "
+                                      f"{type(sd).__name__}, not a dict; statesnap stores a state dict by its keys. "
+                                      "Return a dict (e.g. {'value': ...}), or put the value itself in the state")
             self.walk_dict(fqn, sd)
             if self.for_load:
                 self.out.finalizers.append(lambda v=value, sd=sd: v.load_state_dict(sd))
