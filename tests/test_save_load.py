@@ -852,6 +852,21 @@ def test_names_holding_a_lone_surrogate_save_and_load(tmp_path):
     assert torch.equal(target["files"][name], torch.arange(3.0)) and target["files"]["n"][name] == 7
 
 
+def test_file_urls_name_the_local_paths_they_name(tmp_path, monkeypatch):
+    """Only file:///p was understood: file://localhost/p and file:/p (RFC 8089 spells the same
+    path so) became the relative paths localhost/p and file:/p, so the checkpoint went into the
+    working directory, where no load from elsewhere finds it. A file URL of another host is
+    refused rather than written here."""
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    for url, name in ((f"file://localhost{tmp_path}/a", "a"), (f"file:{tmp_path}/b", "b")):
+        ss.save({"x": torch.ones(2)}, url)
+        assert torch.equal(ss.open(tmp_path / name).read("x"), torch.ones(2))
+    assert os.listdir(tmp_path / "cwd") == []
+    with pytest.raises(ss.CheckpointError, match="names a file on the host 'server'"):
+        ss.save({"x": torch.ones(2)}, "file://server/share/c")
+
+
 class _Counter:
     """Something with state_dict/load_state_dict whose state dict is not a dict."""
 
