@@ -325,6 +325,29 @@ def test_in_a_state_larger_than_the_arena_save_waits_for_those_copies_alone(tmp_
     ckpt.close()
 
 
+def test_a_restore_from_memory_into_targets_sharing_memory_is_checked(tmp_path):
+    """A restore from host memory copied each snapshot value into its target and checked
+    nothing: tied weights the snapshot held untied, or views of one tensor, came back holding
+    the last copy's values. Now they are named as a load from storage names them."""
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    ckpt = ss.Checkpointer(tmp_path, persist_every=1)
+    try:
+        ckpt.save(1, {"a": a, "b": b})
+        ckpt.wait_staged()
+        tied = torch.zeros(8, 8)
+        with pytest.raises(ss.StateMismatchError, match=r"'a' and 'b' share memory.*host memory"):
+            ckpt.load_latest({"a": tied, "b": tied})
+        base = torch.zeros(8, 8)
+        with pytest.raises(ss.StateMismatchError, match=r"'a' and 'b' share memory.*host memory"):
+            ckpt.load_latest({"a": base, "b": base.t()})
+        ckpt.save(2, {"a": a, "b": a.t()})
+        ckpt.wait_staged()
+        assert ckpt.load_latest({"a": base, "b": base.t()}) == 2 and ckpt.loaded_from == "memory"
+        assert torch.equal(base, a)
+    finally:
+        ckpt.close()
+
+
 def test_pickled_values_larger_than_a_checksum_block(tmp_path):
     """A pickled value is checked by one hash of all its bytes, whatever its size."""
     big = set(range(20_000))  # about 100 KB pickled, far over the small arena's blocks

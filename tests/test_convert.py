@@ -141,6 +141,21 @@ def test_export_skips_per_rank_values(tmp_path):
     assert torch.load(tmp_path / "out.pt", weights_only=True).keys() == {"w"}
 
 
+def test_an_empty_bytes_value_is_skipped_by_torch_exports_and_reads_back_from_dcp(tmp_path):
+    """torch.save pickles b"" as a call of ``bytes``, which torch.load(weights_only=True) refuses:
+    one empty bytes value made the whole exported .pt unloadable the way the export promises,
+    and statesnap's own reader refused a DCP export holding one ("Unsupported global: GLOBAL
+    bytes"). The torch export lists it in ``skipped``; the DCP export keeps it and reads back."""
+    ss.save({"w": torch.arange(3), "blob": b"", "pair": (b"", 1), "ok": b"x"}, tmp_path / "ck")
+    info = ss.export(tmp_path / "ck", tmp_path / "out.pt", to="torch")
+    assert sorted(s.split(" ")[0] for s in info.skipped) == ["blob", "pair"]
+    assert torch.load(tmp_path / "out.pt", weights_only=True).keys() == {"w", "ok"}
+    ss.export(tmp_path / "ck", tmp_path / "dcp", to="dcp")
+    ss.convert(tmp_path / "dcp", tmp_path / "back")
+    back = ss.open(tmp_path / "back")
+    assert back.read("blob") == b"" and back.read("pair") == (b"", 1) and back.read("ok") == b"x"
+
+
 def _write_hf_shards(root, tensors: dict, per_file: int) -> None:
     """A sharded checkpoint laid out as transformers' save_pretrained writes it."""
     names = list(tensors)

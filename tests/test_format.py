@@ -4,6 +4,7 @@ manifest's checksum of itself catches edits that still parse (§5)."""
 import base64
 import json
 import math
+import os
 import time
 import zlib
 
@@ -78,11 +79,26 @@ def test_zero_dim_empty_and_non_contiguous(tmp_path):
 
 
 @pytest.mark.parametrize("index", [slice(2, 9), 3, -1, (slice(1, 12), slice(4, 9)), (slice(None), 7, slice(1, 4)),
-                                   (-1, -2), slice(5, 5), (4, 16, 0)])
+                                   (-1, -2), slice(5, 5), (4, 16, 0), np.int64(2), (torch.tensor(3), slice(np.int32(1), 5))])
 def test_reader_reads_regions(tmp_path, index):
     original = torch.randn(13, 17, 5)
     ss.save({"t": original}, tmp_path / "c", block_bytes=64)
     assert torch.equal(ss.open(tmp_path / "c").read("t", index), original[index])
+
+
+@pytest.mark.parametrize("name, index, words", [
+    ("t", True, "a bool cannot index a region"),
+    ("t", (0, torch.tensor(False)), "a bool cannot index a region"),
+    ("t", slice(0.5, 2), "slice bounds must be integers"),
+    ("n", 0, "n is a plain value, not a tensor"),
+])
+def test_reader_region_indices_that_would_read_something_else_are_refused(tmp_path, name, index, words):
+    """``read("t", True)`` read row 1 (a bool is an int), where torch's ``t[True]`` adds a
+    dimension; an index into a plain value was ignored and the whole value returned; a slice of
+    float bounds raised a bare TypeError. Numpy and 0-d tensor integers read as the ints they are."""
+    ss.save({"t": torch.randn(3, 4), "n": [1, 2]}, tmp_path / "c")
+    with pytest.raises(ss.CheckpointError, match=words):
+        ss.open(tmp_path / "c").read(name, index)
 
 
 def test_reader_region_reads_only_its_bytes(tmp_path, monkeypatch):
@@ -153,6 +169,21 @@ def test_plain_data_round_trips(tmp_path):
     assert reader.read("extra.bytes") == PLAIN["bytes"]
 
 
+def test_a_nan_keeps_its_sign_and_payload(tmp_path):
+    """Every NaN was written "nan" and read back as math.nan: ``inf - inf`` (-nan on x86, sign
+    bit set) and a NaN carrying a payload came back with other bits, breaking the bit-for-bit
+    promise for plain values. Now such a NaN is written by its bits; math.nan still as "nan"."""
+    import struct
+    bits = [0xFFF8000000000000, 0x7FF0000000000123, 0xFFFFFFFFFFFFFFFF, 0x7FF8000000000000]
+    values = [struct.unpack("<d", struct.pack("<Q", b))[0] for b in bits]
+    ss.save({"v": (*values, [values[0]], {"x": values[1]})}, tmp_path / "c")
+    back = ss.open(tmp_path / "c").read("v")
+    assert [struct.unpack("<Q", struct.pack("<d", x))[0] for x in (*back[:4], back[4][0], back[5]["x"])] == \
+        [*bits, bits[0], bits[1]]
+    doc = json.loads((tmp_path / "c" / MANIFEST_NAME).read_bytes())
+    assert doc["objects"]["v"]["json"]["__ss_tuple"][3] == {"__ss_float": "nan"}
+
+
 @pytest.mark.parametrize("tagged", [
     {"__ss_float": "1.5"}, {"__ss_float": 7}, {"__ss_tuple": "abc"}, {"__ss_tuple": {"a": 1}},
     {"__ss_bytes": "!!!"}, {"__ss_bytes": 5}, {"__ss_dict": [[1]]}, {"__ss_dict": [[[1], 2]]},
@@ -161,6 +192,8 @@ def test_plain_data_round_trips(tmp_path):
     {"__ss_tensor": {"dtype": "float32", "shape": [True], "data": "AAAAAA=="}},
     {"__ss_tensor": {"dtype": "float32", "shape": [1], "data": "AAAAAA==", "extra": 1}},
     {"__ss_float": "nan", "__ss_tuple": []}, {"__ss_float": "nan", "x": 1}, {"__ss_what": 1},
+    {"__ss_float": "nan:7ff0000000000000"}, {"__ss_float": "nan:FFF8000000000000"},
+    {"__ss_float": "nan:7ff8000000000000"}, {"__ss_float": "nan:fff8"},
 ])
 def test_plain_data_that_encode_never_writes_is_refused_not_guessed_at(tagged):
     """docs/format.md §6: a tagged value is exactly what the writer writes, or a ManifestError
@@ -182,6 +215,35 @@ def test_plain_data_nested_too_deeply_is_a_manifest_error():
         deep = [deep]
     with pytest.raises(ManifestError, match="nested too deeply"):
         decode(deep, "extra.x")
+
+
+@pytest.mark.parametrize("meta, words", [
+    ({"shape": (2, 3)}, r"meta\['shape'\] is a tuple"),
+    ({1: "a"}, "meta has the key 1, which is not a string"),
+    ({"loss": float("nan")}, r"meta\['loss'\] is a non-finite float"),
+    ({"deep": [{"b": b"x"}]}, r"meta\['deep'\]\[0\]\['b'\] is a bytes"),
+    ({"n": 10 ** 4300}, r"meta\['n'\] is an int of more than 4300 digits"),
+    ("step 3", "meta must be a dict, not str"),
+])
+def test_meta_json_cannot_give_back_as_it_was_is_refused_before_writing(tmp_path, meta, words):
+    """``meta`` is stored as JSON: a tuple came back a list and a key 1 came back "1" without a
+    word; NaN, bytes, a tensor or an int of 4301 digits failed the commit once every byte was
+    written, in json's words ("Out of range float values are not JSON compliant")."""
+    with pytest.raises(ss.CheckpointError, match=words):
+        ss.save({"t": torch.ones(2)}, tmp_path / "c", meta=meta)
+    assert os.listdir(tmp_path) == []
+    ss.save({"t": torch.ones(2)}, tmp_path / "c", meta={"n": 10 ** 4299, "shape": [2, 3], "x": {"y": None}})
+    assert ss.open(tmp_path / "c").meta == {"n": 10 ** 4299, "shape": [2, 3], "x": {"y": None}}
+
+
+def test_a_plain_int_longer_than_json_readers_take_is_refused_by_name(tmp_path):
+    """An int of 4301 digits failed the commit naming nothing; in a process that had raised
+    Python's digit limit it was written, and no reader could open the checkpoint ("not valid
+    JSON ... damaged"). Stored with pickle, when allowed, it comes back whole."""
+    with pytest.raises(ss.UnsafeCheckpointError, match=r"extra.n: an int of more than 4300 digits"):
+        ss.save({"extra": {"n": -10 ** 4300}}, tmp_path / "c")
+    ss.save({"extra": {"n": -10 ** 4300}}, tmp_path / "c", allow_pickle=True)
+    assert ss.open(tmp_path / "c", allow_pickle=True).read("extra.n") == -10 ** 4300
 
 
 def test_plain_data_inside_a_list_keeps_non_str_keys(tmp_path):
@@ -583,6 +645,8 @@ def test_checking_the_manifest_costs_little_next_to_parsing_it():
     (lambda: torch.empty(3, device="meta"), "meta device"),
     (lambda: torch.zeros(4).to_sparse(), "sparse_coo: only dense"),
     (lambda: torch.quantize_per_tensor(torch.zeros(2), 0.1, 0, torch.quint8), "dtype torch.quint8"),
+    (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "a nested tensor"),
+    (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged), "a nested tensor"),
 ])
 def test_tensors_without_plain_values_are_refused_by_name(tmp_path, make, words):
     """A tensor whose values are not plain bytes in memory is refused up front, naming it, by a
@@ -593,3 +657,28 @@ def test_tensors_without_plain_values_are_refused_by_name(tmp_path, make, words)
     ss.save({"ok": torch.ones(2), "odd": torch.zeros(2)}, tmp_path / "good")
     with pytest.raises(ss.CheckpointError, match=f"tensor 'odd' .*{words}"):
         ss.load({"ok": torch.zeros(2), "odd": make()}, tmp_path / "good")
+
+
+def test_an_expanded_target_is_refused_by_name(tmp_path):
+    """A load into ``t.expand(...)`` (stride 0) failed with PyTorch's "more than one element of
+    the written-to tensor refers to a single memory location", naming no tensor. Saving one is
+    fine: its values are read."""
+    row = torch.randn(1, 8)
+    ss.save({"ok": torch.ones(2), "wide": row.expand(4, 8)}, tmp_path / "c")
+    target = {"ok": torch.zeros(2), "wide": torch.zeros(1, 8).expand(4, 8)}
+    with pytest.raises(ss.CheckpointError, match="tensor 'wide' is an expanded view .*dimension 0"):
+        ss.load(target, tmp_path / "c")
+    assert torch.equal(ss.open(tmp_path / "c").read("wide"), row.expand(4, 8))
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: torch.quantize_per_tensor(torch.zeros(2), 0.1, 0, torch.quint8), "dtype torch.quint8"),
+    (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "a nested tensor"),
+])
+def test_such_tensors_in_a_list_are_refused_by_name_too(tmp_path, make, words):
+    """A small one in a list was taken for plain data: a quantized tensor failed in the encoder
+    with a bare "dtype torch.quint8 is not supported" naming nothing, a nested one with PyTorch's
+    "NestedTensorImpl doesn't support sizes. Please file an issue"."""
+    with pytest.raises(ss.CheckpointError, match=f"tensor 'odd.1' .*{words}"):
+        ss.save({"odd": [torch.ones(2), make()]}, tmp_path / "c")
+    assert not (tmp_path / "c").exists()

@@ -463,6 +463,26 @@ def test_values_in_a_tuple_are_filled_in_place_or_must_be_the_stored_ones(tmp_pa
     assert torch.equal(target["pair"][0].weight, model.weight)
 
 
+def test_a_tuple_keeps_no_float_that_differs_from_the_stored_one_in_its_bits(tmp_path):
+    """Values in a tuple must be the stored ones; floats were compared with ==, so a tuple
+    holding 0.0 took a checkpoint storing -0.0 (or another NaN) and kept its own value."""
+    ss.save({"pair": (nn.Linear(2, 2), -0.0)}, tmp_path / "c")
+    with pytest.raises(ss.CheckpointError, match=r"pair.1 lies in a tuple.*-0.0 against 0.0"):
+        ss.load({"pair": (nn.Linear(2, 2), 0.0)}, tmp_path / "c")
+    ss.load({"pair": (nn.Linear(2, 2), -0.0)}, tmp_path / "c")
+
+
+def test_a_tuple_keeps_no_small_tensor_of_another_dtype_than_the_stored_one(tmp_path):
+    """The same for a small tensor in a tuple stored whole: == of one-element tensors of two
+    dtypes is True, so a float32 1.0 stayed where the checkpoint holds a float64 1.0."""
+    ss.save({"pair": (nn.Linear(2, 2), (torch.tensor(1.0, dtype=torch.float64), 1))}, tmp_path / "c")
+    with pytest.raises(ss.CheckpointError, match=r"pair.1 lies in a tuple"):
+        ss.load({"pair": (nn.Linear(2, 2), (torch.tensor(1.0), 1))}, tmp_path / "c")
+    target = {"pair": (nn.Linear(2, 2), (torch.tensor(0.0, dtype=torch.float64), 1))}
+    ss.load(target, tmp_path / "c")  # the same dtype: filled in place
+    assert target["pair"][1][0].item() == 1.0
+
+
 def test_a_list_of_large_tensors_against_a_checkpoint_that_stored_it_whole_is_a_mismatch(tmp_path):
     ss.save({"y": [torch.arange(4.0), torch.arange(5.0)]}, tmp_path / "c")  # small: stored whole
     target = {"y": [torch.zeros(BIG), torch.zeros(BIG)]}
@@ -820,6 +840,54 @@ def test_an_optimizer_over_a_wrapped_sequential_loads(tmp_path):
     assert_same_optim(optim, optim2)
 
 
+def test_names_holding_a_lone_surrogate_save_and_load(tmp_path):
+    """A key from ``os.fsdecode`` of a file name that is not UTF-8 holds a lone surrogate; the
+    save failed with a bare UnicodeEncodeError from the planner (which hashes names), not a
+    CheckpointError. Such names save, load and read back as they are."""
+    name = os.fsdecode(b"shard-\xff")
+    ss.save({"files": {name: torch.arange(3.0), "n": {name: 7}}}, tmp_path / "c")
+    assert ss.open(tmp_path / "c").keys() == sorted([f"files.{name}", f"files.n.{name}"])
+    target = {"files": {name: torch.zeros(3), "n": {name: 0}}}
+    ss.load(target, tmp_path / "c")
+    assert torch.equal(target["files"][name], torch.arange(3.0)) and target["files"]["n"][name] == 7
+
+
+def test_file_urls_name_the_local_paths_they_name(tmp_path, monkeypatch):
+    """Only file:///p was understood: file://localhost/p and file:/p (RFC 8089 spells the same
+    path so) became the relative paths localhost/p and file:/p, so the checkpoint went into the
+    working directory, where no load from elsewhere finds it. A file URL of another host is
+    refused rather than written here."""
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    for url, name in ((f"file://localhost{tmp_path}/a", "a"), (f"file:{tmp_path}/b", "b")):
+        ss.save({"x": torch.ones(2)}, url)
+        assert torch.equal(ss.open(tmp_path / name).read("x"), torch.ones(2))
+    assert os.listdir(tmp_path / "cwd") == []
+    with pytest.raises(ss.CheckpointError, match="names a file on the host 'server'"):
+        ss.save({"x": torch.ones(2)}, "file://server/share/c")
+
+
+class _Counter:
+    """Something with state_dict/load_state_dict whose state dict is not a dict."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return self.value
+
+    def load_state_dict(self, sd):
+        self.value = sd
+
+
+@pytest.mark.parametrize("value", [[1, 2], torch.ones(2), 5])
+def test_a_state_dict_that_is_no_dict_is_refused_by_name(tmp_path, value):
+    """It failed with "preparing the save failed on rank 0: 'list' object has no attribute
+    'items'", naming neither the value nor what to do."""
+    with pytest.raises(ss.CheckpointError, match=r"sampler: state_dict\(\) of the _Counter returned a "):
+        ss.save({"sampler": _Counter(value)}, tmp_path / "c")
+
+
 def test_views_of_one_buffer_in_a_list_are_each_filled(tmp_path):
     """Views that do not overlap are filled in place, each with its stored value."""
     ss.save({"halves": [torch.ones(2), torch.full((2,), 2.0)]}, tmp_path / "c")
@@ -857,3 +925,25 @@ def test_weights_tied_in_the_state_but_not_in_the_checkpoint_are_named(tmp_path)
     base = torch.zeros(3 << 18)
     with pytest.raises(ss.StateMismatchError, match=r"'a' and 'b' share memory"):
         ss.load({"a": base[:1 << 19], "b": base[1 << 18:]}, tmp_path / "views")
+
+
+@pytest.mark.parametrize("views", ["read apart", "transposed"])
+def test_views_that_overwrite_each_other_are_named_however_they_are_read(tmp_path, views):
+    """Overlapping views were caught only when the second write broke the first's checksum
+    check: one read in the same request. Read apart (another tensor between them in the file)
+    or through a host copy (a transposed view), the load returned, ``a`` holding ``b``'s values."""
+    a, b, m = torch.randn(64, 64), torch.randn(64, 64), torch.zeros(4 << 20)  # 16 MiB: a and z in two requests
+    ss.save({"a": a, "m": m, "z": b}, tmp_path / "c")
+    if views == "read apart":
+        base = torch.zeros(96 * 64)
+        target = {"a": base[:64 * 64].view(64, 64), "m": m, "z": base[32 * 64:].view(64, 64)}
+    else:
+        base = torch.zeros(64, 64)
+        target = {"a": base, "m": m, "z": base.t()}
+    with pytest.raises(ss.StateMismatchError, match=r"'a' and 'z' share memory"):
+        ss.load(target, tmp_path / "c", threads=1)
+
+    ss.save({"a": a, "m": m, "z": a.t() if views == "transposed" else a}, tmp_path / "alike")
+    if views == "transposed":  # stored as the views they load into: each holds its own
+        ss.load(target, tmp_path / "alike")
+        assert torch.equal(target["a"], a) and torch.equal(target["z"], a.t())

@@ -1,10 +1,12 @@
 """``ss.open(path)``: inspect, read and verify a checkpoint without a training state."""
 from __future__ import annotations
 
+import operator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .engine.load import blob_reader, read_manifest
@@ -82,6 +84,8 @@ class Reader:
         slices with step 1 and integers), reading just the bytes that region needs."""
         entry = self.manifest.tensors.get(fqn)
         if entry is None:
+            if fqn in self.manifest.objects and index is not None:  # (it was ignored: the whole value came back)
+                raise CheckpointError(f"{fqn} is a plain value, not a tensor: read it whole (no index) and index that")
             if fqn in self.manifest.objects:
                 return decode_value(fqn, self.manifest.objects[fqn], self.allow_pickle,
                                     blob_reader(self.backend, self.path, self.manifest), self._manifest_path)
@@ -267,7 +271,7 @@ def _region(shape: tuple, index: Any, fqn: str) -> tuple[tuple, tuple, tuple]:
         raise CheckpointError(f"{fqn}: index {index} has more dimensions than shape {list(shape)}")
     start, size, squeeze = [], [], []
     for dim, length in enumerate(shape):
-        sel = index[dim] if dim < len(index) else slice(None)
+        sel = _integer(index[dim], fqn) if dim < len(index) else slice(None)
         if isinstance(sel, int):
             pos = sel + length if sel < 0 else sel
             if not 0 <= pos < length:
@@ -276,7 +280,11 @@ def _region(shape: tuple, index: Any, fqn: str) -> tuple[tuple, tuple, tuple]:
             size.append(1)
             squeeze.append(dim)
         elif isinstance(sel, slice):
-            lo, hi, step = sel.indices(length)
+            try:
+                lo, hi, step = slice(*(None if b is None else operator.index(b) for b in
+                                       (sel.start, sel.stop, sel.step))).indices(length)
+            except TypeError:  # (a bound that is no integer)
+                raise CheckpointError(f"{fqn}: slice bounds must be integers, not {sel}") from None
             if step != 1:
                 raise CheckpointError(f"{fqn}: only slices with step 1 can be read as a region")
             start.append(lo)
@@ -284,6 +292,20 @@ def _region(shape: tuple, index: Any, fqn: str) -> tuple[tuple, tuple, tuple]:
         else:
             raise CheckpointError(f"{fqn}: region index must be integers and slices, not {type(sel).__name__}")
     return tuple(start), tuple(size), tuple(squeeze)
+
+
+def _integer(sel: Any, fqn: str) -> Any:
+    """``sel`` as an int where it is one (a numpy or 0-d tensor integer too), else as it is. A
+    bool is refused: torch reads ``t[True]`` as a new dimension, not as row 1, as an int would."""
+    if isinstance(sel, (bool, np.bool_)) or (isinstance(sel, torch.Tensor) and sel.dtype == torch.bool):
+        raise CheckpointError(f"{fqn}: a bool cannot index a region (torch reads t[True] as a new dimension); "
+                              "pass an int")
+    if isinstance(sel, (int, slice)) or not hasattr(sel, "__index__"):
+        return sel
+    try:
+        return operator.index(sel)
+    except TypeError:  # (a tensor of more than one element, or of floats)
+        return sel
 
 
 def open(path, *, storage_options: dict | None = None, allow_pickle: bool = False, verify: bool = True) -> Reader:  # noqa: A001

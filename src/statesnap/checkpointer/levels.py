@@ -22,6 +22,7 @@ import warnings
 import torch
 
 from ..engine.objects import decode_value
+from ..engine.overlaps import first_overwritten, overlapping_pairs, tie_error
 from ..errors import CheckpointError
 from ..format.dtypes import dtype_name
 from ..format.manifest import MANIFEST_NAME
@@ -171,6 +172,7 @@ def restore_from_memory(snap, flat, buffer: torch.Tensor, allow_pickle: bool) ->
         for device in devices:
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()
+    _check_overlaps(snap, flat, buffer)
     read_blob = lambda fqn, _ref: snap.blobs[fqn]  # noqa: E731 (pickled values kept in memory)
     for item in flat.objects:
         value = decode_value(item.fqn, snap.objects[item.fqn], allow_pickle, read_blob)
@@ -181,3 +183,17 @@ def restore_from_memory(snap, flat, buffer: torch.Tensor, allow_pickle: bool) ->
     for finalize in flat.finalizers:
         finalize()
     return nbytes
+
+
+def _check_overlaps(snap, flat, buffer: torch.Tensor) -> None:
+    """Targets sharing memory must each hold their snapshot's values once all are copied
+    (engine/overlaps.py): a state whose tied weights the snapshot holds untied, or views of one
+    tensor it holds apart, cannot take it."""
+    pairs = overlapping_pairs(flat.tensors)
+    if not pairs:
+        return
+    offsets = {id(item): offset for item, offset in zip(flat.tensors, snap.item_offsets)}
+    found = first_overwritten(pairs, lambda item: item_bytes_view(buffer, snap.region.start + offsets[id(item)],
+                                                                  item.local))
+    if found is not None:
+        raise tie_error(*found, f"the snapshot of step {snap.step} in host memory")

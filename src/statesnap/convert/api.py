@@ -124,10 +124,11 @@ def export(path, dst, to: str = "safetensors", *, spec: Any = None, max_shard_by
     values = apply_spec(ops, values)
     if to == "safetensors":
         skipped += [f"{name} (safetensors holds tensors only)" for name, v in values.items() if not is_tensor(v)]
-    if to == "dcp":  # its flattening drops empty dicts: {} is lost, [{}, t] comes back as [None, t] (or fails)
-        lost = [name for name, v in values.items() if _holds_empty_dict(v)]
-        skipped += [f"{name} (DCP drops empty dicts)" for name in lost]
-        values = {name: v for name, v in values.items() if name not in lost}
+    for target_format, (lost_value, why) in _LOST:
+        if to == target_format:
+            lost = [name for name, v in values.items() if _holds(v, lost_value)]
+            skipped += [f"{name} ({why})" for name in lost]
+            values = {name: v for name, v in values.items() if name not in lost}
     single_file = to == "torch" or dst.endswith(safetensors_io.SUFFIX)
     tensors = [v for v in values.values() if is_tensor(v)]
     nbytes = sum(safetensors_io.tensor_bytes(v) for v in tensors)
@@ -142,10 +143,22 @@ def export(path, dst, to: str = "safetensors", *, spec: Any = None, max_shard_by
                       time.perf_counter() - started, skipped)
 
 
-def _holds_empty_dict(value: Any) -> bool:
+# Plain values an export format cannot give back, by format: DCP's flattening drops empty dicts
+# ({} is lost, [{}, t] comes back as [None, t], or fails). torch.save pickles b"" as a call of
+# ``bytes``, which torch.load(weights_only=True) refuses: one such value anywhere in the file and
+# the whole file no longer loads as the export promises.
+_LOST = [("dcp", (lambda v: isinstance(v, dict) and not v, "DCP drops empty dicts")),
+         ("torch", (lambda v: isinstance(v, bytes) and not v,
+                    "holds b'', which torch.load(weights_only=True) refuses"))]
+
+
+def _holds(value: Any, lost: Callable[[Any], bool]) -> bool:
+    """Whether ``value`` is, or holds at any depth (dict keys included), a value ``lost`` names."""
+    if lost(value):
+        return True
     if isinstance(value, dict):
-        return not value or any(_holds_empty_dict(v) for v in value.values())
-    return isinstance(value, (list, tuple)) and any(_holds_empty_dict(v) for v in value)
+        return any(_holds(v, lost) for v in (*value.keys(), *value.values()))
+    return isinstance(value, (list, tuple)) and any(_holds(v, lost) for v in value)
 
 
 def checkpoint_values(reader: Reader) -> tuple[dict[str, Any], list[str]]:

@@ -142,10 +142,19 @@ class _Dtype:
         self.value = self.value.newbyteorder(state[1]) if state[1] in "<>" else self.value
 
 
+def _empty_bytes(*args: Any) -> bytes:
+    """``b""`` as pickle protocol 2 writes it, a call of ``bytes`` with no argument (torch.save,
+    and so DCP's plain values: a statesnap export of one). Any argument is refused: ``bytes(n)``
+    would allocate n bytes from a few in the file."""
+    if args:
+        raise pickle.UnpicklingError(f"bytes{args!r:.80}: only bytes() (an empty value) is read")
+    return b""
+
+
 NUMPY_GLOBALS = [(_Array, "numpy.ndarray"), (_Dtype, "numpy.dtype"),
                  (_reconstruct, "numpy._core.multiarray._reconstruct"),
                  (_reconstruct, "numpy.core.multiarray._reconstruct")]
-_ALLOWED = [(stand_in, name) for name, stand_in in STAND_INS.items()] + NUMPY_GLOBALS
+_ALLOWED = [(stand_in, name) for name, stand_in in STAND_INS.items()] + NUMPY_GLOBALS + [(_empty_bytes, "builtins.bytes")]
 # safe_globals adds to and removes from one process-wide set; two loads overlapping in threads
 # would remove each other's entries, so loads take turns.
 _LOCK = threading.Lock()

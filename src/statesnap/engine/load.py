@@ -21,7 +21,7 @@ from ..format.checksum import checksum_whole
 from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from ..plan.load_plan import TargetPlan, plan_target
 from ..progress import bar
-from ..state.flatten import StoredNames, address_range, flatten_for_load
+from ..state.flatten import StoredNames, flatten_for_load
 from ..state.items import Flattened
 from ..storage import LocalBackend, backend_for, normalize
 from ..storage.base import StorageBackend
@@ -29,6 +29,7 @@ from .buffers import host_contiguous
 from .device_load import fill_device_targets, wave_parts
 from .dist import DEFAULT_TIMEOUT_S, Comm
 from .objects import decode_value
+from .overlaps import first_overwritten, overlapping_pairs, same_view, tie_error
 from .read import ReadExecutor, open_data_file
 from .shared import plan_shared_reads, should_share
 
@@ -277,13 +278,22 @@ def _fill_cast(backend: StorageBackend, path: str, manifest: Manifest, verify: b
     """Read one tensor's stored bytes into a buffer of the stored dtype (so checksums verify what
     was written), then convert them into the target with ``copy_``. One tensor at a time: the
     extra memory a cast costs is this rank's part of one tensor, not a copy of the whole state."""
-    buffer = torch.empty(local.shape, dtype=entry.dtype)
+    buffer, nbytes = _read_stored(backend, path, manifest, verify, threads, advance, fqn, entry, local.shape, plan)
+    with torch.no_grad():
+        local.copy_(buffer)
+    return nbytes
+
+
+def _read_stored(backend: StorageBackend, path: str, manifest: Manifest, verify: bool, threads: int | None,
+                 advance: Callable[[int], None], fqn: str, entry: TensorEntry, shape: torch.Size,
+                 plan: TargetPlan) -> tuple[torch.Tensor, int]:
+    """The stored values ``plan`` reads, in a new tensor of ``shape`` and the stored dtype, and
+    the bytes read."""
+    buffer = torch.empty(shape, dtype=entry.dtype)
     executor = ReadExecutor(backend, path, manifest, verify, threads, advance)
     executor.add(fqn, entry, buffer, plan)
     executor.run()
-    with torch.no_grad():
-        local.copy_(buffer)
-    return executor.bytes_read
+    return buffer, executor.bytes_read
 
 
 def fill_objects(flat: Flattened, manifest: Manifest, backend: StorageBackend, path: str, skip: set[str],
@@ -356,30 +366,18 @@ def _tied_apart(flat: Flattened, manifest: Manifest, skip: set, path: str) -> St
         other = first.setdefault(id(item.local), item.fqn)
         if other != item.fqn and item.fqn not in skip and other not in skip and \
                 not _stored_alike(manifest, other, item.fqn):
-            return _tied_error(other, item.fqn, path)
+            return tie_error(other, item.fqn, path)
     return None
 
 
 def _overlapping_apart(flat: Flattened, manifest: Manifest, skip: set, path: str) -> StateMismatchError | None:
-    """The same for any targets whose memory overlaps (views of one tensor): looked for only once
-    a checksum has failed, as it costs a sort of every target, so that an intact checkpoint is
-    not called damaged because the second view overwrote the first."""
-    spans = sorted((str(item.local.device), *address_range(item.local), item.fqn)
-                   for item in flat.tensors if item.fqn not in skip and item.local.numel())
-    reach = None  # (device, end, fqn) of the span reaching furthest so far
-    for device, start, end, fqn in spans:
-        if reach is not None and reach[0] == device and start < reach[1] and not _stored_alike(manifest, reach[2], fqn):
-            return _tied_error(reach[2], fqn, path)
-        if reach is None or reach[0] != device or end > reach[1]:
-            reach = (device, end, fqn)
+    """The same for any targets whose memory overlaps (views of one tensor): looked for here only
+    once a checksum has failed, so that an intact checkpoint is not called damaged because the
+    second view overwrote the first (``Loading._overwritten`` looks after every load)."""
+    for a, b in overlapping_pairs(item for item in flat.tensors if item.fqn not in skip):
+        if not _stored_alike(manifest, a.fqn, b.fqn):
+            return tie_error(a.fqn, b.fqn, path)
     return None
-
-
-def _tied_error(a: str, b: str, path: str) -> StateMismatchError:
-    return StateMismatchError(
-        f"{a!r} and {b!r} share memory in the state (tied weights, or views of one tensor), but {path} holds "
-        "different values for them, so no load can give each its own (the second would overwrite the first). "
-        "That is no damage of the checkpoint.", advice="Give each its own tensor (untie them) to load it.")
 
 
 def _stored_alike(manifest: Manifest, a: str, b: str) -> bool:
@@ -466,6 +464,9 @@ class Loading:
             error = None
             try:
                 self.exchange.run(self.flat)
+                overwritten = self._overwritten()
+                if overwritten is not None:
+                    raise overwritten
                 fill_objects(self.flat, self.manifest, self.backend, self.path, self.skip, self.allow_pickle,
                              self.comm)
                 for finalize in self.flat.finalizers:
@@ -474,6 +475,25 @@ class Loading:
                 error = exc
             self.comm.agree(error, f"loading {self.path}")
         return LoadInfo(self.path, self.nbytes, time.perf_counter() - self.started)
+
+    def _overwritten(self) -> StateMismatchError | None:
+        """Targets sharing memory whose writes overwrote one another (engine/overlaps.py): each
+        is read again into memory of its own and compared. One view twice (tied weights) that
+        the checkpoint stores alike needs no second look, nor do targets of other memory."""
+        pairs = [(a, b) for a, b in overlapping_pairs(item for item in self.flat.tensors if item.fqn not in self.skip)
+                 if not (same_view(a, b) and _stored_alike(self.manifest, a.fqn, b.fqn))]
+        found = first_overwritten(pairs, self._stored) if pairs else None
+        return tie_error(*found, self.path) if found is not None else None
+
+    def _stored(self, item) -> torch.Tensor | None:
+        """The stored values of ``item``'s part, read again (None where the checkpoint holds
+        only some of them: a load with strict=False)."""
+        entry = self.manifest.tensor_part(item.fqn, item.layout, item.start, item.size)
+        plan = plan_target(entry, item.layout, item.start, item.size)
+        if plan.covered != item.local.numel():
+            return None
+        return _read_stored(self.backend, self.path, self.manifest, self.verify, self.threads, lambda nbytes: None,
+                            item.fqn, entry, item.local.shape, plan)[0]
 
     @contextlib.contextmanager
     def _reset_on_failure(self):

@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import CheckpointError, CheckpointExistsError
 from ..format.checksum import DEFAULT_BLOCK_BYTES, checksum_whole
 from ..format.dtypes import dtype_from_name, dtype_name
-from ..format.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry
+from ..format.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry, meta_problem
 from ..format.split import TensorRow, encode_section, section_name
 from ..plan.owners import Decision, OwnedTensors, owner_of, place_writes, plan_owned, route
 from ..plan.save_plan import SavePlan, align_up
@@ -230,6 +230,11 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
     backend = backend_for(path, storage_options)
     error = None
     try:
+        problem = meta_problem({} if meta is None else meta)
+        if problem:
+            raise CheckpointError(f"cannot save to {path}: {problem}. meta is plain JSON (dicts with string keys, "
+                                  "lists, strings, integers, finite floats, booleans, None); put other values in "
+                                  "the state")
         flat = flatten_for_save(state)
         metas = [item.meta(dtype_name(item.dtype)) for item in flat.tensors]
         all_entries, all_blobs = encode_objects(flat, allow_pickle)

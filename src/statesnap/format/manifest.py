@@ -35,6 +35,7 @@ from .columns import (PACK_MIN_PIECES, PACK_ZLIB_MAX_DIMS, UINT64_MAX, Inflation
                       parse_json, shape_problem, shape_text, unpack)
 from .dtypes import dtype_name, tensor_dtype
 from .plain_entries import BOX, FEW_PIECES, FLAT, read_plain_entries
+from .plaindata import int_too_long
 from .split import (Fetch, SectionReader, TensorRow, pack_files, pack_json, parse_rows, region_problem, row_json,
                     unpack_files, unpack_json)
 
@@ -554,6 +555,38 @@ def _names(value: Any) -> list[str]:
     if len(set(value)) != len(value):  # one file under two indices: its size recorded twice, maybe differently
         raise TypeError("a file is named twice")
     return value
+
+
+def meta_problem(meta: Any) -> str | None:
+    """Why ``meta`` (``ss.save(..., meta=...)``) cannot be stored as the manifest's ``meta``, the
+    JSON object a load gives back as it was given, or None. JSON turns a tuple into a list and a
+    key 1 into "1", and has no NaN: those would come back changed, or fail the commit once
+    every byte is written, in json's words."""
+    if not isinstance(meta, dict):
+        return f"meta must be a dict, not {type(meta).__name__}"
+    try:
+        return _json_problem(meta, "meta")
+    except RecursionError:
+        return "meta is nested too deeply"
+
+
+def _json_problem(value: Any, where: str) -> str | None:
+    if type(value) is int and int_too_long(value):
+        return f"{where} is {int_too_long(value)}"
+    if value is None or type(value) in (bool, int, str) or (type(value) is float and math.isfinite(value)):
+        return None
+    if type(value) is list:
+        return next(filter(None, (_json_problem(v, f"{where}[{i}]") for i, v in enumerate(value))), None)
+    if type(value) is dict:
+        for key, v in value.items():
+            if type(key) is not str:
+                return f"{where} has the key {key!r}, which is not a string (JSON would give back {str(key)!r})"
+            problem = _json_problem(v, f"{where}[{key!r}]")
+            if problem:
+                return problem
+        return None
+    what = "a non-finite float" if type(value) is float else f"a {type(value).__name__}"
+    return f"{where} is {what}, which JSON does not hold as it is"
 
 
 def _json_object(value: Any) -> dict:

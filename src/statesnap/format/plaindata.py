@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import base64
 import math
+import re
+import struct
 from typing import Any
 
 import torch
 
 from ..errors import ManifestError
-from .dtypes import dtype_from_name, dtype_name
+from .dtypes import DTYPE_TO_NAME, dtype_from_name, dtype_name
 
 TAG = "__ss_"
 # Inline tensors are for small state (RNG, counters); large tensors belong in data files.
@@ -24,11 +26,27 @@ class NotPlainData(TypeError):
     pass
 
 
+# Readers refuse an integer literal of more digits than Python converts by default (docs/format.md
+# §8, rule 1), so a writer must not write one, whatever limit its own process set.
+MAX_INT_DIGITS = 4300
+_INT_LIMIT = 10 ** MAX_INT_DIGITS
+
+
+def int_too_long(value: int) -> str | None:
+    """Why ``value`` cannot be a JSON integer of the manifest, or None."""
+    if -_INT_LIMIT < value < _INT_LIMIT:
+        return None
+    return (f"an int of more than {MAX_INT_DIGITS} digits ({value.bit_length()} bits), longer than JSON readers "
+            "take")
+
+
 def inlinable(t: torch.Tensor) -> bool:
     """Small plain CPU tensors may live inside plain data (tagged JSON); others need data files.
-    Sparse and nested tensors are not plain: their bytes are not one strided block."""
+    Sparse and nested tensors are not plain: their bytes are not one strided block. Nor is a
+    dtype the format does not name (a quantized tensor): walked as a tensor, it is refused by
+    name (state/items.py) rather than by a bare dtype error from deep in the encoder."""
     return (type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided and not t.is_nested
-            and t.numel() * t.element_size() <= MAX_INLINE_TENSOR_BYTES)
+            and t.dtype in DTYPE_TO_NAME and t.numel() * t.element_size() <= MAX_INLINE_TENSOR_BYTES)
 
 
 def encode(value: Any) -> Any:
@@ -36,9 +54,11 @@ def encode(value: Any) -> Any:
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
+        if int_too_long(value):
+            raise NotPlainData(int_too_long(value))
         return value
     if isinstance(value, float):
-        return value if math.isfinite(value) else {TAG + "float": repr(value)}
+        return value if math.isfinite(value) else {TAG + "float": _non_finite(value)}
     if isinstance(value, list):
         return [encode(v) for v in value]
     if isinstance(value, tuple):
@@ -82,6 +102,31 @@ def _decode(data: Any, where: str) -> Any:
 
 
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_QUIET_NAN = 0x7FF8000000000000  # math.nan's bits; "nan" is read back as them
+_NAN_BITS = re.compile(r"nan:[0-9a-f]{16}")
+
+
+def _bits(value: float) -> int:
+    return struct.unpack("<Q", struct.pack("<d", value))[0]
+
+
+def _non_finite(value: float) -> str:
+    """The tag text of an infinity or a NaN. A NaN other than math.nan's bits (``inf - inf`` is
+    -nan on x86; a payload) is written by its bits, so that a load gives it back bit for bit."""
+    if not math.isnan(value) or _bits(value) == _QUIET_NAN:
+        return repr(value)
+    return f"nan:{_bits(value):016x}"
+
+
+def _read_non_finite(text: Any) -> float:
+    """The float ``_non_finite`` wrote ``text`` for; anything else is a ValueError."""
+    if isinstance(text, str) and text in _NON_FINITE:
+        return _NON_FINITE[text]
+    if isinstance(text, str) and _NAN_BITS.fullmatch(text):
+        value = struct.unpack("<d", struct.pack("<Q", int(text[4:], 16)))[0]
+        if math.isnan(value) and _bits(value) != _QUIET_NAN:  # (that one is written "nan")
+            return value
+    raise ValueError("only 'nan', 'inf', '-inf' and a NaN's bits ('nan:' and 16 hex digits) are tagged")
 
 
 def _decode_tagged(tag: str, inner: Any, where: str) -> Any:
@@ -90,8 +135,7 @@ def _decode_tagged(tag: str, inner: Any, where: str) -> Any:
             raise ValueError(what)
     try:
         if tag == "float":
-            expect(isinstance(inner, str) and inner in _NON_FINITE, "only 'nan', 'inf' and '-inf' are tagged")
-            return _NON_FINITE[inner]
+            return _read_non_finite(inner)
         if tag == "tuple":
             expect(isinstance(inner, list), "a list of its elements is expected")
             return tuple(_decode(v, where) for v in inner)

@@ -43,8 +43,10 @@ Routed = tuple[list[tuple[int, float, ItemMeta]], list[str]]
 
 def owner_of(fqn: str, world: int) -> int:
     """The rank that plans tensor (or shared value) ``fqn``: the same on every rank, from the name
-    alone (crc32 is stable across processes and Python versions, unlike ``hash``)."""
-    return zlib.crc32(fqn.encode()) % world
+    alone (crc32 is stable across processes and Python versions, unlike ``hash``). A name may hold
+    a lone surrogate (a key from ``os.fsdecode`` of a file name's undecodable bytes), which plain
+    UTF-8 refuses to encode; the manifest writes it as a ``\\u`` escape and reads it back."""
+    return zlib.crc32(fqn.encode("utf-8", "surrogatepass")) % world
 
 
 def route(metas: Sequence[ItemMeta], objects: Sequence[str], world: int) -> dict[int, Routed]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
 import operator
+import struct
 from typing import Any, Callable
 
 import torch
@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ..errors import CheckpointError
 from ..format.plaindata import inlinable
 from ..format.manifest import BOX
-from .items import Flattened, ObjectItem, TensorItem
+from .items import Flattened, ObjectItem, TensorItem, refuse_unwritable
 from .placement import dtensor_box, has_replicate, is_dtensor
 from .reuse import ProviderCache
 from .wrappers import PerRank, Replicated, Sharded
@@ -133,6 +133,10 @@ class _Walker:
                 self.walk(join(fqn, index), element, value, index)
         elif _is_stateful(value):
             sd = value.state_dict()
+            if not isinstance(sd, dict):  # (walk_dict would fail with "'list' object has no attribute 'items'")
+                raise CheckpointError(f"{fqn}: state_dict() of the {type(value).__name__} returned a "
+                                      f"{type(sd).__name__}, not a dict; statesnap stores a state dict by its keys. "
+                                      "Return a dict (e.g. {'value': ...}), or put the value itself in the state")
             self.walk_dict(fqn, sd)
             if self.for_load:
                 self.out.finalizers.append(lambda v=value, sd=sd: v.load_state_dict(sd))
@@ -155,12 +159,15 @@ class _Walker:
         self._claim(fqn)
         if is_dtensor(value):
             box = dtensor_box(value, fqn)
-            if box is not None:
-                self.out.tensors.append(TensorItem(fqn, value.to_local(), tuple(value.shape), BOX, *box,
-                                                   replicated=has_replicate(value)))
+            if box is None:
+                return
+            item = TensorItem(fqn, value.to_local(), tuple(value.shape), BOX, *box, replicated=has_replicate(value))
         else:
             # A plain tensor under several ranks is a replica (DDP): identical boxes dedup on save.
-            self.out.tensors.append(TensorItem(fqn, value, tuple(value.shape)))
+            item = TensorItem(fqn, value)
+        if self.for_load:
+            refuse_unwritable(item)
+        self.out.tensors.append(item)
 
     def module(self, fqn: str, module: nn.Module) -> None:
         if self._reused(fqn, module):
@@ -394,18 +401,29 @@ def address_range(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal values, looking inside tuples (NaN equals NaN: a value saved is the value loaded; a
-    named tuple comes back as a plain one)."""
+    """Equal values, looking inside tuples (a named tuple comes back as a plain one). Floats are
+    compared bit for bit: NaN equals the NaN of the same bits (a value saved is the value loaded),
+    and -0.0 is not 0.0, which ``==`` would let a tuple keep in place of the stored one."""
     if isinstance(a, tuple) and isinstance(b, tuple):
         return len(a) == len(b) and all(map(_same, a, b))
     if type(a) is not type(b):
         return False
-    if isinstance(a, float) and math.isnan(a):
-        return math.isnan(b)
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, torch.Tensor):  # (== of one-element tensors of two dtypes is True)
+        return same_bits(a, b)
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 (values whose comparison is ambiguous or raises)
         return False
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` have one dtype and shape and hold the same bytes (NaN payloads and
+    -0.0 included), compared where ``a`` lives."""
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw(a), raw(b.to(a.device)))
 
 
 def _model_state_dict(module: nn.Module) -> dict:

@@ -36,7 +36,7 @@ class TensorItem:
 
     fqn: str
     local: torch.Tensor
-    global_shape: tuple
+    global_shape: tuple | None = None  # None: the local tensor's own shape (read once it is known to have one)
     layout: str = BOX
     start: tuple = ()
     size: tuple = ()
@@ -46,6 +46,8 @@ class TensorItem:
         problem = _unstorable(self.local)
         if problem:
             raise CheckpointError(f"tensor {self.fqn!r} {problem}")
+        if self.global_shape is None:
+            self.global_shape = tuple(self.local.shape)
         if not self.size and self.layout == BOX:
             self.start, self.size = (0,) * len(self.global_shape), tuple(self.global_shape)
         self.global_shape = tuple(int(s) for s in self.global_shape)
@@ -64,7 +66,11 @@ class TensorItem:
 
 
 def _unstorable(t: torch.Tensor) -> str | None:
-    """Why ``t``'s values cannot be read or written as plain bytes, or None."""
+    """Why ``t``'s values cannot be read or written as plain bytes, or None. (A nested tensor of
+    the strided layout has no shape to ask for: it is looked for first.)"""
+    if t.is_nested:
+        return ("is a nested tensor: only dense (strided) tensors are saved or loaded into (t.unbind() gives its "
+                "components, t.to_padded_tensor(0.0) one dense tensor)")
     if t.layout != torch.strided:
         return f"is {str(t.layout)[6:]}: only dense (strided) tensors are saved or loaded into (t.to_dense() gives one)"
     if t.dtype not in DTYPE_TO_NAME:
@@ -74,6 +80,21 @@ def _unstorable(t: torch.Tensor) -> str | None:
     if t.numel() and not t.data_ptr():
         return f"is a {type(t).__name__} without memory of its own: store the tensors it wraps"
     return None
+
+
+def refuse_unwritable(item: TensorItem) -> None:
+    """Refuse, naming it, a load target whose elements share memory: an expanded view (stride 0,
+    ``t.expand``) holds one value in memory for many. No checkpoint fills it unless all those
+    copies are stored alike, and PyTorch refuses the write anyway, in words that name no tensor."""
+    t = item.local
+    if t.is_contiguous():  # (the commonest, and cheapest to ask)
+        return
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if size > 1 and stride == 0:
+            raise CheckpointError(
+                f"tensor {item.fqn!r} is an expanded view (stride 0 in dimension {dim}, t.expand): its "
+                f"{size} elements along it share one place in memory, so a load cannot give each its own "
+                "value. Load into a tensor of its own (t.clone()), or into what it was expanded from")
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from ..errors import CheckpointError
 from .base import FileReader, FileWriter, StorageBackend
 from .local import LocalBackend
 
@@ -33,11 +34,26 @@ def backend_for(path, storage_options: dict | None = None) -> StorageBackend:
 def normalize(path) -> str:
     """The path a backend works with: local schemes become plain file-system paths."""
     path = str(path)
-    if path.startswith("file://"):
-        return path[len("file://"):]
+    if path.startswith("file:/"):
+        return _file_url_path(path)
     if path.startswith(SHM_SCHEME):
         return os.path.join(SHM_ROOT, path[len(SHM_SCHEME):].lstrip("/"))
     return path
+
+
+def _file_url_path(url: str) -> str:
+    """The local path a file URL names (RFC 8089): ``file:///p``, ``file://localhost/p`` and
+    ``file:/p`` are all ``/p``. Only the first was understood: the others became the relative paths
+    ``localhost/p`` and ``file:/p``, and a checkpoint went into the working directory, where no
+    load from elsewhere finds it. A file URL naming another host is refused, not written here."""
+    rest = url[len("file:"):]
+    if not rest.startswith("//"):
+        return rest
+    host, _, tail = rest[2:].partition("/")
+    if host not in ("", "localhost"):
+        raise CheckpointError(f"{url} names a file on the host {host!r}; file URLs name local paths "
+                              "(file:///path): mount that storage and give its local path, or use its URL scheme")
+    return "/" + tail
 
 
 __all__ = ["StorageBackend", "FileReader", "FileWriter", "LocalBackend", "backend_for", "is_url", "normalize",
