@@ -254,6 +254,21 @@ class _LocalReader(FileReader):
                 pass
 
 
+def _refuse_long_staging_name(parent: str, name: str, staging_name: str) -> None:
+    """A name the file system takes may still be too long once a save stages it as
+    ``.<name>.tmp-<token>``: refused naming the user's name and its limit, not with an OSError
+    about a name the user never chose."""
+    try:
+        limit = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):  # (a file system that does not say)
+        return
+    extra = len(os.fsencode(staging_name)) - len(os.fsencode(name))
+    if len(os.fsencode(staging_name)) > limit:
+        raise CheckpointError(f"cannot save to {os.path.join(parent, name)}: its name is {len(os.fsencode(name))} bytes, "
+                              f"and a save is written under a temporary name {extra} bytes longer, past this file "
+                              f"system's limit of {limit}. Use a name of at most {limit - extra} bytes")
+
+
 class LocalBackend(StorageBackend):
     """Plain directories on a POSIX file system (also /dev/shm for a shared-memory level)."""
 
@@ -300,6 +315,7 @@ class LocalBackend(StorageBackend):
         parent, name = os.path.split(final)
         os.makedirs(parent, exist_ok=True)
         staging = os.path.join(parent, f".{name}.tmp-{token}")
+        _refuse_long_staging_name(parent, name, os.path.basename(staging))
         os.makedirs(staging)
         return staging
 
