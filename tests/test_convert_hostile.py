@@ -630,3 +630,17 @@ def test_a_torch_save_file_of_tuples_nested_to_hash_forever_is_refused_at_once(t
         with pytest.raises(CheckpointError):
             _convert(tmp_path / "bad.pt", tmp_path)
     assert time.perf_counter() - started < 20
+
+
+def test_an_allowed_global_named_but_never_called_is_refused(tmp_path):
+    """A pickle that only names an admitted global (here ``builtins.bytes``, admitted for ``b""``)
+    gave the stand-in function itself back as a value: code, not data."""
+    import pickle
+
+    torch.save({"a": 1}, tmp_path / "good.pt")
+    with zipfile.ZipFile(tmp_path / "good.pt") as source, zipfile.ZipFile(tmp_path / "bad.pt", "w") as out:
+        for name in source.namelist():
+            data = _pickle_ops(pickle.GLOBAL + b"builtins\nbytes\n")
+            out.writestr(name, data if name.endswith("data.pkl") else source.read(name))
+    with pytest.raises(ss.UnsafeCheckpointError, match="bad.pt: refused to unpickle: _empty_bytes is code, not a value"):
+        unpickler.load_from(str(tmp_path / "bad.pt"), str(tmp_path / "bad.pt"))

@@ -87,8 +87,11 @@ def test_reader_reads_regions(tmp_path, index):
 
 
 @pytest.mark.parametrize("name, index, words", [
-    ("t", True, "a bool cannot index a region"),
-    ("t", (0, torch.tensor(False)), "a bool cannot index a region"),
+    ("t", True, "a bool or uint8 index is a mask"),
+    ("t", (0, torch.tensor(False)), "a bool or uint8 index is a mask"),
+    ("t", torch.tensor(1, dtype=torch.uint8), "a bool or uint8 index is a mask"),
+    ("t", torch.tensor([1]), "region index must be integers and slices, not Tensor"),
+    ("t", np.array([1]), "region index must be integers and slices, not ndarray"),
     ("t", slice(0.5, 2), "slice bounds must be integers"),
     ("n", 0, "n is a plain value, not a tensor"),
 ])
@@ -218,22 +221,39 @@ def test_plain_data_nested_too_deeply_is_a_manifest_error():
 
 
 @pytest.mark.parametrize("meta, words", [
-    ({"shape": (2, 3)}, r"meta\['shape'\] is a tuple"),
     ({1: "a"}, "meta has the key 1, which is not a string"),
     ({"loss": float("nan")}, r"meta\['loss'\] is a non-finite float"),
-    ({"deep": [{"b": b"x"}]}, r"meta\['deep'\]\[0\]\['b'\] is a bytes"),
+    ({"deep": [{"b": b"x"}]}, r"meta\['deep'\]\[0\]\['b'\] is of type bytes"),
+    ({"n": np.int64(3)}, r"meta\['n'\] is of type int64"),
     ({"n": 10 ** 4300}, r"meta\['n'\] is an int of more than 4300 digits"),
     ("step 3", "meta must be a dict, not str"),
 ])
-def test_meta_json_cannot_give_back_as_it_was_is_refused_before_writing(tmp_path, meta, words):
-    """``meta`` is stored as JSON: a tuple came back a list and a key 1 came back "1" without a
-    word; NaN, bytes, a tensor or an int of 4301 digits failed the commit once every byte was
-    written, in json's words ("Out of range float values are not JSON compliant")."""
+def test_meta_json_cannot_hold_is_refused_before_writing(tmp_path, meta, words):
+    """``meta`` is stored as JSON: NaN, bytes, a numpy int or an int of 4301 digits failed the
+    commit once every byte was written, in json's words ("Out of range float values are not JSON
+    compliant"); a key 1 came back "1", and with a key "1" beside it would have been written twice."""
     with pytest.raises(ss.CheckpointError, match=words):
         ss.save({"t": torch.ones(2)}, tmp_path / "c", meta=meta)
     assert os.listdir(tmp_path) == []
-    ss.save({"t": torch.ones(2)}, tmp_path / "c", meta={"n": 10 ** 4299, "shape": [2, 3], "x": {"y": None}})
-    assert ss.open(tmp_path / "c").meta == {"n": 10 ** 4299, "shape": [2, 3], "x": {"y": None}}
+
+
+def test_meta_takes_what_json_writers_take(tmp_path):
+    """Subclasses of JSON's types save as JSON writes them (an OrderedDict, an IntEnum, a numpy
+    float, a str subclass), and a tuple comes back a list, as from any JSON file."""
+    import collections
+    import enum
+
+    class Level(enum.IntEnum):
+        HIGH = 2
+
+    class Tag(str):
+        pass
+
+    meta = collections.OrderedDict(n=10 ** 4299, shape=(2, 3), x={"y": None}, loss=np.float64(0.5),
+                                   level=Level.HIGH, tag=Tag("run"))
+    ss.save({"t": torch.ones(2)}, tmp_path / "c", meta=meta)
+    assert ss.open(tmp_path / "c").meta == {"n": 10 ** 4299, "shape": [2, 3], "x": {"y": None}, "loss": 0.5,
+                                           "level": 2, "tag": "run"}
 
 
 def test_a_plain_int_longer_than_json_readers_take_is_refused_by_name(tmp_path):

@@ -104,18 +104,20 @@ def test_long_lived_direct_write_buffers_start_on_a_huge_page():
 def test_a_name_too_long_to_stage_is_refused_naming_its_limit(tmp_path):
     """A name the file system would take (245 bytes) but whose temporary staging name would not:
     the error names the user's name and the longest one that works, and nothing is left behind;
-    a name of that length saves."""
+    a name of that length saves, and is overwritten (an overwrite works under longer names)."""
     import torch
 
     import statesnap as ss
     from statesnap.errors import CheckpointError
 
     limit = os.pathconf(tmp_path, "PC_NAME_MAX")
-    with pytest.raises(CheckpointError, match=rf"its name is {limit - 10} bytes.*at most (\d+) bytes") as err:
+    words = rf"cannot save to .*a{{8}}: its name is {limit - 10} bytes.*at most (\d+) bytes"
+    with pytest.raises(CheckpointError, match=words) as err:
         ss.save({"t": torch.ones(2)}, tmp_path / ("a" * (limit - 10)))
     longest = int(err.value.args[0].rsplit("at most ", 1)[1].split()[0])
     assert os.listdir(tmp_path) == []
-    ss.save({"t": torch.ones(2)}, tmp_path / ("b" * longest))
+    ss.save({"t": torch.zeros(2)}, tmp_path / ("b" * longest))
+    ss.save({"t": torch.ones(2)}, tmp_path / ("b" * longest), overwrite=True)
     target = {"t": torch.zeros(2)}
     ss.load(target, tmp_path / ("b" * longest))
     assert torch.equal(target["t"], torch.ones(2))

@@ -295,16 +295,18 @@ def _region(shape: tuple, index: Any, fqn: str) -> tuple[tuple, tuple, tuple]:
 
 
 def _integer(sel: Any, fqn: str) -> Any:
-    """``sel`` as an int where it is one (a numpy or 0-d tensor integer too), else as it is. A
-    bool is refused: torch reads ``t[True]`` as a new dimension, not as row 1, as an int would."""
-    if isinstance(sel, (bool, np.bool_)) or (isinstance(sel, torch.Tensor) and sel.dtype == torch.bool):
-        raise CheckpointError(f"{fqn}: a bool cannot index a region (torch reads t[True] as a new dimension); "
-                              "pass an int")
+    """``sel`` as an int where torch reads it as one (a numpy integer, a 0-d integer tensor),
+    else as it is (refused by the caller). A bool is refused here: torch reads ``t[True]`` as a new
+    dimension, not as row 1, and a uint8 tensor as a mask."""
+    if isinstance(sel, (bool, np.bool_)) or (isinstance(sel, torch.Tensor) and sel.dtype in (torch.bool, torch.uint8)):
+        raise CheckpointError(f"{fqn}: a bool or uint8 index is a mask to torch, not a region; pass an int")
     if isinstance(sel, (int, slice)) or not hasattr(sel, "__index__"):
+        return sel
+    if isinstance(sel, (torch.Tensor, np.ndarray)) and sel.ndim != 0:  # (t[tensor([1])] keeps the dimension)
         return sel
     try:
         return operator.index(sel)
-    except TypeError:  # (a tensor of more than one element, or of floats)
+    except TypeError:  # (a tensor of floats)
         return sel
 
 

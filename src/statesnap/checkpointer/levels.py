@@ -22,11 +22,11 @@ import warnings
 import torch
 
 from ..engine.objects import decode_value
-from ..engine.overlaps import first_overwritten, overlapping_pairs, tie_error
+from ..engine.overlaps import overlapping_pairs, overwritten, same_view, tie_error
 from ..errors import CheckpointError
 from ..format.dtypes import dtype_name
 from ..format.manifest import MANIFEST_NAME
-from ..state.flatten import StoredNames, flatten_for_load
+from ..state.flatten import StoredNames, flatten_for_load, same_bits
 from ..storage.base import StorageBackend
 from ..storage.local import RETIRED_MARK
 from ..storage.lock import ClaimedBackend, claim_root
@@ -188,12 +188,17 @@ def restore_from_memory(snap, flat, buffer: torch.Tensor, allow_pickle: bool) ->
 def _check_overlaps(snap, flat, buffer: torch.Tensor) -> None:
     """Targets sharing memory must each hold their snapshot's values once all are copied
     (engine/overlaps.py): a state whose tied weights the snapshot holds untied, or views of one
-    tensor it holds apart, cannot take it."""
+    tensor it holds apart, cannot take it. One view under two names (tied weights) whose
+    snapshots are alike needs no look at the target: both copies put the same bytes there."""
     pairs = overlapping_pairs(flat.tensors)
     if not pairs:
         return
     offsets = {id(item): offset for item, offset in zip(flat.tensors, snap.item_offsets)}
-    found = first_overwritten(pairs, lambda item: item_bytes_view(buffer, snap.region.start + offsets[id(item)],
-                                                                  item.local))
-    if found is not None:
-        raise tie_error(*found, f"the snapshot of step {snap.step} in host memory")
+
+    def staged(item) -> torch.Tensor:
+        return item_bytes_view(buffer, snap.region.start + offsets[id(item)], item.local)
+
+    pairs = [(a, b) for a, b in pairs if not (same_view(a, b) and same_bits(staged(a), staged(b)))]
+    names = overwritten(pairs, staged) if pairs else None
+    if names is not None:
+        raise tie_error(names, f"the snapshot of step {snap.step} in host memory")

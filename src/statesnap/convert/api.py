@@ -124,11 +124,14 @@ def export(path, dst, to: str = "safetensors", *, spec: Any = None, max_shard_by
     values = apply_spec(ops, values)
     if to == "safetensors":
         skipped += [f"{name} (safetensors holds tensors only)" for name, v in values.items() if not is_tensor(v)]
-    for target_format, (lost_value, why) in _LOST:
-        if to == target_format:
-            lost = [name for name, v in values.items() if _holds(v, lost_value)]
-            skipped += [f"{name} ({why})" for name in lost]
-            values = {name: v for name, v in values.items() if name not in lost}
+        unnamed = [name for name, v in values.items() if is_tensor(v) and not _utf8(name)]
+        skipped += [f"{name} (safetensors names are UTF-8; this one holds a lone surrogate)" for name in unnamed]
+        values = {name: v for name, v in values.items() if name not in unnamed}
+    if to in _LOST:
+        lost_value, why = _LOST[to]
+        lost = [name for name, v in values.items() if _holds(v, lost_value)]
+        skipped += [f"{name} ({why})" for name in lost]
+        values = {name: v for name, v in values.items() if name not in lost}
     single_file = to == "torch" or dst.endswith(safetensors_io.SUFFIX)
     tensors = [v for v in values.values() if is_tensor(v)]
     nbytes = sum(safetensors_io.tensor_bytes(v) for v in tensors)
@@ -147,9 +150,18 @@ def export(path, dst, to: str = "safetensors", *, spec: Any = None, max_shard_by
 # ({} is lost, [{}, t] comes back as [None, t], or fails). torch.save pickles b"" as a call of
 # ``bytes``, which torch.load(weights_only=True) refuses: one such value anywhere in the file and
 # the whole file no longer loads as the export promises.
-_LOST = [("dcp", (lambda v: isinstance(v, dict) and not v, "DCP drops empty dicts")),
-         ("torch", (lambda v: isinstance(v, bytes) and not v,
-                    "holds b'', which torch.load(weights_only=True) refuses"))]
+_LOST = {"dcp": (lambda v: isinstance(v, dict) and not v, "DCP drops empty dicts"),
+         "torch": (lambda v: isinstance(v, bytes) and not v, "holds b'', which torch.load(weights_only=True) refuses")}
+
+
+def _utf8(name: str) -> bool:
+    """Whether ``name`` is text UTF-8 can write (a name from ``os.fsdecode`` may hold a lone
+    surrogate, which statesnap's manifest keeps and a safetensors header cannot)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _holds(value: Any, lost: Callable[[Any], bool]) -> bool:

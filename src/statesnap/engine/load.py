@@ -29,7 +29,7 @@ from .buffers import host_contiguous
 from .device_load import fill_device_targets, wave_parts
 from .dist import DEFAULT_TIMEOUT_S, Comm
 from .objects import decode_value
-from .overlaps import first_overwritten, overlapping_pairs, same_view, tie_error
+from .overlaps import overlapping_pairs, overwritten, same_view, tie_error
 from .read import ReadExecutor, open_data_file
 from .shared import plan_shared_reads, should_share
 
@@ -356,27 +356,24 @@ def load_step(state: dict, path, step: int | None, **options) -> LoadInfo:
     return loading.finish()
 
 
-def _tied_apart(flat: Flattened, manifest: Manifest, skip: set, path: str) -> StateMismatchError | None:
-    """Weights tied in the state (one tensor object under two names) that the checkpoint holds
-    different values for (saved untied): each would get its stored bytes, the second over the
-    first, which a load must not pass off as loaded. Checked before reading: one dict lookup
-    per tensor."""
-    first: dict[int, str] = {}
-    for item in flat.tensors:
-        other = first.setdefault(id(item.local), item.fqn)
-        if other != item.fqn and item.fqn not in skip and other not in skip and \
-                not _stored_alike(manifest, other, item.fqn):
-            return tie_error(other, item.fqn, path)
+def _tied_apart(pairs: list, manifest: Manifest, path: str) -> StateMismatchError | None:
+    """Weights tied in the state (one tensor under two names, or two views alike: FSDP2 gives a
+    view of its own for each name) that the checkpoint holds different values for (saved
+    untied): each would get its stored bytes, the second over the first, which a load must not
+    pass off as loaded. Checked before reading, among the targets sharing memory."""
+    for a, b in pairs:
+        if same_view(a, b) and not _stored_alike(manifest, a.fqn, b.fqn):
+            return tie_error([a.fqn, b.fqn], path)
     return None
 
 
-def _overlapping_apart(flat: Flattened, manifest: Manifest, skip: set, path: str) -> StateMismatchError | None:
-    """The same for any targets whose memory overlaps (views of one tensor): looked for here only
+def _overlapping_apart(pairs: list, manifest: Manifest, path: str) -> StateMismatchError | None:
+    """The same for any targets whose memory overlaps (views of one tensor): looked for here
     once a checksum has failed, so that an intact checkpoint is not called damaged because the
     second view overwrote the first (``Loading._overwritten`` looks after every load)."""
-    for a, b in overlapping_pairs(item for item in flat.tensors if item.fqn not in skip):
+    for a, b in pairs:
         if not _stored_alike(manifest, a.fqn, b.fqn):
-            return tie_error(a.fqn, b.fqn, path)
+            return tie_error([a.fqn, b.fqn], path)
     return None
 
 
@@ -433,7 +430,8 @@ class Loading:
         try:
             self.skip = _match(self.flat, self.manifest, self.comm, self.strict, self.path, cast,
                                [str(key) for key in state] if partial else None)
-            tied_apart = _tied_apart(self.flat, self.manifest, self.skip, self.path)
+            self.sharing = overlapping_pairs(item for item in self.flat.tensors if item.fqn not in self.skip)
+            tied_apart = _tied_apart(self.sharing, self.manifest, self.path)
             if tied_apart is not None:
                 raise tied_apart
             zero_unfilled(self.created, [item.local for item in self.flat.tensors if item.fqn in self.skip])
@@ -454,7 +452,7 @@ class Loading:
                                            self.verify, self.threads, self.strict, self.exchange.received,
                                            self.progress)
             except CorruptCheckpointError as exc:
-                self._error = _overlapping_apart(self.flat, self.manifest, self.skip, self.path) or exc
+                self._error = _overlapping_apart(self.sharing, self.manifest, self.path) or exc
             except Exception as exc:
                 self._error = exc
 
@@ -464,9 +462,9 @@ class Loading:
             error = None
             try:
                 self.exchange.run(self.flat)
-                overwritten = self._overwritten()
-                if overwritten is not None:
-                    raise overwritten
+                clash = self._overwritten()
+                if clash is not None:
+                    raise clash
                 fill_objects(self.flat, self.manifest, self.backend, self.path, self.skip, self.allow_pickle,
                              self.comm)
                 for finalize in self.flat.finalizers:
@@ -480,10 +478,9 @@ class Loading:
         """Targets sharing memory whose writes overwrote one another (engine/overlaps.py): each
         is read again into memory of its own and compared. One view twice (tied weights) that
         the checkpoint stores alike needs no second look, nor do targets of other memory."""
-        pairs = [(a, b) for a, b in overlapping_pairs(item for item in self.flat.tensors if item.fqn not in self.skip)
-                 if not (same_view(a, b) and _stored_alike(self.manifest, a.fqn, b.fqn))]
-        found = first_overwritten(pairs, self._stored) if pairs else None
-        return tie_error(*found, self.path) if found is not None else None
+        pairs = [(a, b) for a, b in self.sharing if not (same_view(a, b) and _stored_alike(self.manifest, a.fqn, b.fqn))]
+        names = overwritten(pairs, self._stored) if pairs else None
+        return tie_error(names, self.path) if names is not None else None
 
     def _stored(self, item) -> torch.Tensor | None:
         """The stored values of ``item``'s part, read again (None where the checkpoint holds

@@ -4,10 +4,10 @@ A load writes each target in place and checks what it wrote tensor by tensor, as
 two targets share memory, the second write can change the first after the first was checked (a
 view filled through a host copy, one read in a later request, a restore from host memory, which
 checks nothing), and the load would hand back a tensor holding another's values without a word.
-So such targets are found (cheaply: only tensors sharing a storage have their address ranges
-compared) and looked at again once every write is done: each must still hold its stored values.
-Views that overlap load where the checkpoint stores alike what they share (a tensor and a row
-of it, saved so); otherwise no load can give each its own, and the two are named.
+So such targets are found (cheaply: only tensors whose storages overlap have their address
+ranges compared) and looked at again once every write is done: each must still hold its stored
+values. Views that overlap load where the checkpoint stores alike what they share (a tensor and
+a row of it, saved so); otherwise no load can give each its own, and they are named.
 """
 from __future__ import annotations
 
@@ -19,25 +19,44 @@ from ..errors import StateMismatchError
 from ..state.flatten import address_range, same_bits
 from ..state.items import TensorItem
 
+Pair = tuple[TensorItem, TensorItem]
 
-def overlapping_pairs(items: Iterable[TensorItem]) -> list[tuple[TensorItem, TensorItem]]:
-    """The pairs of ``items`` whose tensors' memory overlaps (empty tensors overlap nothing).
-    Grouping by storage first costs a dict lookup per tensor: a model's parameters each have a
-    storage of their own, and only tensors in one storage are sorted by address."""
+
+def overlapping_pairs(items: Iterable[TensorItem]) -> list[Pair]:
+    """The pairs of ``items`` whose tensors share an element (empty tensors share none). Items are
+    grouped by storage first, a lookup per tensor: a model's parameters each have a storage of
+    their own. Storages whose bytes overlap are grouped together (``torch.from_numpy`` of two
+    views of one array gives two storages over one memory), and only within a group are the
+    tensors' address ranges compared."""
     by_storage: dict[tuple, list[TensorItem]] = {}
     for item in items:
         if item.local.numel():
-            key = (item.local.device, item.local.untyped_storage().data_ptr())
+            storage = item.local.untyped_storage()
+            key = (str(item.local.device), storage.data_ptr(), storage.nbytes())
             by_storage.setdefault(key, []).append(item)
-    pairs = []
-    for group in by_storage.values():
+    pairs: list[Pair] = []
+    for group in _overlapping_storages(by_storage):
         if len(group) > 1:
-            pairs += _overlapping_in(group)
+            pairs += [(a, b) for a, b in _overlapping_in(group) if not _disjoint_views(a.local, b.local)]
     return pairs
 
 
-def _overlapping_in(group: list[TensorItem]) -> list[tuple[TensorItem, TensorItem]]:
-    """The overlapping pairs of one storage's items: a sweep over their address ranges."""
+def _overlapping_storages(by_storage: dict[tuple, list[TensorItem]]) -> list[list[TensorItem]]:
+    """The items of storages whose byte ranges overlap, merged: a sweep in address order."""
+    groups: list[list[TensorItem]] = []
+    reach = None  # (device, end) of the current group's furthest byte
+    for (device, start, nbytes), group in sorted(by_storage.items(), key=lambda kv: kv[0]):
+        if reach is not None and reach[0] == device and start < reach[1]:
+            groups[-1] = groups[-1] + group
+            reach = (device, max(reach[1], start + nbytes))
+        else:
+            groups.append(group)
+            reach = (device, start + nbytes)
+    return groups
+
+
+def _overlapping_in(group: list[TensorItem]) -> list[Pair]:
+    """The pairs of the group whose address ranges overlap: a sweep over those ranges."""
     spans = sorted((*address_range(item.local), index) for index, item in enumerate(group))
     pairs, open_spans = [], []  # open_spans: (end, index) of the ranges that may reach the next one
     for start, end, index in spans:
@@ -47,38 +66,65 @@ def _overlapping_in(group: list[TensorItem]) -> list[tuple[TensorItem, TensorIte
     return pairs
 
 
+def _disjoint_views(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether two views with the same strides, whose address ranges overlap, share no element:
+    the column blocks of one matrix interleave in memory without sharing one. The distance
+    between their first elements is solved for a difference of coordinates, largest stride
+    first; where some dimension leaves no difference within both views' sizes, no element is
+    shared. Where a dimension leaves more than one, the answer is "may share" (False)."""
+    if x.stride() != y.stride() or x.element_size() != y.element_size():
+        return False
+    distance, remainder = divmod(y.data_ptr() - x.data_ptr(), x.element_size())
+    if remainder:
+        return False
+    # per dimension of more than one element: stride, lowest and highest coordinate difference
+    dims = sorted(((stride, 1 - b, a - 1) for stride, a, b in zip(x.stride(), x.shape, y.shape) if max(a, b) > 1),
+                  reverse=True)
+    if any(stride <= 0 for stride, _, _ in dims):
+        return False
+    for i, (stride, low, high) in enumerate(dims):
+        tail_low = sum(s * lo for s, lo, _ in dims[i + 1:])
+        tail_high = sum(s * hi for s, _, hi in dims[i + 1:])
+        first = max(low, -((tail_high - distance) // stride))  # ceil((distance - tail_high) / stride)
+        last = min(high, (distance - tail_low) // stride)
+        if first > last:
+            return True
+        if first < last:
+            return False
+        distance -= first * stride
+    return distance != 0
+
+
 def same_view(a: TensorItem, b: TensorItem) -> bool:
     """Whether ``a`` and ``b`` are the same elements at the same places (one tensor under two
-    names, or two views alike): stored alike, both writes put the same bytes there."""
+    names, or two views alike, as FSDP2's ``to_local`` gives for a tied weight): stored alike,
+    both writes put the same bytes there."""
     x, y = a.local, b.local
     return (x.data_ptr() == y.data_ptr() and x.dtype == y.dtype and x.shape == y.shape and x.stride() == y.stride()
             and x.is_conj() == y.is_conj() and x.is_neg() == y.is_neg())
 
 
-def first_overwritten(pairs: list[tuple[TensorItem, TensorItem]],
-                      stored: Callable[[TensorItem], torch.Tensor | None]) -> tuple[str, str] | None:
-    """The names of the first pair one of whose tensors no longer holds its stored values
-    (``stored(item)``: those values, of the item's shape; None where they are not known), after
-    every write of the load is done; None if each holds its own."""
-    checked: dict[int, bool] = {}  # id(item) -> whether it holds its values (each looked at once)
+def overwritten(pairs: list[Pair], stored: Callable[[TensorItem], torch.Tensor | None]) -> list[str] | None:
+    """The name of the first tensor of ``pairs`` that no longer holds its stored values after
+    every write of the load (``stored(item)``: those values, of the item's shape; None where
+    they are not known), followed by the names of the tensors sharing its memory; None if each
+    holds its own."""
+    holds: dict[int, bool] = {}  # id(item) -> whether it holds its values (each looked at once)
     for a, b in pairs:
         for item in (a, b):
-            if id(item) not in checked:
+            if id(item) not in holds:
                 values = stored(item)
-                checked[id(item)] = values is None or _holds(item.local, values)
-        if not (checked[id(a)] and checked[id(b)]):
-            return a.fqn, b.fqn
+                holds[id(item)] = values is None or same_bits(item.local, values.to(dtype=item.local.dtype))
+            if not holds[id(item)]:
+                partners = [q.fqn if p is item else p.fqn for p, q in pairs if item is p or item is q]
+                return [item.fqn, *dict.fromkeys(partners)]
     return None
 
 
-def _holds(target: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether ``target`` holds ``values`` bit for bit, compared where the target lives (a GPU
-    target is not copied to the host for it)."""
-    return same_bits(target, values.to(dtype=target.dtype))
-
-
-def tie_error(a: str, b: str, where: str) -> StateMismatchError:
+def tie_error(names: list[str], where: str) -> StateMismatchError:
+    """The error for targets sharing memory that ``where`` holds different values for."""
+    listed = ", ".join(repr(name) for name in names[:-1]) + f" and {names[-1]!r}"
     return StateMismatchError(
-        f"{a!r} and {b!r} share memory in the state (tied weights, or views of one tensor), but {where} holds "
-        "different values for them, so no load can give each its own (the second would overwrite the first). "
+        f"{listed} share memory in the state (tied weights, or views of one tensor), but {where} holds "
+        "different values for them, so no load can give each its own (one write would overwrite another). "
         "That is no damage of the checkpoint.", advice="Give each its own tensor (untie them) to load it.")

@@ -558,10 +558,12 @@ def _names(value: Any) -> list[str]:
 
 
 def meta_problem(meta: Any) -> str | None:
-    """Why ``meta`` (``ss.save(..., meta=...)``) cannot be stored as the manifest's ``meta``, the
-    JSON object a load gives back as it was given, or None. JSON turns a tuple into a list and a
-    key 1 into "1", and has no NaN: those would come back changed, or fail the commit once
-    every byte is written, in json's words."""
+    """Why ``meta`` (``ss.save(..., meta=...)``) cannot be stored as the manifest's ``meta``, or
+    None. What JSON holds is taken as any JSON writer takes it (subclasses of dict, list, str,
+    int and float, such as an OrderedDict or a numpy float; a tuple, which comes back a list).
+    Refused up front: what would fail the commit once every byte is written, in json's words
+    (NaN, bytes, a numpy int), and a key that is no string, which JSON turns into one, so that
+    ``{1: a, "1": b}`` would write a key twice and no reader would take the manifest."""
     if not isinstance(meta, dict):
         return f"meta must be a dict, not {type(meta).__name__}"
     try:
@@ -571,22 +573,22 @@ def meta_problem(meta: Any) -> str | None:
 
 
 def _json_problem(value: Any, where: str) -> str | None:
-    if type(value) is int and int_too_long(value):
-        return f"{where} is {int_too_long(value)}"
-    if value is None or type(value) in (bool, int, str) or (type(value) is float and math.isfinite(value)):
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{where} is {int_too_long(value)}" if int_too_long(value) else None
+    if value is None or isinstance(value, (bool, str)) or (isinstance(value, float) and math.isfinite(value)):
         return None
-    if type(value) is list:
+    if isinstance(value, (list, tuple)):
         return next(filter(None, (_json_problem(v, f"{where}[{i}]") for i, v in enumerate(value))), None)
-    if type(value) is dict:
+    if isinstance(value, dict):
         for key, v in value.items():
-            if type(key) is not str:
-                return f"{where} has the key {key!r}, which is not a string (JSON would give back {str(key)!r})"
+            if not isinstance(key, str):
+                return f"{where} has the key {key!r}, which is not a string (JSON would make it {str(key)!r})"
             problem = _json_problem(v, f"{where}[{key!r}]")
             if problem:
                 return problem
         return None
-    what = "a non-finite float" if type(value) is float else f"a {type(value).__name__}"
-    return f"{where} is {what}, which JSON does not hold as it is"
+    what = "a non-finite float" if isinstance(value, float) else f"of type {type(value).__name__}"
+    return f"{where} is {what}, which JSON does not hold"
 
 
 def _json_object(value: Any) -> dict:

@@ -30,11 +30,12 @@ class NotPlainData(TypeError):
 # §8, rule 1), so a writer must not write one, whatever limit its own process set.
 MAX_INT_DIGITS = 4300
 _INT_LIMIT = 10 ** MAX_INT_DIGITS
+_INT_FLOOR = -_INT_LIMIT
 
 
 def int_too_long(value: int) -> str | None:
     """Why ``value`` cannot be a JSON integer of the manifest, or None."""
-    if -_INT_LIMIT < value < _INT_LIMIT:
+    if _INT_FLOOR < value < _INT_LIMIT:
         return None
     return (f"an int of more than {MAX_INT_DIGITS} digits ({value.bit_length()} bits), longer than JSON readers "
             "take")
@@ -54,9 +55,9 @@ def encode(value: Any) -> Any:
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
-        if int_too_long(value):
-            raise NotPlainData(int_too_long(value))
-        return value
+        if _INT_FLOOR < value < _INT_LIMIT:  # (inline: a list of a million ints passes here)
+            return value
+        raise NotPlainData(int_too_long(value))
     if isinstance(value, float):
         return value if math.isfinite(value) else {TAG + "float": _non_finite(value)}
     if isinstance(value, list):
@@ -102,20 +103,21 @@ def _decode(data: Any, where: str) -> Any:
 
 
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-_QUIET_NAN = 0x7FF8000000000000  # math.nan's bits; "nan" is read back as them
+QUIET_NAN_BITS = 0x7FF8000000000000  # math.nan's bits; "nan" is read back as them
 _NAN_BITS = re.compile(r"nan:[0-9a-f]{16}")
 
 
-def _bits(value: float) -> int:
+def float_bits(value: float) -> int:
+    """The 64 bits of a float (a NaN's sign and payload included)."""
     return struct.unpack("<Q", struct.pack("<d", value))[0]
 
 
 def _non_finite(value: float) -> str:
     """The tag text of an infinity or a NaN. A NaN other than math.nan's bits (``inf - inf`` is
     -nan on x86; a payload) is written by its bits, so that a load gives it back bit for bit."""
-    if not math.isnan(value) or _bits(value) == _QUIET_NAN:
+    if not math.isnan(value) or float_bits(value) == QUIET_NAN_BITS:
         return repr(value)
-    return f"nan:{_bits(value):016x}"
+    return f"nan:{float_bits(value):016x}"
 
 
 def _read_non_finite(text: Any) -> float:
@@ -124,7 +126,7 @@ def _read_non_finite(text: Any) -> float:
         return _NON_FINITE[text]
     if isinstance(text, str) and _NAN_BITS.fullmatch(text):
         value = struct.unpack("<d", struct.pack("<Q", int(text[4:], 16)))[0]
-        if math.isnan(value) and _bits(value) != _QUIET_NAN:  # (that one is written "nan")
+        if math.isnan(value) and float_bits(value) != QUIET_NAN_BITS:  # (that one is written "nan")
             return value
     raise ValueError("only 'nan', 'inf', '-inf' and a NaN's bits ('nan:' and 16 hex digits) are tagged")
 

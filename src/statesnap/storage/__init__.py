@@ -42,18 +42,21 @@ def normalize(path) -> str:
 
 
 def _file_url_path(url: str) -> str:
-    """The local path a file URL names (RFC 8089): ``file:///p``, ``file://localhost/p`` and
-    ``file:/p`` are all ``/p``. Only the first was understood: the others became the relative paths
-    ``localhost/p`` and ``file:/p``, and a checkpoint went into the working directory, where no
-    load from elsewhere finds it. A file URL naming another host is refused, not written here."""
+    """The local path a file URL names: ``file:///p``, ``file://localhost/p`` and ``file:/p`` are
+    all ``/p`` (percent escapes are left as they are, as fsspec leaves them). Only the first was
+    understood: the others became the relative paths ``localhost/p`` and ``file:/p``, and a
+    checkpoint went into the working directory, where no load from elsewhere finds it. A file
+    URL naming another host, or no path, is refused rather than written here or at ``/``."""
     rest = url[len("file:"):]
-    if not rest.startswith("//"):
-        return rest
-    host, _, tail = rest[2:].partition("/")
-    if host not in ("", "localhost"):
-        raise CheckpointError(f"{url} names a file on the host {host!r}; file URLs name local paths "
-                              "(file:///path): mount that storage and give its local path, or use its URL scheme")
-    return "/" + tail
+    if rest.startswith("//"):
+        host, _, tail = rest[2:].partition("/")
+        if host.lower() not in ("", "localhost"):
+            raise CheckpointError(f"{url} names a file on the host {host!r}; file URLs name local paths "
+                                  "(file:///path): mount that storage and give its local path, or use its URL scheme")
+        rest = "/" + tail
+    if rest.strip("/") == "":
+        raise CheckpointError(f"{url} names no path: give the checkpoint's directory (file:///path/to/ckpt)")
+    return rest
 
 
 __all__ = ["StorageBackend", "FileReader", "FileWriter", "LocalBackend", "backend_for", "is_url", "normalize",

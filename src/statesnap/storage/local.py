@@ -44,6 +44,7 @@ _SYNC_FILE_RANGE_WRITE = 2
 _WRITEBACK_MIN = 1 << 20
 _ASIDE_SUFFIX = ".old"  # the old checkpoint during an overwrite without renameat2
 RETIRED_MARK = ".deleting-"  # a checkpoint renamed out of the namespace, being deleted
+_RETIRED_HEX = 12  # hex digits after RETIRED_MARK
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _DIRECT_MIN = 1 << 20
 
@@ -255,18 +256,20 @@ class _LocalReader(FileReader):
 
 
 def _refuse_long_staging_name(parent: str, name: str, staging_name: str) -> None:
-    """A name the file system takes may still be too long once a save stages it as
-    ``.<name>.tmp-<token>``: refused naming the user's name and its limit, not with an OSError
-    about a name the user never chose."""
+    """A name the file system takes may still be too long for the names a save works under:
+    ``.<name>.tmp-<token>``, that with ``.old`` (an overwrite's aside) and ``.<name>.deleting-<hex>``
+    (a replaced checkpoint being deleted). Refused naming the user's name and the longest that
+    works, not with an OSError about a name the user never chose, perhaps only at an overwrite."""
     try:
         limit = os.pathconf(parent, "PC_NAME_MAX")
-    except (OSError, ValueError):  # (a file system that does not say)
+    except (OSError, ValueError, AttributeError):  # (a file system or platform that does not say)
         return
-    extra = len(os.fsencode(staging_name)) - len(os.fsencode(name))
-    if len(os.fsencode(staging_name)) > limit:
-        raise CheckpointError(f"cannot save to {os.path.join(parent, name)}: its name is {len(os.fsencode(name))} bytes, "
-                              f"and a save is written under a temporary name {extra} bytes longer, past this file "
-                              f"system's limit of {limit}. Use a name of at most {limit - extra} bytes")
+    own = len(os.fsencode(name))
+    longest = max(len(os.fsencode(staging_name)) + len(_ASIDE_SUFFIX), own + 1 + len(RETIRED_MARK) + _RETIRED_HEX)
+    if longest > limit:
+        raise CheckpointError(f"its name is {own} bytes, and a save works under names up to {longest - own} bytes "
+                              f"longer, past this file system's limit of {limit}. Use a name of at most "
+                              f"{limit - (longest - own)} bytes")
 
 
 class LocalBackend(StorageBackend):
@@ -365,7 +368,7 @@ class LocalBackend(StorageBackend):
         """Rename ``path`` to a hidden name of ``final``'s that nothing puts back (a leftover a
         Checkpointer's start removes), then delete it: a kill while deleting leaves no aside."""
         parent, name = os.path.split(final)
-        hidden = os.path.join(parent, f".{name}{RETIRED_MARK}{os.urandom(6).hex()}")
+        hidden = os.path.join(parent, f".{name}{RETIRED_MARK}{os.urandom(_RETIRED_HEX // 2).hex()}")
         try:
             os.rename(path, hidden)
         except FileNotFoundError:

@@ -1,0 +1,142 @@
+"""Load targets that share memory: tied weights, views of one buffer, aliases of one array
+(engine/overlaps.py). Each target must hold its stored values once the load is done, or the
+load is refused naming the targets; what needs no second look gets none."""
+import importlib
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import statesnap as ss
+from statesnap.engine import overlaps
+from statesnap.state.items import TensorItem
+
+LOAD = importlib.import_module("statesnap.engine.load")  # (statesnap.engine.load is also a function's name)
+
+
+def test_views_of_one_buffer_in_a_list_are_each_filled(tmp_path):
+    """Views that do not overlap are filled in place, each with its stored value."""
+    ss.save({"halves": [torch.ones(2), torch.full((2,), 2.0)]}, tmp_path / "c")
+    base = torch.zeros(4)
+    target = {"halves": [base[:2], base[2:]]}
+    ss.load(target, tmp_path / "c")
+    assert base.tolist() == [1.0, 1.0, 2.0, 2.0]
+
+
+class _Tied(nn.Module):
+    def __init__(self, tie: bool):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(300, 64), nn.Linear(64, 300, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+
+def test_weights_tied_in_the_state_but_not_in_the_checkpoint_are_named(tmp_path):
+    """A model with tied weights loading a checkpoint saved untied: both stored values went
+    into one tensor, the second over the first, which then loaded wrong or failed its checksum
+    ("damaged; restore from another copy" of an intact checkpoint). Now both names are given,
+    before anything is read. Tied in both loads, as does a view overlapping another view."""
+    torch.manual_seed(0)
+    ss.save({"model": _Tied(tie=False)}, tmp_path / "untied")
+    torch.manual_seed(0)
+    tied = _Tied(tie=True)
+    ss.save({"model": tied}, tmp_path / "tied")
+    with pytest.raises(ss.StateMismatchError, match=r"'model.emb.weight' and 'model.head.weight' share memory"):
+        ss.load({"model": _Tied(tie=True)}, tmp_path / "untied")
+    loaded = _Tied(tie=True)
+    ss.load({"model": loaded}, tmp_path / "tied")
+    assert torch.equal(loaded.head.weight, tied.emb.weight)
+
+    ss.save({"a": torch.ones(1 << 19), "b": torch.full((1 << 19,), 2.0)}, tmp_path / "views")
+    base = torch.zeros(3 << 18)
+    with pytest.raises(ss.StateMismatchError, match=r"'a' and 'b' share memory"):
+        ss.load({"a": base[:1 << 19], "b": base[1 << 18:]}, tmp_path / "views")
+
+
+@pytest.mark.parametrize("views", ["read apart", "transposed"])
+def test_views_that_overwrite_each_other_are_named_however_they_are_read(tmp_path, views):
+    """Overlapping views were caught only when the second write broke the first's checksum
+    check: one read in the same request. Read apart (another tensor between them in the file)
+    or through a host copy (a transposed view), the load returned, ``a`` holding ``b``'s values."""
+    a, b, m = torch.randn(64, 64), torch.randn(64, 64), torch.zeros(4 << 20)  # 16 MiB: a and z in two requests
+    ss.save({"a": a, "m": m, "z": b}, tmp_path / "c")
+    if views == "read apart":
+        base = torch.zeros(96 * 64)
+        target = {"a": base[:64 * 64].view(64, 64), "m": m, "z": base[32 * 64:].view(64, 64)}
+    else:
+        base = torch.zeros(64, 64)
+        target = {"a": base, "m": m, "z": base.t()}
+    with pytest.raises(ss.StateMismatchError, match=r"'a' and 'z' share memory"):
+        ss.load(target, tmp_path / "c", threads=1)
+
+    ss.save({"a": a, "m": m, "z": a.t() if views == "transposed" else a}, tmp_path / "alike")
+    if views == "transposed":  # stored as the views they load into: each holds its own
+        ss.load(target, tmp_path / "alike")
+        assert torch.equal(target["a"], a) and torch.equal(target["z"], a.t())
+
+
+def test_aliases_of_one_array_from_two_storages_are_named(tmp_path):
+    """``torch.from_numpy`` of two views of one array gives two storages over one memory: a
+    check grouping targets by storage alone let a column view overwrite the matrix without a
+    word, and a row view's overwrite was reported as damage of an intact checkpoint."""
+    ss.save({"x": torch.randn(4, 3), "r": torch.randn(3), "c": torch.randn(4)}, tmp_path / "c")
+    for view in (lambda a: a[1], lambda a: a[:, 1]):
+        arr = np.zeros((4, 3), np.float32)
+        target = {"x": torch.from_numpy(arr), "r": torch.zeros(3), "c": torch.zeros(4)}
+        target["r" if view(arr).ndim and view(arr).shape == (3,) else "c"] = torch.from_numpy(view(arr))
+        with pytest.raises(ss.StateMismatchError, match="share memory in the state"):
+            ss.load(target, tmp_path / "c")
+
+
+def test_the_error_names_the_overwritten_tensor_with_every_view_that_shares_it(tmp_path):
+    """'x' and its column 0 are stored alike, column 1 is not: the error named 'c0' and 'x',
+    the pair that is fine; it names 'x', which no longer holds its values, and both columns."""
+    x = torch.randn(4, 3)
+    ss.save({"x": x, "c0": x[:, 0].clone(), "c1": torch.randn(4)}, tmp_path / "c")
+    u = torch.zeros(4, 3)
+    with pytest.raises(ss.StateMismatchError, match=r"'x', 'c0' and 'c1' share memory"):
+        ss.load({"x": u, "c0": u[:, 0], "c1": u[:, 1]}, tmp_path / "c")
+
+
+def test_tied_views_alike_are_refused_before_reading_when_stored_apart(tmp_path, monkeypatch):
+    """Two views alike (FSDP2's ``to_local`` gives a new one for each name of a tied weight) are
+    one tensor under two names: stored untied, the load is refused before any byte is read."""
+    ss.save({"a": torch.randn(8, 8), "b": torch.randn(8, 8)}, tmp_path / "c")
+    w = torch.zeros(8, 8)
+    monkeypatch.setattr(LOAD, "fill_tensors", lambda *args, **kwargs: pytest.fail("read before refusing"))
+    with pytest.raises(ss.StateMismatchError, match=r"'a' and 'b' share memory"):
+        ss.load({"a": w[:], "b": w[:]}, tmp_path / "c")
+
+
+def test_column_blocks_of_one_matrix_share_no_element_and_are_not_read_again(tmp_path, monkeypatch):
+    """Column blocks interleave in memory without sharing an element: they load, each with its
+    values, and none is read a second time."""
+    blocks = [torch.randn(16, 4) for _ in range(4)]
+    ss.save({f"e{i}": b for i, b in enumerate(blocks)}, tmp_path / "c")
+    w = torch.zeros(16, 16)
+    target = {f"e{i}": w[:, 4 * i:4 * (i + 1)] for i in range(4)}
+    assert overlaps.overlapping_pairs(TensorItem(name, t) for name, t in target.items()) == []
+    monkeypatch.setattr(LOAD, "_read_stored", lambda *args: pytest.fail("read again"))
+    ss.load(target, tmp_path / "c")
+    assert torch.equal(w, torch.cat(blocks, dim=1))
+
+
+@pytest.mark.parametrize("x, y", [
+    ((16, 16), ((slice(None), slice(0, 4)), (slice(None), slice(4, 8)))),
+    ((16, 16), ((slice(None), slice(0, 5)), (slice(None), slice(4, 8)))),
+    ((8, 100), ((slice(0, 4), slice(0, 5)), (slice(1, 5), slice(97, 100)))),
+    ((8, 100), ((slice(0, 4), slice(0, 5)), (slice(0, 4), slice(95, 100)))),
+    ((6,), ((slice(0, 3),), (slice(3, 6),))),
+    ((6,), ((slice(0, 4),), (slice(3, 6),))),
+], ids=["blocks apart", "blocks sharing a column", "next row's first columns", "same rows, far columns",
+        "halves", "halves sharing one"])
+def test_views_with_one_stride_share_an_element_exactly_when_they_do(x, y):
+    """The stride arithmetic of ``_disjoint_views`` against a brute force over the elements."""
+    base = torch.zeros(x)
+    a, b = base[y[0]], base[y[1]]
+    marks = torch.zeros(base.numel(), dtype=torch.int64)
+    flat = marks.view(x)
+    flat[y[0]] += 1
+    flat[y[1]] += 1
+    assert overlaps._disjoint_views(a, b) == bool((marks < 2).all())
