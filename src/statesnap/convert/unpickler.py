@@ -154,7 +154,8 @@ def _empty_bytes(*args: Any) -> bytes:
 NUMPY_GLOBALS = [(_Array, "numpy.ndarray"), (_Dtype, "numpy.dtype"),
                  (_reconstruct, "numpy._core.multiarray._reconstruct"),
                  (_reconstruct, "numpy.core.multiarray._reconstruct")]
-_ALLOWED = [(stand_in, name) for name, stand_in in STAND_INS.items()] + NUMPY_GLOBALS + [(_empty_bytes, "builtins.bytes")]
+_ALLOWED = ([(stand_in, name) for name, stand_in in STAND_INS.items()] + NUMPY_GLOBALS
+            + [(_empty_bytes, "builtins.bytes")])
 # safe_globals adds to and removes from one process-wide set; two loads overlapping in threads
 # would remove each other's entries, so loads take turns.
 _LOCK = threading.Lock()

@@ -478,7 +478,8 @@ class Loading:
         """Targets sharing memory whose writes overwrote one another (engine/overlaps.py): each
         is read again into memory of its own and compared. One view twice (tied weights) that
         the checkpoint stores alike needs no second look, nor do targets of other memory."""
-        pairs = [(a, b) for a, b in self.sharing if not (same_view(a, b) and _stored_alike(self.manifest, a.fqn, b.fqn))]
+        pairs = [(a, b) for a, b in self.sharing
+                 if not (same_view(a, b) and _stored_alike(self.manifest, a.fqn, b.fqn))]
         names = overwritten(pairs, self._stored) if pairs else None
         return tie_error(names, self.path) if names is not None else None
 
