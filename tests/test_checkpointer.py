@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import statesnap as ss
-from statesnap.checkpointer import pipeline
+from statesnap.checkpointer import hooks, pipeline
 from statesnap.checkpointer.config import CheckpointerConfig
 from statesnap.monitor import trace
 from statesnap.monitor.events import EventLog
@@ -158,11 +158,21 @@ def test_each_checkpoint_equals_a_deep_copy_taken_at_save(tmp_path, seed):
 
 
 def test_optimizer_step_waits_for_the_copy(tmp_path, monkeypatch):
+    """The copy is let go only once the step is seen waiting for it in its hook: a stepping
+    thread kept off the CPU for 0.3 s (a loaded machine) would otherwise reach its hook after the
+    copy, find nothing to wait for, and record no wait (``hook_wait_s`` 0)."""
     model, optim = make_training()
     train_step(model, optim, 1)
     state = {"model": model, "optim": optim}
     ref = reference(state)
     gate = Gate(monkeypatch)
+    waiting, real_wait = threading.Event(), hooks.Countdown.wait
+
+    def noted_wait(countdown, timeout=None):
+        if threading.current_thread() is stepper:
+            waiting.set()
+        return real_wait(countdown, timeout)
+    monkeypatch.setattr(hooks.Countdown, "wait", noted_wait)
     ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01)
     handle = ckpt.save(1, state)
     assert not handle.staged.done()  # save returned before copying anything
@@ -171,6 +181,7 @@ def test_optimizer_step_waits_for_the_copy(tmp_path, monkeypatch):
     stepper.start()
     stepper.join(0.3)
     assert stepper.is_alive(), "optimizer.step() ran before the snapshot copy finished"
+    assert waiting.wait(60), "optimizer.step() does not wait for the snapshot copy"
     gate.open()
     stepper.join()
     assert handle.staged.result() == 1
@@ -535,16 +546,26 @@ def test_wait_staged_covers_custom_loops(tmp_path, monkeypatch):
 
 
 def test_checkpoints_in_flight_are_bounded(tmp_path, monkeypatch):
+    """Checkpoint 1 is let go only once save(2) is seen waiting for it: a saving thread kept off
+    the CPU for 0.3 s (a loaded machine) would otherwise find checkpoint 1 finished, not wait,
+    and record no back-pressure."""
     model, optim = make_training()
     state = {"model": model, "optim": optim}
     gate = Gate(monkeypatch)
     ckpt = ss.Checkpointer(tmp_path, max_in_flight=1, host_memory_gb=0.01)
     first = ckpt.save(1, state)
-    second = []
+    second, waiting, real_wait = [], threading.Event(), first._snap.finished.wait
+
+    def noted_wait(timeout=None):
+        if threading.current_thread() is saver:
+            waiting.set()
+        return real_wait(timeout)
+    monkeypatch.setattr(first._snap.finished, "wait", noted_wait)
     saver = threading.Thread(target=lambda: second.append(ckpt.save(2, state)))
     saver.start()
     saver.join(0.3)
     assert saver.is_alive() and not first.staged.done()  # save(2) waits for checkpoint 1
+    assert waiting.wait(60), "save(2) does not wait for checkpoint 1"
     gate.open()
     saver.join()
     ckpt.close()

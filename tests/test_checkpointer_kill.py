@@ -74,10 +74,26 @@ def test_restart_after_sigkill_mid_flush_loads_the_last_committed_step(tmp_path)
 
 
 ENDS_WITHOUT_CLOSE = textwrap.dedent("""
-    import sys, torch
+    import logging, sys, threading, torch
     sys.path.insert(0, sys.argv[1])
     import statesnap as ss
+    from statesnap.checkpointer import pipeline
     from test_checkpointer import make_training, reference, train_step
+
+    # The step's writing waits until the program's end has found it in flight (the warning): a
+    # flush done before the main thread got there (kept off the CPU on a loaded machine) would
+    # leave the end nothing to finish, and the test nothing to see.
+    warned = threading.Event()
+    def note_the_warning(record):  # (a filter: the warning still goes to stderr)
+        if "in flight" in record.getMessage():
+            warned.set()
+        return True
+    logging.getLogger("statesnap").addFilter(note_the_warning)
+    real_write = pipeline.Flusher._write
+    def held_write(self, *args, **kwargs):
+        warned.wait(60)
+        return real_write(self, *args, **kwargs)
+    pipeline.Flusher._write = held_write
 
     model, optim = make_training()
     state = {"model": model, "optim": optim}

@@ -152,10 +152,13 @@ def test_object_store_lease_names_the_holder_and_expires(tmp_path):
 
 
 def test_a_lease_that_is_not_renewed_goes_stale_and_its_holder_stops():
+    """The holder's renewer is stopped and joined, not only told to stop: a renewal it had begun
+    (this thread kept off the CPU for the renewer's second) would store an expiry after the
+    sleep below, and the new claim would be refused."""
     root = f"memory://stale-lease-{os.getpid()}/root"
     backend = backend_for(root)
-    old = LeaseClaim(root, backend, take_over=False, lease_s=3)
-    old._stop.set()  # the holder's node froze: no more renewals
+    # the holder's node froze: no more renewals
+    old = _by_hand(LeaseClaim(root, backend, take_over=False, lease_s=3))
     with pytest.raises(RootBusyError):
         LeaseClaim(root, backend, take_over=False, lease_s=3)
     time.sleep(3.2)
