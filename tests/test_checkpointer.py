@@ -348,6 +348,7 @@ def test_a_restore_from_memory_into_targets_sharing_memory_is_checked(tmp_path):
         tied = torch.zeros(8, 8)
         with pytest.raises(ss.StateMismatchError, match=r"'a' and 'b' share memory.*host memory"):
             ckpt.load_latest({"a": tied, "b": tied})
+        assert not tied.any()  # refused before any copy, as a load from storage refuses it
         base = torch.zeros(8, 8)
         with pytest.raises(ss.StateMismatchError, match=r"'a' and 'b' share memory.*host memory"):
             ckpt.load_latest({"a": base, "b": base.t()})

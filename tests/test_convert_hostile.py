@@ -644,3 +644,17 @@ def test_an_allowed_global_named_but_never_called_is_refused(tmp_path):
             out.writestr(name, data if name.endswith("data.pkl") else source.read(name))
     with pytest.raises(ss.UnsafeCheckpointError, match="bad.pt: refused to unpickle: _empty_bytes is code, not a value"):
         unpickler.load_from(str(tmp_path / "bad.pt"), str(tmp_path / "bad.pt"))
+
+
+def test_an_allowed_global_as_a_key_is_refused_too(tmp_path):
+    """Keys are values too: the stand-in passed there unrefused. (Sets do not reach this far: the
+    weights-only unpickler refuses their opcodes.)"""
+    import pickle
+
+    body = pickle.EMPTY_DICT + pickle.GLOBAL + b"builtins\nbytes\n" + pickle.NONE + pickle.SETITEM
+    torch.save({"a": 1}, tmp_path / "good.pt")
+    with zipfile.ZipFile(tmp_path / "good.pt") as source, zipfile.ZipFile(tmp_path / "bad.pt", "w") as out:
+        for entry in source.namelist():
+            out.writestr(entry, _pickle_ops(body) if entry.endswith("data.pkl") else source.read(entry))
+    with pytest.raises(ss.UnsafeCheckpointError, match="_empty_bytes is code, not a value"):
+        unpickler.load_from(str(tmp_path / "bad.pt"), str(tmp_path / "bad.pt"))

@@ -92,6 +92,7 @@ def test_reader_reads_regions(tmp_path, index):
     ("t", torch.tensor(1, dtype=torch.uint8), "a bool or uint8 index is a mask"),
     ("t", torch.tensor([1]), "region index must be integers and slices, not Tensor"),
     ("t", np.array([1]), "region index must be integers and slices, not ndarray"),
+    ("t", np.array(1, dtype=np.uint8), "a bool or uint8 index is a mask"),
     ("t", slice(0.5, 2), "slice bounds must be integers"),
     ("n", 0, "n is a plain value, not a tensor"),
 ])
@@ -223,8 +224,9 @@ def test_plain_data_nested_too_deeply_is_a_manifest_error():
 @pytest.mark.parametrize("meta, words", [
     ({1: "a"}, "meta has the key 1, which is not a string"),
     ({"loss": float("nan")}, r"meta\['loss'\] is a non-finite float"),
-    ({"deep": [{"b": b"x"}]}, r"meta\['deep'\]\[0\]\['b'\] is of type bytes"),
-    ({"n": np.int64(3)}, r"meta\['n'\] is of type int64"),
+    ({True: "a"}, 'meta has the key True, which is not a string \\(JSON would make it "true"\\)'),
+    ({"deep": [{"b": b"x"}]}, r"meta\['deep'\]\[0\]\['b'\] is of type builtins.bytes"),
+    ({"n": np.int64(3)}, r"meta\['n'\] is of type numpy.int64"),
     ({"n": 10 ** 4300}, r"meta\['n'\] is an int of more than 4300 digits"),
     ("step 3", "meta must be a dict, not str"),
 ])

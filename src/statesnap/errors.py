@@ -13,6 +13,8 @@ class CheckpointError(Exception):
 class CorruptCheckpointError(CheckpointError):
     """Stored bytes do not match their checksum, or a data file is truncated."""
 
+    tensor: str | None = None  # the tensor whose bytes failed their checksum, where one did
+
 
 class ReadFailedError(CorruptCheckpointError):
     """The storage failed to read a data file (an I/O error such as ``EIO`` from a mount that

@@ -298,7 +298,8 @@ def _integer(sel: Any, fqn: str) -> Any:
     """``sel`` as an int where torch reads it as one (a numpy integer, a 0-d integer tensor),
     else as it is (refused by the caller). A bool is refused here: torch reads ``t[True]`` as a new
     dimension, not as row 1, and a uint8 tensor as a mask."""
-    if isinstance(sel, (bool, np.bool_)) or (isinstance(sel, torch.Tensor) and sel.dtype in (torch.bool, torch.uint8)):
+    if isinstance(sel, (bool, np.bool_)) or (isinstance(sel, torch.Tensor) and sel.dtype in (torch.bool, torch.uint8)) \
+            or (isinstance(sel, np.ndarray) and sel.dtype in (np.bool_, np.uint8)):
         raise CheckpointError(f"{fqn}: a bool or uint8 index is a mask to torch, not a region; pass an int")
     if isinstance(sel, (int, slice)) or not hasattr(sel, "__index__"):
         return sel

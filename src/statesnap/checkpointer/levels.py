@@ -18,6 +18,7 @@ import logging
 import threading
 import uuid
 import warnings
+from typing import Callable
 
 import torch
 
@@ -158,6 +159,7 @@ def matching_target(snap, state: dict):
 
 def restore_from_memory(snap, flat, buffer: torch.Tensor, allow_pickle: bool) -> int:
     """Copy a resident snapshot back into the flattened target; return the bytes restored."""
+    pairs, staged = _pairs_to_check(snap, flat, buffer)
     base = snap.region.start
     nbytes = 0
     devices = set()
@@ -172,7 +174,9 @@ def restore_from_memory(snap, flat, buffer: torch.Tensor, allow_pickle: bool) ->
         for device in devices:
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()
-    _check_overlaps(snap, flat, buffer)
+    names = overwritten(pairs, staged) if pairs else None
+    if names is not None:
+        raise tie_error(names, _memory_of(snap))
     read_blob = lambda fqn, _ref: snap.blobs[fqn]  # noqa: E731 (pickled values kept in memory)
     for item in flat.objects:
         value = decode_value(item.fqn, snap.objects[item.fqn], allow_pickle, read_blob)
@@ -185,20 +189,23 @@ def restore_from_memory(snap, flat, buffer: torch.Tensor, allow_pickle: bool) ->
     return nbytes
 
 
-def _check_overlaps(snap, flat, buffer: torch.Tensor) -> None:
-    """Targets sharing memory must each hold their snapshot's values once all are copied
-    (engine/overlaps.py): a state whose tied weights the snapshot holds untied, or views of one
-    tensor it holds apart, cannot take it. One view under two names (tied weights) whose
-    snapshots are alike needs no look at the target: both copies put the same bytes there."""
+def _pairs_to_check(snap, flat, buffer: torch.Tensor) -> tuple[list, Callable]:
+    """Targets sharing memory (engine/overlaps.py), and their staged snapshots: each must hold its
+    snapshot's values once all are copied, or the state (tied weights the snapshot holds untied,
+    views of one tensor it holds apart) cannot take the snapshot. One view under two names is
+    decided here, before any copy, from the snapshots alone: alike, both copies put the same
+    bytes there; apart, the state is refused untouched, as a load from storage refuses it."""
     pairs = overlapping_pairs(flat.tensors)
-    if not pairs:
-        return
-    offsets = {id(item): offset for item, offset in zip(flat.tensors, snap.item_offsets)}
+    offsets = {id(item): offset for item, offset in zip(flat.tensors, snap.item_offsets)} if pairs else {}
 
     def staged(item) -> torch.Tensor:
         return item_bytes_view(buffer, snap.region.start + offsets[id(item)], item.local)
 
-    pairs = [(a, b) for a, b in pairs if not (same_view(a, b) and same_bits(staged(a), staged(b)))]
-    names = overwritten(pairs, staged) if pairs else None
-    if names is not None:
-        raise tie_error(names, f"the snapshot of step {snap.step} in host memory")
+    for a, b in pairs:
+        if same_view(a, b) and not same_bits(staged(a), staged(b)):
+            raise tie_error([a.fqn, b.fqn], _memory_of(snap))
+    return [(a, b) for a, b in pairs if not same_view(a, b)], staged
+
+
+def _memory_of(snap) -> str:
+    return f"the snapshot of step {snap.step} in host memory"

@@ -294,7 +294,7 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, dict):
         out = OrderedDict() if isinstance(obj, OrderedDict) else {}
         for key, value in obj.items():
-            out[key] = _plain(value)
+            out[_plain(key)] = _plain(value)
         return out
     if isinstance(obj, list):
         return [_plain(value) for value in obj]

@@ -367,16 +367,6 @@ def _tied_apart(pairs: list, manifest: Manifest, path: str) -> StateMismatchErro
     return None
 
 
-def _overlapping_apart(pairs: list, manifest: Manifest, path: str) -> StateMismatchError | None:
-    """The same for any targets whose memory overlaps (views of one tensor): looked for here
-    once a checksum has failed, so that an intact checkpoint is not called damaged because the
-    second view overwrote the first (``Loading._overwritten`` looks after every load)."""
-    for a, b in pairs:
-        if not _stored_alike(manifest, a.fqn, b.fqn):
-            return tie_error([a.fqn, b.fqn], path)
-    return None
-
-
 def _stored_alike(manifest: Manifest, a: str, b: str) -> bool:
     """Whether tensors ``a`` and ``b`` are stored with the same values: same dtype, shape and
     pieces, and the same checksums of every block."""
@@ -452,7 +442,7 @@ class Loading:
                                            self.verify, self.threads, self.strict, self.exchange.received,
                                            self.progress)
             except CorruptCheckpointError as exc:
-                self._error = _overlapping_apart(self.sharing, self.manifest, self.path) or exc
+                self._error = self._overlap_behind(exc) or exc
             except Exception as exc:
                 self._error = exc
 
@@ -482,6 +472,23 @@ class Loading:
                  if not (same_view(a, b) and _stored_alike(self.manifest, a.fqn, b.fqn))]
         names = overwritten(pairs, self._stored) if pairs else None
         return tie_error(names, self.path) if names is not None else None
+
+    def _overlap_behind(self, exc: CorruptCheckpointError) -> StateMismatchError | None:
+        """The targets sharing memory that made ``exc``'s checksum fail, so that an intact
+        checkpoint is not called damaged (and given up for an older one) because one view's
+        write changed another's bytes before they were checked: its tensor, read again into
+        memory of its own, passes its checksums. None where it fails them there too (damage),
+        or shares no memory."""
+        pairs = [(a, b) for a, b in self.sharing if exc.tensor in (a.fqn, b.fqn)]
+        if not pairs:
+            return None
+        failed = pairs[0][0] if pairs[0][0].fqn == exc.tensor else pairs[0][1]
+        try:
+            if self._stored(failed) is None:
+                return None
+        except CorruptCheckpointError:
+            return None
+        return tie_error([exc.tensor, *dict.fromkeys(b.fqn if a is failed else a.fqn for a, b in pairs)], self.path)
 
     def _stored(self, item) -> torch.Tensor | None:
         """The stored values of ``item``'s part, read again (None where the checkpoint holds

@@ -301,10 +301,12 @@ class ReadExecutor:
         if actual != expected:
             bad = next(i for i, (a, e) in enumerate(zip(actual, expected)) if a != e) if len(actual) == len(expected) else 0
             start = job.base + lo + bad * block
-            raise CorruptCheckpointError(
+            error = CorruptCheckpointError(
                 f"checksum mismatch in data file {self.manifest.files[job.file]} of {self.directory}: "
                 f"tensor {job.fqn!r}, piece {job.read.piece}, bytes [{start}, {min(start + block, job.base + hi)}) "
                 "are damaged; restore this checkpoint from another copy or load an earlier one")
+            error.tensor = job.fqn
+            raise error
 
 
 def _part(job: _Job, lo: int, hi: int) -> _Job:

@@ -582,12 +582,15 @@ def _json_problem(value: Any, where: str) -> str | None:
     if isinstance(value, dict):
         for key, v in value.items():
             if not isinstance(key, str):
-                return f"{where} has the key {key!r}, which is not a string (JSON would make it {str(key)!r})"
+                made = (f'would make it "{json.dumps(key)}"' if isinstance(key, (int, float)) or key is None
+                        else "takes none")
+                return f"{where} has the key {key!r}, which is not a string (JSON {made})"
             problem = _json_problem(v, f"{where}[{key!r}]")
             if problem:
                 return problem
         return None
-    what = "a non-finite float" if isinstance(value, float) else f"of type {type(value).__name__}"
+    kind = type(value)
+    what = "a non-finite float" if isinstance(value, float) else f"of type {kind.__module__}.{kind.__qualname__}"
     return f"{where} is {what}, which JSON does not hold"
 
 

@@ -365,19 +365,20 @@ def _merged(held: Any, value: Any, filled: dict[int, list[tuple[int, int]]] | No
     stored value itself, which the caller puts in its place. A tensor whose memory overlaps one
     filled before (``[t] * n``) is replaced, not filled: one memory cannot hold two stored
     values; views of one buffer that do not overlap are each filled. ``filled``: the address
-    ranges filled so far, by storage (memory of two storages never overlaps)."""
+    ranges filled so far, by device, sorted (by device, not storage: two ``torch.from_numpy``
+    views of one array are two storages over one memory)."""
     filled = {} if filled is None else filled
     if isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor):
-        span, spans = address_range(held), filled.setdefault(held.untyped_storage().data_ptr(), [])
-        if held.shape != value.shape or held.dtype != value.dtype or \
-                any(start < span[1] and span[0] < end for start, end in spans):
+        span, spans = address_range(held), filled.setdefault(str(held.device), [])
+        if held.shape != value.shape or held.dtype != value.dtype or _overlaps_filled(span, spans):
             return value
         try:
             with torch.no_grad():
                 held.copy_(value)
         except RuntimeError:  # one that cannot be written (an inference tensor): replaced
             return value
-        spans.append(span)
+        if span[1] > span[0]:
+            bisect.insort(spans, span)
         return held
     if isinstance(held, list) and isinstance(value, list):
         held[:] = [_merged(h, v, filled) for h, v in zip(held, value)] + value[len(held):]
@@ -399,6 +400,13 @@ def address_range(t: torch.Tensor) -> tuple[int, int]:
         return 0, 0
     last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _overlaps_filled(span: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+    """Whether ``span`` overlaps one of ``spans`` (sorted, none overlapping another): only its
+    neighbours in address order can, so a long list of tensors costs a bisection each."""
+    at = bisect.bisect_left(spans, span)
+    return (at > 0 and spans[at - 1][1] > span[0]) or (at < len(spans) and spans[at][0] < span[1])
 
 
 def _same(held: Any, stored: Any) -> bool:
