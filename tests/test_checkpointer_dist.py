@@ -163,6 +163,37 @@ def test_a_layout_change_on_one_rank_only_is_explained_not_left_hanging(tmp_path
     assert ss.open(str(tmp_path / "ckpt" / "step-1")).read("w").tolist() == [0.0, 0.0, 1.0, 1.0]
 
 
+def _a_target_refused_on_one_rank(rank, world, root):
+    """Rank 1 loads into an expanded view (refused by name before anything is copied); rank 0's
+    state is fine. Returns each rank's error type and the seconds it took to get it."""
+    import time
+
+    ckpt = ss.Checkpointer(root, host_memory_gb=0.01, durable=False, commit_timeout_s=120)
+    ckpt.save(1, {"w": torch.arange(4.0)}).wait()
+    target = {"w": torch.zeros(1).expand(4) if rank == 1 else torch.zeros(4)}
+    started = time.perf_counter()
+    try:
+        ckpt.load_latest(target)
+        outcome = None
+    except ss.CheckpointError as exc:
+        outcome = type(exc).__name__, str(exc)
+    seconds = time.perf_counter() - started
+    ckpt.close()
+    return outcome, seconds
+
+
+def test_a_target_refused_on_one_rank_stops_every_rank_at_once(tmp_path):
+    """A state refused on one rank only (an expanded view there) was raised on that rank alone,
+    while the other waited for it in the next exchange: until the collective timeout had the
+    refusing rank gone on, or, when it left, with a PeerLostError that said nothing of why. Both
+    now raise at once, the other naming the rank that refused and its reason."""
+    outcomes = run_ranks(2, _a_target_refused_on_one_rank, str(tmp_path / "ckpt"))
+    (remote, remote_s), (refused, refused_s) = outcomes
+    assert refused[0] == "CheckpointError" and "expanded view" in refused[1]
+    assert remote[0] == "RemoteFailure" and "rank 1" in remote[1] and "expanded view" in remote[1]
+    assert max(refused_s, remote_s) < 60  # (the timeout would be 120 s)
+
+
 class _Experts(torch.nn.Module):
     """A shared layer, replicated, and two experts of this rank's own (expert parallel: their
     names differ by rank, so each rank saves its own); ``forward(x, expert)`` routes every

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
-from ..engine.dist import Comm, PeerLostError, timed_group
+from ..engine.dist import Comm, PeerLostError, described, timed_group
 from ..engine.load import CAST_HINT, load_step
 from ..engine.replicas import limit_bytes, object_digests
 from ..engine.save import encode_objects, per_rank_names, plan_by_owners, shared_names
@@ -302,8 +302,11 @@ class Checkpointer:
 
     def _load_newest(self, state: dict, cast: bool) -> int | None:
         started = now()
-        snap = self.memory.newest()
-        flat = matching_target(snap, state) if snap is not None else None
+        snap, refused = self.memory.newest(), None
+        try:
+            flat = matching_target(snap, state) if snap is not None else None
+        except Exception as exc:  # noqa: BLE001 (a state no load can fill: raised on every rank below)
+            flat, refused = None, exc
         borrowed = flat is not None and self._arena.borrow(snap.region)
         try:
             levels = [level for level in (self.persistent, self.further) if level is not None]
@@ -311,10 +314,14 @@ class Checkpointer:
             # levels, in one exchange: a restart's time is its slowest rank's, collectives included
             held = self._comm.all_gather((snap.step if borrowed else None,
                                           inventory(self.local) if self.local is not None else None,
-                                          self._stored_steps(levels) if self.rank == 0 else None))
-            memory_steps = [step for step, _, _ in held]
+                                          self._stored_steps(levels) if self.rank == 0 else None,
+                                          described(refused)))
+            # a rank whose state no load can fill (a target refused by name) stops every rank
+            # here, not only itself while the others wait for it in the next exchange
+            self._comm.raise_any(refused, [failure for *_, failure in held], "loading the latest checkpoint")
+            memory_steps = [step for step, *_ in held]
             memory_step = memory_steps[0] if None not in memory_steps and len(set(memory_steps)) == 1 else None
-            inventories = [node for _, node, _ in held] if self.local is not None else []
+            inventories = [node for _, node, *_ in held] if self.local is not None else []
             stored = held[0][2]
             local_steps = complete_steps(inventories) if inventories else []
             choices = [(memory_step, 0, "memory")] + [(s, 1, "local") for s in local_steps] + [
