@@ -300,7 +300,7 @@ def _plain(obj: Any) -> Any:
         return [_plain(value) for value in obj]
     if type(obj) is tuple:
         return tuple(_plain(value) for value in obj)
-    if isinstance(obj, type) or callable(obj) and not isinstance(obj, torch.Tensor):
+    if callable(obj):
         # (a pickle naming an allowed global without calling it: the stand-in itself, never data)
         raise pickle.UnpicklingError(f"{getattr(obj, '__name__', type(obj).__name__)} is code, not a value")
     return obj

@@ -233,8 +233,8 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
         problem = meta_problem({} if meta is None else meta)
         if problem:
             raise CheckpointError(f"cannot save to {path}: {problem}. meta is plain JSON (dicts with string keys, "
-                                  "lists, strings, integers, finite floats, booleans, None); put other values in "
-                                  "the state")
+                                  "lists or tuples, strings, integers, finite floats, booleans, None); put other "
+                                  "values in the state")
         flat = flatten_for_save(state)
         metas = [item.meta(dtype_name(item.dtype)) for item in flat.tensors]
         all_entries, all_blobs = encode_objects(flat, allow_pickle)

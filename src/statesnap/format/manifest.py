@@ -574,7 +574,8 @@ def meta_problem(meta: Any) -> str | None:
 
 def _json_problem(value: Any, where: str) -> str | None:
     if isinstance(value, int) and not isinstance(value, bool):
-        return f"{where} is {int_too_long(value)}" if int_too_long(value) else None
+        problem = int_too_long(value)
+        return f"{where} is {problem}" if problem else None
     if value is None or isinstance(value, (bool, str)) or (isinstance(value, float) and math.isfinite(value)):
         return None
     if isinstance(value, (list, tuple)):

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import inspect
 import io
-from concurrent import futures
 import logging
 import os
 import re
 import threading
 import weakref
+from concurrent import futures
 from typing import Any
 
 import fsspec
