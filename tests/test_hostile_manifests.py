@@ -56,8 +56,8 @@ def test_a_flipped_bit_in_the_version_is_damage_and_load_latest_falls_back(tmp_p
     where.write_bytes(raw[:version] + bytes([raw[version] | 0x02]) + raw[version + 1:])
     with pytest.raises(CorruptCheckpointError, match="fails its own checksum .* newer than this statesnap"):
         ss.open(tmp_path / "step-2")
-    with pytest.warns(RuntimeWarning, match="step 2 could not be restored"):
-        assert ss.Checkpointer(tmp_path).load_latest({"model": torch.nn.Linear(4, 3)}) == 1
+    with ss.Checkpointer(tmp_path) as restarted, pytest.warns(RuntimeWarning, match="step 2 could not be restored"):
+        assert restarted.load_latest({"model": torch.nn.Linear(4, 3)}) == 1
 
 
 def test_a_signed_newer_version_still_asks_for_an_upgrade(ckpt_dir):

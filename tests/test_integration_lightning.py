@@ -186,6 +186,7 @@ def test_a_save_of_unchanged_tensors_shares_the_stored_step(tmp_path):
     assert torch.equal(io.load_checkpoint(last)["state_dict"]["w"], weight_then)
     io.remove_checkpoint(last)
     assert [n for n in os.listdir(tmp_path / STORE_DIR) if n.startswith("step-")] == [steps[-1]]
+    io.teardown()
 
 
 

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 import statesnap as ss
 from statesnap.engine import overlaps
+from statesnap.state.flatten import address_range
 from statesnap.state.items import TensorItem
 
 LOAD = importlib.import_module("statesnap.engine.load")  # (statesnap.engine.load is also a function's name)
@@ -172,3 +173,81 @@ def test_damage_under_views_that_load_alike_is_damage(tmp_path):
     u = torch.zeros(8, 8)
     with pytest.raises(ss.CorruptCheckpointError, match="tensor 't'"):
         ss.load({"t": u, "row": u[0]}, tmp_path / "c")
+
+
+def test_a_target_whose_own_elements_overlap_is_refused_by_name(tmp_path):
+    """``as_strided`` with strides smaller than its sizes puts two elements at one place: the
+    load wrote both stored values there, the second over the first, and returned without a word.
+    It is refused before anything is read; the other targets are left as they were."""
+    ss.save({"ok": torch.ones(2), "odd": torch.arange(9.0).reshape(3, 3)}, tmp_path / "c")
+    ok = torch.zeros(2)
+    odd = torch.zeros(5).as_strided((3, 3), (1, 1))
+    with pytest.raises(ss.CheckpointError, match=r"tensor 'odd' .*overlap in memory .*strides \(1, 1\)"):
+        ss.load({"ok": ok, "odd": odd}, tmp_path / "c")
+    assert not ok.any()
+
+
+def test_an_unusual_layout_that_does_not_overlap_loads_exactly(tmp_path):
+    """Strides out of torch's usual order that still give each element its own place (offsets
+    0, 3, 6 and 4, 7, 10) load bit exact, element by element."""
+    value = torch.randn(2, 3)
+    ss.save({"t": value}, tmp_path / "c")
+    base = torch.zeros(11)
+    target = base.as_strided((2, 3), (4, 3))
+    ss.load({"t": target}, tmp_path / "c")
+    assert torch.equal(target, value)
+    assert base[[1, 2, 5, 8, 9]].eq(0).all()
+
+
+def test_a_layout_too_large_to_check_is_refused_not_guessed(tmp_path, monkeypatch):
+    monkeypatch.setattr("statesnap.state.items._LARGEST_CHECKED", 4)
+    ss.save({"t": torch.randn(2, 3)}, tmp_path / "c")
+    with pytest.raises(ss.CheckpointError, match="tensor 't' .*may put two elements at one place .*too large"):
+        ss.load({"t": torch.zeros(11).as_strided((2, 3), (4, 3))}, tmp_path / "c")
+
+
+def test_the_quick_layout_test_never_passes_a_layout_that_overlaps():
+    """``_strides_apart`` against the list of addresses, over random small layouts."""
+    from statesnap.state.items import _addresses_repeat, _strides_apart
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        ndim = int(rng.integers(1, 4))
+        shape = tuple(int(v) for v in rng.integers(1, 5, ndim))
+        strides = tuple(int(v) for v in rng.integers(1, 13, ndim))
+        t = torch.zeros(200).as_strided(shape, strides)
+        repeats = _addresses_repeat(t)
+        assert repeats == (len(set(torch.arange(200).as_strided(shape, strides).flatten().tolist())) != t.numel())
+        if _strides_apart(t):
+            assert not repeats, (shape, strides)
+
+
+@pytest.mark.parametrize("pairs_at_once", [1 << 20, 5])
+def test_the_pairs_found_are_every_pair_that_shares_an_element(monkeypatch, pairs_at_once):
+    """Random views of one buffer (blocks, strided rows, repeats of one view): the pairs found
+    are those whose address ranges overlap less those the stride arithmetic shows apart, pair by
+    pair, and they include every pair sharing an element (against each view's addresses). Small
+    rounds of candidates (5) give the same pairs as one round."""
+    monkeypatch.setattr(overlaps, "_PAIRS_AT_ONCE", pairs_at_once)
+    rng = np.random.default_rng(1)
+    base = torch.zeros(12, 20)
+    for _ in range(40):
+        items = []
+        for n in range(int(rng.integers(2, 12))):
+            rows, cols = sorted(rng.integers(0, 13, 2)), sorted(rng.integers(0, 21, 2))
+            view = base[rows[0]:rows[1] + 1:int(rng.integers(1, 3)), cols[0]:cols[1] + 1]
+            items.append(TensorItem(f"v{n}", view))
+        found = {frozenset((a.fqn, b.fqn)) for a, b in overlaps.overlapping_pairs(items)}
+        expected = set()
+        for i, a in enumerate(items):
+            for b in items[i + 1:]:
+                x, y = sorted((a.local, b.local), key=lambda t: t.data_ptr())
+                (x_start, x_end), (y_start, y_end) = address_range(x), address_range(y)
+                if x_start < y_end and y_start < x_end and not overlaps._disjoint_views(x, y):
+                    expected.add(frozenset((a.fqn, b.fqn)))
+                if set(_addresses(a.local)) & set(_addresses(b.local)):
+                    assert frozenset((a.fqn, b.fqn)) in found
+        assert found == expected
+
+
+def _addresses(t):
+    return (t.storage_offset() + sum(i * s for i, s in zip(index, t.stride())) for index in np.ndindex(*t.shape))

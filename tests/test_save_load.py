@@ -1,6 +1,7 @@
 """Blocking ss.save / ss.load: what a training state holds, in place, strictly, resumably, atomically."""
 import collections
 import os
+import struct
 import sys
 
 import fsspec
@@ -474,6 +475,12 @@ def test_a_tuple_keeps_no_float_that_differs_from_the_stored_one_in_its_bits(tmp
     # the NaN a tuple holds (inf - inf is -nan on x86) must still take their checkpoints.
     ss.save({"pair": (nn.Linear(2, 2), float("nan"))}, tmp_path / "old")
     ss.load({"pair": (nn.Linear(2, 2), float("inf") - float("inf"))}, tmp_path / "old")
+    # NaNs of other bits are told apart in the message too, where both would print "nan"
+    negative_nan = struct.unpack("<d", struct.pack("<Q", 0xFFF8000000000000))[0]
+    ss.save({"pair": (nn.Linear(2, 2), negative_nan)}, tmp_path / "signed")
+    with pytest.raises(ss.CheckpointError, match=r"pair.1 lies in a tuple.*nan:fff8000000000000 against "
+                                                 r"nan:7ff8000000000000"):
+        ss.load({"pair": (nn.Linear(2, 2), float("nan"))}, tmp_path / "signed")
 
 
 def test_a_tuple_keeps_no_small_tensor_of_another_dtype_than_the_stored_one(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 
 from ..errors import StateMismatchError
@@ -37,7 +38,7 @@ def overlapping_pairs(items: Iterable[TensorItem]) -> list[Pair]:
     pairs: list[Pair] = []
     for group in _overlapping_storages(by_storage):
         if len(group) > 1:
-            pairs += [(a, b) for a, b in _overlapping_in(group) if not _disjoint_views(a.local, b.local)]
+            pairs += _sharing_in(group)
     return pairs
 
 
@@ -55,30 +56,88 @@ def _overlapping_storages(by_storage: dict[tuple, list[TensorItem]]) -> list[lis
     return groups
 
 
-def _overlapping_in(group: list[TensorItem]) -> list[Pair]:
-    """The pairs of the group whose address ranges overlap: a sweep over those ranges."""
-    spans = sorted((*address_range(item.local), index) for index, item in enumerate(group))
-    pairs, open_spans = [], []  # open_spans: (end, index) of the ranges that may reach the next one
-    for start, end, index in spans:
-        open_spans = [(e, i) for e, i in open_spans if e > start]
-        pairs += [(group[i], group[index]) for _, i in open_spans]
-        open_spans.append((end, index))
+_PAIRS_AT_ONCE = 1 << 20  # candidate pairs looked at in one round of array operations (some 64 MB)
+
+
+def _sharing_in(group: list[TensorItem]) -> list[Pair]:
+    """The pairs of the group that may share an element: those whose address ranges overlap,
+    less those the stride arithmetic shows apart. Interleaved views (1,000 column blocks of one
+    matrix: 500,000 pairs whose ranges overlap) are why this is array operations: a pair is an
+    (earlier, later) index in address order, and the arithmetic runs once per distinct (layout,
+    layout, distance), a few thousand at most for regular blocks."""
+    layouts = sorted(((*address_range(item.local), _layout(item.local), index) for index, item in enumerate(group)))
+    starts = np.array([start for start, _, _, _ in layouts], dtype=np.int64)
+    ends = np.array([end for _, end, _, _ in layouts], dtype=np.int64)
+    kinds: dict[tuple, int] = {}  # a layout less its address -> its number
+    kind = np.array([kinds.setdefault(layout[1:], len(kinds)) for _, _, layout, _ in layouts], dtype=np.int64)
+    kind_layouts = list(kinds)
+    # later[i]: how many of the tensors after the i-th start before it ends
+    later = np.maximum(np.searchsorted(starts, ends, side="left") - np.arange(1, len(layouts) + 1), 0)
+    before = np.concatenate([[0], np.cumsum(later)])  # before[i]: the pairs of the tensors before the i-th
+    pairs: list[Pair] = []
+    first = 0
+    while first < len(layouts):
+        last = max(first + 1, int(np.searchsorted(before, before[first] + _PAIRS_AT_ONCE, side="right")) - 1)
+        counts = later[first:last]
+        earlier = np.repeat(np.arange(first, last), counts)
+        offsets = np.arange(len(earlier)) - np.repeat(np.cumsum(counts) - counts, counts)
+        other = earlier + 1 + offsets
+        if len(earlier):
+            hit = _may_share(kind_layouts, kind[earlier] * len(kinds) + kind[other], starts[other] - starts[earlier])
+            pairs += [(group[layouts[i][3]], group[layouts[j][3]])
+                      for i, j in zip(earlier[hit].tolist(), other[hit].tolist())]
+        first = last
     return pairs
+
+
+def _may_share(kind_layouts: list[tuple], kind_pairs: np.ndarray, distances: np.ndarray) -> np.ndarray:
+    """For each pair (``kind_pairs``: earlier layout's number times their count plus the later
+    one's; ``distances``: bytes between their first elements), whether they may share an
+    element. Each distinct (kind pair, distance) is solved once; keys are made dense integers
+    first, since sorting rows of an array is several times slower than sorting integers."""
+    pair_values, pair_codes = np.unique(kind_pairs, return_inverse=True)
+    distance_values, distance_codes = np.unique(distances, return_inverse=True)
+    keys, inverse = np.unique(pair_codes.reshape(-1) * len(distance_values) + distance_codes.reshape(-1),
+                              return_inverse=True)
+    shares = np.empty(len(keys), dtype=bool)
+    for at, key in enumerate(keys.tolist()):
+        kind_pair, distance = divmod(key, len(distance_values))
+        earlier, later = divmod(int(pair_values[kind_pair]), len(kind_layouts))
+        shares[at] = not _disjoint_kinds(kind_layouts[earlier], kind_layouts[later], int(distance_values[distance]))
+    return shares[inverse.reshape(-1)]
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """What the stride arithmetic needs of a tensor, asked of torch once per tensor: interleaved
+    views of one storage make pairs by the thousand (1,000 column blocks: 500,000)."""
+    return t.data_ptr(), t.stride(), tuple(t.shape), t.element_size()
 
 
 def _disjoint_views(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Whether two views with the same strides, whose address ranges overlap, share no element:
-    the column blocks of one matrix interleave in memory without sharing one. The distance
-    between their first elements is solved for a difference of coordinates, largest stride
-    first; where some dimension leaves no difference within both views' sizes, no element is
-    shared. Where a dimension leaves more than one, the answer is "may share" (False)."""
-    if x.stride() != y.stride() or x.element_size() != y.element_size():
+    the column blocks of one matrix interleave in memory without sharing one."""
+    x_layout, y_layout = _layout(x), _layout(y)
+    return _disjoint_kinds(x_layout[1:], y_layout[1:], y_layout[0] - x_layout[0])
+
+
+def _disjoint_kinds(x: tuple, y: tuple, byte_distance: int) -> bool:
+    """``_disjoint_views`` of two layouts less their addresses, ``byte_distance`` apart."""
+    (strides, x_shape, itemsize), (y_strides, y_shape, y_itemsize) = x, y
+    if strides != y_strides or itemsize != y_itemsize:
         return False
-    distance, remainder = divmod(y.data_ptr() - x.data_ptr(), x.element_size())
+    return _disjoint_at(byte_distance, strides, x_shape, y_shape, itemsize)
+
+
+def _disjoint_at(byte_distance: int, strides: tuple, x_shape: tuple, y_shape: tuple, itemsize: int) -> bool:
+    """The distance between the two views' first elements is solved for a difference of
+    coordinates, largest stride first; where some dimension leaves no difference within both
+    views' sizes, no element is shared. Where a dimension leaves more than one, the answer is
+    "may share" (False)."""
+    distance, remainder = divmod(byte_distance, itemsize)
     if remainder:
         return False
     # per dimension of more than one element: stride, lowest and highest coordinate difference
-    dims = sorted(((stride, 1 - b, a - 1) for stride, a, b in zip(x.stride(), x.shape, y.shape) if max(a, b) > 1),
+    dims = sorted(((stride, 1 - b, a - 1) for stride, a, b in zip(strides, x_shape, y_shape) if max(a, b) > 1),
                   reverse=True)
     if any(stride <= 0 for stride, _, _ in dims):
         return False

@@ -353,9 +353,18 @@ def _assigner(fqn: str, container: Any, key: Any) -> Callable[[Any], None]:
     def fill(value: Any) -> None:
         if _merged(container[key], value) is not container[key] and not _same(container[key], value):
             raise CheckpointError(f"{fqn} lies in a tuple, which a load cannot change, and the checkpoint holds "
-                                  f"another value there ({value!r:.80} against {container[key]!r:.80}); make the "
-                                  "tuple a list")
+                                  f"another value there ({_shown(value):.80} against {_shown(container[key]):.80}); "
+                                  "make the tuple a list")
     return fill
+
+
+def _shown(value: Any) -> str:
+    """``repr`` that tells NaNs apart by their bits, as ``_same`` does."""
+    if isinstance(value, float) and math.isnan(value):
+        return f"nan:{float_bits(value):016x}"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(_shown, value)) + ("," if len(value) == 1 else "") + ")"
+    return repr(value)
 
 
 def _merged(held: Any, value: Any, filled: dict[int, list[tuple[int, int]]] | None = None) -> Any:

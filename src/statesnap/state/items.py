@@ -84,8 +84,10 @@ def _unstorable(t: torch.Tensor) -> str | None:
 
 def refuse_unwritable(item: TensorItem) -> None:
     """Refuse, naming it, a load target whose elements share memory: an expanded view (stride 0,
-    ``t.expand``) holds one value in memory for many. No checkpoint fills it unless all those
-    copies are stored alike, and PyTorch refuses the write anyway, in words that name no tensor."""
+    ``t.expand``) holds one value in memory for many, and so may a view ``as_strided`` made with
+    strides too small for its sizes. No checkpoint fills it unless all those copies are stored
+    alike: the last write would win, without a word (PyTorch refuses only the stride-0 case, in
+    words that name no tensor)."""
     t = item.local
     if t.is_contiguous():  # (the commonest, and cheapest to ask)
         return
@@ -95,6 +97,42 @@ def refuse_unwritable(item: TensorItem) -> None:
                 f"tensor {item.fqn!r} is an expanded view (stride 0 in dimension {dim}, t.expand): its "
                 f"{size} elements along it share one place in memory, so a load cannot give each its own "
                 "value. Load into a tensor of its own (t.clone()), or into what it was expanded from")
+    if _strides_apart(t):
+        return
+    where = f"(shape {tuple(t.shape)}, strides {t.stride()}, as as_strided can make)"
+    if t.numel() > _LARGEST_CHECKED:
+        raise CheckpointError(
+            f"tensor {item.fqn!r} is a view whose strides {where} may put two elements at one place in "
+            f"memory, and it is too large (over {_LARGEST_CHECKED:,} elements) to check. Load into a tensor "
+            "of its own (t.clone()) and copy from it")
+    if _addresses_repeat(t):
+        raise CheckpointError(
+            f"tensor {item.fqn!r} is a view whose elements overlap in memory {where}: two of them are one "
+            "place, so a load cannot give each its own value. Load into a tensor of its own (t.clone()) "
+            "and copy from it")
+
+
+_LARGEST_CHECKED = 1 << 24  # elements whose addresses are listed to check an unusual layout (128 MiB)
+
+
+def _strides_apart(t: torch.Tensor) -> bool:
+    """Whether each stride, taken in increasing order, passes the furthest the smaller ones reach:
+    then every element has its own address. True of every layout torch makes but ``as_strided``'s
+    (transposes, slices, permutes)."""
+    reach = 0
+    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size > 1):
+        if stride <= reach:
+            return False
+        reach += stride * (size - 1)
+    return True
+
+
+def _addresses_repeat(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` have one address, counted over the list of them all."""
+    addresses = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        addresses = addresses.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return torch.unique(addresses).numel() != t.numel()
 
 
 @dataclass
