@@ -84,10 +84,10 @@ def _unstorable(t: torch.Tensor) -> str | None:
 
 def refuse_unwritable(item: TensorItem) -> None:
     """Refuse, naming it, a load target whose elements share memory: an expanded view (stride 0,
-    ``t.expand``) holds one value in memory for many, and so may a view ``as_strided`` made with
-    strides too small for its sizes. No checkpoint fills it unless all those copies are stored
-    alike: the last write would win, without a word (PyTorch refuses only the stride-0 case, in
-    words that name no tensor)."""
+    ``t.expand``) holds one value in memory for many, and so may a view with strides too small
+    for its sizes (``t.unfold`` windows that overlap, ``as_strided``). No checkpoint fills it
+    unless all those copies are stored alike: the last write would win, without a word (PyTorch
+    refuses only the stride-0 case, in words that name no tensor)."""
     t = item.local
     if t.is_contiguous():  # (the commonest, and cheapest to ask)
         return
@@ -99,7 +99,7 @@ def refuse_unwritable(item: TensorItem) -> None:
                 "value. Load into a tensor of its own (t.clone()), or into what it was expanded from")
     if _strides_apart(t):
         return
-    where = f"(shape {tuple(t.shape)}, strides {t.stride()}, as as_strided can make)"
+    where = f"(shape {tuple(t.shape)}, strides {t.stride()}, as unfold or as_strided can make)"
     if t.numel() > _LARGEST_CHECKED:
         raise CheckpointError(
             f"tensor {item.fqn!r} is a view whose strides {where} may put two elements at one place in "
@@ -117,8 +117,8 @@ _LARGEST_CHECKED = 1 << 24  # elements whose addresses are listed to check an un
 
 def _strides_apart(t: torch.Tensor) -> bool:
     """Whether each stride, taken in increasing order, passes the furthest the smaller ones reach:
-    then every element has its own address. True of every layout torch makes but ``as_strided``'s
-    (transposes, slices, permutes)."""
+    then every element has its own address. True of transposes, slices and permutes of a
+    tensor of its own; only views such as ``unfold``'s or ``as_strided``'s need the list."""
     reach = 0
     for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size > 1):
         if stride <= reach:
