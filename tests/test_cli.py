@@ -345,3 +345,17 @@ def test_a_destination_that_exists_names_the_flag_that_replaces_it(ckpt, tmp_pat
     assert main(["convert", str(tmp_path / "w.pt"), str(ckpt)]) == 2
     err = capsys.readouterr().err
     assert err.count("pass --overwrite to replace it") == 2 and "overwrite=True" not in err
+
+
+def test_a_checkpointer_root_is_not_taken_for_a_checkpoint_and_its_newest_step_is_named(tmp_path, capsys):
+    """``statesnap inspect ROOT`` (or ``ss.load(state, ROOT)``) on a Checkpointer's root said only
+    "an interrupted save leaves none; load an earlier checkpoint", which sent the user looking for
+    damage; the root holds whole checkpoints one level down."""
+    for step in (2, 10):
+        save_training(tmp_path / "root" / f"step-{step}", step=step)
+    assert main(["inspect", str(tmp_path / "root")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'root' / 'step-10'} the newest" in err and "load_latest" in err
+    assert "interrupted save" not in err
+    with pytest.raises(ss.ManifestError, match="2 step-N checkpoint"):
+        ss.load({"extra": {"step": 0}}, tmp_path / "root", partial=True)

@@ -95,6 +95,12 @@ def _what_else(backend: StorageBackend, path: str) -> str:
     convert = f"convert it with ss.convert({path!r}, DST) or `statesnap convert`"
     if names is None:
         return f"it is a file, perhaps a torch.save or safetensors one: {convert}"
+    steps = sorted((int(name[5:]), name) for name in names
+                   if name.startswith("step-") and name[5:].isdigit())
+    if steps:
+        newest = backend.join(path, steps[-1][1])
+        return (f"it holds {len(steps)} step-N checkpoint(s), as a Checkpointer's root does: name one, "
+                f"{newest} the newest, or restore the newest with Checkpointer({path!r}).load_latest(state)")
     if ".metadata" in names:
         return f"it looks like a PyTorch DCP checkpoint: {convert}"
     if any(name.endswith(".safetensors") for name in names):
@@ -159,10 +165,11 @@ def parts_lacking(stored: list[str], parts: list[str]) -> list[str]:
 
 
 def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: str, cast: bool,
-           parts: list[str] | None = None) -> set[str]:
+           parts: list[str] | None = None, top: list[str] = ()) -> set[str]:
     """Check the target against the checkpoint; return the names to skip (non-strict). ``parts``
     (a partial load: the state's top-level names): what the checkpoint holds outside them is not
-    unexpected, but what it holds under them is (a model of fewer layers loads no part of a deeper one)."""
+    unexpected, but what it holds under them is (a model of fewer layers loads no part of a deeper one).
+    ``top``: the state's top-level names, for the advice when all that fails is what lies outside them."""
     missing, mismatched, precision_only = [], [], False
     for item in flat.tensors:
         entry = manifest.header(item.fqn)
@@ -201,9 +208,14 @@ def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: 
                   (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
                    ("shape/dtype mismatch", mismatched)) if n]
         hint = CAST_HINT if precision_only else ""
+        advice = "Pass strict=False to load only what matches."
+        if parts is None and top and not missing and not mismatched and \
+                not any(in_part(name, key) for name in unexpected for key in top):
+            # the state is a part of the checkpoint (the model of a model + optimizer checkpoint)
+            advice = (f"Pass partial=True to load only what lies under the state's keys "
+                      f"({', '.join(top)}), or strict=False to load only what matches.")
         raise StateMismatchError(f"state does not match checkpoint {path}: " + "; ".join(listed) + ".",
-                                 missing, unexpected, mismatched,
-                                 advice=f"Pass strict=False to load only what matches.{hint}")
+                                 missing, unexpected, mismatched, advice=f"{advice}{hint}")
     return set(missing) | {m.split(" ", 1)[0] for m in mismatched}
 
 
@@ -419,7 +431,7 @@ class Loading:
         self.comm.agree(error, f"loading {self.path}")
         try:
             self.skip = _match(self.flat, self.manifest, self.comm, self.strict, self.path, cast,
-                               [str(key) for key in state] if partial else None)
+                               [str(key) for key in state] if partial else None, [str(key) for key in state])
             self.sharing = overlapping_pairs(item for item in self.flat.tensors if item.fqn not in self.skip)
             tied_apart = _tied_apart(self.sharing, self.manifest, self.path)
             if tied_apart is not None:
