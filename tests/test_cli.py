@@ -89,6 +89,14 @@ def test_verify_bad_manifest_and_missing_checkpoint(ckpt, tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "nowhere")]) == 2
 
 
+def test_verify_of_a_path_with_no_checkpoint_says_unreadable_not_damaged(ckpt, tmp_path, capsys):
+    """``statesnap verify`` of a mistyped path printed "DAMAGED <path>: no checkpoint at <path>",
+    calling a checkpoint damaged that was never there; damage keeps its word."""
+    assert main(["verify", str(tmp_path / "nowhere"), str(ckpt)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"UNREADABLE {tmp_path / 'nowhere'}: no checkpoint at") and "DAMAGED" not in err
+
+
 def test_diff(ckpt, tmp_path, capsys):
     save_training(tmp_path / "same")
     assert main(["diff", str(ckpt), str(tmp_path / "same")]) == 0
@@ -213,7 +221,7 @@ def test_urls_fsspec_cannot_serve_are_one_line_errors(ckpt, capsys):
     for argv, status, printed in (
             (["inspect", url], 2, f"statesnap inspect: {error}"),
             (["diff", url, str(ckpt)], 2, f"statesnap diff: {error}"),
-            (["verify", url], 1, f"DAMAGED {url}: {error}"),
+            (["verify", url], 1, f"UNREADABLE {url}: {error}"),
             (["export", url, str(ckpt.parent / "x.safetensors")], 2, f"statesnap export: {error}")):
         assert main(argv) == status
         assert capsys.readouterr().err == printed + "\n"

@@ -158,8 +158,9 @@ def verify_main(argv: list[str]) -> int:
             checked = reader.verify(progress=args.progress)
         except CheckpointError as exc:
             results.append({"path": path, "ok": False, "error": str(exc)})
-            if not args.json:
-                print(printable(f"DAMAGED {path}: {exc}"), file=sys.stderr)
+            if not args.json:  # (a path with nothing there, or a URL no file system serves, is no damage)
+                label = "UNREADABLE" if type(exc) is CheckpointError else "DAMAGED"
+                print(printable(f"{label} {path}: {exc}"), file=sys.stderr)
             continue
         results.append({"path": path, "ok": True, "tensors": len(reader.manifest.tensors), "bytes_verified": checked})
         if not args.json:
