@@ -367,3 +367,14 @@ def test_a_checkpointer_root_is_not_taken_for_a_checkpoint_and_its_newest_step_i
     assert "interrupted save" not in err
     with pytest.raises(ss.ManifestError, match="2 step-N checkpoint"):
         ss.load({"extra": {"step": 0}}, tmp_path / "root", partial=True)
+
+
+def test_convert_help_names_every_source_it_reads(capsys):
+    """``statesnap convert --help`` described SRC as torch.save, DCP or safetensors only, though
+    ``--from`` offers DeepSpeed, ucp and Megatron sources too: a user with a DeepSpeed run could
+    not tell from the help that SRC may be its directory."""
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for source in ("DeepSpeed run", "ds_to_universal", "Megatron"):
+        assert source in text

@@ -51,7 +51,9 @@ def _run(name: str, call: Callable[[], Any]) -> Any:
 
 def convert_main(argv: list[str]) -> int:
     parser = _parser("convert", "Convert a foreign checkpoint into a statesnap checkpoint.",
-                     "torch.save file or directory of them, DCP directory, safetensors file/index/directory",
+                     "torch.save file or directory of them, DCP directory, safetensors file/index/directory, "
+                     "DeepSpeed run or global_stepN directory, ds_to_universal folder, Megatron "
+                     "dist_checkpointing or Megatron-LM run/iter_N directory (docs/convert.md)",
                      "statesnap checkpoint to create (a path or fsspec URL)")
     parser.add_argument("--from", dest="source", choices=sorted(SOURCES), help="source format (default: detect)")
     parser.add_argument("--no-copy", dest="copy", action="store_false",

@@ -131,7 +131,7 @@ def summary(result: DemoResult, persist_every: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="statesnap demo", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
-    parser.add_argument("--kill-after", type=int, default=23, help="SIGKILL the first run after this step")
+    parser.add_argument("--kill-after", type=int, default=23, help="SIGKILL the first run after this step (default 23)")
     parser.add_argument("--persist-every", type=int, default=5, help="persist every N-th snapshot (default 5)")
     parser.add_argument("--root", help="where checkpoints go (default: a new temporary directory, removed after)")
     args = parser.parse_args(argv)
