@@ -305,6 +305,59 @@ def test_a_fresh_optimizer_whose_step_needs_a_closure_is_refused_clearly(tmp_pat
     assert fresh.param_groups[0]["lr"] == 0.5 and not fresh.state
 
 
+class _EmaSGD(torch.optim.SGD):
+    """A stateless SGD (no momentum) that also keeps an EMA of its first parameter in its step."""
+
+    def __init__(self, params, ema):
+        super().__init__(params, lr=0.1)
+        self.ema, self.calls = ema, 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.calls += 1
+        super().step(closure)
+        self.ema.mul_(0.5).add_(self.param_groups[0]["params"][0], alpha=0.5)
+
+
+@pytest.mark.parametrize("saver", ["ss.save", "Checkpointer"])
+def test_a_save_never_steps_the_optimizer(tmp_path, saver):
+    """PyTorch's state-dict helper creates a stateless optimizer's state with a step at lr 0.
+    A stateless SGD has none after any number of steps, so saves took that step for it: its
+    subclass's EMA got an extra update (the checkpoint of step 1 held an EMA that never was) and
+    its step hooks ran. Training with saves is now the training without them, bit for bit, and
+    each checkpoint holds the EMA of its step."""
+    def train(save):
+        torch.manual_seed(0)
+        model, ema = nn.Linear(8, 8), torch.zeros(8, 8)
+        optim = _EmaSGD(model.parameters(), ema)
+        hooked = []
+        optim.register_step_post_hook(lambda *_: hooked.append(1))
+        emas = {}
+        ckpt = ss.Checkpointer(tmp_path / "root", eager_copy_mb=0) if save and saver == "Checkpointer" else None
+        for step in range(1, 4):
+            model(torch.randn(4, 8)).sum().backward()
+            optim.step()
+            optim.zero_grad()
+            emas[step] = ema.clone()
+            state = {"model": model, "optim": optim, "ema": ema}
+            if ckpt is not None:
+                ckpt.save(step, state).wait()
+            elif save:
+                ss.save(state, tmp_path / f"step-{step}")
+        if ckpt is not None:
+            ckpt.close()
+        assert optim.calls == 3
+        return model.weight.detach().clone(), ema, emas, len(hooked)
+
+    weight, ema, _, hooks = train(save=False)
+    saved_weight, saved_ema, emas, saved_hooks = train(save=True)
+    assert torch.equal(saved_weight, weight) and torch.equal(saved_ema, ema) and saved_hooks == hooks
+    for step, value in emas.items():
+        where = tmp_path / "root" / f"step-{step}" if saver == "Checkpointer" else tmp_path / f"step-{step}"
+        if where.exists():
+            assert torch.equal(ss.open(where).read("ema"), value), step
+
+
 def test_reading_a_name_the_checkpoint_lacks(tmp_path):
     """A CheckpointError, as every error of statesnap, and a KeyError, as a missing key is."""
     ss.save({"t": torch.ones(2)}, tmp_path / "c")

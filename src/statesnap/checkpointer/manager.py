@@ -276,7 +276,9 @@ class Checkpointer:
 
         A torch optimizer's ``step`` gets the pre-step hook that optimizers in the state get:
         its parameters and state are then copied lazily in every later snapshot, even of a state
-        that holds only their tensors (a framework's state dict), and its step waits for them."""
+        that holds only their tensors (a framework's state dict), and its step waits for them,
+        not for the rest (a step that writes other saved tensors needs a pre-step hook of its
+        own that calls :meth:`wait_staged`)."""
         self._check_open()
         self._guard.guard(obj, method)
 

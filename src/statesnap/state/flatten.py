@@ -41,8 +41,7 @@ def _is_stateful(value) -> bool:
 
 class StoredNames:
     """The names a checkpoint holds (sorted), as flattening a state for a load asks about them:
-    whether it brings a fresh optimizer's state (else the state a dummy step made is dropped
-    again), and whether it stored a list or tuple by index or whole."""
+    whether it brings a fresh optimizer's state (else none is made for it), and whether it stored a list or tuple by index or whole."""
 
     def __init__(self, names: list[str]):
         self._names = names
@@ -219,14 +218,15 @@ class _Walker:
                 self.out.finalizers.append(lambda: optim.load_state_dict(sd))
             return
         fresh = not optim.state
-        if fresh and self.for_load and self.stored.has_prefix(join(fqn, "state") + SEP):
+        state_to_fill = self.for_load and self.stored.has_prefix(join(fqn, "state") + SEP)
+        if fresh and state_to_fill:
             create_adam_state(optim, self.created)
-        # Otherwise the helper initialises a fresh optimizer's state with a zero-lr step, which
-        # would shift Adam's step count; undo that unless the checkpoint brings state to fill in.
-        sd = _optimizer_state_dict(model, optim, fqn) if fresh else get_optimizer_state_dict(model, optim)
-        if fresh and not (self.for_load and self.stored.has_prefix(join(fqn, "state") + SEP)):
-            optim.state.clear()
-            sd["state"] = {}
+        if not fresh or optim.state:
+            sd = get_optimizer_state_dict(model, optim)
+        elif state_to_fill:  # another kind than Adam's: its state to fill is made by a step
+            sd = _optimizer_state_dict(model, optim, fqn)
+        else:
+            sd = _state_dict_without_step(model, optim)
         first_tensor, first_object = len(self.out.tensors), len(self.out.objects)
         self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
         if self.for_load:
@@ -264,6 +264,28 @@ class _Walker:
         if wanted <= {id(p) for _, module in held for p in module.parameters()}:
             return _container(held)
         return None
+
+
+def _state_dict_without_step(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
+    """``get_optimizer_state_dict`` of an optimizer without state, where none is wanted (a save;
+    a load of a checkpoint that holds none for it): the helper would create it with a step at
+    lr 0, and a step does more than its update. A stateless SGD has no state after any number of
+    steps, so every save ran its ``step``: a subclass's extra work (an EMA it updates), its
+    step hooks (``register_step_post_hook``), an optimizer whose update does not scale with
+    ``lr`` (Adafactor's relative step) changed the training. The step is held back for the call."""
+    own = vars(optim).get("step", _NO_OWN_STEP)  # (an LR scheduler wraps the step on the object)
+    optim.step = lambda *args, **kwargs: None
+    try:
+        sd = get_optimizer_state_dict(model, optim)
+    finally:
+        if own is _NO_OWN_STEP:
+            del optim.step
+        else:
+            optim.step = own
+    return sd
+
+
+_NO_OWN_STEP = object()
 
 
 def _optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, fqn: str) -> dict:
