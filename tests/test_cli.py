@@ -378,3 +378,9 @@ def test_convert_help_names_every_source_it_reads(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for source in ("DeepSpeed run", "ds_to_universal", "Megatron"):
         assert source in text
+
+
+def test_python_dash_m_statesnap_is_the_command():
+    """Where the console script is not on PATH (a venv not activated), ``python -m statesnap``."""
+    done = subprocess.run([sys.executable, "-m", "statesnap", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "usage: statesnap COMMAND" in done.stdout

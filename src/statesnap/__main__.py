@@ -1,0 +1,6 @@
+"""``python -m statesnap``: the ``statesnap`` command, for an environment whose scripts are not on PATH."""
+import sys
+
+from .cli import main
+
+sys.exit(main())
