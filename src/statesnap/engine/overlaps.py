@@ -65,18 +65,21 @@ def _sharing_in(group: list[TensorItem]) -> list[Pair]:
     matrix: 500,000 pairs whose ranges overlap) are why this is array operations: a pair is an
     (earlier, later) index in address order, and the arithmetic runs once per distinct (layout,
     layout, distance), a few thousand at most for regular blocks."""
-    layouts = sorted(((*address_range(item.local), _layout(item.local), index) for index, item in enumerate(group)))
-    starts = np.array([start for start, _, _, _ in layouts], dtype=np.int64)
-    ends = np.array([end for _, end, _, _ in layouts], dtype=np.int64)
-    kinds: dict[tuple, int] = {}  # a layout less its address -> its number
-    kind = np.array([kinds.setdefault(layout[1:], len(kinds)) for _, _, layout, _ in layouts], dtype=np.int64)
-    kind_layouts = list(kinds)
+    spans = sorted((*address_range(item.local), index) for index, item in enumerate(group))
+    starts = np.array([start for start, _, _ in spans], dtype=np.int64)
+    ends = np.array([end for _, end, _ in spans], dtype=np.int64)
     # later[i]: how many of the tensors after the i-th start before it ends
-    later = np.maximum(np.searchsorted(starts, ends, side="left") - np.arange(1, len(layouts) + 1), 0)
+    later = np.maximum(np.searchsorted(starts, ends, side="left") - np.arange(1, len(spans) + 1), 0)
+    if not later.any():  # (a flat buffer's views, side by side)
+        return []
+    kinds: dict[tuple, int] = {}  # a layout less its address -> its number
+    kind = np.array([kinds.setdefault(_layout(group[index].local)[1:], len(kinds)) for _, _, index in spans],
+                    dtype=np.int64)
+    kind_layouts = list(kinds)
     before = np.concatenate([[0], np.cumsum(later)])  # before[i]: the pairs of the tensors before the i-th
     pairs: list[Pair] = []
     first = 0
-    while first < len(layouts):
+    while first < len(spans):
         last = max(first + 1, int(np.searchsorted(before, before[first] + _PAIRS_AT_ONCE, side="right")) - 1)
         counts = later[first:last]
         earlier = np.repeat(np.arange(first, last), counts)
@@ -84,7 +87,7 @@ def _sharing_in(group: list[TensorItem]) -> list[Pair]:
         other = earlier + 1 + offsets
         if len(earlier):
             hit = _may_share(kind_layouts, kind[earlier] * len(kinds) + kind[other], starts[other] - starts[earlier])
-            pairs += [(group[layouts[i][3]], group[layouts[j][3]])
+            pairs += [(group[spans[i][2]], group[spans[j][2]])
                       for i, j in zip(earlier[hit].tolist(), other[hit].tolist())]
         first = last
     return pairs
