@@ -150,6 +150,20 @@ def test_throttling_and_5xx_are_retried_with_backoff(proxy, caplog):
     assert len(manifest_puts) == 2  # the failed one and its retry
 
 
+def test_retry_waits_leave_the_global_python_rng_alone(proxy):
+    """The jitter of a retry's wait was drawn from the global ``random``: every retried request
+    consumed the training's Python RNG (its shuffles and augmentations then differed from a run
+    whose storage did not throttle), and ranks that seeded ``random`` alike waited alike."""
+    import random
+    url = fresh_url("rng")
+    proxy.fail(lambda r: r.is_write, times=2, code="SlowDown")
+    random.seed(5)
+    before = random.getstate()
+    ss.save({"x": torch.arange(10)}, url, storage_options=options(proxy))
+    assert sum(r.method == "PUT" for r in proxy.requests) >= 3  # the two failed writes were retried
+    assert random.getstate() == before
+
+
 def test_a_completion_whose_answer_was_lost_is_not_failed_by_its_retry(proxy, caplog):
     """The store completed the upload but the answer never came (a read timeout), and the retry
     finds the upload gone (moto answers such a retry as a success, as S3 does for a while; other

@@ -21,6 +21,12 @@ from dataclasses import dataclass
 
 log = logging.getLogger("statesnap")
 
+# The jitter's own generator, seeded from the OS: drawing from the global ``random`` consumed
+# the training's Python RNG (a resumed or repeated run then drew other numbers: shuffles,
+# augmentations), from a background thread at no fixed point, and ranks that seed ``random``
+# alike drew the same waits, so they did come back together.
+_jitter = random.Random()
+
 # Error codes S3 (and stores speaking its API) send for "not now": throttling and server trouble.
 TRANSIENT_CODES = frozenset({
     "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
@@ -88,7 +94,7 @@ class RetryPolicy:
         if attempt + 1 >= self.attempts or not is_transient(exc):
             return None
         cap = min(self.max_backoff_s, self.backoff_s * 2 ** attempt)
-        wait = random.uniform(cap / 2, cap)
+        wait = _jitter.uniform(cap / 2, cap)
         log.warning("%s: %s; retry %d of %d in %.2f s", what, describe(exc), attempt + 1, self.attempts - 1, wait)
         return wait
 
