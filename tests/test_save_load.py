@@ -358,6 +358,34 @@ def test_a_save_never_steps_the_optimizer(tmp_path, saver):
             assert torch.equal(ss.open(where).read("ema"), value), step
 
 
+def test_a_load_into_a_fresh_optimizer_runs_none_of_its_step_hooks(tmp_path):
+    """A load into an optimizer without state (a restart) creates that state with PyTorch's
+    helper, which takes a step at lr 0. Its step hooks ran on that step (a step counter or an
+    EMA kept by a hook counted one step per load), and the LR scheduler's wrapper marked the
+    optimizer as stepped. The optimizer now loads as it was saved and nothing watching its steps
+    sees the load."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    ss.save({"model": model, "optim": optim}, tmp_path / "c")
+
+    fresh_model = nn.Linear(4, 4)
+    fresh = torch.optim.SGD(fresh_model.parameters(), lr=0.1, momentum=0.9)
+    torch.optim.lr_scheduler.StepLR(fresh, 2)
+    seen = []
+    fresh.register_step_pre_hook(lambda *_: seen.append("pre"))
+    fresh.register_step_post_hook(lambda *_: seen.append("post"))
+    ss.load({"model": fresh_model, "optim": fresh}, tmp_path / "c")
+    assert seen == [] and not getattr(fresh, "_opt_called", False)
+    assert all(p.grad is None for p in fresh_model.parameters())
+    for p, q in zip(model.parameters(), fresh_model.parameters()):
+        assert torch.equal(fresh.state[q]["momentum_buffer"], optim.state[p]["momentum_buffer"])
+    fresh.step()  # the hooks and the scheduler's wrapper are still in place
+    assert seen == ["pre", "post"] and fresh._opt_called
+
+
 def test_reading_a_name_the_checkpoint_lacks(tmp_path):
     """A CheckpointError, as every error of statesnap, and a KeyError, as a missing key is."""
     ss.save({"t": torch.ones(2)}, tmp_path / "c")

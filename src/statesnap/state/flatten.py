@@ -7,6 +7,8 @@ optimizer state reshards exactly like the parameters it belongs to.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import functools
 import itertools
 import math
 import operator
@@ -294,7 +296,8 @@ def _optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, fqn: s
     helper then left the lr at 0: put the hyperparameters back, and say what went wrong."""
     hyper = [{k: v for k, v in group.items() if k != "params"} for group in optim.param_groups]
     try:
-        return get_optimizer_state_dict(model, optim)
+        with _step_unobserved(optim):
+            return get_optimizer_state_dict(model, optim)
     except Exception as exc:
         for group, saved in zip(optim.param_groups, hyper):
             group.update(saved)
@@ -304,6 +307,31 @@ def _optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, fqn: s
             f"creates it with one step at lr 0 and no closure, failed ({type(exc).__name__}: {exc}). An "
             "optimizer whose step needs a closure (LBFGS) cannot be stepped so: take one step with it before "
             "saving or loading its state") from exc
+
+
+@contextlib.contextmanager
+def _step_unobserved(optim: torch.optim.Optimizer):
+    """The step that creates a fresh optimizer's state for a load, taken unseen by what watches
+    the training's steps: the optimizer's step hooks (``register_step_pre_hook``/``post_hook``:
+    an EMA, a step counter, a logger ran once more per load) and an LR scheduler's wrapper on
+    the object's ``step`` (it marks the optimizer stepped, which silences PyTorch's warning
+    about a scheduler stepped first). The step itself, a subclass's included, still runs: it
+    is what makes the state. Hooks registered on all optimizers at once still see it."""
+    own = vars(optim).get("step", _NO_OWN_STEP)
+    hooks = {name: vars(optim)[name] for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+             if isinstance(vars(optim).get(name), dict)}
+    optim.step = functools.partial(type(optim).step, optim)
+    for name, table in hooks.items():
+        setattr(optim, name, type(table)())
+    try:
+        yield
+    finally:
+        for name, table in hooks.items():
+            setattr(optim, name, table)
+        if own is _NO_OWN_STEP:
+            del optim.step
+        else:
+            optim.step = own
 
 
 def _positional_holder(optim: torch.optim.Optimizer) -> nn.Module:
