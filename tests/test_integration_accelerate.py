@@ -96,3 +96,36 @@ def test_a_state_that_does_not_match_is_refused_with_advice_this_class_can_follo
             checkpoints.load_latest()
     assert "prepare the same models" in str(caught.value) and "strict=False" not in str(caught.value)
     assert caught.value.mismatched and not caught.value.missing
+
+
+def test_rng_states_keep_the_cuda_generators_too(tmp_path, monkeypatch):
+    """The per-rank RNG states that the accelerate and HF Trainer integrations save held
+    Python's, numpy's and torch's CPU generators only. accelerate's ``save_state`` and the
+    Trainer keep the CUDA generators too, which dropout on a GPU draws from: a run resumed from
+    a statesnap checkpoint drew other dropout masks on the GPU than the run it continued. (The
+    CUDA calls are stood in for, so that this runs without a GPU.)"""
+    import random
+
+    from statesnap.integrations.rng import RngStates
+
+    generators = {0: torch.tensor([1, 2, 3], dtype=torch.uint8), 1: torch.tensor([4, 5, 6], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [generators[0].clone(), generators[1].clone()])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: generators.__setitem__(device, state.clone()))
+    random.seed(0)
+    ss.save({"rng": ss.PerRank(RngStates())}, tmp_path / "c")
+    saved = {device: state.clone() for device, state in generators.items()}
+    generators[0].fill_(9)
+    generators[1].fill_(9)
+    random.random()
+    ss.load({"rng": ss.PerRank(RngStates())}, tmp_path / "c")
+    assert all(torch.equal(generators[device], saved[device]) for device in saved)
+
+    # a checkpoint saved without CUDA leaves the generators alone
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    ss.save({"rng": ss.PerRank(RngStates())}, tmp_path / "cpu")
+    generators[0].fill_(7)
+    ss.load({"rng": ss.PerRank(RngStates())}, tmp_path / "cpu")
+    assert generators[0].tolist() == [7, 7, 7]
