@@ -275,16 +275,23 @@ def _state_dict_without_step(model: nn.Module, optim: torch.optim.Optimizer) -> 
     steps, so every save ran its ``step``: a subclass's extra work (an EMA it updates), its
     step hooks (``register_step_post_hook``), an optimizer whose update does not scale with
     ``lr`` (Adafactor's relative step) changed the training. The step is held back for the call."""
-    own = vars(optim).get("step", _NO_OWN_STEP)  # (an LR scheduler wraps the step on the object)
-    optim.step = lambda *args, **kwargs: None
+    with _step_replaced(optim, lambda *args, **kwargs: None):
+        return get_optimizer_state_dict(model, optim)
+
+
+@contextlib.contextmanager
+def _step_replaced(optim: torch.optim.Optimizer, step: Callable):
+    """``optim.step`` is ``step`` for the block: set on the object, over the class's method and
+    over what an LR scheduler puts on the object (its wrapper, which marks the optimizer stepped)."""
+    own = vars(optim).get("step", _NO_OWN_STEP)
+    optim.step = step
     try:
-        sd = get_optimizer_state_dict(model, optim)
+        yield
     finally:
         if own is _NO_OWN_STEP:
             del optim.step
         else:
             optim.step = own
-    return sd
 
 
 _NO_OWN_STEP = object()
@@ -317,21 +324,16 @@ def _step_unobserved(optim: torch.optim.Optimizer):
     the object's ``step`` (it marks the optimizer stepped, which silences PyTorch's warning
     about a scheduler stepped first). The step itself, a subclass's included, still runs: it
     is what makes the state. Hooks registered on all optimizers at once still see it."""
-    own = vars(optim).get("step", _NO_OWN_STEP)
     hooks = {name: vars(optim)[name] for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
              if isinstance(vars(optim).get(name), dict)}
-    optim.step = functools.partial(type(optim).step, optim)
     for name, table in hooks.items():
         setattr(optim, name, type(table)())
     try:
-        yield
+        with _step_replaced(optim, functools.partial(type(optim).step, optim)):
+            yield
     finally:
         for name, table in hooks.items():
             setattr(optim, name, table)
-        if own is _NO_OWN_STEP:
-            del optim.step
-        else:
-            optim.step = own
 
 
 def _positional_holder(optim: torch.optim.Optimizer) -> nn.Module:
