@@ -397,7 +397,10 @@ def test_parsing_a_manifest_leaves_the_garbage_collector_as_it_found_it(enabled)
         gc.enable() if was else gc.disable()
 
 
-def test_pauses_on_two_threads_end_with_the_collector_as_the_first_found_it():
+def test_a_background_parse_never_switches_the_collector_back_on():
+    """A pause on a background thread (the further level parses manifests) switched the
+    collector on when it ended, though the training had switched it off meanwhile: a pause
+    cannot tell its own switch from the caller's, so background threads do not pause."""
     import gc
     import threading
 
@@ -405,29 +408,29 @@ def test_pauses_on_two_threads_end_with_the_collector_as_the_first_found_it():
 
     was = gc.isenabled()
     gc.enable()
-    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
-    seen = {}
+    inside, disabled = threading.Event(), threading.Event()
 
-    def first():
+    def parse():
         with collector_paused():
-            a_in.set()
-            b_in.wait(10)
-        seen["after first"] = gc.isenabled()
-        a_out.set()
-
-    def second():
-        a_in.wait(10)
-        with collector_paused():
-            b_in.set()
-            a_out.wait(10)
-            seen["inside second"] = gc.isenabled()
+            inside.set()
+            disabled.wait(10)
     try:
-        threads = [threading.Thread(target=first), threading.Thread(target=second)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(20)
-        assert seen == {"after first": False, "inside second": False}  # the second pause still holds it
-        assert gc.isenabled()  # and the last one to end gave it back
+        thread = threading.Thread(target=parse)
+        thread.start()
+        assert inside.wait(10)
+        assert gc.isenabled()  # nothing paused it
+        gc.disable()  # the training's own choice, while the background parse runs
+        disabled.set()
+        thread.join(20)
+        assert not gc.isenabled()
+        with collector_paused(), collector_paused():  # nested on the main thread: the outermost restores
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+        gc.enable()
+        with collector_paused():
+            with collector_paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled()
+        assert gc.isenabled()
     finally:
         gc.enable() if was else gc.disable()

@@ -5,8 +5,12 @@ objects that all live on. Each burst of allocations triggers the collector, and 
 generations walk the caller's whole heap (a training job's, millions of objects): that was most
 of a load of many small tensors, measured. Only CPU-bound stretches are wrapped, never a wait
 for I/O or another rank, so the caller's other threads are held back from collecting briefly.
-A ``gc.enable()`` or ``gc.disable()`` the caller makes while a pause is on does not outlast it:
-the collector ends as the first pause found it.
+
+Only the main thread pauses, where the training's own loads run. The collector is one switch for
+the process, and a pause cannot tell its own ``gc.disable()`` from the caller's: a pause on
+statesnap's background threads (the further level parses manifests) ended by switching the
+collector back on under a training that had switched it off meanwhile. Nested pauses end with
+the collector as the outermost found it.
 """
 from __future__ import annotations
 
@@ -14,25 +18,24 @@ import contextlib
 import gc
 import threading
 
-_lock = threading.Lock()
-_depth = 0  # pauses in progress, over all threads
-_was_enabled = False  # the collector's state when the first of them began
+_depth = 0  # pauses in progress (on the main thread)
+_was_enabled = False  # the collector's state when the outermost began
 
 
 @contextlib.contextmanager
 def collector_paused():
-    """Pause the collector for the block. Pauses on several threads (or nested) overlap into one:
-    the collector comes back, as the first found it, when the last ends."""
+    """Pause the collector for the block, on the main thread (elsewhere: nothing)."""
     global _depth, _was_enabled
-    with _lock:
-        if _depth == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
-        _depth += 1
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if _depth == 0:
+        _was_enabled = gc.isenabled()
+        gc.disable()
+    _depth += 1
     try:
         yield
     finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0 and _was_enabled:
-                gc.enable()
+        _depth -= 1
+        if _depth == 0 and _was_enabled:
+            gc.enable()
