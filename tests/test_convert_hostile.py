@@ -681,3 +681,20 @@ def test_a_torch_save_archive_with_a_compressed_member_is_refused_by_name(tmp_pa
     assert not os.path.exists(tmp_path / "out")
     _convert(tmp_path / "good.pt", tmp_path)
     assert torch.equal(ss.open(str(tmp_path / "out")).read("w"), torch.arange(10.0))
+
+
+# --- safetensors indexes ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("index, says", [
+    ('{"weight_map":' + "[" * 100_000 + "]" * 100_000 + "}", "its JSON is nested too deeply"),
+    ('{"weight_map": {"a": "model-1.safetensors", "a": "model-2.safetensors"}}', "names given twice: 'a'")],
+    ids=["nested", "listed twice"])
+def test_a_safetensors_index_nested_too_deeply_or_naming_a_tensor_twice_is_refused(tmp_path, index, says):
+    """JSON nested 100,000 deep raised a RecursionError out of ss.convert; a tensor listed for two
+    shards was read from the one named last (json keeps the last key), as each shard's own
+    header refuses a name given twice."""
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "model-1.safetensors"))
+    save_file({"a": torch.ones(2)}, str(tmp_path / "model-2.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CheckpointError, match=f"model.safetensors.index.json is not a safetensors index.*{says}"):
+        _convert(tmp_path, tmp_path, source="safetensors")
