@@ -658,3 +658,43 @@ def test_an_allowed_global_as_a_key_is_refused_too(tmp_path):
             out.writestr(entry, _pickle_ops(body) if entry.endswith("data.pkl") else source.read(entry))
     with pytest.raises(ss.UnsafeCheckpointError, match="_empty_bytes is code, not a value"):
         unpickler.load_from(str(tmp_path / "bad.pt"), str(tmp_path / "bad.pt"))
+
+
+# --- torch.save archives with compressed members ----------------------------------------------
+
+@pytest.mark.parametrize("member", ["data/0", "data.pkl"])
+def test_a_torch_save_archive_with_a_compressed_member_is_refused_by_name(tmp_path, member):
+    """torch.load(mmap=True) reads a tensor's bytes at the member's place in the file: a storage
+    deflated by a repacking (or a hostile) zip converted as its compressed bytes, garbage values
+    without a word. Without mmap a deflated member inflates to what it declares (1 MB of zlib'd
+    zeros is 1 GB). torch.save writes every member stored, so a compressed one is refused."""
+    torch.save({"w": torch.arange(10.0)}, tmp_path / "good.pt")
+    with zipfile.ZipFile(tmp_path / "good.pt") as source, zipfile.ZipFile(tmp_path / "bad.pt", "w") as out:
+        for name in source.namelist():
+            deflate = name.endswith("/" + member)
+            out.writestr(name, source.read(name), zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED)
+    says = f"bad.pt: its archive member '.*/{member}' is compressed"
+    with pytest.raises(ss.CorruptCheckpointError, match=says):
+        _convert(tmp_path / "bad.pt", tmp_path)
+    with pytest.raises(ss.CorruptCheckpointError, match=says):  # DeepSpeed's and Megatron's files
+        unpickler.load(str(tmp_path / "bad.pt"))
+    assert not os.path.exists(tmp_path / "out")
+    _convert(tmp_path / "good.pt", tmp_path)
+    assert torch.equal(ss.open(str(tmp_path / "out")).read("w"), torch.arange(10.0))
+
+
+# --- safetensors indexes ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("index, says", [
+    ('{"weight_map":' + "[" * 100_000 + "]" * 100_000 + "}", "its JSON is nested too deeply"),
+    ('{"weight_map": {"a": "model-1.safetensors", "a": "model-2.safetensors"}}', "names given twice: 'a'")],
+    ids=["nested", "listed twice"])
+def test_a_safetensors_index_nested_too_deeply_or_naming_a_tensor_twice_is_refused(tmp_path, index, says):
+    """JSON nested 100,000 deep raised a RecursionError out of ss.convert; a tensor listed for two
+    shards was read from the one named last (json keeps the last key), as each shard's own
+    header refuses a name given twice."""
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "model-1.safetensors"))
+    save_file({"a": torch.ones(2)}, str(tmp_path / "model-2.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CheckpointError, match=f"model.safetensors.index.json is not a safetensors index.*{says}"):
+        _convert(tmp_path, tmp_path, source="safetensors")

@@ -308,6 +308,16 @@ def test_tampered_tracker_metadata_common_and_args_are_errors_not_crashes_or_han
         megatron.read(str(classic))
 
 
+def test_a_metadata_json_nested_too_deeply_is_a_damaged_checkpoint_not_a_recursion_error(tmp_path):
+    """JSON nested 100,000 deep in metadata.json raised a RecursionError out of ss.convert, from
+    the look at whether the directory is a dist_checkpointing one."""
+    torch.save({"iteration": 7}, tmp_path / "common.pt")
+    (tmp_path / "metadata.json").write_text('{"sharded_backend":' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(CheckpointError, match="metadata.json is not a JSON object naming a 'sharded_backend': "
+                                              "the checkpoint is damaged"):
+        megatron.read(str(tmp_path))
+
+
 def test_classic_replicas_that_differ_and_foreign_globals_are_refused(produced, tmp_path):
     out = produced("llama_tp2")
     classic = tmp_path / "classic"

@@ -128,6 +128,36 @@ def test_a_damaged_pointer_is_named_when_resuming(tmp_path):
     assert pointer_target(str(tmp_path / "elsewhere")) is None  # a directory the stock Trainer wrote
 
 
+@pytest.mark.parametrize("damage, says", [
+    ("fifo", "is a FIFO"), ("device", "is a character device"), ("directory", "cannot be read"),
+    ("nested", "is damaged"), ("huge", "larger than any statesnap pointer")])
+def test_a_pointer_that_is_no_small_file_is_refused_not_waited_on_or_read_forever(tmp_path, damage, says):
+    """A FIFO where a checkpoint-N's pointer was made the Trainer wait forever (at resume, and at
+    every commit, which reads every pointer); a link to a device was read to its end (/dev/zero:
+    until memory ran out); JSON nested 100,000 deep raised a RecursionError and a directory an
+    IsADirectoryError; a file of any size was read whole. Each is now a damaged pointer named by
+    its path, and the steps no readable pointer names are kept."""
+    from statesnap.integrations.pointers import pointer_bytes
+    from statesnap.integrations.transformers import POINTER_FORMAT, POINTER_NAME, _unnamed_steps
+
+    os.makedirs(tmp_path / STORE_DIR / "step-1")
+    pointer = tmp_path / "checkpoint-1" / POINTER_NAME
+    os.makedirs(pointer.parent)
+    if damage == "fifo":
+        os.mkfifo(pointer)
+    elif damage == "device":
+        os.symlink("/dev/null", pointer)  # (/dev/zero, read whole, would take all memory)
+    elif damage == "directory":
+        os.mkdir(pointer)
+    elif damage == "nested":
+        pointer.write_bytes(b'{"format":' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    else:
+        pointer.write_bytes(pointer_bytes(POINTER_FORMAT, f"{STORE_DIR}/step-1") + b" " * (2 << 20))
+    with pytest.raises(ss.CheckpointError, match=f"checkpoint-1/{POINTER_NAME}.*{says}"):
+        pointer_target(str(tmp_path / "checkpoint-1"))
+    assert _unnamed_steps(str(tmp_path)) == []
+
+
 def _hf_train():
     sys.path.insert(0, os.path.dirname(SCRIPT))
     try:

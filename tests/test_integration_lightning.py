@@ -430,10 +430,12 @@ def test_a_pointer_damaged_beyond_reading_keeps_every_unnamed_step(tmp_path, dam
     assert "last.ckpt cannot be read as pointers" in caplog.text
 
 
-@pytest.mark.parametrize("content", [b'{"format": "statesnap-lightning-1", "checkpoint": "stat', b"", b"\x13garbage"])
+@pytest.mark.parametrize("content", [b'{"format": "statesnap-lightning-1", "checkpoint": "stat', b"", b"\x13garbage",
+                                     b'{"format":' + b"[" * 100_000 + b"]" * 100_000 + b"}"])
 def test_loading_a_damaged_pointer_names_it(tmp_path, content):
     """A pointer cut short, emptied or overwritten is reported as a damaged pointer, not handed to
-    torch.load (whose error would suggest weights_only=False); Lightning's own files still load."""
+    torch.load (whose error would suggest weights_only=False); Lightning's own files still load.
+    JSON nested 100,000 deep is one too (it raised a RecursionError)."""
     from statesnap import CheckpointError
     from statesnap.integrations.lightning import StatesnapCheckpointIO
 

@@ -82,7 +82,7 @@ def is_dist_checkpoint(src: str) -> bool:
         with open(path, encoding="utf-8") as f:
             metadata = json.load(f)
         return isinstance(metadata, dict) and "sharded_backend" in metadata
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, RecursionError):  # RecursionError: JSON nested too deeply
         return False
 
 

@@ -157,10 +157,12 @@ def _shard_files(src: str) -> tuple[list[str], dict[str, str] | None]:
             raise CheckpointError(f"{src} holds neither {INDEX_NAME} nor any {SUFFIX} file")
         return files, None
     try:
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
+        with open(index, encoding="utf-8") as f:  # (a tensor listed twice: for which file?)
+            weight_map = json.load(f, object_pairs_hook=_unique_keys)["weight_map"]
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"its weight_map is {str(weight_map)[:80]}, not an object naming tensors")
+    except RecursionError:
+        raise CheckpointError(f"{index} is not a safetensors index: its JSON is nested too deeply") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{index} is not a safetensors index (needs a weight_map): {exc}") from None
     root = os.path.dirname(os.path.abspath(index))

@@ -22,7 +22,7 @@ from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointEr
 from ..storage.local import open_source
 from .transform import materialize
 from .tree import flatten_tree
-from .unpickler import nesting_problem_of
+from .unpickler import nesting_problem_of, refuse_compressed_members
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -64,6 +64,7 @@ def load_file(path: str) -> Any:
     problem = nesting_problem_of(path)
     if problem is not None:
         raise UnsafeCheckpointError(f"{path}: refused to unpickle: {problem}")
+    refuse_compressed_members(path, path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=archive)
     except pickle.UnpicklingError as exc:

@@ -18,7 +18,8 @@ import fsspec.implementations.local
 import xxhash
 
 from ..checkpointer.levels import parse_step
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..storage.local import open_source
 
 POINTER_MAX_BYTES = 1 << 20  # a pointer may carry a trainer's own small state (see ``pointer_bytes``)
 
@@ -43,7 +44,7 @@ def parse_pointer(raw: bytes, fmt: str, where: str, verify: bool = True) -> tupl
     or (``verify``) whose own state does not match its checksum, is refused."""
     try:
         pointer = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deeply, as no pointer is
         return None
     if not isinstance(pointer, dict) or pointer.get("format") != fmt:
         return None
@@ -56,6 +57,26 @@ def parse_pointer(raw: bytes, fmt: str, where: str, verify: bool = True) -> tupl
                                              != xxhash.xxh3_64_hexdigest(own_state.encode())):
         raise CheckpointError(f"{where} is a statesnap pointer whose own state is damaged (checksum mismatch)")
     return relative, own_state
+
+
+def read_pointer_file(path: str) -> bytes:
+    """The bytes of the local pointer file at ``path``, read as a checkpoint's own files are: a
+    FIFO in its place is refused rather than waited on, a device (a link to ``/dev/zero``) rather
+    than read forever, and a file larger than any pointer (:data:`POINTER_MAX_BYTES`) is read no
+    further than that. Raises ``FileNotFoundError`` where there is none."""
+    try:
+        with open_source(path) as f:
+            raw = f.read(POINTER_MAX_BYTES + 1)
+    except CorruptCheckpointError as exc:  # (it names the path)
+        raise CheckpointError(f"a damaged statesnap pointer: {exc}") from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileNotFoundError(path) from None
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read: {exc}") from None
+    if len(raw) > POINTER_MAX_BYTES:
+        raise CheckpointError(f"{path} is damaged: it is larger than any statesnap pointer "
+                              f"({POINTER_MAX_BYTES} bytes at most)")
+    return raw
 
 
 def write_atomically(fs, path: str, data: bytes) -> None:

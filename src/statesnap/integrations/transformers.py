@@ -38,7 +38,9 @@ from ..engine.load import load, parts_lacking
 from ..errors import CheckpointError, StateMismatchError
 from ..reader import open as open_checkpoint
 from ..state.wrappers import PerRank
-from .pointers import PointerFailures, fsync_directory, parse_pointer, pointer_bytes, step_of
+from .pointers import (
+    PointerFailures, fsync_directory, parse_pointer, pointer_bytes, read_pointer_file, step_of,
+)
 from .rng import RngStates
 
 POINTER_FORMAT = "statesnap-transformers-1"
@@ -255,8 +257,7 @@ def pointer_target(checkpoint_dir: str) -> str | None:
     """The statesnap checkpoint a ``checkpoint-N`` directory names (None if it is the Trainer's own)."""
     path = os.path.join(checkpoint_dir, POINTER_NAME)
     try:
-        with open(path, "rb") as f:
-            pointer = parse_pointer(f.read(), POINTER_FORMAT, path)
+        pointer = parse_pointer(read_pointer_file(path), POINTER_FORMAT, path)
     except FileNotFoundError:
         return None
     if pointer is None:  # (only statesnap writes this file)
