@@ -384,3 +384,18 @@ def test_python_dash_m_statesnap_is_the_command():
     """Where the console script is not on PATH (a venv not activated), ``python -m statesnap``."""
     done = subprocess.run([sys.executable, "-m", "statesnap", "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "usage: statesnap COMMAND" in done.stdout
+
+
+def test_only_steps_a_checkpointer_writes_are_named_in_a_roots_advice(tmp_path, capsys):
+    """The root's advice parsed ``step-N`` names itself, unlike the Checkpointer: ``step-0100``
+    (which ``load_latest`` never restores) was named as the newest, and a directory ``step-²``
+    (``isdigit`` but no integer) made the load fail with "invalid literal for int()" instead."""
+    for step in (2, 10):
+        save_training(tmp_path / "root" / f"step-{step}", step=step)
+    save_training(tmp_path / "root" / "step-0100", step=100)
+    (tmp_path / "root" / "step-²").mkdir()
+    with pytest.raises(ss.ManifestError, match="2 step-N checkpoint") as caught:
+        ss.load({"extra": {"step": 0}}, tmp_path / "root", partial=True)
+    assert f"{tmp_path / 'root' / 'step-10'} the newest" in str(caught.value)
+    assert main(["inspect", str(tmp_path / "root")]) == 2
+    assert f"{tmp_path / 'root' / 'step-10'} the newest" in capsys.readouterr().err

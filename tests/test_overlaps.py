@@ -251,3 +251,47 @@ def test_the_pairs_found_are_every_pair_that_shares_an_element(monkeypatch, pair
 
 def _addresses(t):
     return (t.storage_offset() + sum(i * s for i, s in zip(index, t.stride())) for index in np.ndindex(*t.shape))
+
+
+def test_no_pair_sharing_a_byte_is_missed_across_dtypes_and_arbitrary_strides(monkeypatch):
+    """The array search against the bytes each view covers, over layouts the block views above
+    do not make: ``as_strided`` of any strides (repeats and interleavings), dtypes of 1 to 8
+    bytes over one buffer, storages of their own over it at any byte (``torch.from_numpy``,
+    distances not a multiple of the element size), one view's layout repeated at other places,
+    and rounds of 3 candidates. A pair missed is a load that hands back another tensor's values
+    without a word."""
+    monkeypatch.setattr(overlaps, "_PAIRS_AT_ONCE", 3)
+    rng = np.random.default_rng(2)
+    dtypes = [torch.uint8, torch.int16, torch.float32, torch.float64, torch.complex64]
+    for _ in range(400):
+        memory = np.zeros(128, dtype=np.uint8)
+        shared = torch.from_numpy(memory)
+        items = []
+        for n in range(int(rng.integers(2, 9))):
+            dtype = dtypes[int(rng.integers(0, len(dtypes)))]
+            if rng.random() < 0.5:  # the one storage, viewed as another dtype
+                typed = shared.view(dtype)
+            else:  # a storage of its own from any byte on, as from_numpy of a view gives
+                first = int(rng.integers(0, 64))
+                typed = torch.from_numpy(memory[first:]).view(torch.uint8)[:64].view(dtype)
+            if items and rng.random() < 0.3 and items[-1].local.dtype == typed.dtype:
+                shape, strides = tuple(items[-1].local.shape), items[-1].local.stride()
+            else:
+                shape = tuple(int(v) for v in rng.integers(1, 5, int(rng.integers(1, 4))))
+                strides = tuple(int(v) for v in rng.integers(1, 9, len(shape)))
+            reach = sum((size - 1) * stride for size, stride in zip(shape, strides)) + 1
+            if reach <= typed.numel():
+                offset = int(rng.integers(0, typed.numel() - reach + 1))
+                items.append(TensorItem(f"v{n}", typed.as_strided(shape, strides, offset)))
+        found = {frozenset((a.fqn, b.fqn)) for a, b in overlaps.overlapping_pairs(items)}
+        covered = {item.fqn: _bytes(item.local) for item in items}
+        for i, a in enumerate(items):
+            for b in items[i + 1:]:
+                if covered[a.fqn] & covered[b.fqn]:
+                    assert frozenset((a.fqn, b.fqn)) in found, (a.local.stride(), b.local.stride())
+
+
+def _bytes(t):
+    size = t.element_size()
+    return {t.data_ptr() + size * sum(i * s for i, s in zip(index, t.stride())) + byte
+            for index in np.ndindex(*t.shape) for byte in range(size)}

@@ -164,6 +164,32 @@ def test_retry_waits_leave_the_global_python_rng_alone(proxy):
     assert random.getstate() == before
 
 
+def test_processes_forked_from_one_parent_draw_different_retry_waits():
+    """The jitter's own generator was not seeded again in a forked child (the global ``random``
+    is): ranks forked from one process (multiprocessing's default start on Linux) all drew the
+    parent's next waits, so ranks throttled together came back together, what the jitter is for."""
+    import os
+    import pickle
+
+    from statesnap.storage import retry
+
+    policy, throttled = retry.RetryPolicy(backoff_s=1.0), OSError("SlowDown")
+    throttled.response = {"Error": {"Code": "SlowDown"}}
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # (the child writes its waits and leaves at once, whatever happens)
+        try:
+            os.write(writer, pickle.dumps([policy._wait_after("put", throttled, 3) for _ in range(4)]))
+        finally:
+            os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as pipe:
+        child = pickle.loads(pipe.read())
+    os.waitpid(pid, 0)
+    parent = [policy._wait_after("put", throttled, 3) for _ in range(4)]
+    assert len(child) == 4 and child != parent
+
+
 def test_a_completion_whose_answer_was_lost_is_not_failed_by_its_retry(proxy, caplog):
     """The store completed the upload but the answer never came (a read timeout), and the retry
     finds the upload gone (moto answers such a retry as a success, as S3 does for a while; other

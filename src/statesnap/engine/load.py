@@ -95,10 +95,10 @@ def _what_else(backend: StorageBackend, path: str) -> str:
     convert = f"convert it with ss.convert({path!r}, DST) or `statesnap convert`"
     if names is None:
         return f"it is a file, perhaps a torch.save or safetensors one: {convert}"
-    steps = sorted((int(name[5:]), name) for name in names
-                   if name.startswith("step-") and name[5:].isdigit())
-    if steps:
-        newest = backend.join(path, steps[-1][1])
+    from ..checkpointer.levels import STEP_PREFIX, parse_step  # (here: the checkpointer package imports this module)
+    steps = sorted(step for step in map(parse_step, names) if step is not None)
+    if steps:  # (only names the Checkpointer writes, as load_latest reads them)
+        newest = backend.join(path, f"{STEP_PREFIX}{steps[-1]}")
         return (f"it holds {len(steps)} step-N checkpoint(s), as a Checkpointer's root does: name one, "
                 f"{newest} the newest, or restore the newest with Checkpointer({path!r}).load_latest(state)")
     if ".metadata" in names:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -24,8 +25,12 @@ log = logging.getLogger("statesnap")
 # The jitter's own generator, seeded from the OS: drawing from the global ``random`` consumed
 # the training's Python RNG (a resumed or repeated run then drew other numbers: shuffles,
 # augmentations), from a background thread at no fixed point, and ranks that seed ``random``
-# alike drew the same waits, so they did come back together.
+# alike drew the same waits, so they did come back together. Seeded again in a forked child, as
+# the global one is: ranks forked from one process (multiprocessing's default start on Linux)
+# otherwise all drew the parent's next waits, the same sequence on every rank.
 _jitter = random.Random()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_jitter.seed)
 
 # Error codes S3 (and stores speaking its API) send for "not now": throttling and server trouble.
 TRANSIENT_CODES = frozenset({
