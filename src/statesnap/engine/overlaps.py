@@ -24,7 +24,8 @@ Pair = tuple[TensorItem, TensorItem]
 
 
 def overlapping_pairs(items: Iterable[TensorItem]) -> list[Pair]:
-    """The pairs of ``items`` whose tensors share an element (empty tensors share none). Items are
+    """The pairs of ``items`` whose tensors may share an element (empty tensors share none; views
+    the stride arithmetic cannot tell apart count as sharing). Items are
     grouped by storage first, a lookup per tensor: a model's parameters each have a storage of
     their own. Storages whose bytes overlap are grouped together (``torch.from_numpy`` of two
     views of one array gives two storages over one memory), and only within a group are the
@@ -116,15 +117,10 @@ def _layout(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.stride(), tuple(t.shape), t.element_size()
 
 
-def _disjoint_views(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether two views with the same strides, whose address ranges overlap, share no element:
-    the column blocks of one matrix interleave in memory without sharing one."""
-    x_layout, y_layout = _layout(x), _layout(y)
-    return _disjoint_kinds(x_layout[1:], y_layout[1:], y_layout[0] - x_layout[0])
-
-
 def _disjoint_kinds(x: tuple, y: tuple, byte_distance: int) -> bool:
-    """``_disjoint_views`` of two layouts less their addresses, ``byte_distance`` apart."""
+    """Whether two views with these layouts (less their addresses), ``byte_distance`` apart,
+    share no element: the column blocks of one matrix interleave in memory without sharing one.
+    Only views with the same strides are told apart."""
     (strides, x_shape, itemsize), (y_strides, y_shape, y_itemsize) = x, y
     if strides != y_strides or itemsize != y_itemsize:
         return False

@@ -43,7 +43,8 @@ def _is_stateful(value) -> bool:
 
 class StoredNames:
     """The names a checkpoint holds (sorted), as flattening a state for a load asks about them:
-    whether it brings a fresh optimizer's state (else none is made for it), and whether it stored a list or tuple by index or whole."""
+    whether it brings a fresh optimizer's state (else none is made for it), and whether it
+    stored a list or tuple by index or whole."""
 
     def __init__(self, names: list[str]):
         self._names = names
@@ -213,7 +214,7 @@ class _Walker:
             if not optim.state and self.for_load and self.stored.has_prefix(join(fqn, "state") + SEP):
                 create_adam_state(optim, self.created)
                 if not optim.state:  # another kind: created as the owned case does, by PyTorch's helper
-                    _optimizer_state_dict(_positional_holder(optim), optim, fqn)
+                    _state_dict_by_a_step(_positional_holder(optim), optim, fqn)
             sd = optim.state_dict()
             self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
             if self.for_load:
@@ -226,7 +227,7 @@ class _Walker:
         if not fresh or optim.state:
             sd = get_optimizer_state_dict(model, optim)
         elif state_to_fill:  # another kind than Adam's: its state to fill is made by a step
-            sd = _optimizer_state_dict(model, optim, fqn)
+            sd = _state_dict_by_a_step(model, optim, fqn)
         else:
             sd = _state_dict_without_step(model, optim)
         first_tensor, first_object = len(self.out.tensors), len(self.out.objects)
@@ -297,7 +298,7 @@ def _step_replaced(optim: torch.optim.Optimizer, step: Callable):
 _NO_OWN_STEP = object()
 
 
-def _optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, fqn: str) -> dict:
+def _state_dict_by_a_step(model: nn.Module, optim: torch.optim.Optimizer, fqn: str) -> dict:
     """``get_optimizer_state_dict`` of an optimizer without state, which that helper creates with
     one step at lr 0. An optimizer whose step needs a closure (LBFGS) refuses it, and the
     helper then left the lr at 0: put the hyperparameters back, and say what went wrong."""

@@ -112,7 +112,7 @@ def refuse_unwritable(item: TensorItem) -> None:
             "and copy from it")
 
 
-_LARGEST_CHECKED = 1 << 24  # elements whose addresses are listed to check an unusual layout (128 MiB)
+_LARGEST_CHECKED = 1 << 24  # elements whose addresses are listed to check an unusual layout (128 MiB, twice in the sort)
 
 
 def _strides_apart(t: torch.Tensor) -> bool:
