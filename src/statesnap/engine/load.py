@@ -165,11 +165,10 @@ def parts_lacking(stored: list[str], parts: list[str]) -> list[str]:
 
 
 def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: str, cast: bool,
-           parts: list[str] | None = None, top: list[str] = ()) -> set[str]:
-    """Check the target against the checkpoint; return the names to skip (non-strict). ``parts``
-    (a partial load: the state's top-level names): what the checkpoint holds outside them is not
-    unexpected, but what it holds under them is (a model of fewer layers loads no part of a deeper one).
-    ``top``: the state's top-level names, for the advice when all that fails is what lies outside them."""
+           top: list[str], partial: bool) -> set[str]:
+    """Check the target against the checkpoint; return the names to skip (non-strict). ``top``:
+    the state's top-level names. ``partial``: what the checkpoint holds outside them is not
+    unexpected, but what it holds under them is (a model of fewer layers loads no part of a deeper one)."""
     missing, mismatched, precision_only = [], [], False
     for item in flat.tensors:
         entry = manifest.header(item.fqn)
@@ -201,22 +200,27 @@ def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: 
     if strict:
         # what no rank loads: one flag per stored name from each rank, never every rank's names
         keys, mine = list(manifest.keys()), {i.fqn for i in flat.tensors} | {o.fqn for o in flat.objects}
-        loaded = [k in mine or (parts is not None and not any(in_part(k, p) for p in parts)) for k in keys]
+        loaded = [k in mine or (partial and not any(in_part(k, p) for p in top)) for k in keys]
         unexpected = [k for k, wanted in zip(keys, comm.any_of(loaded)) if not wanted]
     if strict and (missing or mismatched or unexpected):
         listed = [_format_list(t, sorted(n)) for t, n in
                   (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
                    ("shape/dtype mismatch", mismatched)) if n]
         hint = CAST_HINT if precision_only else ""
-        advice = "Pass strict=False to load only what matches."
-        if parts is None and top and not missing and not mismatched and \
-                not any(in_part(name, key) for name in unexpected for key in top):
-            # the state is a part of the checkpoint (the model of a model + optimizer checkpoint)
-            advice = (f"Pass partial=True to load only what lies under the state's keys "
-                      f"({', '.join(top)}), or strict=False to load only what matches.")
+        only_outside = not partial and top and not missing and not mismatched and \
+            not any(in_part(name, key) for name in unexpected for key in top)
         raise StateMismatchError(f"state does not match checkpoint {path}: " + "; ".join(listed) + ".",
-                                 missing, unexpected, mismatched, advice=f"{advice}{hint}")
+                                 missing, unexpected, mismatched, advice=_match_advice(top, only_outside) + hint)
     return set(missing) | {m.split(" ", 1)[0] for m in mismatched}
+
+
+def _match_advice(top: list[str], only_outside: bool) -> str:
+    """``only_outside``: all the checkpoint has beyond the state lies outside the state's keys, so
+    the state is a part of it (the model of a model + optimizer checkpoint)."""
+    if only_outside:
+        return (f"Pass partial=True to load only what lies under the state's keys ({', '.join(top)}), "
+                "or strict=False to load only what matches.")
+    return "Pass strict=False to load only what matches."
 
 
 def fill_tensors(flat: Flattened, manifest: Manifest, backend: StorageBackend, path: str, skip: set[str],
@@ -431,7 +435,7 @@ class Loading:
         self.comm.agree(error, f"loading {self.path}")
         try:
             self.skip = _match(self.flat, self.manifest, self.comm, self.strict, self.path, cast,
-                               [str(key) for key in state] if partial else None, [str(key) for key in state])
+                               [str(key) for key in state], partial)
             self.sharing = overlapping_pairs(item for item in self.flat.tensors if item.fqn not in self.skip)
             tied_apart = _tied_apart(self.sharing, self.manifest, self.path)
             if tied_apart is not None:

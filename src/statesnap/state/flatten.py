@@ -220,11 +220,10 @@ class _Walker:
             if self.for_load:
                 self.out.finalizers.append(lambda: optim.load_state_dict(sd))
             return
-        fresh = not optim.state
         state_to_fill = self.for_load and self.stored.has_prefix(join(fqn, "state") + SEP)
-        if fresh and state_to_fill:
+        if not optim.state and state_to_fill:
             create_adam_state(optim, self.created)
-        if not fresh or optim.state:
+        if optim.state:  # (had it, or Adam's was just made)
             sd = get_optimizer_state_dict(model, optim)
         elif state_to_fill:  # another kind than Adam's: its state to fill is made by a step
             sd = _state_dict_by_a_step(model, optim, fqn)
