@@ -25,7 +25,7 @@ import torch
 from ..engine.objects import decode_value
 from ..engine.overlaps import overlapping_pairs, overwritten, same_view, tie_error
 from ..errors import CheckpointError
-from ..format.dtypes import dtype_name
+from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import MANIFEST_NAME
 from ..state.flatten import StoredNames, flatten_for_load, same_bits
 from ..storage.base import StorageBackend
@@ -151,7 +151,8 @@ class MemoryLevel:
 def matching_target(snap, state: dict):
     """The flattened ``state`` if its layout equals the snapshot's (same items, same boxes)."""
     keys = sorted([*(m.fqn for m in snap.metas), *snap.objects])
-    flat = flatten_for_load(state, StoredNames(keys))
+    headers = {m.fqn: (m.shape, dtype_from_name(m.dtype)) for m in snap.metas}
+    flat = flatten_for_load(state, StoredNames(keys, headers.get))
     metas = [item.meta(dtype_name(item.dtype)) for item in flat.tensors]
     same = metas == snap.metas and sorted(o.fqn for o in flat.objects) == sorted(snap.objects)
     return flat if same else None

@@ -28,7 +28,7 @@ from ..engine.save import encode_objects, per_rank_names, plan_by_owners, shared
 from ..engine.write import default_threads
 from ..errors import CheckpointError, StateMismatchError
 from ..monitor.events import EventLog, now
-from ..state.flatten import create_adam_state
+from ..state.optim_state import create_adam_state
 from ..storage import backend_for, is_url, normalize
 from .at_exit import finish_at_exit
 from .config import CheckpointerConfig

@@ -73,7 +73,7 @@ def files_needed(manifest: Manifest, state: dict) -> set[str]:
     """The data files this rank's load of ``manifest`` into ``state`` reads (all, if the state
     does not match: the load then reports the mismatch itself)."""
     try:
-        flat = flatten_for_load(state, StoredNames(manifest.keys()))
+        flat = flatten_for_load(state, StoredNames.of_manifest(manifest))
         needed = set()
         for item in flat.tensors:
             entry = manifest.tensors[item.fqn]

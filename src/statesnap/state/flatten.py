@@ -7,8 +7,6 @@ optimizer state reshards exactly like the parameters it belongs to.
 from __future__ import annotations
 
 import bisect
-import contextlib
-import functools
 import itertools
 import math
 import operator
@@ -26,6 +24,9 @@ from ..errors import CheckpointError
 from ..format.plaindata import QUIET_NAN_BITS, float_bits, inlinable
 from ..format.manifest import BOX
 from .items import Flattened, ObjectItem, TensorItem, refuse_unwritable
+from .optim_state import (
+    create_adam_state, create_state_from_checkpoint, positional_holder, state_dict_by_a_step, state_dict_without_step,
+)
 from .placement import dtensor_box, has_replicate, is_dtensor
 from .reuse import ProviderCache
 from .wrappers import PerRank, Replicated, Sharded
@@ -43,15 +44,41 @@ def _is_stateful(value) -> bool:
 
 class StoredNames:
     """The names a checkpoint holds (sorted), as flattening a state for a load asks about them:
-    whether it brings a fresh optimizer's state (else none is made for it), and whether it
-    stored a list or tuple by index or whole."""
+    whether it brings a fresh optimizer's state (else none is made for it) and what that state
+    is, and whether it stored a list or tuple by index or whole. ``headers``: the ``(shape,
+    dtype)`` of a stored tensor by name, None for a value stored inline; without it a fresh
+    optimizer's state is made by a step (optim_state.py)."""
 
-    def __init__(self, names: list[str]):
+    def __init__(self, names: list[str], headers: Callable[[str], tuple | None] | None = None):
         self._names = names
+        self._headers = headers
+
+    @classmethod
+    def of_manifest(cls, manifest) -> StoredNames:
+        def header(name: str) -> tuple | None:
+            row = manifest.header(name)
+            return None if row is None else (row.shape, row.dtype)
+        return cls(manifest.keys(), header)
+
+    @property
+    def has_headers(self) -> bool:
+        return self._headers is not None
+
+    def header(self, name: str) -> tuple | None:
+        return self._headers(name)
 
     def has_prefix(self, prefix: str) -> bool:
         i = bisect.bisect_left(self._names, prefix)
         return i < len(self._names) and self._names[i].startswith(prefix)
+
+    def keys_under(self, prefix: str) -> list[str]:
+        """The rest of each name that starts with ``prefix``."""
+        names, found = self._names, []
+        i = bisect.bisect_left(names, prefix)
+        while i < len(names) and names[i].startswith(prefix):
+            found.append(names[i][len(prefix):])
+            i += 1
+        return found
 
     def holds(self, name: str) -> bool:
         i = bisect.bisect_left(self._names, name)
@@ -209,26 +236,25 @@ class _Walker:
         model = self._owner_of(optim)
         if model is not None and self.for_load and self._saved_by_position(fqn, model):
             model = None  # saved by position, as statesnap did before it named such optimizers' state
+        state_to_fill = self.for_load and self.stored.has_prefix(join(fqn, "state") + SEP)
         if model is None:
             # No module in the state owns these parameters: fall back to positional state.
-            if not optim.state and self.for_load and self.stored.has_prefix(join(fqn, "state") + SEP):
-                create_adam_state(optim, self.created)
-                if not optim.state:  # another kind: created as the owned case does, by PyTorch's helper
-                    _state_dict_by_a_step(_positional_holder(optim), optim, fqn)
+            if not optim.state and state_to_fill and not self._fresh_state_made(optim, fqn, optim.state_dict):
+                # (made as the owned case does, by PyTorch's helper)
+                state_dict_by_a_step(positional_holder(optim), optim, fqn)
             sd = optim.state_dict()
             self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
             if self.for_load:
                 self.out.finalizers.append(lambda: optim.load_state_dict(sd))
             return
-        state_to_fill = self.for_load and self.stored.has_prefix(join(fqn, "state") + SEP)
         if not optim.state and state_to_fill:
-            create_adam_state(optim, self.created)
-        if optim.state:  # (had it, or Adam's was just made)
+            self._fresh_state_made(optim, fqn, lambda: get_optimizer_state_dict(model, optim))
+        if optim.state:  # (had it, or it was just made)
             sd = get_optimizer_state_dict(model, optim)
-        elif state_to_fill:  # another kind than Adam's: its state to fill is made by a step
-            sd = _state_dict_by_a_step(model, optim, fqn)
+        elif state_to_fill:  # a kind whose state only its step makes
+            sd = state_dict_by_a_step(model, optim, fqn)
         else:
-            sd = _state_dict_without_step(model, optim)
+            sd = state_dict_without_step(model, optim)
         first_tensor, first_object = len(self.out.tensors), len(self.out.objects)
         self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
         if self.for_load:
@@ -236,6 +262,12 @@ class _Walker:
         elif self.cache is not None:
             self.cache.store_optimizer(fqn, optim, model, sd, self.out.tensors[first_tensor:],
                                        self.out.objects[first_object:], join, tuple(map(id, self.modules)))
+
+    def _fresh_state_made(self, optim: torch.optim.Optimizer, fqn: str, state_dict: Callable[[], dict]) -> bool:
+        """Make a fresh optimizer's state for the load without a step, where its kind allows."""
+        create_adam_state(optim, self.created)
+        return bool(optim.state) or create_state_from_checkpoint(
+            optim, lambda: state_dict()["state"], join(fqn, "state") + SEP, self.stored, self.created)
 
     def _saved_by_position(self, fqn: str, owner: nn.Module) -> bool:
         """Whether the checkpoint keys optimizer ``fqn``'s state by position: some under
@@ -266,115 +298,6 @@ class _Walker:
         if wanted <= {id(p) for _, module in held for p in module.parameters()}:
             return _container(held)
         return None
-
-
-def _state_dict_without_step(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
-    """``get_optimizer_state_dict`` of an optimizer without state, where none is wanted (a save;
-    a load of a checkpoint that holds none for it): the helper would create it with a step at
-    lr 0, and a step does more than its update. A stateless SGD has no state after any number of
-    steps, so every save ran its ``step``: a subclass's extra work (an EMA it updates), its
-    step hooks (``register_step_post_hook``), an optimizer whose update does not scale with
-    ``lr`` (Adafactor's relative step) changed the training. The step is held back for the call."""
-    with _step_replaced(optim, lambda *args, **kwargs: None):
-        return get_optimizer_state_dict(model, optim)
-
-
-@contextlib.contextmanager
-def _step_replaced(optim: torch.optim.Optimizer, step: Callable):
-    """``optim.step`` is ``step`` for the block: set on the object, over the class's method and
-    over what an LR scheduler puts on the object (its wrapper, which marks the optimizer stepped)."""
-    own = vars(optim).get("step", _NO_OWN_STEP)
-    optim.step = step
-    try:
-        yield
-    finally:
-        if own is _NO_OWN_STEP:
-            del optim.step
-        else:
-            optim.step = own
-
-
-_NO_OWN_STEP = object()
-
-
-def _state_dict_by_a_step(model: nn.Module, optim: torch.optim.Optimizer, fqn: str) -> dict:
-    """``get_optimizer_state_dict`` of an optimizer without state, which that helper creates with
-    one step at lr 0. An optimizer whose step needs a closure (LBFGS) refuses it, and the
-    helper then left the lr at 0: put the hyperparameters back, and say what went wrong."""
-    hyper = [{k: v for k, v in group.items() if k != "params"} for group in optim.param_groups]
-    try:
-        with _step_unobserved(optim):
-            return get_optimizer_state_dict(model, optim)
-    except Exception as exc:
-        for group, saved in zip(optim.param_groups, hyper):
-            group.update(saved)
-        optim.state.clear()
-        raise CheckpointError(
-            f"{fqn}: the {type(optim).__name__} has no state yet, and PyTorch's state-dict helper, which "
-            f"creates it with one step at lr 0 and no closure, failed ({type(exc).__name__}: {exc}). An "
-            "optimizer whose step needs a closure (LBFGS) cannot be stepped so: take one step with it before "
-            "saving or loading its state") from exc
-
-
-@contextlib.contextmanager
-def _step_unobserved(optim: torch.optim.Optimizer):
-    """The step that creates a fresh optimizer's state for a load, taken unseen by what watches
-    the training's steps: the optimizer's step hooks (``register_step_pre_hook``/``post_hook``:
-    an EMA, a step counter, a logger ran once more per load) and an LR scheduler's wrapper on
-    the object's ``step`` (it marks the optimizer stepped, which silences PyTorch's warning
-    about a scheduler stepped first). The step itself, a subclass's included, still runs: it
-    is what makes the state. Hooks registered on all optimizers at once still see it."""
-    hooks = {name: vars(optim)[name] for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
-             if isinstance(vars(optim).get(name), dict)}
-    for name, table in hooks.items():
-        setattr(optim, name, type(table)())
-    try:
-        with _step_replaced(optim, functools.partial(type(optim).step, optim)):
-            yield
-    finally:
-        for name, table in hooks.items():
-            setattr(optim, name, table)
-
-
-def _positional_holder(optim: torch.optim.Optimizer) -> nn.Module:
-    """A module holding the optimizer's parameters under their positions, for PyTorch's
-    state-dict helper to create a fresh optimizer's state with (it needs a module); the state
-    dict then taken from the optimizer itself is keyed by position, as such state is stored."""
-    holder = nn.Module()
-    for position, param in enumerate(p for group in optim.param_groups for p in group["params"]):
-        # (not register_parameter: it refuses the plain leaf tensors optimizers accept too)
-        holder._parameters[str(position)] = param
-    return holder
-
-
-def create_adam_state(optim: torch.optim.Optimizer, created: list[torch.Tensor] | None = None) -> None:
-    """Give each parameter of an Adam/AdamW that has no state yet the state its first step would
-    create (as ``Adam._init_group`` does: same dtypes, devices and memory formats), without
-    running a step; parameters that have state keep it. The moments are left unfilled when the
-    caller collects them in ``created`` (a load fills them from the checkpoint and zeroes what it
-    does not fill), zeroed otherwise: zero moments at step 0 are what the optimizer would create
-    itself at the parameter's first gradient, so its updates do not change. Other optimizers are
-    left alone: SGD's first momentum is the gradient, not zero.
-
-    A load uses it instead of the zero-lr step PyTorch's helper takes (a pass over every
-    parameter and three zeroed copies, only to be overwritten); a Checkpointer of several ranks
-    at every save, so that every rank's layout is complete from its first save on."""
-    if type(optim) not in (torch.optim.Adam, torch.optim.AdamW):
-        return
-    new = torch.empty_like if created is not None else torch.zeros_like
-    for group in optim.param_groups:
-        device_step = group.get("capturable") or group.get("fused")
-        scalar = torch.float32 if group.get("fused") or torch.get_default_dtype() != torch.float64 else torch.float64
-        for p in group["params"]:
-            if not p.requires_grad or optim.state.get(p):  # (reading optim.state[p] makes an empty one)
-                continue
-            state = optim.state[p]
-            state["step"] = torch.zeros((), dtype=scalar, device=p.device if device_step else "cpu")
-            moments = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group.get("amsgrad") else ("exp_avg", "exp_avg_sq")
-            for key in moments:
-                state[key] = new(p, memory_format=torch.preserve_format)
-                if created is not None:
-                    created.append(state[key])
 
 
 _SCALARS = {int, float, str, bool, type(None)}

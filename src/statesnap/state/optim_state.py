@@ -1,0 +1,256 @@
+"""A fresh optimizer's state for a load, and an optimizer's state dict for a save, without
+stepping it.
+
+PyTorch's ``get_optimizer_state_dict`` creates the state of an optimizer that has none by
+taking a step at lr 0. A step does more than make state: a subclass's extra work (an EMA),
+step hooks, an LR scheduler's wrapper, an update that does not scale with lr. It is also
+skipped when any parameter holds a gradient, which left a load with nothing to fill. So a save
+holds the step back, and a load creates the state itself wherever it can: Adam/AdamW's as its
+first step would (``create_adam_state``), PyTorch's other optimizers' from what the checkpoint
+holds (``create_state_from_checkpoint``); only other kinds still take the helper's step, unseen
+by hooks and with the parameters' gradients set aside.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+from ..errors import CheckpointError
+from .placement import is_dtensor
+
+SEP = "."
+
+
+def state_dict_without_step(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
+    """``get_optimizer_state_dict`` of an optimizer without state, where none is wanted (a save;
+    a load of a checkpoint that holds none for it): the helper would create it with a step at
+    lr 0, and a step does more than its update. A stateless SGD has no state after any number of
+    steps, so every save ran its ``step``: a subclass's extra work (an EMA it updates), its
+    step hooks (``register_step_post_hook``), an optimizer whose update does not scale with
+    ``lr`` (Adafactor's relative step) changed the training. The step is held back for the call."""
+    with _step_replaced(optim, lambda *args, **kwargs: None):
+        return get_optimizer_state_dict(model, optim)
+
+
+@contextlib.contextmanager
+def _step_replaced(optim: torch.optim.Optimizer, step: Callable):
+    """``optim.step`` is ``step`` for the block: set on the object, over the class's method and
+    over what an LR scheduler puts on the object (its wrapper, which marks the optimizer stepped)."""
+    own = vars(optim).get("step", _NO_OWN_STEP)
+    optim.step = step
+    try:
+        yield
+    finally:
+        if own is _NO_OWN_STEP:
+            del optim.step
+        else:
+            optim.step = own
+
+
+_NO_OWN_STEP = object()
+
+
+def state_dict_by_a_step(model: nn.Module, optim: torch.optim.Optimizer, fqn: str) -> dict:
+    """``get_optimizer_state_dict`` of an optimizer without state, which that helper creates with
+    one step at lr 0. An optimizer whose step needs a closure (LBFGS) refuses it, and the
+    helper then left the lr at 0: put the hyperparameters back, and say what went wrong."""
+    hyper = [{k: v for k, v in group.items() if k != "params"} for group in optim.param_groups]
+    try:
+        with _step_unobserved(optim):
+            return get_optimizer_state_dict(model, optim)
+    except Exception as exc:
+        for group, saved in zip(optim.param_groups, hyper):
+            group.update(saved)
+        optim.state.clear()
+        raise CheckpointError(
+            f"{fqn}: the {type(optim).__name__} has no state yet, and PyTorch's state-dict helper, which "
+            f"creates it with one step at lr 0 and no closure, failed ({type(exc).__name__}: {exc}). An "
+            "optimizer whose step needs a closure (LBFGS) cannot be stepped so: take one step with it before "
+            "saving or loading its state") from exc
+
+
+@contextlib.contextmanager
+def _step_unobserved(optim: torch.optim.Optimizer):
+    """The step that creates a fresh optimizer's state for a load, taken unseen by what watches
+    the training's steps: the optimizer's step hooks (``register_step_pre_hook``/``post_hook``:
+    an EMA, a step counter, a logger ran once more per load) and an LR scheduler's wrapper on
+    the object's ``step`` (it marks the optimizer stepped, which silences PyTorch's warning
+    about a scheduler stepped first). The step itself, a subclass's included, still runs: it
+    is what makes the state. Hooks registered on all optimizers at once still see it.
+
+    The parameters' gradients are set aside for it and put back after: the helper takes no step
+    where any parameter holds one (a load after a backward pass), which left the load nothing to
+    fill and failed it as a mismatch."""
+    hooks = {name: vars(optim)[name] for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+             if isinstance(vars(optim).get(name), dict)}
+    grads = [(p, p.grad) for group in optim.param_groups for p in group["params"] if p.grad is not None]
+    for name, table in hooks.items():
+        setattr(optim, name, type(table)())
+    for p, _ in grads:
+        p.grad = None
+    try:
+        with _step_replaced(optim, functools.partial(type(optim).step, optim)):
+            yield
+    finally:
+        for name, table in hooks.items():
+            setattr(optim, name, table)
+        for p, grad in grads:
+            p.grad = grad
+
+
+def positional_holder(optim: torch.optim.Optimizer) -> nn.Module:
+    """A module holding the optimizer's parameters under their positions, for PyTorch's
+    state-dict helper to create a fresh optimizer's state with (it needs a module); the state
+    dict then taken from the optimizer itself is keyed by position, as such state is stored."""
+    holder = nn.Module()
+    for position, param in enumerate(p for group in optim.param_groups for p in group["params"]):
+        # (not register_parameter: it refuses the plain leaf tensors optimizers accept too)
+        holder._parameters[str(position)] = param
+    return holder
+
+
+def create_adam_state(optim: torch.optim.Optimizer, created: list[torch.Tensor] | None = None) -> None:
+    """Give each parameter of an Adam/AdamW that has no state yet the state its first step would
+    create (as ``Adam._init_group`` does: same dtypes, devices and memory formats), without
+    running a step; parameters that have state keep it. The moments are left unfilled when the
+    caller collects them in ``created`` (a load fills them from the checkpoint and zeroes what it
+    does not fill), zeroed otherwise: zero moments at step 0 are what the optimizer would create
+    itself at the parameter's first gradient, so its updates do not change. Other optimizers are
+    left alone: SGD's first momentum is the gradient, not zero.
+
+    A load uses it instead of the zero-lr step PyTorch's helper takes (a pass over every
+    parameter and three zeroed copies, only to be overwritten); a Checkpointer of several ranks
+    at every save, so that every rank's layout is complete from its first save on."""
+    if type(optim) not in (torch.optim.Adam, torch.optim.AdamW):
+        return
+    new = torch.empty_like if created is not None else torch.zeros_like
+    for group in optim.param_groups:
+        device_step = group.get("capturable") or group.get("fused")
+        scalar = torch.float32 if group.get("fused") or torch.get_default_dtype() != torch.float64 else torch.float64
+        for p in group["params"]:
+            if not p.requires_grad or optim.state.get(p):  # (reading optim.state[p] makes an empty one)
+                continue
+            state = optim.state[p]
+            state["step"] = torch.zeros((), dtype=scalar, device=p.device if device_step else "cpu")
+            moments = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group.get("amsgrad") else ("exp_avg", "exp_avg_sq")
+            for key in moments:
+                state[key] = new(p, memory_format=torch.preserve_format)
+                if created is not None:
+                    created.append(state[key])
+
+
+
+
+def _step_and(*keys: str) -> Callable[[dict, torch.Tensor], frozenset]:
+    return lambda group, param: frozenset(("step", *keys))
+
+
+def _optional(group: dict, **keys_by_option: str) -> tuple[str, ...]:
+    return tuple(key for option, key in keys_by_option.items() if group.get(option))
+
+
+# The state each of PyTorch's optimizers keeps for a parameter, by its param group's options
+# (Adam/AdamW: create_adam_state). A checkpoint's state is created only where its keys are
+# exactly these: a subclass that keeps more, or a checkpoint of another kind (Adam's state
+# loaded into an SGD), takes the helper's step and so meets the same checks as before.
+# tests/test_optim_state.py compares each with what a real step makes.
+_STATE_KEYS: dict[str, Callable[[dict, torch.Tensor], frozenset]] = {
+    "SGD": lambda group, param: frozenset(_optional(group, momentum="momentum_buffer")),
+    "RMSprop": lambda group, param: frozenset(("step", "square_avg",
+                                               *_optional(group, momentum="momentum_buffer", centered="grad_avg"))),
+    "Adagrad": _step_and("sum"),
+    "Adadelta": _step_and("square_avg", "acc_delta"),
+    "Adamax": _step_and("exp_avg", "exp_inf"),
+    "NAdam": _step_and("mu_product", "exp_avg", "exp_avg_sq"),
+    "RAdam": _step_and("exp_avg", "exp_avg_sq"),
+    "SparseAdam": _step_and("exp_avg", "exp_avg_sq"),
+    "Rprop": _step_and("prev", "step_size"),
+    "ASGD": _step_and("eta", "mu", "ax"),
+    "Adafactor": lambda group, param: frozenset(("step", *(("row_var", "col_var") if param.dim() >= 2 else ("variance",)))),
+}
+
+
+def _state_keys_of(optim: torch.optim.Optimizer) -> Callable[[dict, torch.Tensor], frozenset] | None:
+    """The state keys of the nearest of PyTorch's optimizers the optimizer's class derives from."""
+    for cls in type(optim).__mro__:
+        if cls.__module__.startswith("torch.optim") and cls.__name__ in _STATE_KEYS:
+            return _STATE_KEYS[cls.__name__]
+    return None
+
+
+def create_state_from_checkpoint(optim: torch.optim.Optimizer, named_state: Callable[[], dict], prefix: str,
+                                 stored, created: list[torch.Tensor] | None = None) -> bool:
+    """Give a fresh optimizer, without a step, the state the checkpoint holds for it: for each
+    parameter the checkpoint keeps state for (under ``<prefix><its name>.``), each stored key,
+    a tensor of the stored dtype (the parameter's shape and placement where the stored shape is
+    the parameter's) or, for a value stored inline, a placeholder the load replaces. The
+    optimizer's own ``load_state_dict`` then puts each where it keeps it (the parameter's device
+    and dtype), as it does for any state dict. ``named_state``: the optimizer's state dict
+    ``state`` as the load names it (PyTorch's helper, or the optimizer's own for state kept by
+    position); it names the parameters. ``stored``: the checkpoint's names and tensor headers
+    (``StoredNames``). Tensors go to ``created`` for the load to fill, zeroed without it.
+
+    Returns False, leaving the optimizer as it was, where the kind is not one of PyTorch's, a
+    stored key set is not the one this optimizer keeps, or a stored shape cannot be placed
+    (state of another shape than a sharded parameter's)."""
+    keys_of = _state_keys_of(optim)
+    if keys_of is None or not stored.has_headers:
+        return False
+    groups = {id(p): group for group in optim.param_groups for p in group["params"]}
+    made: dict[torch.Tensor, dict] = {}
+    for name, param in _parameter_names(optim, named_state).items():
+        keys = stored.keys_under(f"{prefix}{name}{SEP}")
+        if not keys:
+            continue
+        if set(keys) != keys_of(groups[id(param)], param):
+            return False
+        headers = {key: stored.header(f"{prefix}{name}{SEP}{key}") for key in keys}
+        if is_dtensor(param) and any(h is not None and tuple(h[0]) != tuple(param.shape) for h in headers.values()):
+            return False  # its part on this rank: only the optimizer's step knows it
+        made[param] = {key: _new_state_tensor(param, header) for key, header in headers.items()}
+    for param, state in made.items():
+        for tensor in state.values():
+            if tensor is None:
+                continue
+            if created is None:
+                tensor.zero_()
+            else:
+                created.append(tensor)
+        optim.state[param] = state
+    return bool(made)
+
+
+def _new_state_tensor(param: torch.Tensor, header: tuple | None) -> torch.Tensor | None:
+    """An unfilled tensor for a stored ``(shape, dtype)`` header beside ``param``, or None (a
+    placeholder the load replaces) for a value stored inline. Scalars are made on the CPU, as
+    PyTorch's optimizers keep them unless ``capturable`` (their ``load_state_dict`` then moves
+    them)."""
+    if header is None:
+        return None
+    shape, dtype = header
+    if not shape:
+        return torch.empty((), dtype=dtype)
+    if tuple(shape) == tuple(param.shape):
+        return torch.empty_like(param, dtype=dtype, memory_format=torch.preserve_format)
+    return torch.empty(shape, dtype=dtype, device=param.device)
+
+
+_MARK = "statesnap: parameter index"
+
+
+def _parameter_names(optim: torch.optim.Optimizer, named_state: Callable[[], dict]) -> dict[str, torch.Tensor]:
+    """The name the load gives each parameter's state, found by asking ``named_state`` over a
+    state that marks each parameter with its index, so the names are the helper's own."""
+    params = [p for group in optim.param_groups for p in group["params"]]
+    for index, param in enumerate(params):
+        optim.state[param] = {_MARK: index}
+    try:
+        named = named_state()
+    finally:
+        optim.state.clear()
+    return {str(name): params[marks[_MARK]] for name, marks in named.items()}

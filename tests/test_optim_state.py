@@ -1,0 +1,262 @@
+"""A fresh optimizer's state, made for a load from what the checkpoint holds, without a step.
+
+PyTorch's state-dict helper makes a fresh optimizer's state with a step at lr 0, which runs
+the optimizer's own code (a subclass's extra work) and is skipped when a parameter holds a
+gradient: a load after a backward pass then found nothing to fill and failed as a mismatch.
+"""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+import statesnap as ss
+from statesnap.state.optim_state import _STATE_KEYS, _state_keys_of
+from dist_utils import run_ranks
+
+KINDS = {  # every optimizer of PyTorch's whose state the load makes, with the options that change it
+    "SGD momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
+    "RMSprop": (torch.optim.RMSprop, {"lr": 0.01}),
+    "RMSprop momentum centered": (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5, "centered": True}),
+    "Adagrad": (torch.optim.Adagrad, {"lr": 0.1}),
+    "Adadelta": (torch.optim.Adadelta, {"lr": 0.5}),
+    "Adamax": (torch.optim.Adamax, {"lr": 0.01}),
+    "NAdam": (torch.optim.NAdam, {"lr": 0.01}),
+    "RAdam": (torch.optim.RAdam, {"lr": 0.01}),
+    "Rprop": (torch.optim.Rprop, {"lr": 0.01}),
+    "ASGD": (torch.optim.ASGD, {"lr": 0.01}),
+    "Adafactor": (torch.optim.Adafactor, {"lr": 0.01}),
+}
+
+
+def model_of(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    # a 3 x 16 weight: its state is tensors in data files; a 3-element bias: stored inline
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 3))
+
+
+def step(model, optim, seed: int) -> None:
+    optim.zero_grad()
+    model(torch.randn(4, 16, generator=torch.Generator().manual_seed(seed))).square().sum().backward()
+    optim.step()
+
+
+def trained(kind: str, seed: int = 0, steps: int = 2):
+    cls, options = KINDS[kind]
+    model = model_of(seed)
+    optim = cls(model.parameters(), **options)
+    for s in range(steps):
+        step(model, optim, s)
+    return model, optim
+
+
+def assert_same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
+    pa = [p for g in a.param_groups for p in g["params"]]
+    pb = [p for g in b.param_groups for p in g["params"]]
+    for p, q in zip(pa, pb, strict=True):
+        assert set(a.state[p]) == set(b.state[q])
+        for key, value in a.state[p].items():
+            other = b.state[q][key]
+            assert (other.dtype, other.shape, other.device) == (value.dtype, value.shape, value.device), key
+            assert torch.equal(other, value), key
+
+
+def test_the_state_keys_are_those_a_real_step_makes():
+    """The table the load makes state by, against what each optimizer's own step makes (a new
+    PyTorch that keeps other keys fails here; the load itself would take the step then)."""
+    covered = set()
+    for kind, (cls, options) in KINDS.items():
+        model, optim = trained(kind, steps=1)
+        keys_of = _state_keys_of(optim)
+        covered.add(cls.__name__)
+        for group in optim.param_groups:
+            for p in group["params"]:
+                assert set(optim.state[p]) == keys_of(group, p), (kind, tuple(p.shape))
+    embedding = nn.Embedding(10, 4, sparse=True)  # SparseAdam takes sparse gradients only
+    sparse = torch.optim.SparseAdam(embedding.parameters())
+    embedding(torch.tensor([1, 3])).sum().backward()
+    sparse.step()
+    assert set(sparse.state[embedding.weight]) == _state_keys_of(sparse)(sparse.param_groups[0], embedding.weight)
+    assert covered | {"SparseAdam"} == set(_STATE_KEYS)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("grads", [False, True], ids=["no grads", "grads present"])
+def test_a_fresh_optimizer_loads_without_a_step_and_steps_on_exactly(tmp_path, kind, grads):
+    model, optim = trained(kind)
+    ss.save({"model": model, "optim": optim}, tmp_path / "c")
+    fresh_model = model_of(7)
+    cls, options = KINDS[kind]
+    fresh = cls(fresh_model.parameters(), **options)
+    steps = []
+    fresh.register_step_pre_hook(lambda *_: steps.append(1))
+    handle = register_optimizer_step_pre_hook(lambda *_: steps.append(2))
+    try:
+        if grads:  # a load after a backward pass: PyTorch's helper made no state then
+            fresh_model(torch.ones(2, 16)).sum().backward()
+        held = [None if p.grad is None else p.grad.clone() for p in fresh_model.parameters()]
+        ss.load({"model": fresh_model, "optim": fresh}, tmp_path / "c")
+        assert steps == []  # no step of any kind, not even one unseen by the instance's hooks
+    finally:
+        handle.remove()
+    for p, grad in zip(fresh_model.parameters(), held):
+        assert (p.grad is None) == (grad is None) and (grad is None or torch.equal(p.grad, grad))
+    assert_same_state(optim, fresh)
+    assert fresh.param_groups[0]["lr"] == options["lr"]
+    for seed in (10, 11):
+        step(model, optim, seed)
+        step(fresh_model, fresh, seed)
+    for p, q in zip(model.parameters(), fresh_model.parameters()):
+        assert torch.equal(p, q)
+    assert_same_state(optim, fresh)
+
+
+class _EmaSGD(torch.optim.SGD):
+    """An SGD with momentum that also updates an EMA in its step."""
+
+    def __init__(self, params, extra_state: bool = False):
+        super().__init__(params, lr=0.1, momentum=0.9)
+        self.calls, self.extra_state = 0, extra_state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.calls += 1
+        super().step(closure)
+        if self.extra_state:  # state of its own beside SGD's
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p]["ema"] = self.state[p].get("ema", torch.zeros_like(p)).mul_(0.5).add_(p)
+
+
+@pytest.mark.parametrize("extra_state", [False, True], ids=["sgd's state", "its own state too"])
+def test_a_subclass_loads_without_its_step_unless_it_keeps_state_of_its_own(tmp_path, extra_state):
+    """A subclass of one of PyTorch's optimizers keeping that optimizer's state loads without a
+    step (its extra work ran once per load before). One that keeps keys of its own is made
+    state by a step as before, with its gradients set aside and put back."""
+    model = model_of(0)
+    optim = _EmaSGD(model.parameters(), extra_state)
+    for s in range(2):
+        step(model, optim, s)
+    ss.save({"model": model, "optim": optim}, tmp_path / "c")
+    fresh_model = model_of(7)
+    fresh = _EmaSGD(fresh_model.parameters(), extra_state)
+    fresh_model(torch.ones(2, 16)).sum().backward()
+    grads = [p.grad.clone() for p in fresh_model.parameters()]
+    ss.load({"model": fresh_model, "optim": fresh}, tmp_path / "c")
+    assert fresh.calls == (1 if extra_state else 0)
+    assert all(torch.equal(p.grad, g) for p, g in zip(fresh_model.parameters(), grads))
+    assert_same_state(optim, fresh)
+
+
+def test_state_of_another_kind_is_still_a_mismatch(tmp_path):
+    """Adam's state is not made for an SGD: the load refuses it by name as before."""
+    model = model_of(0)
+    optim = torch.optim.Adam(model.parameters())
+    step(model, optim, 0)
+    ss.save({"model": model, "optim": optim}, tmp_path / "c")
+    fresh_model = model_of(7)
+    fresh = torch.optim.SGD(fresh_model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ss.StateMismatchError, match="optim.state.0.weight.exp_avg"):
+        ss.load({"model": fresh_model, "optim": fresh}, tmp_path / "c")
+    assert not fresh.state
+
+
+def test_a_failed_load_leaves_the_made_state_behind_no_more(tmp_path):
+    """A load that fails after making a fresh optimizer's state takes it away again."""
+    model, optim = trained("RMSprop momentum centered")
+    ss.save({"model": model, "optim": optim}, tmp_path / "c")
+    reader = ss.open(tmp_path / "c")
+    entry = reader.manifest.tensors["optim.state.0.weight.grad_avg"]
+    data = tmp_path / "c" / reader.manifest.files[int(entry.file[0])]
+    raw = bytearray(data.read_bytes())
+    raw[int(entry.offset[0])] ^= 0x10
+    data.write_bytes(bytes(raw))
+    fresh_model = model_of(7)
+    fresh = torch.optim.RMSprop(fresh_model.parameters(), lr=0.01, momentum=0.5, centered=True)
+    with pytest.raises(ss.CorruptCheckpointError, match="optim.state.0.weight.grad_avg"):
+        ss.load({"model": fresh_model, "optim": fresh}, tmp_path / "c")
+    assert not fresh.state
+
+
+def test_an_optimizer_alone_in_the_state_takes_its_state_by_position(tmp_path):
+    params = [nn.Parameter(torch.randn(3, 40)), nn.Parameter(torch.randn(5))]
+    optim = torch.optim.NAdam(params, lr=0.01)
+    for s in range(2):
+        optim.zero_grad()
+        sum((p * s).square().sum() for p in params).backward()
+        optim.step()
+    ss.save({"optim": optim, "params": params}, tmp_path / "c")
+    fresh_params = [nn.Parameter(torch.zeros(3, 40)), nn.Parameter(torch.zeros(5))]
+    fresh = torch.optim.NAdam(fresh_params, lr=0.01)
+    ss.load({"optim": fresh, "params": fresh_params}, tmp_path / "c")
+    assert_same_state(optim, fresh)
+
+
+def test_a_restore_from_memory_makes_the_state_without_a_step(tmp_path):
+    model = model_of(0)
+    optim = _EmaSGD(model.parameters())
+    step(model, optim, 0)
+    with ss.Checkpointer(tmp_path / "root", persist_every=1) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+        ckpt.wait_staged()
+        fresh_model = model_of(7)
+        fresh = _EmaSGD(fresh_model.parameters())
+        assert ckpt.load_latest({"model": fresh_model, "optim": fresh}) == 1 and ckpt.loaded_from == "memory"
+    assert fresh.calls == 0
+    assert_same_state(optim, fresh)
+
+
+# ---- FSDP2: state made as DTensors, on 2 gloo ranks ---------------------------------------------
+def _fsdp(seed: int):
+    model = model_of(seed)
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _fsdp_save_and_load(rank, world, path) -> bytes:
+    model = _fsdp(0)
+    optim = torch.optim.RMSprop(model.parameters(), lr=0.01, momentum=0.5, centered=True)
+    for s in range(2):
+        step(model, optim, s)
+    ss.save({"model": model, "optim": optim}, path)
+    fresh_model = _fsdp(7)
+    fresh = torch.optim.RMSprop(fresh_model.parameters(), lr=0.01, momentum=0.5, centered=True)
+    fresh_model(torch.ones(2, 16)).sum().backward()  # grads present
+    ss.load({"model": fresh_model, "optim": fresh}, path)
+    placements = sorted({str(v.placements) for s in fresh.state.values() for v in s.values()
+                         if isinstance(v, DTensor)})
+    full = get_optimizer_state_dict(fresh_model, fresh, options=StateDictOptions(full_state_dict=True))["state"]
+    buffer = io.BytesIO()
+    torch.save({"placements": placements,
+                "state": {f"optim.state.{n}.{k}": v for n, s in full.items() for k, v in s.items()}}, buffer)
+    return buffer.getvalue()
+
+
+def test_fsdp2_state_is_made_sharded_like_its_parameters(tmp_path):
+    path = str(tmp_path / "c")
+    results = [torch.load(io.BytesIO(raw), weights_only=True) for raw in run_ranks(2, _fsdp_save_and_load, path)]
+    reader = ss.open(path)
+    stored = [k for k in reader.keys() if k.startswith("optim.state.")]
+    for result in results:
+        assert result["placements"] == ["(Shard(dim=0),)"]
+        assert sorted(result["state"]) == sorted(stored)
+        for name, value in result["state"].items():
+            assert torch.equal(value, reader.read(name)), name
+    # and resharded into one process, fresh, with gradients present
+    model = model_of(9)
+    fresh = torch.optim.RMSprop(model.parameters(), lr=0.01, momentum=0.5, centered=True)
+    model(torch.ones(2, 16)).sum().backward()
+    ss.load({"model": model, "optim": fresh}, path)
+    for name, state in get_optimizer_state_dict(model, fresh)["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, reader.read(f"optim.state.{name}.{key}")), (name, key)
