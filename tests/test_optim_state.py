@@ -260,3 +260,28 @@ def test_fsdp2_state_is_made_sharded_like_its_parameters(tmp_path):
     for name, state in get_optimizer_state_dict(model, fresh)["state"].items():
         for key, value in state.items():
             assert torch.equal(value, reader.read(f"optim.state.{name}.{key}")), (name, key)
+
+
+@pytest.mark.parametrize("saver", ["ss.save", "Checkpointer"])
+def test_a_save_of_a_stateless_optimizer_makes_no_gradients(tmp_path, monkeypatch, saver):
+    """PyTorch's helper gives every parameter a zero gradient before it steps a fresh optimizer
+    (and the step was then held back): a copy of the parameters' size made and dropped again at
+    every save of a plain SGD, which has no state after any number of steps. The helper now
+    takes the optimizer as made and does neither."""
+    model = model_of(0)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    step(model, optim, 0)
+    optim.zero_grad()
+    params = {id(p) for p in model.parameters()}
+    made = []
+    zeros_like = torch.zeros_like
+    monkeypatch.setattr(torch, "zeros_like", lambda t, *a, **k: (made.append(id(t)), zeros_like(t, *a, **k))[1])
+    if saver == "ss.save":
+        ss.save({"model": model, "optim": optim}, tmp_path / "c")
+    else:
+        with ss.Checkpointer(tmp_path / "root") as ckpt:
+            ckpt.save(1, {"model": model, "optim": optim}).wait()
+    assert not params & set(made)
+    assert not optim.state and all(p.grad is None for p in model.parameters())
+    where = tmp_path / "c" if saver == "ss.save" else tmp_path / "root" / "step-1"
+    assert ss.open(where).read("optim.param_groups")[0]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias"]

@@ -32,9 +32,13 @@ def state_dict_without_step(model: nn.Module, optim: torch.optim.Optimizer) -> d
     lr 0, and a step does more than its update. A stateless SGD has no state after any number of
     steps, so every save ran its ``step``: a subclass's extra work (an EMA it updates), its
     step hooks (``register_step_post_hook``), an optimizer whose update does not scale with
-    ``lr`` (Adafactor's relative step) changed the training. The step is held back for the call."""
-    with _step_replaced(optim, lambda *args, **kwargs: None):
-        return get_optimizer_state_dict(model, optim)
+    ``lr`` (Adafactor's relative step) changed the training. The helper is handed a state that
+    marks each parameter, which it takes as made: it neither steps nor first gives each
+    parameter a zero gradient (memory of the parameters' size, at every save)."""
+    with _marked(optim):
+        sd = get_optimizer_state_dict(model, optim)
+    sd["state"] = {}
+    return sd
 
 
 @contextlib.contextmanager
@@ -243,14 +247,22 @@ def _new_state_tensor(param: torch.Tensor, header: tuple | None) -> torch.Tensor
 _MARK = "statesnap: parameter index"
 
 
-def _parameter_names(optim: torch.optim.Optimizer, named_state: Callable[[], dict]) -> dict[str, torch.Tensor]:
-    """The name the load gives each parameter's state, found by asking ``named_state`` over a
-    state that marks each parameter with its index, so the names are the helper's own."""
+@contextlib.contextmanager
+def _marked(optim: torch.optim.Optimizer):
+    """For the block, the optimizer's state marks each parameter with its index (and nothing
+    else); it is empty again after. Yields the parameters in that order."""
     params = [p for group in optim.param_groups for p in group["params"]]
     for index, param in enumerate(params):
         optim.state[param] = {_MARK: index}
     try:
-        named = named_state()
+        yield params
     finally:
         optim.state.clear()
+
+
+def _parameter_names(optim: torch.optim.Optimizer, named_state: Callable[[], dict]) -> dict[str, torch.Tensor]:
+    """The name the load gives each parameter's state, found by asking ``named_state`` over a
+    marked state (``_marked``), so the names are the helper's own."""
+    with _marked(optim) as params:
+        named = named_state()
     return {str(name): params[marks[_MARK]] for name, marks in named.items()}
