@@ -328,3 +328,43 @@ def test_the_gradient_scaler_is_saved_and_restored_as_the_stock_trainers(tmp_pat
     no_scaler = trainer(StatesnapTrainer, StatesnapTrainer.__name__, 6, scaler=False)
     no_scaler.train(resume_from_checkpoint=True)  # its scaler is left, the rest restored
     assert no_scaler.state.global_step == 6
+
+
+def _train_and_resume_on_ranks(rank, world_size, root):
+    from transformers import TrainingArguments
+
+    from statesnap.integrations.transformers import StatesnapTrainer
+
+    hf_train = _hf_train()
+
+    def trainer(out, steps):
+        args = TrainingArguments(output_dir=os.path.join(root, out), max_steps=steps, save_steps=2, report_to=[],
+                                 use_cpu=True, per_device_train_batch_size=4, disable_tqdm=True, seed=0,
+                                 ddp_backend="gloo")
+        return StatesnapTrainer(model=hf_train.model(), args=args, train_dataset=hf_train.Tokens(),
+                                statesnap_settings={"host_memory_gb": 0.05})
+    whole = trainer("whole", 4)
+    whole.train()
+    resumed = trainer("whole", 4)  # (its step 4 is saved again)
+    resumed.train(resume_from_checkpoint=os.path.join(root, "whole", "checkpoint-2"))
+    return ({k: v.clone() for k, v in whole.model.state_dict().items()},
+            {k: v.clone() for k, v in resumed.model.state_dict().items()})
+
+
+def test_a_ddp_run_commits_its_checkpoints_and_resumes_bit_exact(tmp_path):
+    """On 2 ranks no checkpoint was ever committed: the TrainerState stored with each step differs
+    between the ranks (``is_world_process_zero``, ...), and a plain value that ranks hold under
+    one name is compared and refused when it differs. The main process's state is stored now (the
+    stock Trainer writes the main process's ``trainer_state.json``), and a resume from step 2 ends
+    as the run never stopped did, on both ranks."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    try:
+        from dist_utils import run_ranks
+    finally:
+        sys.path.pop(0)
+    results = run_ranks(2, _train_and_resume_on_ranks, str(tmp_path))
+    for whole, resumed in results:
+        for name, value in whole.items():
+            assert torch.equal(resumed[name], value), name
+    assert sorted(n for n in os.listdir(tmp_path / "whole") if n.startswith("checkpoint-")) == \
+        ["checkpoint-2", "checkpoint-4"]

@@ -37,7 +37,7 @@ from ..checkpointer.config import CheckpointerConfig
 from ..engine.load import load, parts_lacking
 from ..errors import CheckpointError, StateMismatchError
 from ..reader import open as open_checkpoint
-from ..state.wrappers import PerRank
+from ..state.wrappers import PerRank, Replicated
 from .pointers import (
     PointerFailures, fsync_directory, parse_pointer, pointer_bytes, read_pointer_file, step_of,
 )
@@ -93,8 +93,10 @@ class StatesnapTrainer(Trainer):
         self._note_best_checkpoint(run_dir, step)
         self._record_callback_states()
         trainer_state = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
+        # The TrainerState differs between ranks (is_world_process_zero, ...): the main process's is
+        # stored, as the Trainer writes the main process's trainer_state.json.
         state = {"model": self.accelerator.unwrap_model(self.model),
-                 "rng": PerRank(RngStates()), "trainer": {"state": trainer_state}}
+                 "rng": PerRank(RngStates()), "trainer": {"state": Replicated(trainer_state)}}
         if not self.args.save_only_model:
             state.update(optimizer=_torch_optimizer(self.optimizer), scheduler=self.lr_scheduler)
             if getattr(self.accelerator, "scaler", None) is not None:  # fp16: the loss scale, as the Trainer saves it
