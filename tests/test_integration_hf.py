@@ -284,3 +284,87 @@ def test_a_pointer_to_a_step_that_is_gone_is_named_with_the_step(tmp_path):
     with pytest.raises(ss.CheckpointError, match=f"checkpoint-2/{POINTER_NAME} names .*/{STORE_DIR}/step-2, which "
                                                  "is not there"):
         trainer(4).train(resume_from_checkpoint=True)
+
+
+def test_the_gradient_scaler_is_saved_and_restored_as_the_stock_trainers(tmp_path):
+    """fp16 on a GPU gives the Trainer's accelerator a GradScaler, whose loss scale grows and backs
+    off at overflows; the stock Trainer saves it (``scaler.pt``) and restores it on resume. A
+    StatesnapTrainer saved no scaler: its resumed run started again from the initial scale, and
+    skipped other steps at overflows than the run it continued. (A CPU GradScaler stands in for
+    fp16's, growing at every step, so that this runs without a GPU.) A checkpoint of a run without
+    a scaler resumes with the scaler as it is, and one with a scaler resumes in a run without one."""
+    from transformers import Trainer, TrainingArguments
+
+    from statesnap.integrations.transformers import StatesnapTrainer
+
+    hf_train = _hf_train()
+
+    def trainer(cls, out, steps, scaler=True):
+        args = TrainingArguments(output_dir=str(tmp_path / out), max_steps=steps, save_steps=2, report_to=[],
+                                 use_cpu=True, per_device_train_batch_size=4, disable_tqdm=True, learning_rate=1e-2,
+                                 seed=0)
+        extra = {"statesnap_settings": {"host_memory_gb": 0.05}} if cls is StatesnapTrainer else {}
+        made = cls(model=hf_train.model(), args=args, train_dataset=hf_train.Tokens(), **extra)
+        if scaler:  # set before train() prepares the optimizer, which steps through it
+            made.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 120, growth_interval=1)
+        return made
+
+    resumed = {}
+    for cls in (Trainer, StatesnapTrainer):
+        first = trainer(cls, cls.__name__, 2)
+        first.train()
+        assert first.accelerator.scaler.get_scale() != 2.0 ** 120
+        resumed[cls] = trainer(cls, cls.__name__, 4)
+        resumed[cls].train(resume_from_checkpoint=True)
+    assert resumed[StatesnapTrainer].accelerator.scaler.state_dict() == resumed[Trainer].accelerator.scaler.state_dict()
+    for name, value in resumed[Trainer].model.state_dict().items():
+        assert torch.equal(resumed[StatesnapTrainer].model.state_dict()[name], value), name
+
+    without = trainer(StatesnapTrainer, "without", 2, scaler=False)
+    without.train()
+    fresh = trainer(StatesnapTrainer, "without", 4)
+    fresh.train(resume_from_checkpoint=True)  # the scaler stays as it is, as the stock Trainer's does
+    assert fresh.state.global_step == 4
+    no_scaler = trainer(StatesnapTrainer, StatesnapTrainer.__name__, 6, scaler=False)
+    no_scaler.train(resume_from_checkpoint=True)  # its scaler is left, the rest restored
+    assert no_scaler.state.global_step == 6
+
+
+def _train_and_resume_on_ranks(rank, world_size, root):
+    from transformers import TrainingArguments
+
+    from statesnap.integrations.transformers import StatesnapTrainer
+
+    hf_train = _hf_train()
+
+    def trainer(out, steps):
+        args = TrainingArguments(output_dir=os.path.join(root, out), max_steps=steps, save_steps=2, report_to=[],
+                                 use_cpu=True, per_device_train_batch_size=4, disable_tqdm=True, seed=0,
+                                 ddp_backend="gloo")
+        return StatesnapTrainer(model=hf_train.model(), args=args, train_dataset=hf_train.Tokens(),
+                                statesnap_settings={"host_memory_gb": 0.05})
+    whole = trainer("whole", 4)
+    whole.train()
+    resumed = trainer("whole", 4)  # (its step 4 is saved again)
+    resumed.train(resume_from_checkpoint=os.path.join(root, "whole", "checkpoint-2"))
+    return ({k: v.clone() for k, v in whole.model.state_dict().items()},
+            {k: v.clone() for k, v in resumed.model.state_dict().items()})
+
+
+def test_a_ddp_run_commits_its_checkpoints_and_resumes_bit_exact(tmp_path):
+    """On 2 ranks no checkpoint was ever committed: the TrainerState stored with each step differs
+    between the ranks (``is_world_process_zero``, ...), and a plain value that ranks hold under
+    one name is compared and refused when it differs. The main process's state is stored now (the
+    stock Trainer writes the main process's ``trainer_state.json``), and a resume from step 2 ends
+    as the run never stopped did, on both ranks."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    try:
+        from dist_utils import run_ranks
+    finally:
+        sys.path.pop(0)
+    results = run_ranks(2, _train_and_resume_on_ranks, str(tmp_path))
+    for whole, resumed in results:
+        for name, value in whole.items():
+            assert torch.equal(resumed[name], value), name
+    assert sorted(n for n in os.listdir(tmp_path / "whole") if n.startswith("checkpoint-")) == \
+        ["checkpoint-2", "checkpoint-4"]

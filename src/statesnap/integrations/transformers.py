@@ -4,16 +4,16 @@
     trainer.train(resume_from_checkpoint=True)
 
 Each checkpoint the Trainer makes (``save_steps``, ``save_strategy``) is a lazy snapshot of the
-model, the optimizer, the LR scheduler, every rank's RNG states and the ``TrainerState`` (which
-holds the data position: epoch and step), taken by one :class:`statesnap.Checkpointer` per
-output directory into ``<output_dir>/statesnap/step-N``. ``save`` returns once the snapshot is
-planned; the copy runs while the next forward and backward run and the optimizer step waits for
-it. Once the step is committed, ``<output_dir>/checkpoint-N`` appears, holding the
-``trainer_state.json`` the Trainer reads on resume and a pointer to the statesnap checkpoint:
-the Trainer's own ``get_last_checkpoint`` and ``save_total_limit`` rotation work unchanged, a
-crash never leaves a ``checkpoint-N`` that names an incomplete checkpoint, and a statesnap step
-no ``checkpoint-N`` names any more is deleted. ``train(resume_from_checkpoint=...)`` restores
-everything in place, resharded if the world size changed (RNG states need the same world
+model, the optimizer, the LR scheduler, the gradient scaler (fp16), every rank's RNG states and the
+``TrainerState`` (which holds the data position: epoch and step), taken by one
+:class:`statesnap.Checkpointer` per output directory into ``<output_dir>/statesnap/step-N``.
+``save`` returns once the snapshot is planned; the copy runs while the next forward and backward
+run and the optimizer step waits for it. Once the step is committed, ``<output_dir>/checkpoint-N``
+appears, holding the ``trainer_state.json`` the Trainer reads on resume and a pointer to the
+statesnap checkpoint: the Trainer's own ``get_last_checkpoint`` and ``save_total_limit`` rotation
+work unchanged, a crash never leaves a ``checkpoint-N`` that names an incomplete checkpoint, and a
+statesnap step no ``checkpoint-N`` names any more is deleted. ``train(resume_from_checkpoint=...)``
+restores everything in place, resharded if the world size changed (RNG states need the same world
 size: the Trainer's data order depends on it anyway). ``export_pretrained`` writes the model as
 ``save_pretrained`` does (safetensors and ``config.json``).
 """
@@ -37,7 +37,7 @@ from ..checkpointer.config import CheckpointerConfig
 from ..engine.load import load, parts_lacking
 from ..errors import CheckpointError, StateMismatchError
 from ..reader import open as open_checkpoint
-from ..state.wrappers import PerRank
+from ..state.wrappers import PerRank, Replicated
 from .pointers import (
     PointerFailures, fsync_directory, parse_pointer, pointer_bytes, read_pointer_file, step_of,
 )
@@ -93,10 +93,14 @@ class StatesnapTrainer(Trainer):
         self._note_best_checkpoint(run_dir, step)
         self._record_callback_states()
         trainer_state = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
+        # The TrainerState differs between ranks (is_world_process_zero, ...): the main process's is
+        # stored, as the Trainer writes the main process's trainer_state.json.
         state = {"model": self.accelerator.unwrap_model(self.model),
-                 "rng": PerRank(RngStates()), "trainer": {"state": trainer_state}}
+                 "rng": PerRank(RngStates()), "trainer": {"state": Replicated(trainer_state)}}
         if not self.args.save_only_model:
             state.update(optimizer=_torch_optimizer(self.optimizer), scheduler=self.lr_scheduler)
+            if getattr(self.accelerator, "scaler", None) is not None:  # fp16: the loss scale, as the Trainer saves it
+                state["scaler"] = self.accelerator.scaler
         with self._waiting_lock:
             self._waiting[step] = (run_dir, trainer_state)
         try:
@@ -220,14 +224,18 @@ class StatesnapTrainer(Trainer):
         if target is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
         with _loading_from(checkpoint, target):
-            if parts_lacking(open_checkpoint(target).keys(), ["optimizer"]):
+            stored = open_checkpoint(target).keys()
+            if parts_lacking(stored, ["optimizer"]):
                 return  # saved with save_only_model: both start afresh, as the Trainer's do (the model is loaded)
             # Optimizer state is stored by parameter name, which the model gives: it comes along. The
             # RNG states are restored later, where the Trainer restores them (rng: a stand-in here),
             # so this load is strict: anything of the checkpoint left unmatched is an error.
             model = self.accelerator.unwrap_model(self.model)
-            load({"model": model, "optimizer": _torch_optimizer(self.optimizer), "scheduler": self.lr_scheduler,
-                  "rng": PerRank(_Ignored(), on_resize="skip"), "trainer": {"state": None}}, target)
+            state = {"model": model, "optimizer": _torch_optimizer(self.optimizer), "scheduler": self.lr_scheduler,
+                     "rng": PerRank(_Ignored(), on_resize="skip"), "trainer": {"state": None}}
+            if not parts_lacking(stored, ["scaler"]):
+                state["scaler"] = _scaler_or_stand_in(self.accelerator, stored)
+            load(state, target)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         target = pointer_target(checkpoint) if checkpoint else None
@@ -239,6 +247,7 @@ class StatesnapTrainer(Trainer):
     def _load_scaler(self, checkpoint: str | None) -> None:
         if checkpoint and pointer_target(checkpoint) is None:
             super()._load_scaler(checkpoint)
+        # (a statesnap checkpoint's scaler came with the optimizer, just before)
 
 
 def export_pretrained(trainer: Trainer, checkpoint: str, output_dir: str) -> None:
@@ -292,6 +301,16 @@ def _loading_from(checkpoint_dir: str, target: str):
         raise CheckpointError(f"{os.path.join(checkpoint_dir, POINTER_NAME)} names {target}, which is not there "
                               f"(deleted, or not copied along with {checkpoint_dir}): pass another checkpoint-N as "
                               f"resume_from_checkpoint, or delete {checkpoint_dir}") from exc
+
+
+def _scaler_or_stand_in(accelerator, stored: list[str]):
+    """The gradient scaler to restore the checkpoint's into: fp16's. A checkpoint of an fp16 run
+    resumed without fp16 (no scaler) leaves the loss scale, which is of no use there, unloaded
+    (a stand-in of the stored names takes it); the Trainer's own resume fails then."""
+    scaler = getattr(accelerator, "scaler", None)
+    if scaler is not None:
+        return scaler
+    return {name[len("scaler."):]: None for name in stored if name.startswith("scaler.")}
 
 
 def _torch_optimizer(optimizer):
