@@ -118,8 +118,13 @@ def test_a_failed_load_leaves_a_fresh_optimizer_fresh(tmp_path, monkeypatch):
     fresh_model = model_of(5)
     fresh_optim = torch.optim.AdamW(fresh_model.parameters())
     created = []
-    real_create = flatten.create_adam_state
-    monkeypatch.setattr(flatten, "create_adam_state", lambda optim, out: (real_create(optim, out), created.extend(out)))
+    real_create = flatten.create_state_from_checkpoint
+
+    def create(optim, named_state, prefix, stored, out):
+        made = real_create(optim, named_state, prefix, stored, out)
+        created.extend(out)
+        return made
+    monkeypatch.setattr(flatten, "create_state_from_checkpoint", create)
     with pytest.raises(CorruptCheckpointError, match="optim.state.2.weight.exp_avg_sq"):
         ss.load({"model": fresh_model, "optim": fresh_optim}, tmp_path / "ck")
     assert not fresh_optim.state  # as it was: a load of a checkpoint without optimizer state finds it so

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+    set_optimizer_state_dict,
 )
 
 from ..errors import CheckpointError
@@ -237,24 +238,26 @@ class _Walker:
         if model is not None and self.for_load and self._saved_by_position(fqn, model):
             model = None  # saved by position, as statesnap did before it named such optimizers' state
         state_to_fill = self.for_load and self.stored.has_prefix(join(fqn, "state") + SEP)
+        fresh = not optim.state and state_to_fill
         if model is None:
             # No module in the state owns these parameters: fall back to positional state.
-            if not optim.state and state_to_fill and not self._fresh_state_made(optim, fqn, optim.state_dict):
-                # (made as the owned case does, by PyTorch's helper)
-                state_dict_by_a_step(positional_holder(optim), optim, fqn)
-            sd = optim.state_dict()
+            sd = self._fresh_state(optim, fqn, optim.state_dict) if fresh else None
+            if sd is None:
+                if fresh and not optim.state:  # a kind whose state only its step makes
+                    state_dict_by_a_step(positional_holder(optim), optim, fqn)
+                sd = optim.state_dict()
             self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
             if self.for_load:
                 self.out.finalizers.append(lambda: optim.load_state_dict(sd))
             return
-        if not optim.state and state_to_fill:
-            self._fresh_state_made(optim, fqn, lambda: get_optimizer_state_dict(model, optim))
-        if optim.state:  # (had it, or it was just made)
-            sd = get_optimizer_state_dict(model, optim)
-        elif state_to_fill:  # a kind whose state only its step makes
-            sd = state_dict_by_a_step(model, optim, fqn)
-        else:
-            sd = state_dict_without_step(model, optim)
+        sd = self._fresh_state(optim, fqn, lambda: get_optimizer_state_dict(model, optim)) if fresh else None
+        if sd is None:
+            if optim.state:  # (had it, or Adam's was just made)
+                sd = get_optimizer_state_dict(model, optim)
+            elif state_to_fill:  # a kind whose state only its step makes
+                sd = state_dict_by_a_step(model, optim, fqn)
+            else:
+                sd = state_dict_without_step(model, optim)
         first_tensor, first_object = len(self.out.tensors), len(self.out.objects)
         self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
         if self.for_load:
@@ -263,11 +266,14 @@ class _Walker:
             self.cache.store_optimizer(fqn, optim, model, sd, self.out.tensors[first_tensor:],
                                        self.out.objects[first_object:], join, tuple(map(id, self.modules)))
 
-    def _fresh_state_made(self, optim: torch.optim.Optimizer, fqn: str, state_dict: Callable[[], dict]) -> bool:
-        """Make a fresh optimizer's state for the load without a step, where its kind allows."""
-        create_adam_state(optim, self.created)
-        return bool(optim.state) or create_state_from_checkpoint(
-            optim, lambda: state_dict()["state"], join(fqn, "state") + SEP, self.stored, self.created)
+    def _fresh_state(self, optim: torch.optim.Optimizer, fqn: str, state_dict: Callable[[], dict]) -> dict | None:
+        """Make a fresh optimizer's state for the load without a step, where its kind allows:
+        what the checkpoint holds for it (its state dict is returned), else (Adam's of other
+        keys: a mismatch the load then names) what its first step would make."""
+        sd = create_state_from_checkpoint(optim, state_dict, join(fqn, "state") + SEP, self.stored, self.created)
+        if sd is None:
+            create_adam_state(optim, self.created)
+        return sd
 
     def _saved_by_position(self, fqn: str, owner: nn.Module) -> bool:
         """Whether the checkpoint keys optimizer ``fqn``'s state by position: some under
@@ -474,7 +480,9 @@ def _customised(module: nn.Module, method: str) -> bool:
 
 def _load_optimizer(model: nn.Module, optim: torch.optim.Optimizer, sd: dict) -> None:
     if sd["state"]:
-        set_optimizer_state_dict(model, optim, sd)
+        # Not strict: the load has matched the names already, and a parameter the checkpoint
+        # keeps no state for (no gradient reached it before the save) is left without, as it was.
+        set_optimizer_state_dict(model, optim, sd, options=StateDictOptions(strict=False))
         return
     # Nothing to restore but hyperparameters: leave the optimizer fresh (no state, no steps).
     for group, loaded in zip(optim.param_groups, sd["param_groups"]):

@@ -5,10 +5,11 @@ PyTorch's ``get_optimizer_state_dict`` creates the state of an optimizer that ha
 taking a step at lr 0. A step does more than make state: a subclass's extra work (an EMA),
 step hooks, an LR scheduler's wrapper, an update that does not scale with lr. It is also
 skipped when any parameter holds a gradient, which left a load with nothing to fill. So a save
-holds the step back, and a load creates the state itself wherever it can: Adam/AdamW's as its
-first step would (``create_adam_state``), PyTorch's other optimizers' from what the checkpoint
-holds (``create_state_from_checkpoint``); only other kinds still take the helper's step, unseen
-by hooks and with the parameters' gradients set aside.
+hands the helper a state it takes as made, and a load creates the state of PyTorch's optimizers
+itself from what the checkpoint holds (``create_state_from_checkpoint``): for exactly the
+parameters the checkpoint keeps state for, so one no gradient had reached before the save stays
+without, as in the run that saved it. Only other kinds still take the helper's step, unseen by
+hooks and with the parameters' gradients set aside.
 """
 from __future__ import annotations
 
@@ -127,9 +128,9 @@ def create_adam_state(optim: torch.optim.Optimizer, created: list[torch.Tensor] 
     itself at the parameter's first gradient, so its updates do not change. Other optimizers are
     left alone: SGD's first momentum is the gradient, not zero.
 
-    A load uses it instead of the zero-lr step PyTorch's helper takes (a pass over every
-    parameter and three zeroed copies, only to be overwritten); a Checkpointer of several ranks
-    at every save, so that every rank's layout is complete from its first save on."""
+    A Checkpointer of several ranks uses it at every save, so that every rank's layout is
+    complete from its first save on; a load where the checkpoint holds other keys than Adam's
+    (``create_state_from_checkpoint`` declined), which the load then names as a mismatch."""
     if type(optim) not in (torch.optim.Adam, torch.optim.AdamW):
         return
     new = torch.empty_like if created is not None else torch.zeros_like
@@ -159,11 +160,12 @@ def _optional(group: dict, **keys_by_option: str) -> tuple[str, ...]:
 
 
 # The state each of PyTorch's optimizers keeps for a parameter, by its param group's options
-# (Adam/AdamW: create_adam_state). A checkpoint's state is created only where its keys are
+# (AdamW is an Adam). A checkpoint's state is created only where its keys are
 # exactly these: a subclass that keeps more, or a checkpoint of another kind (Adam's state
 # loaded into an SGD), takes the helper's step and so meets the same checks as before.
 # tests/test_optim_state.py compares each with what a real step makes.
 _STATE_KEYS: dict[str, Callable[[dict, torch.Tensor], frozenset]] = {
+    "Adam": lambda group, param: frozenset(("step", "exp_avg", "exp_avg_sq", *_optional(group, amsgrad="max_exp_avg_sq"))),
     "SGD": lambda group, param: frozenset(_optional(group, momentum="momentum_buffer")),
     "RMSprop": lambda group, param: frozenset(("step", "square_avg",
                                                *_optional(group, momentum="momentum_buffer", centered="grad_avg"))),
@@ -187,37 +189,46 @@ def _state_keys_of(optim: torch.optim.Optimizer) -> Callable[[dict, torch.Tensor
     return None
 
 
-def create_state_from_checkpoint(optim: torch.optim.Optimizer, named_state: Callable[[], dict], prefix: str,
-                                 stored, created: list[torch.Tensor] | None = None) -> bool:
-    """Give a fresh optimizer, without a step, the state the checkpoint holds for it: for each
-    parameter the checkpoint keeps state for (under ``<prefix><its name>.``), each stored key,
-    a tensor of the stored dtype (the parameter's shape and placement where the stored shape is
-    the parameter's) or, for a value stored inline, a placeholder the load replaces. The
-    optimizer's own ``load_state_dict`` then puts each where it keeps it (the parameter's device
-    and dtype), as it does for any state dict. ``named_state``: the optimizer's state dict
-    ``state`` as the load names it (PyTorch's helper, or the optimizer's own for state kept by
-    position); it names the parameters. ``stored``: the checkpoint's names and tensor headers
-    (``StoredNames``). Tensors go to ``created`` for the load to fill, zeroed without it.
+def create_state_from_checkpoint(optim: torch.optim.Optimizer, state_dict: Callable[[], dict], prefix: str,
+                                 stored, created: list[torch.Tensor] | None = None) -> dict | None:
+    """Give a fresh optimizer, without a step, the state the checkpoint holds for it, and return
+    its state dict. For each parameter the checkpoint keeps state for (under ``<prefix><its
+    name>.``), each stored key gets a tensor of the stored dtype (the parameter's shape and
+    placement where the stored shape is the parameter's) or, for a value stored inline, a
+    placeholder the load replaces. The optimizer's own ``load_state_dict`` then puts each where
+    it keeps it (the parameter's device and dtype), as it does for any state dict.
 
-    Returns False, leaving the optimizer as it was, where the kind is not one of PyTorch's, a
-    stored key set is not the one this optimizer keeps, or a stored shape cannot be placed
-    (state of another shape than a sharded parameter's)."""
+    ``state_dict``: the optimizer's state dict as the load names it (PyTorch's helper, or the
+    optimizer's own for state kept by position). It is taken once, over a state that marks each
+    parameter (``_marked``), so that it names the parameters; what it returns, with the made
+    state in place of the marks, is the state dict. ``stored``: the checkpoint's names and
+    tensor headers (``StoredNames``). Tensors go to ``created`` for the load to fill, zeroed
+    without it.
+
+    Returns None, leaving the optimizer as it was, where the kind is not one of PyTorch's, a
+    stored key set is not the one this optimizer keeps, a stored shape cannot be placed (state
+    of another shape than a sharded parameter's), or no parameter's state is stored."""
     keys_of = _state_keys_of(optim)
     if keys_of is None or not stored.has_headers:
-        return False
+        return None
     groups = {id(p): group for group in optim.param_groups for p in group["params"]}
-    made: dict[torch.Tensor, dict] = {}
-    for name, param in _parameter_names(optim, named_state).items():
-        keys = stored.keys_under(f"{prefix}{name}{SEP}")
+    with _marked(optim) as params:
+        sd = state_dict()
+    made: dict = {}  # the state dict's name -> (parameter, its state)
+    for name, marks in sd["state"].items():
+        param, where = params[marks[_MARK]], f"{prefix}{name}{SEP}"
+        keys = stored.keys_under(where)
         if not keys:
             continue
         if set(keys) != keys_of(groups[id(param)], param):
-            return False
-        headers = {key: stored.header(f"{prefix}{name}{SEP}{key}") for key in keys}
+            return None
+        headers = {key: stored.header(where + key) for key in keys}
         if is_dtensor(param) and any(h is not None and tuple(h[0]) != tuple(param.shape) for h in headers.values()):
-            return False  # its part on this rank: only the optimizer's step knows it
-        made[param] = {key: _new_state_tensor(param, header) for key, header in headers.items()}
-    for param, state in made.items():
+            return None  # its part on this rank: only the optimizer's step knows it
+        made[name] = param, {key: _new_state_tensor(param, header) for key, header in headers.items()}
+    if not made:
+        return None
+    for param, state in made.values():
         for tensor in state.values():
             if tensor is None:
                 continue
@@ -226,7 +237,8 @@ def create_state_from_checkpoint(optim: torch.optim.Optimizer, named_state: Call
             else:
                 created.append(tensor)
         optim.state[param] = state
-    return bool(made)
+    sd["state"] = {name: state for name, (_, state) in made.items()}
+    return sd
 
 
 def _new_state_tensor(param: torch.Tensor, header: tuple | None) -> torch.Tensor | None:
@@ -258,11 +270,3 @@ def _marked(optim: torch.optim.Optimizer):
         yield params
     finally:
         optim.state.clear()
-
-
-def _parameter_names(optim: torch.optim.Optimizer, named_state: Callable[[], dict]) -> dict[str, torch.Tensor]:
-    """The name the load gives each parameter's state, found by asking ``named_state`` over a
-    marked state (``_marked``), so the names are the helper's own."""
-    with _marked(optim) as params:
-        named = named_state()
-    return {str(name): params[marks[_MARK]] for name, marks in named.items()}
