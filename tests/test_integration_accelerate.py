@@ -129,3 +129,50 @@ def test_rng_states_keep_the_cuda_generators_too(tmp_path, monkeypatch):
     generators[0].fill_(7)
     ss.load({"rng": ss.PerRank(RngStates())}, tmp_path / "cpu")
     assert generators[0].tolist() == [7, 7, 7]
+
+
+def test_a_stateful_data_loader_resumes_where_it_was_as_load_state_does(tmp_path):
+    """With ``use_stateful_dataloader=True`` accelerate's ``save_state`` saves each data loader's
+    position within the epoch and ``load_state`` puts it back. AcceleratorCheckpoints saved no
+    position: a run resumed mid-epoch started the epoch's data again from its first batch. It
+    now resumes with the batches the stock resume gives, and a checkpoint of an earlier version
+    (no positions) still loads, from the epoch's start."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    from statesnap.integrations.accelerate import AcceleratorCheckpoints
+
+    def prepared(stateful=True):
+        accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful))
+        model = torch.nn.Linear(1, 1)
+        data = torch.utils.data.DataLoader(torch.arange(40), batch_size=4, shuffle=True,
+                                           generator=torch.Generator().manual_seed(3))
+        _, _, data = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
+        return accelerator, data
+
+    accelerator, data = prepared()
+    batches = iter(data)
+    for _ in range(3):
+        next(batches)
+    accelerator.save_state(tmp_path / "stock")
+    with AcceleratorCheckpoints(accelerator, tmp_path / "ckpt") as checkpoints:
+        checkpoints.save(3)
+    rest = [b.tolist() for b in batches]
+    assert len(rest) == 7
+
+    stock, stock_data = prepared()
+    stock.load_state(tmp_path / "stock")
+    resumed, resumed_data = prepared()
+    with AcceleratorCheckpoints(resumed, tmp_path / "ckpt") as checkpoints:
+        assert checkpoints.load_latest() == 3
+    expected = [b.tolist() for b in stock_data]
+    assert len(expected) == 7 and [b.tolist() for b in resumed_data] == expected
+
+    older, _ = prepared(stateful=False)  # saved before positions were: no "dataloaders" in it
+    with AcceleratorCheckpoints(older, tmp_path / "older") as checkpoints:
+        checkpoints.save(5)
+    assert "dataloaders.0._num_yielded" not in ss.open(tmp_path / "older" / "step-5").keys()
+    newer, newer_data = prepared()
+    with AcceleratorCheckpoints(newer, tmp_path / "older") as checkpoints:
+        assert checkpoints.load_latest() == 5
+    assert len(list(newer_data)) == 10

@@ -10,8 +10,9 @@
     checkpoints.close()
 
 ``save_state`` writes every prepared model, optimizer and scheduler, the objects given to
-``register_for_checkpointing``, the gradient scaler (fp16), the gradient-accumulation counter and
-each process's RNG states
+``register_for_checkpointing``, the gradient scaler (fp16), the gradient-accumulation counter, the
+positions of stateful data loaders (``use_stateful_dataloader=True``: they then go on within
+their epoch by themselves, so iterate them without skipping) and each process's RNG states
 with ``torch.save``, blocking. :class:`AcceleratorCheckpoints` saves the same set as a lazy
 snapshot of a :class:`statesnap.Checkpointer` (atomic commits, checksums, retention, the levels of
 docs/checkpointer.md): models unwrapped (DDP's ``module.`` prefix is not stored), optimizers
@@ -54,6 +55,12 @@ class AcceleratorCheckpoints:
         }
         if getattr(acc, "scaler", None) is not None:  # fp16: the loss scale, backed off at overflows
             state["scaler"] = acc.scaler
+        # Stateful data loaders (use_stateful_dataloader=True): the position within the epoch, per rank.
+        # On another world size every rank takes rank 0's, as save_state's one file gives every rank.
+        loaders = {str(i): PerRank(dl, on_resize="rank0") for i, dl in enumerate(acc._dataloaders)
+                   if getattr(dl, "use_stateful_dataloader", False)}
+        if loaders:
+            state["dataloaders"] = loaders
         return state
 
     def save(self, step: int):
@@ -62,18 +69,20 @@ class AcceleratorCheckpoints:
 
     def load_latest(self) -> int | None:
         """Restore the newest committed step in place; return it (None: nothing saved yet). A
-        checkpoint saved before the gradient scaler was saved restores the rest,
-        with a warning: the scaler then starts from its initial scale."""
+        checkpoint saved before the gradient scaler or the data loaders' positions were saved
+        restores the rest, with a warning: the scaler then starts from its initial scale, the
+        data loaders from the start of their epoch."""
         state = self.state()
         try:
             return self._load_latest(state)
         except StateMismatchError as exc:
-            if "scaler" not in state or not exc.missing or exc.unexpected or exc.mismatched or \
-                    not all(name.startswith("scaler.") for name in exc.missing):
+            lacking = {name.split(".", 1)[0] for name in exc.missing}
+            if not exc.missing or exc.unexpected or exc.mismatched or not lacking <= _SAVED_LATER.keys() & state.keys():
                 raise
-        log.warning("statesnap: the checkpoint holds no gradient scaler (saved before it was); restoring the rest, "
-                    "the scaler starts from its initial scale")
-        del state["scaler"]
+        for part in sorted(lacking):
+            log.warning("statesnap: the checkpoint holds no %s (saved before it was); restoring the rest, %s",
+                        *_SAVED_LATER[part])
+            del state[part]
         return self._load_latest(state)
 
     def _load_latest(self, state: dict) -> int | None:
@@ -94,6 +103,13 @@ class AcceleratorCheckpoints:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# Parts of the state that checkpoints of earlier versions lack: (what it is, what happens without it).
+_SAVED_LATER = {
+    "scaler": ("gradient scaler", "the scaler starts from its initial scale"),
+    "dataloaders": ("data loader positions", "the data loaders start from the beginning of their epoch"),
+}
 
 
 class _Counter:
