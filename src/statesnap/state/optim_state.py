@@ -33,10 +33,10 @@ def state_dict_without_step(model: nn.Module, optim: torch.optim.Optimizer) -> d
     lr 0, and a step does more than its update. A stateless SGD has no state after any number of
     steps, so every save ran its ``step``: a subclass's extra work (an EMA it updates), its
     step hooks (``register_step_post_hook``), an optimizer whose update does not scale with
-    ``lr`` (Adafactor's relative step) changed the training. The helper is handed a state that
-    marks each parameter, which it takes as made: it neither steps nor first gives each
+    ``lr`` (Adafactor's relative step) changed the training. The helper is handed an empty
+    state for each parameter, which it takes as made: it neither steps nor first gives each
     parameter a zero gradient (memory of the parameters' size, at every save)."""
-    with _marked(optim):
+    with _marked(optim, indexed=False):
         sd = get_optimizer_state_dict(model, optim)
     sd["state"] = {}
     return sd
@@ -260,12 +260,12 @@ _MARK = "statesnap: parameter index"
 
 
 @contextlib.contextmanager
-def _marked(optim: torch.optim.Optimizer):
-    """For the block, the optimizer's state marks each parameter with its index (and nothing
-    else); it is empty again after. Yields the parameters in that order."""
+def _marked(optim: torch.optim.Optimizer, indexed: bool = True):
+    """For the block, the optimizer's state holds each parameter, marked with its index (or, not
+    ``indexed``, empty); it is empty again after. Yields the parameters in that order."""
     params = [p for group in optim.param_groups for p in group["params"]]
     for index, param in enumerate(params):
-        optim.state[param] = {_MARK: index}
+        optim.state[param] = {_MARK: index} if indexed else {}
     try:
         yield params
     finally:
