@@ -203,6 +203,26 @@ def test_state_of_another_kind_is_still_a_mismatch(tmp_path):
     assert not fresh.state
 
 
+def test_state_of_another_dtype_needs_cast_as_for_an_optimizer_with_state(tmp_path):
+    """Float32 state into a fresh optimizer of bfloat16 parameters: the state was made in the
+    stored dtype, so the load took it silently and the optimizer's own load_state_dict cast it,
+    where an optimizer that has state is refused without cast=True."""
+    params = [nn.Parameter(torch.randn(40, 40))]
+    optim = torch.optim.RMSprop(params, lr=0.01, momentum=0.9)
+    params[0].square().sum().backward()
+    optim.step()
+    ss.save({"optim": optim}, tmp_path / "c")
+    half = [nn.Parameter(torch.randn(40, 40, dtype=torch.bfloat16))]
+    fresh = torch.optim.RMSprop(half, lr=0.01, momentum=0.9)
+    with pytest.raises(ss.StateMismatchError, match=r"optim.state.0.square_avg \(checkpoint float32\[40, 40\], "
+                                                    r"target bfloat16"):
+        ss.load({"optim": fresh}, tmp_path / "c")
+    assert not fresh.state
+    ss.load({"optim": fresh}, tmp_path / "c", cast=True)
+    for key in ("square_avg", "momentum_buffer"):
+        assert torch.equal(fresh.state[half[0]][key], optim.state[params[0]][key].to(torch.bfloat16)), key
+
+
 def test_a_failed_load_leaves_the_made_state_behind_no_more(tmp_path):
     """A load that fails after making a fresh optimizer's state takes it away again."""
     model, optim = trained("RMSprop momentum centered")

@@ -233,12 +233,19 @@ def _new_state_tensor(param: torch.Tensor, header: tuple | None) -> torch.Tensor
     """An unfilled tensor for a stored ``(shape, dtype)`` header beside ``param``, or None (a
     placeholder the load replaces) for a value stored inline. Scalars are made on the CPU, as
     PyTorch's optimizers keep them unless ``capturable`` (their ``load_state_dict`` then moves
-    them)."""
+    them), and of the stored dtype (``step``, NAdam's ``mu_product``: the optimizers' scalar
+    dtype, not the parameter's). Other floating state is made of a floating parameter's dtype,
+    as the optimizers make it and their ``load_state_dict`` would cast it: of the stored dtype,
+    state saved in float32 loaded silently into a fresh optimizer of bfloat16 parameters (cast
+    there), where the load refuses another dtype without ``cast=True``, as it does for an
+    optimizer that has state."""
     if header is None:
         return None
     shape, dtype = header
     if not shape:
         return torch.empty((), dtype=dtype)
+    if dtype.is_floating_point and param.is_floating_point():
+        dtype = param.dtype
     if tuple(shape) == tuple(param.shape):
         return torch.empty_like(param, dtype=dtype, memory_format=torch.preserve_format)
     return torch.empty(shape, dtype=dtype, device=param.device)
