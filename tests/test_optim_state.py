@@ -268,6 +268,25 @@ def test_a_restore_from_memory_makes_the_state_without_a_step(tmp_path):
     assert_same_state(optim, fresh)
 
 
+def test_a_snapshot_in_memory_of_another_layout_leaves_a_fresh_optimizer_fresh(tmp_path):
+    """load_latest flattens the state against the newest snapshot in host memory to see whether
+    the snapshot fits it, which makes a fresh optimizer's state. A model of another layout (a
+    buffer more) does not fit, and with nothing persisted load_latest found nothing to load,
+    returned None, and left the optimizer with state made of zeros: an Rprop whose step sizes
+    were zero, not the learning rate its first step starts from."""
+    model = model_of(0)
+    optim = torch.optim.Rprop(model.parameters(), lr=0.01)
+    step(model, optim, 0)
+    with ss.Checkpointer(tmp_path / "root", persist_every=1000) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+        ckpt.wait_staged()
+        other = model_of(7)
+        other.register_buffer("extra", torch.zeros(2))
+        fresh = torch.optim.Rprop(other.parameters(), lr=0.01)
+        assert ckpt.load_latest({"model": other, "optim": fresh}) is None
+    assert not fresh.state
+
+
 # ---- FSDP2: state made as DTensors, on 2 gloo ranks ---------------------------------------------
 def _fsdp(seed: int):
     model = model_of(seed)
