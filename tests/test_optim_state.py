@@ -190,6 +190,35 @@ def test_a_layer_the_saved_run_did_not_use_loads_and_steps_on_exactly(tmp_path, 
     assert_same_state(optim, loaded)
 
 
+class _OffloadedSGD(_EmaSGD):
+    """An SGD whose state dict holds its state on the CPU, as a subclass or a state-dict hook
+    may make it (each value of the state mapped)."""
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["state"] = {k: {key: value.cpu() for key, value in s.items()} for k, s in sd["state"].items()}
+        return sd
+
+
+def test_a_state_dict_that_maps_the_state_saves_and_loads_a_fresh_optimizer(tmp_path):
+    """The state that tells PyTorch's helper the optimizer has state (so that it takes no step)
+    marked each parameter with a plain int, which an optimizer's state_dict mapping each value
+    of the state refused: a save of it before its first step failed ("'int' object has no
+    attribute 'cpu'"), and so did a load into it fresh."""
+    model = model_of(0)
+    optim = _OffloadedSGD(model.parameters())
+    ss.save({"model": model, "optim": optim}, tmp_path / "before")
+    assert not optim.state and optim.calls == 0
+    for s in range(2):
+        step(model, optim, s)
+    ss.save({"model": model, "optim": optim}, tmp_path / "c")
+    fresh_model = model_of(7)
+    fresh = _OffloadedSGD(fresh_model.parameters())
+    ss.load({"model": fresh_model, "optim": fresh}, tmp_path / "c")
+    assert fresh.calls == 0
+    assert_same_state(optim, fresh)
+
+
 def test_state_of_another_kind_is_still_a_mismatch(tmp_path):
     """Adam's state is not made for an SGD: the load refuses it by name as before."""
     model = model_of(0)

@@ -34,9 +34,15 @@ def state_dict_without_step(model: nn.Module, optim: torch.optim.Optimizer) -> d
     step hooks (``register_step_post_hook``), an optimizer whose update does not scale with
     ``lr`` (Adafactor's relative step) changed the training. The helper is handed a state that
     marks each parameter, which it takes as made: it neither steps nor first gives each
-    parameter a zero gradient (memory of the parameters' size, at every save)."""
-    with _marked(optim):
-        sd = get_optimizer_state_dict(model, optim)
+    parameter a zero gradient (memory of the parameters' size, at every save). Where the
+    optimizer's ``state_dict`` cannot take the marks (a subclass's or a hook's that reads keys of
+    its own from the state), its step is held back instead, as before the marks."""
+    try:
+        with _marked(optim):
+            sd = get_optimizer_state_dict(model, optim)
+    except Exception:  # noqa: BLE001 (any subclass's or hook's error)
+        with _step_replaced(optim, lambda *args, **kwargs: None):
+            sd = get_optimizer_state_dict(model, optim)
     sd["state"] = {}
     return sd
 
@@ -257,10 +263,13 @@ _MARK = "statesnap: parameter index"
 @contextlib.contextmanager
 def _marked(optim: torch.optim.Optimizer):
     """For the block, the optimizer's state marks each parameter with its index (and nothing
-    else); it is empty again after. Yields the parameters in that order."""
+    else), a tensor: a subclass's ``state_dict`` or a state-dict hook that maps each value of
+    the state (moves it to the CPU, casts it) takes a mark as it takes state (a plain int failed
+    it: "'int' object has no attribute 'cpu'"). The state is empty again after. Yields the
+    parameters in that order."""
     params = [p for group in optim.param_groups for p in group["params"]]
     for index, param in enumerate(params):
-        optim.state[param] = {_MARK: index}
+        optim.state[param] = {_MARK: torch.tensor(index)}
     try:
         yield params
     finally:
@@ -269,7 +278,16 @@ def _marked(optim: torch.optim.Optimizer):
 
 def _parameter_names(optim: torch.optim.Optimizer, named_state: Callable[[], dict]) -> dict[str, torch.Tensor]:
     """The name the load gives each parameter's state, found by asking ``named_state`` over a
-    marked state (``_marked``), so the names are the helper's own."""
-    with _marked(optim) as params:
-        named = named_state()
-    return {str(name): params[marks[_MARK]] for name, marks in named.items()}
+    marked state (``_marked``), so the names are the helper's own; none where the optimizer's
+    ``state_dict`` does not hand each mark back as it was (a subclass's or a hook's that reads
+    keys of its own, or casts the marks past what they can hold): its state is then made by a
+    step."""
+    try:
+        with _marked(optim) as params:
+            named = named_state()
+        indices = {str(name): int(marks[_MARK]) for name, marks in named.items()}
+    except Exception:  # noqa: BLE001 (any subclass's or hook's error)
+        return {}
+    if sorted(indices.values()) != list(range(len(params))):
+        return {}
+    return {name: params[index] for name, index in indices.items()}
