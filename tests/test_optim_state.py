@@ -297,6 +297,26 @@ def test_a_restore_from_memory_makes_the_state_without_a_step(tmp_path):
     assert_same_state(optim, fresh)
 
 
+@pytest.mark.parametrize("persisted", [False, True], ids=["in memory only", "persisted too"])
+def test_a_restore_from_memory_takes_state_whose_keys_the_step_makes_in_another_order(tmp_path, persisted):
+    """The state made from the snapshot's names holds each parameter's keys in their sorted
+    order, RMSprop's own step in its own (step, square_avg, momentum_buffer, grad_avg): the
+    snapshot was taken for another layout, load_latest skipped it, and returned None where
+    nothing was persisted (a restart from scratch) or took the persisted step."""
+    model, optim = trained("RMSprop momentum centered")
+    with ss.Checkpointer(tmp_path / "root", persist_every=1 if persisted else 1000) as ckpt:
+        ckpt.save(2, {"model": model, "optim": optim}).wait()
+        fresh_model = model_of(7)
+        fresh = torch.optim.RMSprop(fresh_model.parameters(), **KINDS["RMSprop momentum centered"][1])
+        assert ckpt.load_latest({"model": fresh_model, "optim": fresh}) == 2 and ckpt.loaded_from == "memory"
+    assert_same_state(optim, fresh)
+    for seed in (10, 11):
+        step(model, optim, seed)
+        step(fresh_model, fresh, seed)
+    for p, q in zip(model.parameters(), fresh_model.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_a_snapshot_in_memory_of_another_layout_leaves_a_fresh_optimizer_fresh(tmp_path):
     """load_latest flattens the state against the newest snapshot in host memory to see whether
     the snapshot fits it, which makes a fresh optimizer's state. A model of another layout (a
