@@ -355,12 +355,17 @@ def _fsdp_save_and_load(rank, world, path) -> bytes:
     fresh_model = _fsdp(7)
     fresh = torch.optim.RMSprop(fresh_model.parameters(), lr=0.01, momentum=0.5, centered=True)
     fresh_model(torch.ones(2, 16)).sum().backward()  # grads present
-    ss.load({"model": fresh_model, "optim": fresh}, path)
+    steps = []
+    handle = register_optimizer_step_pre_hook(lambda *_: steps.append(1))
+    try:
+        ss.load({"model": fresh_model, "optim": fresh}, path)
+    finally:
+        handle.remove()
     placements = sorted({str(v.placements) for s in fresh.state.values() for v in s.values()
                          if isinstance(v, DTensor)})
     full = get_optimizer_state_dict(fresh_model, fresh, options=StateDictOptions(full_state_dict=True))["state"]
     buffer = io.BytesIO()
-    torch.save({"placements": placements,
+    torch.save({"placements": placements, "steps": len(steps),
                 "state": {f"optim.state.{n}.{k}": v for n, s in full.items() for k, v in s.items()}}, buffer)
     return buffer.getvalue()
 
@@ -371,6 +376,9 @@ def test_fsdp2_state_is_made_sharded_like_its_parameters(tmp_path):
     reader = ss.open(path)
     stored = [k for k in reader.keys() if k.startswith("optim.state.")]
     for result in results:
+        # made without a step: the stored step (a scalar, in a data file) is whole, not the
+        # parameter's part, and sent every FSDP load to PyTorch's helper's step before
+        assert result["steps"] == 0
         assert result["placements"] == ["(Shard(dim=0),)"]
         assert sorted(result["state"]) == sorted(stored)
         for name, value in result["state"].items():

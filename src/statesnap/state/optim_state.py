@@ -220,8 +220,9 @@ def create_state_from_checkpoint(optim: torch.optim.Optimizer, named_state: Call
         if set(keys) != keys_of(groups[id(param)], param):
             return False
         headers = {key: stored.header(f"{prefix}{name}{SEP}{key}") for key in keys}
-        if is_dtensor(param) and any(h is not None and tuple(h[0]) != tuple(param.shape) for h in headers.values()):
-            return False  # its part on this rank: only the optimizer's step knows it
+        if is_dtensor(param) and any(h is not None and h[0] and tuple(h[0]) != tuple(param.shape)
+                                     for h in headers.values()):
+            return False  # its part on this rank: only the optimizer's step knows it (scalars are whole)
         made[param] = {key: _new_state_tensor(param, header) for key, header in headers.items()}
     for param, state in made.items():
         for tensor in state.values():
