@@ -154,8 +154,6 @@ def create_adam_state(optim: torch.optim.Optimizer, created: list[torch.Tensor] 
                     created.append(state[key])
 
 
-
-
 def _step_and(*keys: str) -> Callable[[dict, torch.Tensor], frozenset]:
     return lambda group, param: frozenset(("step", *keys))
 
@@ -197,8 +195,9 @@ def create_state_from_checkpoint(optim: torch.optim.Optimizer, named_state: Call
                                  stored, created: list[torch.Tensor] | None = None) -> bool:
     """Give a fresh optimizer, without a step, the state the checkpoint holds for it: for each
     parameter the checkpoint keeps state for (under ``<prefix><its name>.``), each stored key,
-    a tensor of the stored dtype (the parameter's shape and placement where the stored shape is
-    the parameter's) or, for a value stored inline, a placeholder the load replaces. The
+    a tensor of the stored shape (the parameter's placement where that is the parameter's
+    shape; its dtype: ``_new_state_tensor``) or, for a value stored inline, a placeholder the
+    load replaces. The
     optimizer's own ``load_state_dict`` then puts each where it keeps it (the parameter's device
     and dtype), as it does for any state dict. ``named_state``: the optimizer's state dict
     ``state`` as the load names it (PyTorch's helper, or the optimizer's own for state kept by
