@@ -184,6 +184,70 @@ def test_a_parameter_no_gradient_reached_resumes_without_state(tmp_path, kind):
     assert all(torch.equal(p, q) for p, q in zip(both.parameters(), fresh_both.parameters()))
 
 
+@pytest.mark.parametrize("kind", ["SGD momentum", "RMSprop momentum centered"])
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "trained"])
+def test_a_layer_the_saved_run_did_not_use_loads_and_steps_on_exactly(tmp_path, kind, fresh):
+    """A parameter that had no gradient in the saved run (a layer it did not use) has no state,
+    in the checkpoint and in an optimizer trained alike. PyTorch's set_optimizer_state_dict
+    refused such a state dict after the load had read everything ("Missing optimizer state for
+    parameter '3.weight' ... use StateDictOptions(strict=False)", an option ss.load has not):
+    no optimizer of such a model could be loaded, with strict=False neither."""
+    cls, options = KINDS[kind]
+
+    def unused_layer(seed: int):
+        model = model_of(seed)
+        model.append(nn.Linear(3, 3))  # never called by step(): no gradient, no state
+        model.forward = lambda x: model[2](model[1](model[0](x)))
+        return model, cls(model.parameters(), **options)
+
+    model, optim = unused_layer(0)
+    for s in range(2):
+        step(model, optim, s)
+    assert model[3].weight not in optim.state
+    ss.save({"model": model, "optim": optim}, tmp_path / "c")
+    fresh_model, loaded = unused_layer(7)
+    if not fresh:
+        for s in range(2):
+            step(fresh_model, loaded, 20 + s)
+    ss.load({"model": fresh_model, "optim": loaded}, tmp_path / "c")
+    assert_same_state(optim, loaded)
+    for seed in (10, 11):
+        step(model, optim, seed)
+        step(fresh_model, loaded, seed)
+    for p, q in zip(model.parameters(), fresh_model.parameters()):
+        assert torch.equal(p, q)
+    assert_same_state(optim, loaded)
+
+
+class _OffloadedSGD(_EmaSGD):
+    """An SGD whose state dict holds its state on the CPU, as a subclass or a state-dict hook
+    may make it (each value of the state mapped)."""
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["state"] = {k: {key: value.cpu() for key, value in s.items()} for k, s in sd["state"].items()}
+        return sd
+
+
+def test_a_state_dict_that_maps_the_state_saves_and_loads_a_fresh_optimizer(tmp_path):
+    """The state that tells PyTorch's helper the optimizer has state (so that it takes no step)
+    marked each parameter with a plain int, which an optimizer's state_dict mapping each value
+    of the state refused: a save of it before its first step failed ("'int' object has no
+    attribute 'cpu'"), and so did a load into it fresh."""
+    model = model_of(0)
+    optim = _OffloadedSGD(model.parameters())
+    ss.save({"model": model, "optim": optim}, tmp_path / "before")
+    assert not optim.state and optim.calls == 0
+    for s in range(2):
+        step(model, optim, s)
+    ss.save({"model": model, "optim": optim}, tmp_path / "c")
+    fresh_model = model_of(7)
+    fresh = _OffloadedSGD(fresh_model.parameters())
+    ss.load({"model": fresh_model, "optim": fresh}, tmp_path / "c")
+    assert fresh.calls == 0
+    assert_same_state(optim, fresh)
+
+
 def test_state_of_another_kind_is_still_a_mismatch(tmp_path):
     """Adam's state is not made for an SGD: the load refuses it by name as before."""
     model = model_of(0)
@@ -195,6 +259,26 @@ def test_state_of_another_kind_is_still_a_mismatch(tmp_path):
     with pytest.raises(ss.StateMismatchError, match="optim.state.0.weight.exp_avg"):
         ss.load({"model": fresh_model, "optim": fresh}, tmp_path / "c")
     assert not fresh.state
+
+
+def test_state_of_another_dtype_needs_cast_as_for_an_optimizer_with_state(tmp_path):
+    """Float32 state into a fresh optimizer of bfloat16 parameters: the state was made in the
+    stored dtype, so the load took it silently and the optimizer's own load_state_dict cast it,
+    where an optimizer that has state is refused without cast=True."""
+    params = [nn.Parameter(torch.randn(40, 40))]
+    optim = torch.optim.RMSprop(params, lr=0.01, momentum=0.9)
+    params[0].square().sum().backward()
+    optim.step()
+    ss.save({"optim": optim}, tmp_path / "c")
+    half = [nn.Parameter(torch.randn(40, 40, dtype=torch.bfloat16))]
+    fresh = torch.optim.RMSprop(half, lr=0.01, momentum=0.9)
+    with pytest.raises(ss.StateMismatchError, match=r"optim.state.0.square_avg \(checkpoint float32\[40, 40\], "
+                                                    r"target bfloat16"):
+        ss.load({"optim": fresh}, tmp_path / "c")
+    assert not fresh.state
+    ss.load({"optim": fresh}, tmp_path / "c", cast=True)
+    for key in ("square_avg", "momentum_buffer"):
+        assert torch.equal(fresh.state[half[0]][key], optim.state[params[0]][key].to(torch.bfloat16)), key
 
 
 def test_a_failed_load_leaves_the_made_state_behind_no_more(tmp_path):
@@ -242,6 +326,45 @@ def test_a_restore_from_memory_makes_the_state_without_a_step(tmp_path):
     assert_same_state(optim, fresh)
 
 
+@pytest.mark.parametrize("persisted", [False, True], ids=["in memory only", "persisted too"])
+def test_a_restore_from_memory_takes_state_whose_keys_the_step_makes_in_another_order(tmp_path, persisted):
+    """The state made from the snapshot's names holds each parameter's keys in their sorted
+    order, RMSprop's own step in its own (step, square_avg, momentum_buffer, grad_avg): the
+    snapshot was taken for another layout, load_latest skipped it, and returned None where
+    nothing was persisted (a restart from scratch) or took the persisted step."""
+    model, optim = trained("RMSprop momentum centered")
+    with ss.Checkpointer(tmp_path / "root", persist_every=1 if persisted else 1000) as ckpt:
+        ckpt.save(2, {"model": model, "optim": optim}).wait()
+        fresh_model = model_of(7)
+        fresh = torch.optim.RMSprop(fresh_model.parameters(), **KINDS["RMSprop momentum centered"][1])
+        assert ckpt.load_latest({"model": fresh_model, "optim": fresh}) == 2 and ckpt.loaded_from == "memory"
+    assert_same_state(optim, fresh)
+    for seed in (10, 11):
+        step(model, optim, seed)
+        step(fresh_model, fresh, seed)
+    for p, q in zip(model.parameters(), fresh_model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_snapshot_in_memory_of_another_layout_leaves_a_fresh_optimizer_fresh(tmp_path):
+    """load_latest flattens the state against the newest snapshot in host memory to see whether
+    the snapshot fits it, which makes a fresh optimizer's state. A model of another layout (a
+    buffer more) does not fit, and with nothing persisted load_latest found nothing to load,
+    returned None, and left the optimizer with state made of zeros: an Rprop whose step sizes
+    were zero, not the learning rate its first step starts from."""
+    model = model_of(0)
+    optim = torch.optim.Rprop(model.parameters(), lr=0.01)
+    step(model, optim, 0)
+    with ss.Checkpointer(tmp_path / "root", persist_every=1000) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+        ckpt.wait_staged()
+        other = model_of(7)
+        other.register_buffer("extra", torch.zeros(2))
+        fresh = torch.optim.Rprop(other.parameters(), lr=0.01)
+        assert ckpt.load_latest({"model": other, "optim": fresh}) is None
+    assert not fresh.state
+
+
 # ---- FSDP2: state made as DTensors, on 2 gloo ranks ---------------------------------------------
 def _fsdp(seed: int):
     model = model_of(seed)
@@ -261,12 +384,17 @@ def _fsdp_save_and_load(rank, world, path) -> bytes:
     fresh_model = _fsdp(7)
     fresh = torch.optim.RMSprop(fresh_model.parameters(), lr=0.01, momentum=0.5, centered=True)
     fresh_model(torch.ones(2, 16)).sum().backward()  # grads present
-    ss.load({"model": fresh_model, "optim": fresh}, path)
+    steps = []
+    handle = register_optimizer_step_pre_hook(lambda *_: steps.append(1))
+    try:
+        ss.load({"model": fresh_model, "optim": fresh}, path)
+    finally:
+        handle.remove()
     placements = sorted({str(v.placements) for s in fresh.state.values() for v in s.values()
                          if isinstance(v, DTensor)})
     full = get_optimizer_state_dict(fresh_model, fresh, options=StateDictOptions(full_state_dict=True))["state"]
     buffer = io.BytesIO()
-    torch.save({"placements": placements,
+    torch.save({"placements": placements, "steps": len(steps),
                 "state": {f"optim.state.{n}.{k}": v for n, s in full.items() for k, v in s.items()}}, buffer)
     return buffer.getvalue()
 
@@ -277,6 +405,9 @@ def test_fsdp2_state_is_made_sharded_like_its_parameters(tmp_path):
     reader = ss.open(path)
     stored = [k for k in reader.keys() if k.startswith("optim.state.")]
     for result in results:
+        # made without a step: the stored step (a scalar, in a data file) is whole, not the
+        # parameter's part, and sent every FSDP load to PyTorch's helper's step before
+        assert result["steps"] == 0
         assert result["placements"] == ["(Shard(dim=0),)"]
         assert sorted(result["state"]) == sorted(stored)
         for name, value in result["state"].items():

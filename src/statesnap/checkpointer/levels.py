@@ -149,13 +149,32 @@ class MemoryLevel:
 
 
 def matching_target(snap, state: dict):
-    """The flattened ``state`` if its layout equals the snapshot's (same items, same boxes)."""
+    """The flattened ``state`` if its layout equals the snapshot's (same items, same boxes),
+    its tensors in the snapshot's order. Flattening makes a fresh optimizer's state for the
+    snapshot to fill: where the layout is another (or flattening fails), the optimizer is left
+    fresh again, as a load that fails leaves it. Else a restart that found nothing to load went
+    on with state made of zeros (an Rprop's step sizes, NAdam's ``mu_product``: not what its
+    first step makes)."""
     keys = sorted([*(m.fqn for m in snap.metas), *snap.objects])
     headers = {m.fqn: (m.shape, dtype_from_name(m.dtype)) for m in snap.metas}
-    flat = flatten_for_load(state, StoredNames(keys, headers.get))
-    metas = [item.meta(dtype_name(item.dtype)) for item in flat.tensors]
-    same = metas == snap.metas and sorted(o.fqn for o in flat.objects) == sorted(snap.objects)
-    return flat if same else None
+    fresh: list[torch.optim.Optimizer] = []
+    flat = None
+    try:
+        flat = flatten_for_load(state, StoredNames(keys, headers.get), fresh=fresh)
+        # in the snapshot's order: a fresh optimizer's state made from the stored names holds
+        # its keys in their order, not in the order of the optimizer's own step (RMSprop's
+        # step, square_avg, momentum_buffer), and was taken for another layout
+        by_name = {item.fqn: item for item in flat.tensors}
+        if len(by_name) == len(flat.tensors) == len(snap.metas) and all(m.fqn in by_name for m in snap.metas):
+            flat.tensors[:] = [by_name[m.fqn] for m in snap.metas]
+        metas = [item.meta(dtype_name(item.dtype)) for item in flat.tensors]
+        if metas != snap.metas or sorted(o.fqn for o in flat.objects) != sorted(snap.objects):
+            flat = None
+    finally:
+        if flat is None:
+            for optim in fresh:
+                optim.state.clear()
+    return flat
 
 
 def restore_from_memory(snap, flat, buffer: torch.Tensor, allow_pickle: bool) -> int:

@@ -480,13 +480,18 @@ def _customised(module: nn.Module, method: str) -> bool:
 
 def _load_optimizer(model: nn.Module, optim: torch.optim.Optimizer, sd: dict) -> None:
     if sd["state"]:
-        # Not strict: the load has matched the names already, and a parameter the checkpoint
-        # keeps no state for (no gradient reached it before the save) is left without, as it was.
-        set_optimizer_state_dict(model, optim, sd, options=StateDictOptions(strict=False))
+        # Not PyTorch's strict check: it refuses a parameter that requires a gradient and has no
+        # state, which is every parameter that had no gradient in the saved run (a layer it did
+        # not use), in the checkpoint and in the optimizer alike. The load matched the state's
+        # names against the checkpoint's already, as strict as it was asked to (engine/load.py).
+        set_optimizer_state_dict(model, optim, sd, options=_NOT_STRICT)
         return
     # Nothing to restore but hyperparameters: leave the optimizer fresh (no state, no steps).
     for group, loaded in zip(optim.param_groups, sd["param_groups"]):
         group.update({k: v for k, v in loaded.items() if k != "params"})
+
+
+_NOT_STRICT = StateDictOptions(strict=False)
 
 
 def _named_modules(state: dict | list | tuple, prefix: str = ""):

@@ -35,9 +35,15 @@ def state_dict_without_step(model: nn.Module, optim: torch.optim.Optimizer) -> d
     step hooks (``register_step_post_hook``), an optimizer whose update does not scale with
     ``lr`` (Adafactor's relative step) changed the training. The helper is handed an empty
     state for each parameter, which it takes as made: it neither steps nor first gives each
-    parameter a zero gradient (memory of the parameters' size, at every save)."""
-    with _marked(optim, indexed=False):
-        sd = get_optimizer_state_dict(model, optim)
+    parameter a zero gradient (memory of the parameters' size, at every save). Where the
+    optimizer's ``state_dict`` cannot take them (a subclass's or a hook's that reads keys of its
+    own from the state), its step is held back instead."""
+    try:
+        with _marked(optim, indexed=False):
+            sd = get_optimizer_state_dict(model, optim)
+    except Exception:  # noqa: BLE001 (any subclass's or hook's error)
+        with _step_replaced(optim, lambda *args, **kwargs: None):
+            sd = get_optimizer_state_dict(model, optim)
     sd["state"] = {}
     return sd
 
@@ -201,7 +207,9 @@ def create_state_from_checkpoint(optim: torch.optim.Optimizer, state_dict: Calla
     ``state_dict``: the optimizer's state dict as the load names it (PyTorch's helper, or the
     optimizer's own for state kept by position). It is taken once, over a state that marks each
     parameter (``_marked``), so that it names the parameters; what it returns, with the made
-    state in place of the marks, is the state dict. ``stored``: the checkpoint's names and
+    state in place of the marks, is the state dict. A ``state_dict`` that does not hand each mark
+    back as it was (a subclass's or a hook's that reads keys of its own, or casts the marks past
+    what they hold) leaves the state to a step. ``stored``: the checkpoint's names and
     tensor headers (``StoredNames``). Tensors go to ``created`` for the load to fill, zeroed
     without it.
 
@@ -212,19 +220,26 @@ def create_state_from_checkpoint(optim: torch.optim.Optimizer, state_dict: Calla
     if keys_of is None or not stored.has_headers:
         return None
     groups = {id(p): group for group in optim.param_groups for p in group["params"]}
-    with _marked(optim) as params:
-        sd = state_dict()
+    try:
+        with _marked(optim) as params:
+            sd = state_dict()
+        indices = {name: int(marks[_MARK]) for name, marks in sd["state"].items()}
+    except Exception:  # noqa: BLE001 (any subclass's or hook's error)
+        return None
+    if sorted(indices.values()) != list(range(len(params))):
+        return None
     made: dict = {}  # the state dict's name -> (parameter, its state)
-    for name, marks in sd["state"].items():
-        param, where = params[marks[_MARK]], f"{prefix}{name}{SEP}"
+    for name, index in indices.items():
+        param, where = params[index], f"{prefix}{name}{SEP}"
         keys = stored.keys_under(where)
         if not keys:
             continue
         if set(keys) != keys_of(groups[id(param)], param):
             return None
         headers = {key: stored.header(where + key) for key in keys}
-        if is_dtensor(param) and any(h is not None and tuple(h[0]) != tuple(param.shape) for h in headers.values()):
-            return None  # its part on this rank: only the optimizer's step knows it
+        if is_dtensor(param) and any(h is not None and h[0] and tuple(h[0]) != tuple(param.shape)
+                                     for h in headers.values()):
+            return None  # its part on this rank: only the optimizer's step knows it (scalars are whole)
         made[name] = param, {key: _new_state_tensor(param, header) for key, header in headers.items()}
     if not made:
         return None
@@ -245,12 +260,18 @@ def _new_state_tensor(param: torch.Tensor, header: tuple | None) -> torch.Tensor
     """An unfilled tensor for a stored ``(shape, dtype)`` header beside ``param``, or None (a
     placeholder the load replaces) for a value stored inline. Scalars are made on the CPU, as
     PyTorch's optimizers keep them unless ``capturable`` (their ``load_state_dict`` then moves
-    them)."""
+    them), and of the stored dtype (``step``, NAdam's ``mu_product``: the optimizers' scalar
+    dtype, not the parameter's). Other floating state is made of a floating parameter's dtype,
+    as the optimizers make it: of the stored dtype, state saved in float32 was loaded silently
+    into a fresh optimizer of bfloat16 parameters (its ``load_state_dict`` casts), where the load
+    refuses another dtype without ``cast=True``, as it does for an optimizer that has state."""
     if header is None:
         return None
     shape, dtype = header
     if not shape:
         return torch.empty((), dtype=dtype)
+    if dtype.is_floating_point and param.is_floating_point():
+        dtype = param.dtype
     if tuple(shape) == tuple(param.shape):
         return torch.empty_like(param, dtype=dtype, memory_format=torch.preserve_format)
     return torch.empty(shape, dtype=dtype, device=param.device)
@@ -262,10 +283,13 @@ _MARK = "statesnap: parameter index"
 @contextlib.contextmanager
 def _marked(optim: torch.optim.Optimizer, indexed: bool = True):
     """For the block, the optimizer's state holds each parameter, marked with its index (or, not
-    ``indexed``, empty); it is empty again after. Yields the parameters in that order."""
+    ``indexed``, empty); it is empty again after. Yields the parameters in that order. The index
+    is a tensor: a subclass's ``state_dict`` or a state-dict hook that maps each value of the
+    state (moves it to the CPU, casts it) takes a mark as it takes state (a plain int failed it:
+    "'int' object has no attribute 'cpu'")."""
     params = [p for group in optim.param_groups for p in group["params"]]
     for index, param in enumerate(params):
-        optim.state[param] = {_MARK: index} if indexed else {}
+        optim.state[param] = {_MARK: torch.tensor(index)} if indexed else {}
     try:
         yield params
     finally:
