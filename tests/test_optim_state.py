@@ -70,6 +70,16 @@ def assert_same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> Non
             assert torch.equal(other, value), key
 
 
+def assert_trains_on_alike(model, optim, other_model, other) -> None:
+    """Two more steps of each on the same batches give the same parameters and state."""
+    for seed in (10, 11):
+        step(model, optim, seed)
+        step(other_model, other, seed)
+    for p, q in zip(model.parameters(), other_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert_same_state(optim, other)
+
+
 def test_the_state_keys_are_those_a_real_step_makes():
     """The table the load makes state by, against what each optimizer's own step makes (a new
     PyTorch that keeps other keys fails here; the load itself would take the step then)."""
@@ -112,12 +122,7 @@ def test_a_fresh_optimizer_loads_without_a_step_and_steps_on_exactly(tmp_path, k
         assert (p.grad is None) == (grad is None) and (grad is None or torch.equal(p.grad, grad))
     assert_same_state(optim, fresh)
     assert fresh.param_groups[0]["lr"] == options["lr"]
-    for seed in (10, 11):
-        step(model, optim, seed)
-        step(fresh_model, fresh, seed)
-    for p, q in zip(model.parameters(), fresh_model.parameters()):
-        assert torch.equal(p, q)
-    assert_same_state(optim, fresh)
+    assert_trains_on_alike(model, optim, fresh_model, fresh)
 
 
 class _EmaSGD(torch.optim.SGD):
@@ -211,12 +216,7 @@ def test_a_layer_the_saved_run_did_not_use_loads_and_steps_on_exactly(tmp_path, 
             step(fresh_model, loaded, 20 + s)
     ss.load({"model": fresh_model, "optim": loaded}, tmp_path / "c")
     assert_same_state(optim, loaded)
-    for seed in (10, 11):
-        step(model, optim, seed)
-        step(fresh_model, loaded, seed)
-    for p, q in zip(model.parameters(), fresh_model.parameters()):
-        assert torch.equal(p, q)
-    assert_same_state(optim, loaded)
+    assert_trains_on_alike(model, optim, fresh_model, loaded)
 
 
 class _OffloadedSGD(_EmaSGD):
@@ -339,11 +339,7 @@ def test_a_restore_from_memory_takes_state_whose_keys_the_step_makes_in_another_
         fresh = torch.optim.RMSprop(fresh_model.parameters(), **KINDS["RMSprop momentum centered"][1])
         assert ckpt.load_latest({"model": fresh_model, "optim": fresh}) == 2 and ckpt.loaded_from == "memory"
     assert_same_state(optim, fresh)
-    for seed in (10, 11):
-        step(model, optim, seed)
-        step(fresh_model, fresh, seed)
-    for p, q in zip(model.parameters(), fresh_model.parameters()):
-        assert torch.equal(p, q)
+    assert_trains_on_alike(model, optim, fresh_model, fresh)
 
 
 def test_a_snapshot_in_memory_of_another_layout_leaves_a_fresh_optimizer_fresh(tmp_path):
