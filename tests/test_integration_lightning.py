@@ -5,6 +5,8 @@ flight, resume with ``ckpt_path="last"``, and must then log the same losses and 
 parameters as a run never killed, bit for bit (one thread, fixed data, no shuffle: Lightning is
 deterministic here). The FSDP2 checkpoint also resumes on one rank, the DDP one with FSDP2 on
 one and two ranks, resharded."""
+import collections
+import enum
 import json
 import os
 import pickle
@@ -12,6 +14,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -484,3 +487,63 @@ io.save_checkpoint({{"state_dict": {{"w": torch.arange(1 << 16, dtype=torch.floa
 
     loaded = StatesnapCheckpointIO().load_checkpoint(tmp_path / "manual.ckpt")
     assert loaded["global_step"] == 7 and torch.equal(loaded["state_dict"]["w"], torch.arange(1 << 16, dtype=torch.float32))
+
+
+class _Mode(str, enum.Enum):
+    A = "a"
+
+
+class _Level(enum.IntEnum):
+    LOW = 1
+
+
+class _Pair(collections.namedtuple("_Pair", "first second")):
+    pass
+
+
+@pytest.mark.parametrize("value", [collections.defaultdict(int, {"x": 1}), _Level.LOW, _Mode.A, _Pair(1, 2),
+                                   _Pair(torch.ones(2), 2), np.float64(0.5), [[1], {"k": _Level.LOW}],
+                                   {_Level.LOW: 1}, bytearray(b"ab")], ids=repr)
+def test_values_that_plain_data_would_give_back_as_another_type_are_pickled_or_refused(tmp_path, value):
+    """A ``defaultdict``, an enum on ``int`` or ``str``, a namedtuple or a numpy float in the
+    checkpoint (a callback's state, a hyper-parameter) were stored as their base type and loaded
+    as a dict, an int, a str, a tuple, a float: a resumed run then met a KeyError or an
+    AttributeError, or compared otherwise, where Lightning's own resume gives them back. They are
+    not plain data: refused by name, or, with ``allow_pickle=True``, given back as themselves."""
+    from statesnap import CheckpointError
+    from statesnap.integrations.lightning import StatesnapCheckpointIO
+
+    checkpoint = {"state_dict": {"w": torch.zeros(2)}, "callbacks": {"Counts": {"seen": value}}}
+    io = StatesnapCheckpointIO()
+    with pytest.raises(CheckpointError, match=r"callbacks\.Counts\.seen.*not plain data.*allow_pickle=True"):
+        io.save_checkpoint(checkpoint, str(tmp_path / "refused.ckpt"))
+    io.teardown()
+    io = StatesnapCheckpointIO(allow_pickle=True)
+    io.save_checkpoint(checkpoint, str(tmp_path / "kept.ckpt"))
+    io.teardown()
+    back = StatesnapCheckpointIO(allow_pickle=True).load_checkpoint(str(tmp_path / "kept.ckpt"))
+    seen = back["callbacks"]["Counts"]["seen"]
+    assert type(seen) is type(value) and repr(seen) == repr(value)
+
+
+def test_dicts_a_reader_takes_as_dicts_stay_plain_data(tmp_path):
+    """A state dict (``OrderedDict``) and ``MultiStepLR``'s milestones (a ``Counter``) are plain
+    data: stored without pickle, loaded as dicts of the same items, which their readers take."""
+    from statesnap.integrations.lightning import StatesnapCheckpointIO
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[1, 3, 3])
+    ordered = collections.OrderedDict(w=torch.ones(2))
+    io = StatesnapCheckpointIO()
+    io.save_checkpoint({"state_dict": ordered, "lr_schedulers": [scheduler.state_dict()]}, str(tmp_path / "a.ckpt"))
+    io.teardown()
+    back = StatesnapCheckpointIO().load_checkpoint(str(tmp_path / "a.ckpt"))
+    assert back["lr_schedulers"][0]["milestones"] == {1: 1, 3: 2} and torch.equal(back["state_dict"]["w"], ordered["w"])
+    resumed = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[5])
+    resumed.load_state_dict(back["lr_schedulers"][0])
+    lrs = []
+    for _ in range(4):
+        optimizer.step()
+        resumed.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs == pytest.approx([0.1, 0.1, 0.001, 0.001])

@@ -5,11 +5,14 @@ mixes tensors with lists, tuples, dicts keyed by integers and plain values. stat
 tensors by dotted name, so the structure is kept apart as a *skeleton*: the same containers, each
 tensor replaced by a reference to its name, encoded as tagged JSON (``format/plaindata.py``:
 tuples, integer keys and non-finite floats come back as they were). Loading rebuilds the dict
-exactly. Objects that are not plain data are refused by name unless pickle is allowed.
+exactly. Objects that are not plain data are refused by name unless pickle is allowed, and so
+are subclasses of plain types that would come back as their base type (an enum on ``int``, a
+namedtuple, a ``defaultdict``).
 """
 from __future__ import annotations
 
 import base64
+import collections
 import json
 import pickle
 from typing import Any
@@ -52,20 +55,45 @@ def _strip(value: Any, name: str, tensors: dict, allow_pickle: bool) -> Any:
                                   "with '.'")
         tensors[name] = value.detach()
         return {_REF: name}
-    if isinstance(value, dict):  # OrderedDict and AttributeDict come back as dict
+    if _plain_mapping(value) and all(_exactly_plain(k) for k in value):  # loaded as a dict
         return {k: _strip(v, f"{name}.{k}" if name else str(k), tensors, allow_pickle) for k, v in value.items()}
     if type(value) in (list, tuple):
         return type(value)(_strip(v, f"{name}.{i}" if name else str(i), tensors, allow_pickle)
                            for i, v in enumerate(value))
-    try:
-        plaindata.encode(value)
-        return value
-    except plaindata.NotPlainData:
-        pass
+    if _exactly_plain(value):
+        try:
+            plaindata.encode(value)  # (an int too long for JSON is not)
+            return value
+        except plaindata.NotPlainData:
+            pass
     if not allow_pickle:
         raise CheckpointError(f"{name or 'the checkpoint'} holds a {type(value).__module__}.{type(value).__name__}, "
                               "which is not plain data; statesnap stores it only with allow_pickle=True")
     return {_PICKLED: base64.b64encode(pickle.dumps(value)).decode("ascii")}
+
+
+_PLAIN_LEAVES = (type(None), bool, int, float, str, bytes, torch.dtype)  # (a bytearray comes back as bytes)
+
+
+def _plain_mapping(value: Any) -> bool:
+    """A dict, or a subclass its reader takes as one: an ``OrderedDict`` (a state dict),
+    Lightning's ``AttributeDict`` (hyper-parameters), a ``Counter`` (``MultiStepLR`` keeps its
+    milestones in one, and reads them the same from a dict); loaded, each is a dict. Any other
+    subclass (a ``defaultdict``: a missing key would raise) would come back as a plain dict and
+    behave otherwise."""
+    kind = type(value)
+    return kind in (dict, collections.OrderedDict, collections.Counter) or (
+        kind.__name__ == "AttributeDict" and kind.__module__.startswith(("lightning", "pytorch_lightning")))
+
+
+def _exactly_plain(value: Any) -> bool:
+    """Of a type that plain data gives back as it was: not a subclass of one (an ``IntEnum``, an
+    enum on ``str``, a namedtuple, a numpy float), which would come back as its base type."""
+    if type(value) is tuple:
+        return all(_exactly_plain(v) for v in value)
+    if type(value) is torch.Tensor:  # as a key or in a tuple key: plain data holds small ones inline
+        return plaindata.inlinable(value)
+    return type(value) in _PLAIN_LEAVES
 
 
 def _fill(value: Any, tensors: dict, allow_pickle: bool, where: str) -> Any:
