@@ -502,12 +502,12 @@ class _Pair(collections.namedtuple("_Pair", "first second")):
 
 
 @pytest.mark.parametrize("value", [collections.defaultdict(int, {"x": 1}), _Level.LOW, _Mode.A, _Pair(1, 2),
-                                   _Pair(torch.ones(2), 2), np.float64(0.5), [[1], {"k": _Level.LOW}],
+                                   _Pair(torch.ones(2), 2), [[1], {"k": _Level.LOW}],
                                    {_Level.LOW: 1}, bytearray(b"ab")], ids=repr)
 def test_values_that_plain_data_would_give_back_as_another_type_are_pickled_or_refused(tmp_path, value):
-    """A ``defaultdict``, an enum on ``int`` or ``str``, a namedtuple or a numpy float in the
-    checkpoint (a callback's state, a hyper-parameter) were stored as their base type and loaded
-    as a dict, an int, a str, a tuple, a float: a resumed run then met a KeyError or an
+    """A ``defaultdict``, an enum on ``int`` or ``str`` or a namedtuple in the checkpoint (a
+    callback's state, a hyper-parameter) were stored as their base type and loaded as a dict, an
+    int, a str, a tuple: a resumed run then met a KeyError or an
     AttributeError, or compared otherwise, where Lightning's own resume gives them back. They are
     not plain data: refused by name, or, with ``allow_pickle=True``, given back as themselves."""
     from statesnap import CheckpointError
@@ -547,3 +547,18 @@ def test_dicts_a_reader_takes_as_dicts_stay_plain_data(tmp_path):
         resumed.step()
         lrs.append(optimizer.param_groups[0]["lr"])
     assert lrs == pytest.approx([0.1, 0.1, 0.001, 0.001])
+
+
+def test_a_numpy_float_is_stored_as_the_float_it_is(tmp_path):
+    """numpy's float64 is a float: an lr drawn with numpy (a sweep) stays one through the LR
+    schedulers. It is stored without pickle and comes back as a Python float of the same value,
+    whose arithmetic is the same."""
+    from statesnap.integrations.lightning import StatesnapCheckpointIO
+
+    lr = np.float64(0.1) * 3
+    io = StatesnapCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(2)}, "optimizer_states": [{"param_groups": [{"lr": lr}]}]},
+                       str(tmp_path / "a.ckpt"))
+    io.teardown()
+    back = StatesnapCheckpointIO().load_checkpoint(str(tmp_path / "a.ckpt"))["optimizer_states"][0]["param_groups"][0]
+    assert type(back["lr"]) is float and back["lr"] == lr and back["lr"] * 0.5 == lr * 0.5

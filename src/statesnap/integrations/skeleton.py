@@ -17,6 +17,7 @@ import json
 import pickle
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import CheckpointError
@@ -72,7 +73,10 @@ def _strip(value: Any, name: str, tensors: dict, allow_pickle: bool) -> Any:
     return {_PICKLED: base64.b64encode(pickle.dumps(value)).decode("ascii")}
 
 
-_PLAIN_LEAVES = (type(None), bool, int, float, str, bytes, torch.dtype)  # (a bytearray comes back as bytes)
+# (a bytearray would come back as bytes). numpy's float64 is a float that comes back as a Python
+# float of the same value: an lr drawn with numpy (a sweep) keeps it through the schedulers, and
+# its arithmetic is the same, so it is not refused.
+_PLAIN_LEAVES = (type(None), bool, int, float, str, bytes, torch.dtype, np.float64)
 
 
 def _plain_mapping(value: Any) -> bool:
@@ -88,7 +92,7 @@ def _plain_mapping(value: Any) -> bool:
 
 def _exactly_plain(value: Any) -> bool:
     """Of a type that plain data gives back as it was: not a subclass of one (an ``IntEnum``, an
-    enum on ``str``, a namedtuple, a numpy float), which would come back as its base type."""
+    enum on ``str``, a namedtuple), which would come back as its base type."""
     if type(value) is tuple:
         return all(_exactly_plain(v) for v in value)
     if type(value) is torch.Tensor:  # as a key or in a tuple key: plain data holds small ones inline
