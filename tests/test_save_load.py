@@ -1,5 +1,6 @@
 """Blocking ss.save / ss.load: what a training state holds, in place, strictly, resumably, atomically."""
 import collections
+import enum
 import os
 import struct
 import sys
@@ -996,3 +997,25 @@ def test_a_state_dict_that_is_a_mapping_saves_and_loads(tmp_path):
     target = _Counter(collections.UserDict(pos=torch.zeros(3, dtype=torch.int64), epoch=0))
     ss.load({"sampler": target}, tmp_path / "c")
     assert target.value["pos"].tolist() == [0, 1, 2] and target.value["epoch"] == 2
+
+
+class _Level(enum.IntEnum):
+    LOW = 1
+    HIGH = 2
+
+
+_Pair = collections.namedtuple("_Pair", "first second")
+
+
+def test_a_load_gives_enum_members_and_namedtuples_back_as_the_held_class(tmp_path):
+    """Plain data stores an ``IntEnum`` member as its value and a namedtuple as a tuple. Loaded
+    into a state holding one, the value came back as a plain int (``state["level"].name`` then
+    failed) and a changed namedtuple as a plain tuple. They come back in the held class."""
+    ss.save({"level": _Level.HIGH, "pair": _Pair(1, 2.5), "t": torch.ones(2)}, tmp_path / "c")
+    state = {"level": _Level.LOW, "pair": _Pair(0, 0.0), "t": torch.zeros(2)}
+    ss.load(state, tmp_path / "c")
+    assert state["level"] is _Level.HIGH and type(state["pair"]) is _Pair and state["pair"] == (1, 2.5)
+    ss.save({"level": 7, "t": torch.ones(2)}, tmp_path / "other")  # no member of that value: the value
+    other = {"level": _Level.LOW, "t": torch.zeros(2)}
+    ss.load(other, tmp_path / "other")
+    assert other["level"] == 7 and type(other["level"]) is int

@@ -7,6 +7,7 @@ optimizer state reshards exactly like the parameters it belongs to.
 from __future__ import annotations
 
 import bisect
+import enum
 import itertools
 import math
 import operator
@@ -352,7 +353,9 @@ def _merged(held: Any, value: Any, filled: dict[int, list[tuple[int, int]]] | No
     """``value`` put into ``held`` in place as far as it goes: a tensor of the same shape and
     dtype is copied into, a list or dict keeps its object (a list of another length, or a dict,
     takes the stored elements, each merged with the one it replaces); anything else is the
-    stored value itself, which the caller puts in its place. A tensor whose memory overlaps one
+    stored value itself, which the caller puts in its place. Plain data keeps no class: a
+    stored namedtuple or enum member is a tuple or its value, given back as the held one's class
+    (a held ``IntEnum`` stayed an int after a load). A tensor whose memory overlaps one
     filled before (``[t] * n``) is replaced, not filled: one memory cannot hold two stored
     values; views of one buffer that do not overlap are each filled. ``filled``: the address
     ranges filled so far, by device, sorted (by device, not storage: two ``torch.from_numpy``
@@ -380,7 +383,14 @@ def _merged(held: Any, value: Any, filled: dict[int, list[tuple[int, int]]] | No
         return held
     if isinstance(held, tuple) and isinstance(value, tuple) and len(held) == len(value):
         merged = tuple(_merged(h, v, filled) for h, v in zip(held, value))
-        return held if all(map(operator.is_, merged, held)) else merged
+        if all(map(operator.is_, merged, held)):
+            return held
+        return type(held)._make(merged) if hasattr(type(held), "_make") else merged  # (a namedtuple)
+    if isinstance(held, enum.Enum) and not isinstance(value, enum.Enum):
+        try:
+            return type(held)(value)  # the member of that value
+        except ValueError:  # none: the stored value itself
+            return value
     return value
 
 
