@@ -441,3 +441,18 @@ def test_a_save_of_a_stateless_optimizer_makes_no_gradients(tmp_path, monkeypatc
     assert not optim.state and all(p.grad is None for p in model.parameters())
     where = tmp_path / "c" if saver == "ss.save" else tmp_path / "root" / "step-1"
     assert ss.open(where).read("optim.param_groups")[0]["params"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def test_finding_the_files_a_node_local_restore_needs_leaves_a_fresh_optimizer_fresh(tmp_path):
+    """Before a restore from the node-local level each rank lists the files its load reads, by
+    flattening the state against the manifest: that made a fresh optimizer's state (zeros) and
+    left it there, so a load that then failed left the restart with state made of zeros."""
+    from statesnap.checkpointer.recovery import files_needed
+
+    model, optim = trained("Rprop")
+    ss.save({"model": model, "optim": optim}, tmp_path / "c")
+    fresh_model = model_of(7)
+    fresh = torch.optim.Rprop(fresh_model.parameters(), lr=0.01)
+    manifest = ss.open(tmp_path / "c").manifest
+    assert files_needed(manifest, {"model": fresh_model, "optim": fresh}) == set(manifest.files)
+    assert not fresh.state

@@ -71,9 +71,12 @@ def complete_steps(inventories: list[dict]) -> list[int]:
 
 def files_needed(manifest: Manifest, state: dict) -> set[str]:
     """The data files this rank's load of ``manifest`` into ``state`` reads (all, if the state
-    does not match: the load then reports the mismatch itself)."""
+    does not match: the load then reports the mismatch itself). The state is left as it was: a
+    fresh optimizer's state, which flattening makes, is taken away again (the load makes its
+    own, and clears it if the load fails; one made here would outlive a failed load, zeroed)."""
+    fresh: list[torch.optim.Optimizer] = []
     try:
-        flat = flatten_for_load(state, StoredNames.of_manifest(manifest))
+        flat = flatten_for_load(state, StoredNames.of_manifest(manifest), fresh=fresh)
         needed = set()
         for item in flat.tensors:
             entry = manifest.tensors[item.fqn]
@@ -87,6 +90,9 @@ def files_needed(manifest: Manifest, state: dict) -> set[str]:
         return needed
     except Exception:  # noqa: BLE001
         return set(manifest.files)
+    finally:
+        for optim in fresh:
+            optim.state.clear()
 
 
 class LocalRecovery:
