@@ -176,3 +176,54 @@ def test_a_stateful_data_loader_resumes_where_it_was_as_load_state_does(tmp_path
     with AcceleratorCheckpoints(newer, tmp_path / "older") as checkpoints:
         assert checkpoints.load_latest() == 5
     assert len(list(newer_data)) == 10
+
+
+def test_a_data_loader_prepared_after_the_save_or_not_yet_leaves_the_others_positions_restored(tmp_path, caplog):
+    """An evaluation loader is often prepared at the first evaluation, after a save or after the
+    resume's ``load_latest``. A checkpoint holding its position failed a resume that had not
+    prepared it yet (unexpected in the checkpoint), and one saved before it was prepared was
+    taken for a checkpoint of an earlier version: every position was left out, then refused as
+    unexpected. As with ``load_state``, each loader takes the position stored for it, one
+    without starts its epoch (a warning), and a position of a loader not prepared is left unread
+    (a warning)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    from statesnap.integrations.accelerate import AcceleratorCheckpoints
+
+    def accelerator():
+        accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+        model = torch.nn.Linear(1, 1)
+        accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return accelerator
+
+    def loader(accelerator, size):
+        data = torch.utils.data.DataLoader(torch.arange(size), batch_size=4, shuffle=True,
+                                           generator=torch.Generator().manual_seed(size))
+        return accelerator.prepare(data)
+
+    first = accelerator()
+    batches = iter(loader(first, 40))
+    for _ in range(3):
+        next(batches)
+    with AcceleratorCheckpoints(first, tmp_path / "before") as checkpoints:
+        checkpoints.save(3)
+    evaluation = iter(loader(first, 20))
+    next(evaluation)
+    with AcceleratorCheckpoints(first, tmp_path / "after") as checkpoints:
+        checkpoints.save(3)
+
+    resumed = accelerator()  # the evaluation loader not prepared yet
+    train = loader(resumed, 40)
+    with AcceleratorCheckpoints(resumed, tmp_path / "after") as checkpoints, caplog.at_level("WARNING", "statesnap"):
+        assert checkpoints.load_latest() == 3
+    assert len(list(train)) == 7
+    assert "position of data loader 1, which is not prepared now" in caplog.text
+
+    caplog.clear()
+    resumed = accelerator()  # both prepared, from a checkpoint saved before the second was
+    train, evaluation = loader(resumed, 40), loader(resumed, 20)
+    with AcceleratorCheckpoints(resumed, tmp_path / "before") as checkpoints, caplog.at_level("WARNING", "statesnap"):
+        assert checkpoints.load_latest() == 3
+    assert len(list(train)) == 7 and len(list(evaluation)) == 5
+    assert "no position of data loader 1 " in caplog.text

@@ -562,3 +562,19 @@ def test_a_numpy_float_is_stored_as_the_float_it_is(tmp_path):
     io.teardown()
     back = StatesnapCheckpointIO().load_checkpoint(str(tmp_path / "a.ckpt"))["optimizer_states"][0]["param_groups"][0]
     assert type(back["lr"]) is float and back["lr"] == lr and back["lr"] * 0.5 == lr * 0.5
+
+
+def test_a_torch_size_is_stored_as_the_tuple_it_is(tmp_path):
+    """A ``torch.Size`` (a shape among the hyper-parameters: ``save_hyperparameters`` of a model
+    given ``shape=x.shape``) is a tuple of ints. Refused as a tuple subclass, it failed the run's
+    first save, where it had been stored; it is stored without pickle and comes back as a tuple
+    equal to it."""
+    from statesnap.integrations.lightning import StatesnapCheckpointIO
+
+    shape = torch.Size([2, 3])
+    io = StatesnapCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(2)}, "hyper_parameters": {"shape": shape, "shapes": [shape]}},
+                       str(tmp_path / "a.ckpt"))
+    io.teardown()
+    back = StatesnapCheckpointIO().load_checkpoint(str(tmp_path / "a.ckpt"))["hyper_parameters"]
+    assert back == {"shape": (2, 3), "shapes": [(2, 3)]} and torch.zeros(back["shape"]).shape == shape

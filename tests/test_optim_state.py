@@ -361,6 +361,35 @@ def test_a_snapshot_in_memory_of_another_layout_leaves_a_fresh_optimizer_fresh(t
     assert not fresh.state
 
 
+@pytest.mark.parametrize("unused", ["snapshot gone", "restore failed"])
+def test_a_snapshot_in_memory_that_does_not_restore_leaves_a_fresh_optimizer_fresh(tmp_path, monkeypatch, unused):
+    """The snapshot in host memory fits the state, so matching it made a fresh optimizer's
+    state; but it was not what restored it: it went before it could be read (or another rank
+    held another step), or its restore failed. With nothing persisted, load_latest returned None
+    (or raised) and left the optimizer with state made of zeros: an Rprop whose step sizes were
+    zero, so that its parameters never moved again."""
+    from statesnap.checkpointer import manager, staging
+
+    model = model_of(0)
+    optim = torch.optim.Rprop(model.parameters(), lr=0.01)
+    step(model, optim, 0)
+    with ss.Checkpointer(tmp_path / "root", persist_every=1000) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+        ckpt.wait_staged()
+        other = model_of(7)
+        fresh = torch.optim.Rprop(other.parameters(), lr=0.01)
+        state = {"model": other, "optim": fresh}
+        if unused == "snapshot gone":
+            monkeypatch.setattr(staging.Arena, "borrow", lambda self, region: False)
+            assert ckpt.load_latest(state) is None
+        else:
+            monkeypatch.setattr(manager, "restore_from_memory", lambda *args: 1 / 0)
+            with pytest.raises(ss.CheckpointError):
+                ckpt.load_latest(state)
+        monkeypatch.undo()
+    assert not fresh.state
+
+
 # ---- FSDP2: state made as DTensors, on 2 gloo ranks ---------------------------------------------
 def _fsdp(seed: int):
     model = model_of(seed)

@@ -148,16 +148,17 @@ class MemoryLevel:
             self._snapshots.clear()
 
 
-def matching_target(snap, state: dict):
+def matching_target(snap, state: dict, fresh: list[torch.optim.Optimizer] | None = None):
     """The flattened ``state`` if its layout equals the snapshot's (same items, same boxes),
     its tensors in the snapshot's order. Flattening makes a fresh optimizer's state for the
     snapshot to fill: where the layout is another (or flattening fails), the optimizer is left
     fresh again, as a load that fails leaves it. Else a restart that found nothing to load went
     on with state made of zeros (an Rprop's step sizes, NAdam's ``mu_product``: not what its
-    first step makes)."""
+    first step makes). ``fresh`` takes the optimizers that were fresh, for the caller to leave
+    fresh again (``leave_fresh``) where the snapshot is not what it restores."""
     keys = sorted([*(m.fqn for m in snap.metas), *snap.objects])
     headers = {m.fqn: (m.shape, dtype_from_name(m.dtype)) for m in snap.metas}
-    fresh: list[torch.optim.Optimizer] = []
+    fresh = [] if fresh is None else fresh
     flat = None
     try:
         flat = flatten_for_load(state, StoredNames(keys, headers.get), fresh=fresh)
@@ -172,9 +173,15 @@ def matching_target(snap, state: dict):
             flat = None
     finally:
         if flat is None:
-            for optim in fresh:
-                optim.state.clear()
+            leave_fresh(fresh)
     return flat
+
+
+def leave_fresh(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Empty the state made for a snapshot in memory in optimizers that were fresh."""
+    for optim in optimizers:
+        optim.state.clear()
+    optimizers.clear()
 
 
 def restore_from_memory(snap, flat, buffer: torch.Tensor, allow_pickle: bool) -> int:

@@ -36,7 +36,7 @@ from .gpu import CudaCopier, mark_devices
 from .hooks import StepGuard, find_writers
 from .fallback import Fallback
 from .further import FurtherCopier
-from .levels import MemoryLevel, StorageLevel, matching_target, restore_from_memory
+from .levels import MemoryLevel, StorageLevel, leave_fresh, matching_target, restore_from_memory
 from .local import LocalFlusher, Topology, peer_buffer_bytes
 from .recovery import LocalRecovery, complete_steps, inventory
 from .roots import RootClaims
@@ -305,11 +305,17 @@ class Checkpointer:
     def _load_newest(self, state: dict, cast: bool) -> int | None:
         started = now()
         snap, refused = self.memory.newest(), None
+        # Optimizers that were fresh and got state made for the snapshot in memory: left fresh
+        # again unless that snapshot is what restores them (the ranks chose another step, the
+        # snapshot went, its restore failed), as a load from storage that fails leaves them.
+        # Else a restart that found nothing else to load went on with state made of zeros.
+        made: list[torch.optim.Optimizer] = []
         try:
-            flat = matching_target(snap, state) if snap is not None else None
+            flat = matching_target(snap, state, made) if snap is not None else None
         except Exception as exc:  # noqa: BLE001 (a state no load can fill: raised on every rank below)
             flat, refused = None, exc
         borrowed = flat is not None and self._arena.borrow(snap.region)
+        from_memory = False
         try:
             levels = [level for level in (self.persistent, self.further) if level is not None]
             # what each rank holds in memory and on its node, and rank 0's listing of the stored
@@ -337,7 +343,9 @@ class Checkpointer:
                 try:
                     if name == "memory":
                         nbytes = self._restore_memory(snap, flat, step)
+                        from_memory = True
                     else:
+                        leave_fresh(made)
                         nbytes, name = self._restore_stored(state, step, name, inventories, cast)
                     break
                 except CheckpointError as exc:
@@ -351,6 +359,8 @@ class Checkpointer:
             if self._recovery is not None:
                 self._recovery.prune_after(step)
         finally:
+            if not from_memory:
+                leave_fresh(made)
             if borrowed:
                 self._arena.hold(snap.region, lambda: self.memory.drop(snap))
         self.loaded_from = name

@@ -71,20 +71,17 @@ class AcceleratorCheckpoints:
         """Restore the newest committed step in place; return it (None: nothing saved yet). A
         checkpoint saved before the gradient scaler or the data loaders' positions were saved
         restores the rest, with a warning: the scaler then starts from its initial scale, the
-        data loaders from the start of their epoch."""
+        data loaders from the start of their epoch. So does a data loader prepared only after
+        the save (an evaluation loader made at the first evaluation), and a position stored for
+        a data loader not prepared now is left unread, with a warning, as ``load_state`` leaves
+        it."""
         state = self.state()
         try:
             return self._load_latest(state)
         except StateMismatchError as exc:
-            lacking = {name.split(".", 1)[0] for name in exc.missing}
-            if not exc.missing or exc.unexpected or exc.mismatched or not lacking <= _SAVED_LATER.keys() & state.keys():
+            if not _left_out(state, exc):
                 raise
-        for part in sorted(lacking):
-            log.warning("statesnap: the checkpoint holds no %s (saved before it was); restoring the rest, %s",
-                        *_SAVED_LATER[part])
-            del state[part]
         return self._load_latest(state)
-
     def _load_latest(self, state: dict) -> int | None:
         try:
             return self.ckpt.load_latest(state)
@@ -105,11 +102,58 @@ class AcceleratorCheckpoints:
         self.close()
 
 
-# Parts of the state that checkpoints of earlier versions lack: (what it is, what happens without it).
-_SAVED_LATER = {
-    "scaler": ("gradient scaler", "the scaler starts from its initial scale"),
-    "dataloaders": ("data loader positions", "the data loaders start from the beginning of their epoch"),
-}
+def _left_out(state: dict, exc: StateMismatchError) -> bool:
+    """Adapt ``state`` to a checkpoint whose only differences from it are parts it can go
+    without, with a warning for each: the gradient scaler it lacks (saved before the scaler
+    was), the position of a data loader it lacks (saved before positions were, or before that
+    loader was prepared: it starts its epoch), the position of a data loader not prepared now
+    (a stand-in takes it). False, leaving ``state`` alone, where anything else differs.
+    Before, one loader more or less on either side failed the resume, and a checkpoint that
+    held some positions was taken for one of an earlier version: all were left out, then
+    refused as unexpected."""
+    loaders = state.get("dataloaders", {})
+    lacking, unprepared = set(), set()
+    for name in exc.missing:
+        part, _, rest = name.partition(".")
+        if part == "scaler" and part in state:
+            lacking.add(part)
+        elif part == "dataloaders" and rest.split(".", 1)[0] in loaders:
+            lacking.add(rest.split(".", 1)[0])
+        else:
+            return False
+    for name in exc.unexpected:
+        part, _, rest = name.partition(".")
+        if part != "dataloaders" or not rest or rest.split(".", 1)[0] in loaders:
+            return False
+        unprepared.add(rest.split(".", 1)[0])
+    if exc.mismatched or not (lacking or unprepared):
+        return False
+    if "scaler" in lacking:
+        lacking.remove("scaler")
+        log.warning("statesnap: the checkpoint holds no gradient scaler (saved before it was); restoring the rest, "
+                    "the scaler starts from its initial scale")
+        del state["scaler"]
+    if lacking:
+        log.warning("statesnap: the checkpoint holds no position of data loader %s (saved before positions were, or "
+                    "before the loader was prepared); restoring the rest, the loader starts from the beginning of its "
+                    "epoch", ", ".join(sorted(lacking, key=int)))
+        for index in lacking:
+            del loaders[index]
+    if unprepared:
+        log.warning("statesnap: the checkpoint holds the position of data loader %s, which is not prepared now; it is "
+                    "left unread, as load_state leaves it", ", ".join(sorted(unprepared, key=int)))
+        state["dataloaders"] = loaders = {**loaders, **{index: PerRank(_Unread(), on_resize="rank0")
+                                                        for index in unprepared}}
+    if not loaders:
+        state.pop("dataloaders", None)
+    return True
+
+
+class _Unread:
+    """Takes a stored data loader's position and leaves it unread."""
+
+    def load_state_dict(self, state) -> None:
+        pass
 
 
 class _Counter:

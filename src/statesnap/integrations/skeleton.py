@@ -92,8 +92,11 @@ def _plain_mapping(value: Any) -> bool:
 
 def _exactly_plain(value: Any) -> bool:
     """Of a type that plain data gives back as it was: not a subclass of one (an ``IntEnum``, an
-    enum on ``str``, a namedtuple), which would come back as its base type."""
-    if type(value) is tuple:
+    enum on ``str``, a namedtuple), which would come back as its base type. A ``torch.Size`` is
+    taken as the tuple of ints it is (a shape among the hyper-parameters or in a callback's
+    state): loaded as a tuple, which compares, hashes and makes tensors the same, as it was
+    stored before subclasses were refused."""
+    if type(value) in (tuple, torch.Size):
         return all(_exactly_plain(v) for v in value)
     if type(value) is torch.Tensor:  # as a key or in a tuple key: plain data holds small ones inline
         return plaindata.inlinable(value)

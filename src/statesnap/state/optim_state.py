@@ -155,8 +155,6 @@ def create_adam_state(optim: torch.optim.Optimizer, created: list[torch.Tensor] 
                     created.append(state[key])
 
 
-
-
 def _step_and(*keys: str) -> Callable[[dict, torch.Tensor], frozenset]:
     return lambda group, param: frozenset(("step", *keys))
 
@@ -199,7 +197,8 @@ def create_state_from_checkpoint(optim: torch.optim.Optimizer, state_dict: Calla
                                  stored, created: list[torch.Tensor] | None = None) -> dict | None:
     """Give a fresh optimizer, without a step, the state the checkpoint holds for it, and return
     its state dict. For each parameter the checkpoint keeps state for (under ``<prefix><its
-    name>.``), each stored key gets a tensor of the stored dtype (the parameter's shape and
+    name>.``), each stored key gets a tensor (``_new_state_tensor``: floating state in a floating
+    parameter's dtype, scalars and other state in the stored one; the parameter's shape and
     placement where the stored shape is the parameter's) or, for a value stored inline, a
     placeholder the load replaces. The optimizer's own ``load_state_dict`` then puts each where
     it keeps it (the parameter's device and dtype), as it does for any state dict.
