@@ -82,6 +82,7 @@ class AcceleratorCheckpoints:
             if not _left_out(state, exc):
                 raise
         return self._load_latest(state)
+
     def _load_latest(self, state: dict) -> int | None:
         try:
             return self.ckpt.load_latest(state)
