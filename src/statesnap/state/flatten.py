@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StateMismatchError
+from ..format import plaindata
 from ..format.plaindata import QUIET_NAN_BITS, float_bits, inlinable
 from ..format.manifest import BOX
 from .items import Flattened, ObjectItem, TensorItem, refuse_unwritable
@@ -49,18 +50,26 @@ class StoredNames:
     whether it brings a fresh optimizer's state (else none is made for it) and what that state
     is, and whether it stored a list or tuple by index or whole. ``headers``: the ``(shape,
     dtype)`` of a stored tensor by name, None for a value stored inline; without it a fresh
-    optimizer's state is made by a step (optim_state.py)."""
+    optimizer's state is made by a step (optim_state.py). ``plain``: a value stored as plain
+    data by name, None for any other (an optimizer's param groups, checked before anything is
+    read)."""
 
-    def __init__(self, names: list[str], headers: Callable[[str], tuple | None] | None = None):
+    def __init__(self, names: list[str], headers: Callable[[str], tuple | None] | None = None,
+                 plain: Callable[[str], Any] | None = None):
         self._names = names
         self._headers = headers
+        self._plain = plain
 
     @classmethod
     def of_manifest(cls, manifest) -> StoredNames:
         def header(name: str) -> tuple | None:
             row = manifest.header(name)
             return None if row is None else (row.shape, row.dtype)
-        return cls(manifest.keys(), header)
+
+        def plain(name: str) -> Any:
+            entry = manifest.objects.get(name)
+            return plaindata.decode(entry.value, name) if entry is not None and entry.kind == "json" else None
+        return cls(manifest.keys(), header, plain)
 
     @property
     def has_headers(self) -> bool:
@@ -68,6 +77,9 @@ class StoredNames:
 
     def header(self, name: str) -> tuple | None:
         return self._headers(name)
+
+    def plain(self, name: str) -> Any:
+        return None if self._plain is None else self._plain(name)
 
     def has_prefix(self, prefix: str) -> bool:
         i = bisect.bisect_left(self._names, prefix)
@@ -233,6 +245,8 @@ class _Walker:
         groups = {join(fqn, "param_groups")}
         if self._reused(fqn, optim):
             return
+        if self.for_load:
+            self._refuse_other_groups(fqn, optim)
         if self.fresh is not None and not optim.state:
             self.fresh.append(optim)
         model = self._owner_of(optim)
@@ -266,6 +280,21 @@ class _Walker:
         elif self.cache is not None:
             self.cache.store_optimizer(fqn, optim, model, sd, self.out.tensors[first_tensor:],
                                        self.out.objects[first_object:], join, tuple(map(id, self.modules)))
+
+    def _refuse_other_groups(self, fqn: str, optim: torch.optim.Optimizer) -> None:
+        """A checkpoint's optimizer of another number of param groups cannot be loaded: PyTorch's
+        helper maps the stored groups' hyperparameters by parameter name, so a group no stored one
+        names was left without any (a bare ``KeyError: 'lr'`` at the next step) and one that
+        several name took the last one's (a weight decay of 0 for every parameter). Refused by
+        name, before anything is read."""
+        stored = self.stored.plain(join(fqn, "param_groups"))
+        if isinstance(stored, list) and len(stored) != len(optim.param_groups):
+            raise StateMismatchError(
+                f"{fqn}: the checkpoint's optimizer has {len(stored)} param group(s), this one "
+                f"{len(optim.param_groups)}; their hyperparameters (lr, weight decay, ...) would go to other "
+                "parameters or to none.", mismatched=[join(fqn, "param_groups")],
+                advice="Build the optimizer with the param groups it was saved with, or leave it out of the state "
+                       "(with partial=True) and start it afresh.")
 
     def _fresh_state(self, optim: torch.optim.Optimizer, fqn: str, state_dict: Callable[[], dict]) -> dict | None:
         """Make a fresh optimizer's state for the load without a step, where its kind allows:
