@@ -169,7 +169,8 @@ def _optional(group: dict, **keys_by_option: str) -> tuple[str, ...]:
 # loaded into an SGD), takes the helper's step and so meets the same checks as before.
 # tests/test_optim_state.py compares each with what a real step makes.
 _STATE_KEYS: dict[str, Callable[[dict, torch.Tensor], frozenset]] = {
-    "Adam": lambda group, param: frozenset(("step", "exp_avg", "exp_avg_sq", *_optional(group, amsgrad="max_exp_avg_sq"))),
+    "Adam": lambda group, param: frozenset(("step", "exp_avg", "exp_avg_sq",
+                                            *_optional(group, amsgrad="max_exp_avg_sq"))),
     "SGD": lambda group, param: frozenset(_optional(group, momentum="momentum_buffer")),
     "RMSprop": lambda group, param: frozenset(("step", "square_avg",
                                                *_optional(group, momentum="momentum_buffer", centered="grad_avg"))),
@@ -181,7 +182,8 @@ _STATE_KEYS: dict[str, Callable[[dict, torch.Tensor], frozenset]] = {
     "SparseAdam": _step_and("exp_avg", "exp_avg_sq"),
     "Rprop": _step_and("prev", "step_size"),
     "ASGD": _step_and("eta", "mu", "ax"),
-    "Adafactor": lambda group, param: frozenset(("step", *(("row_var", "col_var") if param.dim() >= 2 else ("variance",)))),
+    "Adafactor": lambda group, param: frozenset(("step", *(("row_var", "col_var") if param.dim() >= 2
+                                                           else ("variance",)))),
 }
 
 
