@@ -578,3 +578,45 @@ def test_a_torch_size_is_stored_as_the_tuple_it_is(tmp_path):
     io.teardown()
     back = StatesnapCheckpointIO().load_checkpoint(str(tmp_path / "a.ckpt"))["hyper_parameters"]
     assert back == {"shape": (2, 3), "shapes": [(2, 3)]} and torch.zeros(back["shape"]).shape == shape
+
+
+def test_stochastic_weight_averaging_waits_for_the_checkpoint_in_flight(tmp_path):
+    """StochasticWeightAveraging copies the averaged weights into the model when averaging ends,
+    outside any optimizer step, while the last epoch's checkpoint could still be copying them:
+    ``fit`` failed with a ConsistencyError (changed in place after save()). Its copy now waits
+    for the copies in flight, and every checkpoint holds what Lightning's own saves hold."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from statesnap.integrations.lightning import StatesnapCheckpointIO
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, index):
+            return self.layer(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(io, out):
+        torch.manual_seed(0)
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 8)), batch_size=8)
+        trainer = pl.Trainer(max_epochs=4, default_root_dir=out, plugins=[io], enable_progress_bar=False, logger=False,
+                             enable_model_summary=False, callbacks=[
+                                 StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2),
+                                 ModelCheckpoint(dirpath=out, every_n_epochs=1, save_top_k=-1)])
+        trainer.fit(Net(), data)
+        assert trainer.strategy.checkpoint_io is io  # (where the docs say to find wait_staged)
+        return sorted(n for n in os.listdir(out) if n.endswith(".ckpt"))
+
+    names = fit(StatesnapCheckpointIO(), tmp_path / "ours")
+    assert names == fit(TorchCheckpointIO(), tmp_path / "theirs") and len(names) == 4
+    for name in names:
+        ours = StatesnapCheckpointIO().load_checkpoint(str(tmp_path / "ours" / name))
+        theirs = torch.load(tmp_path / "theirs" / name, weights_only=False)
+        for key, value in theirs["state_dict"].items():
+            assert torch.equal(ours["state_dict"][key], value), (name, key)

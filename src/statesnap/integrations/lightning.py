@@ -30,11 +30,14 @@ DCP checkpoints itself and never calls a ``CheckpointIO``: use
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import io
+import itertools
 import logging
 import os
 import re
+import sys
 import threading
 import weakref
 from concurrent import futures
@@ -104,6 +107,8 @@ class StatesnapCheckpointIO(CheckpointIO):
         self._hook = None
         self._steps = [0]  # optimizer steps taken (all optimizers): saves with steps between never link
         self._watch_optimizers()  # made before training: it sees the first step too
+        _hold_back_parameter_writers()
+        _LIVE.add(self)
         finish_at_exit(self, StatesnapCheckpointIO._finish_at_exit)
 
     # ----------------------------------------------------------------- CheckpointIO
@@ -159,6 +164,11 @@ class StatesnapCheckpointIO(CheckpointIO):
         except CheckpointError:
             log.exception("statesnap: a Lightning checkpoint still in flight when the program ended failed")
 
+    def wait_staged(self) -> None:
+        """Wait until every checkpoint in flight is copied: the model's tensors may then change."""
+        for store in list(self._stores.values()):
+            store.ckpt.wait_staged()
+
     # ----------------------------------------------------------------- helpers
 
     def _watch_optimizers(self) -> None:
@@ -179,6 +189,36 @@ class StatesnapCheckpointIO(CheckpointIO):
             store = self._stores[directory] = _Store(directory, self._settings, self.collective,
                                                      self.storage_options)
         return store
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # the plugins made, while they live
+
+# Lightning's own callbacks that write the model's parameters in place outside an optimizer's
+# step, where a checkpoint's lazy copy may still be reading them: StochasticWeightAveraging
+# copies the averaged weights into the model when averaging ends (its checkpoints failed with a
+# ConsistencyError: changed in place after save()). (module under either package name, class,
+# static method)
+_PARAMETER_WRITERS = (("callbacks.stochastic_weight_avg", "StochasticWeightAveraging", "transfer_weights"),)
+
+
+def _hold_back_parameter_writers() -> None:
+    """Make each of ``_PARAMETER_WRITERS`` first wait until the checkpoints of every live plugin
+    are copied, as an optimizer's step does (``ckpt.guard`` cannot: they are static methods).
+    Only in the Lightning packages already imported (importing Lightning imports its callbacks)."""
+    for (module_name, class_name, name), package in itertools.product(
+            _PARAMETER_WRITERS, ("lightning.pytorch", "pytorch_lightning")):
+        cls = getattr(sys.modules.get(f"{package}.{module_name}"), class_name, None)
+        original = vars(cls).get(name) if cls is not None else None
+        if not isinstance(original, staticmethod) or getattr(original.__func__, "_statesnap_waits", False):
+            continue
+
+        @functools.wraps(original.__func__)
+        def waiting(*args, _write=original.__func__, **kwargs):
+            for plugin in list(_LIVE):
+                plugin.wait_staged()
+            return _write(*args, **kwargs)
+        waiting._statesnap_waits = True
+        setattr(cls, name, staticmethod(waiting))
 
 
 class StatesnapModelParallelStrategy(ModelParallelStrategy):
