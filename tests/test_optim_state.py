@@ -6,6 +6,7 @@ gradient: a load after a backward pass then found nothing to fill and failed as 
 """
 from __future__ import annotations
 
+import contextlib
 import io
 
 import pytest
@@ -342,18 +343,25 @@ def test_a_restore_from_memory_takes_state_whose_keys_the_step_makes_in_another_
     assert_trains_on_alike(model, optim, fresh_model, fresh)
 
 
-def test_a_snapshot_in_memory_of_another_layout_leaves_a_fresh_optimizer_fresh(tmp_path):
-    """load_latest flattens the state against the newest snapshot in host memory to see whether
-    the snapshot fits it, which makes a fresh optimizer's state. A model of another layout (a
-    buffer more) does not fit, and with nothing persisted load_latest found nothing to load,
-    returned None, and left the optimizer with state made of zeros: an Rprop whose step sizes
-    were zero, not the learning rate its first step starts from."""
+@contextlib.contextmanager
+def _rprop_in_memory(tmp_path):
+    """A Checkpointer holding step 1 of a trained Rprop in host memory only."""
     model = model_of(0)
     optim = torch.optim.Rprop(model.parameters(), lr=0.01)
     step(model, optim, 0)
     with ss.Checkpointer(tmp_path / "root", persist_every=1000) as ckpt:
         ckpt.save(1, {"model": model, "optim": optim})
         ckpt.wait_staged()
+        yield ckpt
+
+
+def test_a_snapshot_in_memory_of_another_layout_leaves_a_fresh_optimizer_fresh(tmp_path):
+    """load_latest flattens the state against the newest snapshot in host memory to see whether
+    the snapshot fits it, which makes a fresh optimizer's state. A model of another layout (a
+    buffer more) does not fit, and with nothing persisted load_latest found nothing to load,
+    returned None, and left the optimizer with state made of zeros: an Rprop whose step sizes
+    were zero, not the learning rate its first step starts from."""
+    with _rprop_in_memory(tmp_path) as ckpt:
         other = model_of(7)
         other.register_buffer("extra", torch.zeros(2))
         fresh = torch.optim.Rprop(other.parameters(), lr=0.01)
@@ -370,12 +378,7 @@ def test_a_snapshot_in_memory_that_does_not_restore_leaves_a_fresh_optimizer_fre
     zero, so that its parameters never moved again."""
     from statesnap.checkpointer import manager, staging
 
-    model = model_of(0)
-    optim = torch.optim.Rprop(model.parameters(), lr=0.01)
-    step(model, optim, 0)
-    with ss.Checkpointer(tmp_path / "root", persist_every=1000) as ckpt:
-        ckpt.save(1, {"model": model, "optim": optim})
-        ckpt.wait_staged()
+    with _rprop_in_memory(tmp_path) as ckpt:
         other = model_of(7)
         fresh = torch.optim.Rprop(other.parameters(), lr=0.01)
         state = {"model": other, "optim": fresh}

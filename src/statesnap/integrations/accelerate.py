@@ -113,24 +113,23 @@ def _left_out(state: dict, exc: StateMismatchError) -> bool:
     held some positions was taken for one of an earlier version: all were left out, then
     refused as unexpected."""
     loaders = state.get("dataloaders", {})
-    lacking, unprepared = set(), set()
+    no_scaler, lacking, unprepared = False, set(), set()
     for name in exc.missing:
-        part, _, rest = name.partition(".")
+        part, index = _part_and_index(name)
         if part == "scaler" and part in state:
-            lacking.add(part)
-        elif part == "dataloaders" and rest.split(".", 1)[0] in loaders:
-            lacking.add(rest.split(".", 1)[0])
+            no_scaler = True
+        elif part == "dataloaders" and index in loaders:
+            lacking.add(index)
         else:
             return False
     for name in exc.unexpected:
-        part, _, rest = name.partition(".")
-        if part != "dataloaders" or not rest or rest.split(".", 1)[0] in loaders:
+        part, index = _part_and_index(name)
+        if part != "dataloaders" or not index or index in loaders:
             return False
-        unprepared.add(rest.split(".", 1)[0])
-    if exc.mismatched or not (lacking or unprepared):
+        unprepared.add(index)
+    if exc.mismatched or not (no_scaler or lacking or unprepared):
         return False
-    if "scaler" in lacking:
-        lacking.remove("scaler")
+    if no_scaler:
         log.warning("statesnap: the checkpoint holds no gradient scaler (saved before it was); restoring the rest, "
                     "the scaler starts from its initial scale")
         del state["scaler"]
@@ -148,6 +147,12 @@ def _left_out(state: dict, exc: StateMismatchError) -> bool:
     if not loaders:
         state.pop("dataloaders", None)
     return True
+
+
+def _part_and_index(name: str) -> tuple[str, str]:
+    """A stored name's part of the state and the key under it (``dataloaders.1.x``: dataloaders, 1)."""
+    part, _, rest = name.partition(".")
+    return part, rest.split(".", 1)[0]
 
 
 class _Unread:
