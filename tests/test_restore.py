@@ -13,7 +13,7 @@ from torch import nn
 
 import statesnap as ss
 from statesnap.errors import CorruptCheckpointError
-from statesnap.format.manifest import MANIFEST_NAME
+from statesnap.format.manifest import MANIFEST_NAME, Manifest
 from statesnap.state import flatten
 from statesnap.storage.local import LocalBackend
 
@@ -537,3 +537,89 @@ def test_lazily_conjugated_small_tensors_inside_plain_data_save_their_values(tmp
     out = {"l": None}
     ss.load(out, tmp_path / "c")
     assert torch.equal(out["l"][0], c.conj().resolve_conj()) and torch.equal(out["l"][1], -c)
+
+
+class Tied(nn.Module):
+    """Tied weights, a buffer, a non-persistent buffer and extra state: what a state dict names."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)) for _ in range(2)])
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def get_extra_state(self):
+        return {"version": 2}
+
+    def set_extra_state(self, state):
+        pass
+
+
+def _wrapped(kind: str) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    model = Tied()
+    if kind == "compiled":
+        return torch.compile(model)
+    if kind == "checkpoint_wrapper":
+        model.blocks[0] = checkpoint_wrapper(model.blocks[0])
+    if kind == "compiled_inside":
+        model.blocks[1] = torch.compile(model.blocks[1])
+    return model
+
+
+@pytest.mark.parametrize("kind", ["plain", "compiled", "checkpoint_wrapper", "compiled_inside"])
+def test_the_state_dict_a_load_flattens_is_what_pytorchs_helper_gives(kind):
+    """A module that no wrapper renames is flattened from its own state dict (the helper costs a
+    few microseconds per tensor and gives the same); the same keys and the same tensors either
+    way, and wrapped modules, whose keys the helper renames, still go through it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    model = _wrapped(kind)
+    ours, helpers = flatten._model_state_dict(model), get_model_state_dict(model)
+    assert list(ours) == list(helpers)
+    for key, value in helpers.items():
+        if isinstance(value, torch.Tensor):
+            assert (ours[key].data_ptr(), ours[key].dtype, ours[key].shape, ours[key].stride()) == (
+                value.data_ptr(), value.dtype, value.shape, value.stride()), key
+        else:
+            assert ours[key] == value, key
+    assert flatten._renamed_by_helper(model) == (kind != "plain")
+
+
+def test_a_compiled_model_and_a_plain_one_load_each_others_checkpoints(tmp_path):
+    source, target = Tied(), torch.compile(Tied())
+    ss.save({"model": source}, tmp_path / "plain")
+    ss.load({"model": target}, tmp_path / "plain")
+    ss.save({"model": target}, tmp_path / "compiled")
+    again = Tied()
+    ss.load({"model": again}, tmp_path / "compiled")
+    want, got = source.state_dict(), again.state_dict()
+    assert list(want) == list(got)
+    for key, value in want.items():
+        assert same_bits(value, got[key]) if isinstance(value, torch.Tensor) else value == got[key]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_collector_is_paused_for_the_whole_load_and_left_as_the_caller_had_it(tmp_path, monkeypatch, enabled):
+    """Paused from reading the manifest to the module's own loading at the end (the load's
+    objects then die with it instead of being walked by a collection between its steps), and
+    afterwards as the caller had it."""
+    import gc
+    ss.save({"model": model_of(0)}, tmp_path / "c")
+    seen = {}
+
+    def noting(name, function):
+        def wrapper(*args, **kwargs):
+            seen[name] = gc.isenabled()
+            return function(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(Manifest, "from_bytes", classmethod(noting("manifest", Manifest.from_bytes.__func__)))
+    monkeypatch.setattr(flatten, "_load_module", noting("module", flatten._load_module))
+    (gc.enable if enabled else gc.disable)()
+    try:
+        ss.load({"model": model_of(1)}, tmp_path / "c")
+        after = gc.isenabled()
+    finally:
+        gc.enable()
+    assert seen == {"manifest": False, "module": False} and after == enabled

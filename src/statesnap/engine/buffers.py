@@ -16,6 +16,13 @@ def byte_view(t: torch.Tensor) -> memoryview:
     # (the cheapest of torch's attribute calls: a load of many small tensors makes one per tensor)
     if not t.is_contiguous() or not t.is_cpu or t.is_conj() or t.is_neg():
         raise ValueError("byte_view needs a contiguous CPU tensor without a conjugate or negative bit")
+    return plain_byte_view(t)
+
+
+def plain_byte_view(t: torch.Tensor) -> memoryview:
+    """:func:`byte_view` of a tensor its caller knows to be a contiguous CPU tensor without a
+    conjugate or negative bit (a load asks that of each target to route it, and a load of many
+    small tensors would pay for every question twice)."""
     if t.requires_grad:
         t = t.detach()
     if t.numel() == 0:

@@ -25,7 +25,7 @@ from ..state.flatten import StoredNames, flatten_for_load
 from ..state.items import Flattened
 from ..storage import LocalBackend, backend_for, normalize
 from ..storage.base import StorageBackend
-from .buffers import host_contiguous
+from .buffers import host_contiguous, plain_byte_view
 from .device_load import fill_device_targets, wave_parts
 from .dist import DEFAULT_TIMEOUT_S, Comm
 from .objects import decode_value
@@ -282,7 +282,8 @@ def _plan_reads(wanted: list, entries: list, executor: ReadExecutor, path: str, 
         elif local.is_cuda and plan.covered == local.numel():
             on_device += wave_parts(item, entry, plan, executor.manifest.block_bytes)
         elif local.is_cpu and local.is_contiguous() and not (local.is_conj() or local.is_neg()):
-            executor.add(item.fqn, entry, local.detach(), plan)
+            executor.add(item.fqn, entry, local.detach() if local.requires_grad else local, plan,
+                         plain_byte_view(local))
         else:
             indirect.append((item.fqn, entry, local, plan))
     return on_device, indirect, casts
@@ -367,9 +368,12 @@ def load_step(state: dict, path, step: int | None, **options) -> LoadInfo:
     """:func:`load` of the ``step-N`` of a Checkpointer's root (``step``: N, or None for any
     checkpoint): one whose manifest records another step (a step directory renamed, or copied in
     from another run) is a ``CorruptCheckpointError``, not step N."""
-    loading = Loading(state, path, step=step, **options)
-    loading.fill()
-    return loading.finish()
+    with collector_paused():  # until the load's own objects are freed (statesnap/collector.py)
+        loading = Loading(state, path, step=step, **options)
+        loading.fill()
+        info = loading.finish()
+        del loading
+    return info
 
 
 def _tied_apart(pairs: list, manifest: Manifest, path: str) -> StateMismatchError | None:

@@ -83,10 +83,13 @@ class ReadExecutor:
         self._gap_sink = memoryview(bytearray(GAP_BYTES))  # what lies between coalesced pieces: discarded
         self.bytes_read = 0
 
-    def add(self, fqn: str, entry: TensorEntry, target: torch.Tensor, plan: TargetPlan) -> None:
-        view = byte_view(target)
-        self.jobs.extend(_Job(fqn, entry, target, view, r, int(entry.file[r.piece]), int(entry.offset[r.piece]),
-                              int(entry.nbytes[r.piece])) for r in plan.reads)
+    def add(self, fqn: str, entry: TensorEntry, target: torch.Tensor, plan: TargetPlan,
+            view: memoryview | None = None) -> None:
+        """Read ``plan`` into ``target``; ``view``: its bytes, where the caller has made them."""
+        view = byte_view(target) if view is None else view
+        for r in plan.reads:
+            self.jobs.append(_Job(fqn, entry, target, view, r, int(entry.file[r.piece]), int(entry.offset[r.piece]),
+                                  int(entry.nbytes[r.piece])))
 
     def run(self) -> None:
         tasks = self._tasks()

@@ -22,7 +22,6 @@ from .dtypes import NAME_TO_DTYPE
 
 FEW_PIECES = 8  # entries with more pieces are left to the general reader
 BOX, FLAT = "box", "flat"
-_COLUMNS = ("file", "offset", "nbytes", "start", "size", "checksum")
 _LIST, _INT = {list}, {int}  # the one type a plain JSON column or value may have
 
 
@@ -61,28 +60,43 @@ def _unpacked(data, most: int) -> tuple | None:
     """((pieces, dims), (dtype, shape, layout), row, flat checksums) of a plain entry of at most
     ``most`` pieces, or None. The row holds, back to back: file, offset, nbytes (one per piece),
     start, size (pieces x dims), checksum counts (one per piece), the limit of each dimension
-    (the shape; a flat entry's one: its element count) and the item size."""
+    (the shape; a flat entry's one: its element count) and the item size. (Each check is one
+    plain comparison where it can be: this runs for every entry of the manifest.)"""
     if type(data) is not dict or "checksum_blocks" in data:
         return None
     try:
         dtype, shape, layout = NAME_TO_DTYPE[data["dtype"]], data["shape"], data["layout"]
-        columns = [data[name] for name in _COLUMNS]
+        file, offset, nbytes, start, size, sums = (data["file"], data["offset"], data["nbytes"], data["start"],
+                                                   data["size"], data["checksum"])
     except (KeyError, TypeError):  # (an unhashable dtype name)
         return None
-    if type(shape) is not list or {*map(type, shape)} - _INT or (shape and (min(shape) < 0 or max(shape) > INT64_MAX)):
+    if (type(shape) is not list or type(file) is not list or type(offset) is not list or type(nbytes) is not list
+            or type(start) is not list or type(size) is not list or type(sums) is not list):
         return None
-    if shape_problem(shape, dtype.itemsize) or layout not in (BOX, FLAT) or {*map(type, columns)} != _LIST:
+    n = len(file)
+    if not 0 < n <= most or len(offset) != n or len(nbytes) != n or len(start) != n or len(size) != n or len(sums) != n:
         return None
-    total = math.prod(shape)
-    file, offset, nbytes, start, size, sums = columns
-    n, dims, boxes = len(file), len(shape) if layout == BOX else 1, (*start, *size)
-    if (not 0 < n <= most or {*map(len, columns)} != {n} or {*map(type, boxes)} != _LIST
-            or {*map(len, boxes)} != {dims}):
+    if layout not in (BOX, FLAT):
         return None
-    sums = [c if type(c) is list else [c] for c in sums]
-    flat_sums = [*itertools.chain(*sums)]
-    limit = shape if layout == BOX else [total]
-    row = [*file, *offset, *nbytes, *itertools.chain(*boxes), *map(len, sums), *limit, dtype.itemsize]
+    dims = len(shape) if layout == BOX else 1
+    if n == 1:  # the commonest: a tensor saved by one rank, or replicated
+        box_start, box_size, piece_sums = start[0], size[0], sums[0]
+        if type(box_start) is not list or type(box_size) is not list or len(box_start) != dims or len(box_size) != dims:
+            return None
+        flat_sums = piece_sums if type(piece_sums) is list else [piece_sums]
+        head = [file[0], offset[0], nbytes[0], *box_start, *box_size, len(flat_sums)]
+    else:
+        boxes = (*start, *size)
+        if {*map(type, boxes)} != _LIST or {*map(len, boxes)} != {dims}:
+            return None
+        sums = [c if type(c) is list else [c] for c in sums]
+        flat_sums = [*itertools.chain(*sums)]
+        head = [*file, *offset, *nbytes, *itertools.chain(*boxes), *map(len, sums)]
+    if {*map(type, shape)} - _INT or (shape and (min(shape) < 0 or max(shape) > INT64_MAX)):
+        return None
+    if shape_problem(shape, dtype.itemsize):
+        return None
+    row = [*head, *(shape if layout == BOX else (math.prod(shape),)), dtype.itemsize]
     if ({*map(type, row)} != _INT or {*map(type, flat_sums)} != _INT or min(flat_sums) < 0
             or max(flat_sums) > UINT64_MAX):
         return None

@@ -103,6 +103,10 @@ def box_runs(start: Sequence[int], size: Sequence[int], shape: Sequence[int]) ->
 
 def plan_target(entry: TensorEntry, layout: str, start: Sequence[int], size: Sequence[int]) -> TargetPlan:
     """Plan the reads that fill a target part (``layout``/``start``/``size``) of ``entry``."""
+    if layout == BOX == entry.layout and len(entry.nbytes) == 1 and tuple(size) == entry.shape and not any(start):
+        whole = _whole_from_one_piece(entry)
+        if whole is not None:
+            return whole
     isz = itemsize(entry.dtype)
     if entry.layout == BOX and layout == BOX:
         return _plan_box_box(entry, tuple(start), tuple(size), isz)
@@ -146,6 +150,16 @@ def _plan_box_box(entry: TensorEntry, t0: tuple, ts: tuple, isz: int) -> TargetP
             reads.append(PieceRead(i, first * isz, (last + 1) * isz,
                                    box=BoxCopy(tuple(pshape), tuple(a), tuple(n), tuple(b))))
     return TargetPlan(reads, covered)
+
+
+def _whole_from_one_piece(entry: TensorEntry) -> TargetPlan | None:
+    """The plan of the whole tensor from an entry of one piece that is the whole tensor (what one
+    process writes: most loads, planned once per tensor), or None where its one piece is a part
+    (a split manifest's entry holds only the pieces a target reaches)."""
+    if entry.size[0].tolist() != list(entry.shape):
+        return None
+    nbytes = int(entry.nbytes[0])
+    return TargetPlan([PieceRead(0, 0, nbytes, [Segment(0, 0, nbytes)])] if nbytes else [], math.prod(entry.shape))
 
 
 def plan_whole(entry: TensorEntry) -> TargetPlan:

@@ -46,11 +46,10 @@ class TensorItem:
         problem = _unstorable(self.local)
         if problem:
             raise CheckpointError(f"tensor {self.fqn!r} {problem}")
-        if self.global_shape is None:
-            self.global_shape = tuple(self.local.shape)
+        # (a torch.Size holds Python ints; a given shape may hold numpy or symbolic ones)
+        self.global_shape = tuple(self.local.shape) if self.global_shape is None else tuple(map(int, self.global_shape))
         if not self.size and self.layout == BOX:
-            self.start, self.size = (0,) * len(self.global_shape), tuple(self.global_shape)
-        self.global_shape = tuple(int(s) for s in self.global_shape)
+            self.start, self.size = (0,) * len(self.global_shape), self.global_shape
 
     @property
     def dtype(self) -> torch.dtype:
