@@ -22,7 +22,7 @@ from .dtypes import NAME_TO_DTYPE
 
 FEW_PIECES = 8  # entries with more pieces are left to the general reader
 BOX, FLAT = "box", "flat"
-_LIST, _INT = {list}, {int}  # the one type a plain JSON column or value may have
+_INT = {int}  # the one type a plain JSON value may have
 
 
 class _Group:
@@ -86,12 +86,19 @@ def _unpacked(data, most: int) -> tuple | None:
         flat_sums = piece_sums if type(piece_sums) is list else [piece_sums]
         head = [file[0], offset[0], nbytes[0], *box_start, *box_size, len(flat_sums)]
     else:
-        boxes = (*start, *size)
-        if {*map(type, boxes)} != _LIST or {*map(len, boxes)} != {dims}:
-            return None
-        sums = [c if type(c) is list else [c] for c in sums]
-        flat_sums = [*itertools.chain(*sums)]
-        head = [*file, *offset, *nbytes, *itertools.chain(*boxes), *map(len, sums)]
+        head = [*file, *offset, *nbytes]
+        for box in itertools.chain(start, size):
+            if type(box) is not list or len(box) != dims:
+                return None
+            head += box
+        flat_sums = []
+        for piece_sums in sums:
+            if type(piece_sums) is list:
+                flat_sums += piece_sums
+                head.append(len(piece_sums))
+            else:
+                flat_sums.append(piece_sums)
+                head.append(1)
     if {*map(type, shape)} - _INT or (shape and (min(shape) < 0 or max(shape) > INT64_MAX)):
         return None
     if shape_problem(shape, dtype.itemsize):
