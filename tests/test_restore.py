@@ -623,3 +623,59 @@ def test_the_collector_is_paused_for_the_whole_load_and_left_as_the_caller_had_i
     finally:
         gc.enable()
     assert seen == {"manifest": False, "module": False} and after == enabled
+
+
+class _ScaleInExtraState(nn.Module):
+    """Extra state computed from a parameter (a norm kept as a constant): PyTorch's helper builds
+    the state dict without autograd, so the value handed back to set_extra_state is plain."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = torch.tensor(1.0)
+
+    def get_extra_state(self):
+        return {"scale": self.lin.weight.norm()}
+
+    def set_extra_state(self, state):
+        self.scale = state["scale"]
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_extra_state_derived_from_parameters_loads_without_an_autograd_graph(tmp_path):
+    """The module's own state dict is taken without autograd, as the helper took it: a value
+    derived from a parameter came back requiring grad, tied to the weights the load then wrote
+    in place, and the next backward failed (modified by an inplace operation)."""
+    ss.save({"model": _ScaleInExtraState()}, tmp_path / "c")
+    model = _ScaleInExtraState()
+    ss.load({"model": model}, tmp_path / "c")
+    assert not model.scale.requires_grad and model.scale.grad_fn is None
+    model(torch.randn(2, 4)).sum().backward()  # (raised before)
+    assert flatten._model_state_dict(_ScaleInExtraState())["_extra_state"]["scale"].grad_fn is None
+
+
+_PYTHON_KEY = torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
+
+
+class _Dispatching(torch.Tensor):
+    """A tensor subclass with memory of its own and a __torch_dispatch__ (numpy refuses it)."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEY), torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool])
+def test_a_dispatching_tensor_subclass_with_memory_of_its_own_is_loaded_into(tmp_path, dtype):
+    """Its bytes are read through a detached plain alias, as before the one-byte-view-per-target
+    change (``.numpy()`` of the subclass itself is refused: 'not supported for tensor subclasses')."""
+    values = torch.arange(12).reshape(3, 4).to(dtype)
+    ss.save({"t": values}, tmp_path / "c")
+    target = torch.Tensor._make_subclass(_Dispatching, torch.zeros(3, 4, dtype=dtype))
+    ss.load({"t": target}, tmp_path / "c")
+    assert torch.equal(torch.Tensor._make_subclass(torch.Tensor, target), values)

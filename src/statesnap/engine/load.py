@@ -282,8 +282,10 @@ def _plan_reads(wanted: list, entries: list, executor: ReadExecutor, path: str, 
         elif local.is_cuda and plan.covered == local.numel():
             on_device += wave_parts(item, entry, plan, executor.manifest.block_bytes)
         elif local.is_cpu and local.is_contiguous() and not (local.is_conj() or local.is_neg()):
-            executor.add(item.fqn, entry, local.detach() if local.requires_grad else local, plan,
-                         plain_byte_view(local))
+            # A plain tensor as it is; any other through a detached alias, as before (numpy refuses
+            # a subclass that dispatches: '.numpy() is not supported for tensor subclasses').
+            target = local if type(local) is torch.Tensor and not local.requires_grad else local.detach()
+            executor.add(item.fqn, entry, target, plan, plain_byte_view(target))
         else:
             indirect.append((item.fqn, entry, local, plan))
     return on_device, indirect, casts

@@ -484,8 +484,14 @@ def _model_state_dict(module: nn.Module) -> dict:
     ``ReLU``, a container of them): its check for an empty state dict builds its message with the
     process group's rank, so it fails without one. Such a module's own state dict is all it has
     (its extra state, if any)."""
-    if _holds_no_tensors(module) or not _renamed_by_helper(module):
+    if _holds_no_tensors(module):
         return module.state_dict()
+    if not _renamed_by_helper(module):
+        # Without autograd, as the helper takes it: extra state or a hook's tensor derived from a
+        # parameter would otherwise require grad, tied to the weights a load then writes in place
+        # (the next backward through it failed: modified by an inplace operation).
+        with torch.no_grad():
+            return module.state_dict()
     return get_model_state_dict(module)
 
 
