@@ -223,10 +223,11 @@ class ReadExecutor:
             if own:
                 reader.close()
 
-    def _read(self, reader: FileReader, offset: int, views: list[memoryview], owners: list[_Job | None]) -> None:
-        """Read ``views`` from ``offset`` on; ``owners``: each view's job (None: bytes between
-        pieces, discarded). A short read names the tensor whose bytes it stopped in."""
-        want = sum(len(v) for v in views)
+    def _read(self, reader: FileReader, offset: int, views: list[memoryview], owners: list[_Job | None],
+              want: int, gaps: int = 0) -> None:
+        """Read ``views``, ``want`` bytes, from ``offset`` on; ``owners``: each view's job (None:
+        ``gaps`` bytes between pieces, discarded). A short read names the tensor whose bytes it
+        stopped in."""
         first = owners[0]  # a request starts with a piece
         try:
             got = reader.readinto(offset, views)
@@ -234,7 +235,6 @@ class ReadExecutor:
             raise ReadFailedError(
                 f"data file {self.manifest.files[first.file]} of {self.directory} could not be read at byte "
                 f"{offset} (tensor {first.fqn!r}): {type(exc).__name__}: {exc}") from None
-        gaps = sum(len(v) for v, job in zip(views, owners) if job is None)
         self.bytes_read += max(got - gaps, 0)
         self.advance(max(got - gaps, 0))
         if got == want:
@@ -249,18 +249,27 @@ class ReadExecutor:
 
     def _run_direct(self, group: list[_Job], reader: FileReader) -> None:
         first = group[0]
-        views, owners, parts_of, end = [], [], [], first.base + first.read.lo
-        for job in group:
-            gap = job.base + job.read.lo - end
+        views, owners, parts_of, gaps = [], [], [], 0
+        start = end = first.base + first.read.lo
+        for job in group:  # (a request holds up to GROUP_JOBS pieces: this loop is per piece)
+            read = job.read
+            gap = job.base + read.lo - end
             if gap:
                 views.append(self._gap_sink[:gap])
                 owners.append(None)
-            parts = [job.view[s.dst:s.dst + s.nbytes] for s in job.read.segments]
+                gaps += gap
+            if len(read.segments) == 1:
+                seg = read.segments[0]
+                parts = [job.view if seg.dst == 0 and seg.nbytes == len(job.view)
+                         else job.view[seg.dst:seg.dst + seg.nbytes]]
+                owners.append(job)
+            else:
+                parts = [job.view[s.dst:s.dst + s.nbytes] for s in read.segments]
+                owners += [job] * len(parts)
             parts_of.append(parts)
             views += parts
-            owners += [job] * len(parts)
-            end = job.base + job.read.hi
-        self._read(reader, first.base + first.read.lo, views, owners)
+            end = job.base + read.hi
+        self._read(reader, start, views, owners, end - start, gaps)
         if self.verify:
             for job, parts in zip(group, parts_of):
                 self._check(job, job.read.lo, job.read.hi, parts)
@@ -275,7 +284,7 @@ class ReadExecutor:
         else:
             scratch = torch.empty(hi - lo, dtype=torch.uint8)
             raw = byte_view(scratch)
-            self._read(self._reader(job), job.base + lo, [raw], [job])
+            self._read(self._reader(job), job.base + lo, [raw], [job], len(raw))
         if self.verify:
             self._check(job, lo, hi, [raw])
         read = job.read
