@@ -2,6 +2,7 @@
 gradient all-reduces on the trainer's group while commits run on the Checkpointer's own group."""
 import importlib
 import os
+import shutil
 import warnings
 
 import pytest
@@ -282,3 +283,83 @@ def test_adam_state_created_ahead_trains_exactly_as_state_created_at_the_first_g
     assert len(lazy) == len(ahead)
     assert all(a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
                for a, b in zip(lazy, ahead))
+
+
+# ---- fresh optimizers through a restore that fails part of the way -----------------------------
+
+def _rprop(seed):
+    model, _ = make_training(seed)
+    return model, torch.optim.Rprop(model.parameters(), lr=1e-2)
+
+
+def _node_checkpointer(dirs, rank):
+    return ss.Checkpointer(dirs["root"], local_root=dirs["local"][rank], node_id=rank, local_every=1,
+                           peer_replicas=1, persist_every=100, host_memory_gb=0.02)
+
+
+def _train_on_two_nodes(rank, world, dirs):
+    model, optim = _rprop(0)
+    with _node_checkpointer(dirs, rank) as ckpt:
+        for step in (1, 2):
+            _train(model, optim, step, rank)
+            ckpt.save(step, {"model": model, "optim": optim})
+
+
+def _restore_without_room(rank, world, dirs):
+    from statesnap.checkpointer import recovery
+
+    model, optim = _rprop(7)
+    if rank == 1:  # the replaced node cannot create its copy of the step (a full disk)
+        recovery.LocalRecovery._open_staging = lambda self, step, raw: (None, "no space left (injected)")
+    with _node_checkpointer(dirs, rank) as ckpt:
+        with pytest.raises(ss.CheckpointError, match="no space left"):
+            ckpt.load_latest({"model": model, "optim": optim})
+    return {f"{i}.{k}": v.clone() for i, s in enumerate(optim.state.values()) for k, v in s.items()}
+
+
+def test_a_peer_restore_whose_transfers_fail_leaves_a_fresh_optimizer_fresh(tmp_path):
+    """Node 1 was replaced: its ranks fetch step 2's files from node 0 while the load fills the
+    state, and the load had made the fresh Rprop's state (unfilled) before the transfers failed.
+    That state stayed: the restart that could load nothing held step 2's values on rank 0 and
+    uninitialised memory on rank 1 (step sizes of 0.0 and 1.7e-41), not an optimizer without state."""
+    dirs = {"root": str(tmp_path / "root"), "local": [str(tmp_path / "node0"), str(tmp_path / "node1")]}
+    run_ranks(2, _train_on_two_nodes, dirs)
+    shutil.rmtree(dirs["local"][1])
+    assert run_ranks(2, _restore_without_room, dirs) == [{}, {}]
+
+
+def _memory_behind_a_damaged_step(rank, world, root):
+    model, optim = _rprop(0)
+    state = {"model": model, "optim": optim}
+    with ss.Checkpointer(root, keep_last=3, host_memory_gb=0.01) as ckpt:
+        for step in (1, 2, 3):
+            _train(model, optim, step, rank)
+            if step == 2:
+                ref = reference(state)
+            handle = ckpt.save(step, state)
+        handle.wait()
+        ckpt.memory.discard(3)  # memory holds step 2, root step 3 (its snapshot went: a copy that failed)
+        dist.barrier()
+        if rank == 0:
+            data = next(os.path.join(root, "step-3", n) for n in sorted(os.listdir(os.path.join(root, "step-3")))
+                        if n.endswith(".bin"))
+            raw = bytearray(open(data, "rb").read())
+            raw[len(raw) // 2] ^= 0x01
+            open(data, "wb").write(bytes(raw))
+        dist.barrier()
+        fresh_model, fresh = _rprop(7)
+        stepped = []
+        fresh.register_step_pre_hook(lambda *_: stepped.append(1))
+        with pytest.warns(RuntimeWarning, match="step 3 could not be restored"):
+            assert ckpt.load_latest({"model": fresh_model, "optim": fresh}) == 2
+        assert ckpt.loaded_from == "memory"
+    assert_state_equals({"model": fresh_model, "optim": fresh}, ref)
+    return len(stepped)
+
+
+def test_a_snapshot_in_memory_restored_after_a_damaged_newer_step_takes_no_optimizer_step(tmp_path):
+    """Step 3 on root is tried before the older snapshot in memory: the state made for the
+    snapshot was taken from the fresh optimizer for that load, which failed, and the snapshot
+    then restored into an optimizer without state, whose load_state_dict (PyTorch's helper)
+    took a step at lr 0 to make one: its step hooks ran."""
+    assert run_ranks(2, _memory_behind_a_damaged_step, str(tmp_path / "ckpt")) == [0, 0]

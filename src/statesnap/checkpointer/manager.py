@@ -339,12 +339,14 @@ class Checkpointer:
                 return None
             # the newest step first, from the fastest level holding it
             fallback = Fallback(self._comm, choices)
+            emptied = False  # whether a stored copy tried first took the state made for the snapshot away
             for index, (step, _, name) in enumerate(choices):
                 try:
                     if name == "memory":
-                        nbytes = self._restore_memory(snap, flat, step)
+                        nbytes = self._restore_memory(snap, flat, step, (state, made) if emptied else None)
                         from_memory = True
                     else:
+                        emptied = emptied or bool(made)
                         leave_fresh(made)
                         nbytes, name = self._restore_stored(state, step, name, inventories, cast)
                     break
@@ -383,10 +385,18 @@ class Checkpointer:
                 steps.append([])
         return steps
 
-    def _restore_memory(self, snap, flat, step: int) -> int:
-        """Restore ``snap`` from the arena into ``flat``, on every rank or (raised) on none."""
+    def _restore_memory(self, snap, flat, step: int, remake: tuple | None = None) -> int:
+        """Restore ``snap`` from the arena into ``flat``, on every rank or (raised) on none.
+        ``remake``: (state, made) whose fresh optimizers lost the state made for the snapshot to
+        a stored copy of a newer step tried first (it failed): the target is flattened again, so
+        that they get it back. Without it their ``load_state_dict`` found them without state,
+        and PyTorch's helper took a step at lr 0 to make one (their step hooks ran)."""
         error, nbytes = None, 0
         try:
+            if remake is not None:
+                flat = matching_target(snap, *remake)
+                if flat is None:
+                    raise CheckpointError(f"the snapshot of step {step} in host memory no longer matches the state")
             nbytes = restore_from_memory(snap, flat, self._arena.buffer, self.config.allow_pickle)
         except Exception as exc:  # noqa: BLE001 (all ranks raise together below)
             error = exc

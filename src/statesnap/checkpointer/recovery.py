@@ -118,6 +118,7 @@ class LocalRecovery:
         # the exchange of what each lacks: one collective round less before the transfers.
         lost = self.topology.is_leader and step not in inventories[comm.rank]
         opened = self._open_staging(step, raw) if lost else (None, None)
+        loading = None
         try:
             gathered = comm.all_gather((lacking, opened))
             transfers = self._plan_transfers(step, [wants for wants, _ in gathered], inventories)
@@ -130,6 +131,8 @@ class LocalRecovery:
             fill = (lambda: loading.fill(arrivals.backend(backend, self.level.path(step)))) if early else None
             self._fetch(step, gathered[self.topology.leader(comm.rank)][1], transfers, arrivals, meanwhile=fill)
         except BaseException:
+            if loading is not None:  # the load made a fresh optimizer's state: the restore failed, it goes again
+                loading.abandon()
             if opened[0] is not None:
                 backend.abort(opened[0], self.level.path(step))  # never touches the step once it is committed
             raise

@@ -522,14 +522,20 @@ class Loading:
         return _read_stored(self.backend, self.path, self.manifest, self.verify, self.threads, lambda nbytes: None,
                             item.fqn, entry, item.local.shape, plan)[0]
 
+    def abandon(self) -> None:
+        """Leave a fresh optimizer fresh again: without state, so that a load of a checkpoint
+        saved before its first step (a restart falling back to it) finds it so, and a restart
+        that loads nothing does not train on state the load made. For a failure of the load
+        itself, and of a caller's work between its steps (a node-local restore whose file
+        transfers failed once the load had made the state, recovery.py)."""
+        zero_unfilled(self.created)  # (also for tensors a caller still holds: zero, not garbage)
+        for optim in self.fresh:
+            optim.state.clear()
+
     @contextlib.contextmanager
     def _reset_on_failure(self):
         try:
             yield
         except BaseException:
-            # A failed load leaves a fresh optimizer fresh: without state, so that a load of a
-            # checkpoint saved before its first step (a restart falling back to it) finds it so.
-            zero_unfilled(self.created)  # (also for tensors a caller still holds: zero, not garbage)
-            for optim in self.fresh:
-                optim.state.clear()
+            self.abandon()
             raise
