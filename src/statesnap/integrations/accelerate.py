@@ -25,7 +25,7 @@ import logging
 
 from ..checkpointer import Checkpointer
 from ..errors import StateMismatchError
-from ..state.wrappers import PerRank
+from ..state.wrappers import PerRank, Replicated
 from .rng import RngStates
 
 log = logging.getLogger("statesnap")
@@ -49,7 +49,9 @@ class AcceleratorCheckpoints:
             "models": {str(i): acc.unwrap_model(m) for i, m in enumerate(acc._models)},
             "optimizers": {str(i): getattr(o, "optimizer", o) for i, o in enumerate(acc._optimizers)},
             "schedulers": {str(i): s for i, s in enumerate(acc._schedulers)},
-            "custom": {str(i): o for i, o in enumerate(acc._custom_objects)},
+            # save_state saves registered objects from the main process and load_state gives every
+            # rank that state: one copy, not compared across ranks (a per-rank object failed the save)
+            "custom": {str(i): Replicated(o) for i, o in enumerate(acc._custom_objects)},
             "accelerator": {"step": _Counter(acc)},
             "rng": PerRank(RngStates(), on_resize="skip"),
         }
