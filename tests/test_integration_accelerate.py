@@ -252,6 +252,7 @@ def _save_a_per_rank_registered_object(rank, world, root):
     model = torch.nn.Linear(2, 1)
     accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     accelerator.register_for_checkpointing(_LocalTally(10 + rank))
+    torch.manual_seed(100 + rank)  # each rank's RNG states its own
     accelerator.save_state(os.path.join(root, "stock"))
     with AcceleratorCheckpoints(accelerator, os.path.join(root, "ckpt")) as checkpoints:
         checkpoints.save(1).wait()
@@ -283,7 +284,33 @@ def test_a_registered_object_that_differs_per_rank_is_saved_as_save_state_saves_
 
     stock, stock_tally = resumed()
     stock.load_state(str(tmp_path / "stock"))
+    stock_draws = torch.rand(4)
     accelerator, tally = resumed()
     with AcceleratorCheckpoints(accelerator, tmp_path / "ckpt") as checkpoints:
         assert checkpoints.load_latest() == 1
     assert tally.count == stock_tally.count == 10
+    # and rank 0 of the resumed job takes rank 0's RNG states, as load_state gives it them
+    assert torch.equal(torch.rand(4), stock_draws)
+    torch.manual_seed(100)  # what rank 0's generator held when it saved
+    assert torch.equal(stock_draws, torch.rand(4))
+
+
+def test_a_rank_the_saving_job_did_not_have_keeps_its_own_rng_states():
+    """Loaded on more processes than saved (1 -> 2), rank 1 finds no RNG states of its number:
+    it keeps its own, as load_state leaves it; rank 0 takes the saved ones."""
+    from statesnap.integrations.accelerate import _own_rank_if_saved
+    from statesnap.integrations.rng import RngStates
+
+    torch.manual_seed(7)
+    saved = [RngStates().state_dict()]
+    torch.manual_seed(8)
+    rng = RngStates()
+    choose = _own_rank_if_saved(rng)
+    rng.load_state_dict(choose(saved, 1, 2))
+    kept = torch.rand(3)
+    rng.load_state_dict(choose(saved, 0, 2))
+    taken = torch.rand(3)
+    torch.manual_seed(8)
+    assert torch.equal(kept, torch.rand(3))
+    torch.manual_seed(7)
+    assert torch.equal(taken, torch.rand(3))

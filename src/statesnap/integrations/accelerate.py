@@ -53,7 +53,7 @@ class AcceleratorCheckpoints:
             # rank that state: one copy, not compared across ranks (a per-rank object failed the save)
             "custom": {str(i): Replicated(o) for i, o in enumerate(acc._custom_objects)},
             "accelerator": {"step": _Counter(acc)},
-            "rng": PerRank(RngStates(), on_resize="skip"),
+            "rng": PerRank(rng := RngStates(), on_resize=_own_rank_if_saved(rng)),
         }
         if getattr(acc, "scaler", None) is not None:  # fp16: the loss scale, backed off at overflows
             state["scaler"] = acc.scaler
@@ -162,6 +162,13 @@ class _Unread:
 
     def load_state_dict(self, state) -> None:
         pass
+
+
+def _own_rank_if_saved(rng: RngStates):
+    """``on_resize`` of the RNG states, as ``load_state`` maps them on another number of
+    processes: each rank takes the states the rank of its number saved, and a rank the saving
+    job did not have keeps its own."""
+    return lambda saved, rank, world_size: saved[rank] if rank < len(saved) else rng.state_dict()
 
 
 class _Counter:
