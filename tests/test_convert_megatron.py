@@ -23,6 +23,11 @@ from statesnap.errors import CheckpointError, UnsafeCheckpointError
 
 from producers import once_each, run_producer
 
+# Tests here run the real libraries' producers on 2 ranks (tests/producers), a first test several
+# of them: on a loaded machine (the CI's clean run of 2026-11-28 here, at about half this VM's
+# usual speed) that took longer than the 300 s one test is otherwise given.
+pytestmark = pytest.mark.timeout(900)
+
 # name -> (script, arguments after the output directory, ranks, extra environment)
 PRODUCERS = {
     "llama_tp2": ("mcore_gpt.py", ["llama", 2, 1], 2, {}),

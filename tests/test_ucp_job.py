@@ -38,6 +38,11 @@ from dist_utils import run_ranks
 from producers import run_producer
 from producers.ds_resume import BETAS, EPS, LR, MLP, WEIGHT_DECAY
 
+# Tests here run the real libraries' producers on 2 ranks (tests/producers), a first test several
+# of them: on a loaded machine (the CI's clean run of 2026-11-28 here, at about half this VM's
+# usual speed) that took longer than the 300 s one test is otherwise given.
+pytestmark = pytest.mark.timeout(900)
+
 LOSS_RTOL = 1e-6
 WEIGHT_ATOL = 1e-6
 LOST_STATE_MIN_DIFF = 1e-3
