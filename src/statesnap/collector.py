@@ -7,9 +7,10 @@ most of a load of many small tensors, measured. A pause that ends while they liv
 the work: the first allocation after it collects them all. So ``ss.load`` pauses the collector
 from its start to its end, when its objects have been freed by their reference counts and the
 collector has nothing of them left to walk (before this, a load of 1,000 small tensors took 84 ms
-with the collector on and 68 ms with it off, alternating in one process). The pause spans the load's reads and its waits for other ranks
-(each bounded by its timeout), during which the caller's other threads allocate without
-collecting; cyclic garbage they make meanwhile is collected once the load returns.
+with the collector on and 68 ms with it off, alternating in one process). The pause spans the
+load's reads and its waits for other ranks (each bounded by its timeout), during which the
+caller's other threads allocate without collecting; cyclic garbage they make meanwhile is
+collected once the load returns.
 
 Only the main thread pauses, where the training's own loads run. The collector is one switch for
 the process, and a pause cannot tell its own ``gc.disable()`` from the caller's: a pause on
