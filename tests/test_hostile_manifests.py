@@ -42,8 +42,12 @@ def _rewrite(path, change) -> None:
     (path / MANIFEST_NAME).write_bytes(b'%s,"manifest_xxh3":%d}' % (body[:-1], xxhash.xxh3_64_intdigest(body)))
 
 
-def test_a_flipped_bit_in_the_version_is_damage_and_load_latest_falls_back(tmp_path):
-    """"version":1 -> "version":3 is one bit: not a newer format (its checksum fails), so a
+@pytest.mark.parametrize("bit, message", [
+    (0x04, "fails its own checksum .* newer than this statesnap"),  # 1 -> 5: no version this reads
+    (0x02, "fails its own checksum: its bytes hash"),  # 1 -> 3: a version this reads, read as one
+])
+def test_a_flipped_bit_in_the_version_is_damage_and_load_latest_falls_back(tmp_path, bit, message):
+    """"version":1 -> "version":5 is one bit: not a newer format (its checksum fails), so a
     restart loads the step before instead of stopping with "upgrade statesnap"."""
     model = torch.nn.Linear(4, 3)
     ckpt = ss.Checkpointer(tmp_path, keep_last=2)
@@ -53,8 +57,8 @@ def test_a_flipped_bit_in_the_version_is_damage_and_load_latest_falls_back(tmp_p
     where = tmp_path / "step-2" / MANIFEST_NAME
     raw = where.read_bytes()
     version = raw.index(b'"version":') + len(b'"version":')
-    where.write_bytes(raw[:version] + bytes([raw[version] | 0x02]) + raw[version + 1:])
-    with pytest.raises(CorruptCheckpointError, match="fails its own checksum .* newer than this statesnap"):
+    where.write_bytes(raw[:version] + bytes([raw[version] | bit]) + raw[version + 1:])
+    with pytest.raises(CorruptCheckpointError, match=message):
         ss.open(tmp_path / "step-2")
     with ss.Checkpointer(tmp_path) as restarted, pytest.warns(RuntimeWarning, match="step 2 could not be restored"):
         assert restarted.load_latest({"model": torch.nn.Linear(4, 3)}) == 1

@@ -154,8 +154,9 @@ def build_manifest(plan: SavePlan, outputs: list[RankOutput], world_size: int, b
 
 def whole_manifest(tensors: dict[str, TensorEntry], outputs: list[RankOutput], world_size: int, block_bytes: int,
                    meta: dict | None) -> tuple[Manifest, bytes]:
-    """The one-document manifest (version 1) of a save planned by tensor owners, from their
-    entries gathered on rank 0: for jobs under ``SPLIT_MIN_RANKS`` ranks, whose manifest is small."""
+    """The one-document manifest (version 1, or 3 with a table) of a save planned by tensor
+    owners, from their entries gathered on rank 0: for jobs under ``SPLIT_MIN_RANKS`` ranks,
+    whose manifest is small."""
     files, sizes, index_of = _file_table(outputs)
     manifest = Manifest(files=files, file_sizes=sizes, tensors=dict(sorted(tensors.items())),
                         objects=_merge_objects(outputs, index_of), world_size=world_size, block_bytes=block_bytes,

@@ -35,12 +35,15 @@ from .columns import (PACK_MIN_PIECES, PACK_ZLIB_MAX_DIMS, UINT64_MAX, Inflation
                       parse_json, shape_problem, shape_text, unpack)
 from .dtypes import dtype_name, tensor_dtype
 from .plain_entries import BOX, FEW_PIECES, FLAT, read_plain_entries
+from .table import read_table, table_json, table_rows
 from .plaindata import int_too_long
 from .split import (Fetch, SectionReader, TensorRow, pack_files, pack_json, parse_rows, region_problem, row_json,
                     unpack_files, unpack_json)
 
 FORMAT_NAME = "statesnap"
-FORMAT_VERSION = 2  # the newest this reads; a one-document manifest is still written as version 1
+# The newest version this reads. A one-document manifest is written as version 1, or as version 3
+# where it has a table (format/table.py); a split one as version 2.
+FORMAT_VERSION = 3
 MANIFEST_NAME = "manifest.json"
 _SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
 # The manifest's checksum of itself: its last member, written exactly as `,"manifest_xxh3":<int>}`
@@ -385,10 +388,14 @@ class Manifest:
                 "torch_version": torch.__version__, "meta": self.meta}
 
     def to_bytes(self) -> bytes:
-        """The manifest as one document (version 1), compact, ending in its checksum of itself."""
+        """The manifest as one document, compact, ending in its checksum of itself: version 3
+        where enough tensors are stored whole in one piece to make a table of them, else 1."""
+        table = table_json(self.tensors)
+        tabled = set(table["name"]) if table else ()
         doc = {
-            **self._head(1), "files": self.files, "file_sizes": self.file_sizes,
-            "tensors": {k: v.to_json() for k, v in self.tensors.items()},
+            **self._head(1 if table is None else 3), "files": self.files, "file_sizes": self.file_sizes,
+            "tensors": {k: v.to_json() for k, v in self.tensors.items() if k not in tabled},
+            **({} if table is None else {"table": table}),
             "objects": {k: v.to_json() for k, v in self.objects.items()},
         }
         return _with_self_checksum(doc)
@@ -454,11 +461,11 @@ class Manifest:
     def _from_doc(cls, doc: dict, version: int, where: str, budget: InflationBudget,
                   fetch: Fetch | None = None) -> "Manifest":
         def packed(convert):  # version 2 may store a long list zlib'd (format/split.py)
-            return lambda v: convert(unpack_json(v, budget, where) if version >= 2 else v)
+            return lambda v: convert(unpack_json(v, budget, where) if version == 2 else v)
 
         file_sizes = _field(doc, "file_sizes", where, packed(lambda v: [integer(n) for n in v]))
         files = _field(doc, "files", where, lambda v: _names(
-            unpack_files(v, len(file_sizes), budget, where) if version >= 2 else v))
+            unpack_files(v, len(file_sizes), budget, where) if version == 2 else v))
         block_bytes = _field(doc, "block_bytes", where, lambda v: integer(v, low=1))
         world_size = _field(doc, "world_size", where, lambda v: integer(v, low=1))
         objects_doc = _field(doc, "objects", where, _json_object)
@@ -467,7 +474,8 @@ class Manifest:
         if len(file_sizes) != len(files):
             raise ManifestError(f"{where} has an inconsistent file table ({len(files)} files, "
                                 f"{len(file_sizes)} sizes)")
-        if version >= 2:
+        table = _field(doc, "table", where, table_rows) if version == 3 and "table" in doc else {}
+        if version == 2:
             count = _field(doc, "sections", where, lambda v: integer(v, high=len(files)))
             sections = list(range(len(files) - count, len(files)))  # the last files of the table
             tensors_doc = _field(doc, "tensors", where, packed(
@@ -478,9 +486,12 @@ class Manifest:
             if not _SAFE_FILE.fullmatch(name) or name in (".", ".."):
                 raise ManifestError(f"{where} names data file {name!r}, which is not a plain file name "
                                     "inside the checkpoint directory; refusing to read it")
-        both = sorted(set(tensors_doc) & set(objects_doc))
+        both = sorted(set(tensors_doc) & set(objects_doc) | set(table) & set(objects_doc))
         if both:
             raise ManifestError(f"{where} names {both[0]!r} both as a tensor and as an object")
+        twice = sorted(set(tensors_doc) & set(table))
+        if twice:
+            raise ManifestError(f"{where} has two entries of tensor {twice[0]!r}: one in 'tensors', one in 'table'")
         objects = {k: ObjectEntry.from_json(k, v, files, file_sizes, where) for k, v in objects_doc.items()}
         for fqn, entry in objects.items():
             if entry.kind == "per_rank" and len(entry.per_rank) != world_size:
@@ -488,12 +499,17 @@ class Manifest:
                                     f"for a world of {world_size}")
         manifest = cls(files=files, file_sizes=file_sizes, tensors={}, objects=objects, world_size=world_size,
                        block_bytes=block_bytes, meta=dict(meta), version=version, sections=sections)
-        if version >= 2:
+        if version == 2:
             reader = None if fetch is None else SectionReader(fetch, [files[i] for i in sections], world_size, where)
             manifest.tensors = SplitTensors(tensors_doc, reader, manifest)
-        else:
-            manifest.tensors = TensorEntry.read_all(tensors_doc, files, file_sizes, block_bytes, where, world_size,
-                                                    budget)
+            return manifest
+        manifest.tensors = TensorEntry.read_all(tensors_doc, files, file_sizes, block_bytes, where, world_size,
+                                                budget)
+        if table:
+            manifest.tensors.update(read_table(
+                table, files, np.asarray(file_sizes, dtype=np.int64), block_bytes, TensorEntry,
+                lambda fqn, data: TensorEntry.from_json(fqn, data, files, file_sizes, block_bytes, where, world_size,
+                                                        budget)))
         return manifest
 
 

@@ -8,6 +8,8 @@ dimensions are checked together against the rules of docs/format.md §8, one num
 and the entries handed out as views of their group's arrays. An entry that is not plain, or
 breaks a rule, is left out: the general reader (``TensorEntry.from_json``) reads it and names
 what is wrong.
+The table of a version 3 manifest (format/table.py) is checked by the same rules
+(``valid_entries``).
 """
 from __future__ import annotations
 
@@ -50,10 +52,29 @@ def read_plain_entries(docs: dict, files: list[str], file_sizes: np.ndarray, blo
     out = {}
     for (n, dims), group in groups.items():
         matrix, kept = _matrix(group.rows)
-        valid = _valid(matrix, n, dims, len(files), file_sizes, block_bytes)
-        _hand_out(matrix, valid, [group.names[i] for i in kept], [group.heads[i] for i in kept],
-                  [group.sums[i] for i in kept], n, dims, make, out)
+        sums = [group.sums[i] for i in kept]
+        out.update(valid_entries(matrix, [group.names[i] for i in kept], [group.heads[i] for i in kept],
+                                 np.array([*itertools.chain(*sums)], dtype=np.uint64),
+                                 [*itertools.accumulate(map(len, sums), initial=0)], n, dims, files, file_sizes,
+                                 block_bytes, make))
     return out
+
+
+def valid_entries(matrix: np.ndarray, names: list, heads: list, flat: np.ndarray, ends: list[int], n: int, dims: int,
+                  files: list[str], file_sizes: np.ndarray, block_bytes: int, make: Callable) -> dict:
+    """fqn -> ``make(*head, file, offset, ...)`` for each row of ``matrix`` (entries of ``n``
+    pieces of ``dims`` dimensions, laid out as ``_unpacked`` makes a row) that keeps every rule,
+    as views of its arrays; row i's checksums are ``flat[ends[i]:ends[i + 1]]``."""
+    valid = _valid(matrix, n, dims, len(files), file_sizes, block_bytes).tolist()
+    file, offset, nbytes, start, size, counts, _, _ = _columns(matrix, n, dims)
+    bounds = np.zeros((len(matrix), n + 1), dtype=np.int64)
+    np.cumsum(counts, axis=1, out=bounds[:, 1:])
+    k = len(matrix)
+    # (a row of an array, iterated, is a view made in C: indexing one made each twice as slowly)
+    sums = (flat.reshape(k, n) if ends == list(range(0, k * n + 1, n)) else
+            [flat[a:b] for a, b in zip(ends, ends[1:])])
+    return {name: make(*head, *row) for name, head, ok, *row in zip(names, heads, valid, file, offset, nbytes, start,
+                                                                     size, sums, bounds) if ok}
 
 
 def _unpacked(data, most: int) -> tuple | None:
@@ -151,16 +172,3 @@ def _valid(matrix: np.ndarray, n: int, dims: int, file_count: int, file_sizes: n
     shared &= ~np.eye(n, dtype=bool)
     total = limit.prod(axis=1)
     return ok & ((total == 0) | (~shared.any(axis=(1, 2)) & (elems.sum(axis=1) == total)))
-
-
-def _hand_out(matrix: np.ndarray, valid: np.ndarray, names: list, heads: list, sums: list,
-              n: int, dims: int, make: Callable, out: dict) -> None:
-    """Entries of the valid rows into ``out``, as views of the group's arrays."""
-    file, offset, nbytes, start, size, counts, _, _ = _columns(matrix, n, dims)
-    bounds = np.zeros((len(matrix), n + 1), dtype=np.int64)
-    np.cumsum(counts, axis=1, out=bounds[:, 1:])
-    flat = np.array([*itertools.chain(*sums)], dtype=np.uint64)
-    ends = [*itertools.accumulate(map(len, sums), initial=0)]
-    for i in np.flatnonzero(valid).tolist():
-        out[names[i]] = make(*heads[i], file[i], offset[i], nbytes[i], start[i], size[i], flat[ends[i]:ends[i + 1]],
-                             bounds[i])
