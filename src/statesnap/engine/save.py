@@ -7,6 +7,7 @@ stores, the manifest itself) makes the whole checkpoint visible at once.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import time
@@ -37,6 +38,8 @@ from .objects import encode_value
 from .replicas import (REPLICA_CHECK_MB, differing_pieces, hash_tensors, limit_bytes, mismatches, object_digests,
                        replicas_to_check)
 from .write import write_file
+
+log = logging.getLogger("statesnap")
 
 
 @dataclass
@@ -459,16 +462,30 @@ def commit_manifest(backend, path, staging, outputs, overwrite, durable,
     if differ is not None:
         backend.abort(staging, path, written)
         return f"{path} was not committed: {differ}"
+    in_place = False
     try:
         manifest, raw = build([out for out, _ in outputs])
         backend.write_bytes(backend.join(staging, MANIFEST_NAME), raw, durable)
+        in_place = staging == path
         backend.commit(staging, path, overwrite, durable, keep=[*manifest.files, MANIFEST_NAME])
     except Exception as exc:
+        if in_place:  # see committed_in_place
+            return committed_in_place(path, exc, manifest.total_bytes)
         backend.abort(staging, path, written)
         if isinstance(exc, (RootBusyError, CheckpointExistsError)):  # callers catch these types
             return exc
         return f"committing {path} failed: {type(exc).__name__}: {exc}"
     return manifest.total_bytes
+
+
+def committed_in_place(path: str, exc: Exception, nbytes: int) -> int:
+    """A manifest written in place (an object store: staging is the final path) was the commit;
+    what failed after it (the claim's check, deleting the files of the checkpoint it replaced)
+    must not abort it. The abort deleted the data files that manifest names, and neither the new
+    checkpoint nor the one it replaced loaded. Files left over go at the next commit there."""
+    log.warning("statesnap: %s is committed, but what follows its commit failed (%s: %s); files of the "
+                "checkpoint it replaced may be left there", path, type(exc).__name__, exc)
+    return nbytes
 
 
 def committed_bytes(result: Any, path: str) -> int:
