@@ -339,3 +339,17 @@ def test_a_failure_after_the_manifest_put_does_not_abort_the_commit(proxy, moto)
             assert ckpt.load_latest(loaded) == 1
         assert_same(loaded, make_state(1, big=300_000))
 
+
+def test_a_failing_abort_leaves_the_save_its_checkpoint_error(proxy, moto):
+    """The manifest's PUT fails, and so does deleting the data file it would have named: the
+    save raised the deletion's bare OSError, not a CheckpointError naming the manifest."""
+    url, first = fresh_url("abort-fails"), make_state(10)
+    ss.save(first, url, storage_options=options(proxy))
+    proxy.fail(lambda r: r.method == "PUT" and r.path.endswith("/manifest.json"), times=1000)
+    proxy.fail(lambda r: r.method == "DELETE" or (r.method == "POST" and "delete" in r.query), times=1000)
+    with pytest.raises(ss.CheckpointError, match=r"manifest\.json failed: SlowDown"):
+        ss.save(make_state(11), url, overwrite=True, storage_options=options(proxy, retries=2))
+    loaded = zeros_like(first)
+    ss.load(loaded, url, storage_options=options(moto))
+    assert_same(loaded, first)
+
