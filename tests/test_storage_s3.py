@@ -353,3 +353,19 @@ def test_a_failing_abort_leaves_the_save_its_checkpoint_error(proxy, moto):
     ss.load(loaded, url, storage_options=options(moto))
     assert_same(loaded, first)
 
+
+def test_load_latest_raises_when_the_only_level_holding_steps_cannot_be_listed(proxy, moto):
+    """A listing that fails every retry left the level out of the restore, and with no other
+    level ``load_latest`` returned None, "no checkpoint": ``load_latest(state) or 0`` trained
+    from scratch, and its saves then replaced and retired the checkpoints still there."""
+    root = fresh_url("unlisted")
+    with ss.Checkpointer(root, storage_options=options(moto)) as ckpt:
+        ckpt.save(1, make_state(1, big=300_000)).wait()
+    with ss.Checkpointer(root, storage_options=options(proxy, retries=2)) as ckpt:
+        proxy.fail(lambda r: r.method == "GET" and "list-type" in r.query, times=1000)
+        with pytest.raises(ss.CheckpointError, match=r"persistent level at s3://.* could not be listed .*SlowDown"):
+            ckpt.load_latest(zeros_like(make_state(1, big=300_000)))
+        proxy._failures.clear()
+        loaded = zeros_like(make_state(1, big=300_000))
+        assert ckpt.load_latest(loaded) == 1
+    assert_same(loaded, make_state(1, big=300_000))
