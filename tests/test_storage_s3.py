@@ -340,6 +340,20 @@ def test_a_failure_after_the_manifest_put_does_not_abort_the_commit(proxy, moto)
         assert_same(loaded, make_state(1, big=300_000))
 
 
+def test_a_manifest_put_that_landed_but_reported_failure_is_committed(proxy, moto):
+    """The manifest's PUT landed but its answer was lost, and its retries met 503s: the save
+    aborted, deleting the data files that the manifest now in place names, and neither the new
+    checkpoint nor the one it replaced loaded. The manifest read back is this save's: committed."""
+    url, first, second = fresh_url("landed"), make_state(12), make_state(13)
+    ss.save(first, url, storage_options=options(proxy))
+    manifest_put = lambda r: r.method == "PUT" and r.path.endswith("/manifest.json")  # noqa: E731
+    proxy.lose_answers(manifest_put, times=1)
+    proxy.fail(manifest_put, times=1000)
+    ss.save(second, url, overwrite=True, storage_options=options(proxy, retries=3))
+    loaded = zeros_like(second)
+    ss.load(loaded, url, storage_options=options(moto))
+    assert_same(loaded, second)
+
 def test_a_failing_abort_leaves_the_save_its_checkpoint_error(proxy, moto):
     """The manifest's PUT fails, and so does deleting the data file it would have named: the
     save raised the deletion's bare OSError, not a CheckpointError naming the manifest."""

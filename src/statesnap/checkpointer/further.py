@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from ..engine.dist import Comm
-from ..engine.save import committed_in_place
+from ..engine.save import committed_in_place, write_manifest
 from ..errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..monitor.events import EventLog, now
@@ -150,7 +150,7 @@ class FurtherCopier:
         try:
             if failures:
                 raise CheckpointError(failures)
-            backend.write_bytes(backend.join(staging, MANIFEST_NAME), raw, self._durable)
+            write_manifest(backend, staging, target, raw, self._durable)
             in_place = staging == target
             backend.commit(staging, target, True, self._durable, keep=[*manifest.files, MANIFEST_NAME])
         except Exception as exc:  # noqa: BLE001 (reported on every rank)

@@ -465,7 +465,7 @@ def commit_manifest(backend, path, staging, outputs, overwrite, durable,
     in_place = False
     try:
         manifest, raw = build([out for out, _ in outputs])
-        backend.write_bytes(backend.join(staging, MANIFEST_NAME), raw, durable)
+        write_manifest(backend, staging, path, raw, durable)
         in_place = staging == path
         backend.commit(staging, path, overwrite, durable, keep=[*manifest.files, MANIFEST_NAME])
     except Exception as exc:
@@ -476,6 +476,25 @@ def commit_manifest(backend, path, staging, outputs, overwrite, durable,
             return exc
         return f"committing {path} failed: {type(exc).__name__}: {exc}"
     return manifest.total_bytes
+
+
+def write_manifest(backend: StorageBackend, staging: str, path: str, raw: bytes, durable: bool) -> None:
+    """Write the manifest ``raw`` into ``staging``. In place (an object store), a PUT that landed
+    but whose answer was lost, its retries then failing, raises although it committed: the
+    manifest read back is then this one, and the abort must not delete the files it names."""
+    where = backend.join(staging, MANIFEST_NAME)
+    try:
+        backend.write_bytes(where, raw, durable)
+    except Exception:
+        if staging != path or not _holds(backend, where, raw):
+            raise
+
+
+def _holds(backend: StorageBackend, where: str, raw: bytes) -> bool:
+    try:
+        return backend.read_bytes(where) == raw
+    except Exception:  # noqa: BLE001 (not known to be there: the write's failure stands)
+        return False
 
 
 def committed_in_place(path: str, exc: Exception, nbytes: int) -> int:
