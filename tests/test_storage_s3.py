@@ -293,3 +293,93 @@ def test_resharded_load_straight_from_s3(moto):
     ss.load(loaded, url, storage_options=options(moto))
     assert torch.equal(loaded["rows"], full_value()) and torch.equal(loaded["cols"], full_value().double())
     assert torch.equal(ss.open(url, storage_options=options(moto)).read("rows"), full_value())
+
+
+def after_manifest_put(prefix: str, match):
+    """Matches what ``match`` matches once the manifest of a checkpoint under ``prefix`` was PUT."""
+    put = []
+
+    def matches(request) -> bool:
+        if request.method == "PUT" and request.path.startswith(prefix) and request.path.endswith("/manifest.json"):
+            put.append(request)
+        return bool(put) and match(request)
+    return matches
+
+
+def lists(url: str):
+    """Matches listings of the directory ``url`` (a checkpoint's files, as its commit lists them)."""
+    prefix = key_of(url).split("/", 2)[2] + "/"
+    return lambda r: r.method == "GET" and r.query.get("delimiter") == ["/"] and r.query.get("prefix") == [prefix]
+
+
+def test_a_failure_after_the_manifest_put_does_not_abort_the_commit(proxy, moto):
+    """On S3 the manifest's PUT is the commit; listing and deleting the replaced checkpoint's
+    files come after it. When those failed, the abort deleted the new data files under the new
+    manifest: the save raised, and neither the new checkpoint nor the one it replaced loaded."""
+    url, first, second = fresh_url("after-put"), make_state(8), make_state(9)
+    ss.save(first, url, storage_options=options(proxy))
+    proxy.fail(after_manifest_put(key_of(url), lists(url)), times=1000)
+    ss.save(second, url, overwrite=True, storage_options=options(proxy, retries=2))
+    loaded = zeros_like(second)
+    ss.load(loaded, url, storage_options=options(moto))
+    assert_same(loaded, second)
+
+    # a Checkpointer's step, and its further copy: committed, and load_latest restores it
+    proxy._failures.clear()
+    root = fresh_url("after-put-run")
+    for where in (root, f"{root}-further"):
+        proxy.fail(after_manifest_put(key_of(where), lists(f"{where}/step-1")), times=1000)
+    with ss.Checkpointer(root, further_root=f"{root}-further", further_every=1,
+                         storage_options=options(proxy, retries=2)) as ckpt:
+        ckpt.save(1, make_state(1, big=300_000)).wait()
+    proxy._failures.clear()
+    for where in (root, f"{root}-further"):
+        with ss.Checkpointer(where, storage_options=options(moto)) as ckpt:
+            loaded = zeros_like(make_state(1, big=300_000))
+            assert ckpt.load_latest(loaded) == 1
+        assert_same(loaded, make_state(1, big=300_000))
+
+
+def test_a_manifest_put_that_landed_but_reported_failure_is_committed(proxy, moto):
+    """The manifest's PUT landed but its answer was lost, and its retries met 503s: the save
+    aborted, deleting the data files that the manifest now in place names, and neither the new
+    checkpoint nor the one it replaced loaded. The manifest read back is this save's: committed."""
+    url, first, second = fresh_url("landed"), make_state(12), make_state(13)
+    ss.save(first, url, storage_options=options(proxy))
+    manifest_put = lambda r: r.method == "PUT" and r.path.endswith("/manifest.json")  # noqa: E731
+    proxy.lose_answers(manifest_put, times=1)
+    proxy.fail(manifest_put, times=1000)
+    ss.save(second, url, overwrite=True, storage_options=options(proxy, retries=3))
+    loaded = zeros_like(second)
+    ss.load(loaded, url, storage_options=options(moto))
+    assert_same(loaded, second)
+
+def test_a_failing_abort_leaves_the_save_its_checkpoint_error(proxy, moto):
+    """The manifest's PUT fails, and so does deleting the data file it would have named: the
+    save raised the deletion's bare OSError, not a CheckpointError naming the manifest."""
+    url, first = fresh_url("abort-fails"), make_state(10)
+    ss.save(first, url, storage_options=options(proxy))
+    proxy.fail(lambda r: r.method == "PUT" and r.path.endswith("/manifest.json"), times=1000)
+    proxy.fail(lambda r: r.method == "DELETE" or (r.method == "POST" and "delete" in r.query), times=1000)
+    with pytest.raises(ss.CheckpointError, match=r"manifest\.json failed: SlowDown"):
+        ss.save(make_state(11), url, overwrite=True, storage_options=options(proxy, retries=2))
+    loaded = zeros_like(first)
+    ss.load(loaded, url, storage_options=options(moto))
+    assert_same(loaded, first)
+
+
+def test_load_latest_raises_when_the_only_level_holding_steps_cannot_be_listed(proxy, moto):
+    """A listing that fails every retry left the level out of the restore, and with no other
+    level ``load_latest`` returned None, "no checkpoint": ``load_latest(state) or 0`` trained
+    from scratch, and its saves then replaced and retired the checkpoints still there."""
+    root = fresh_url("unlisted")
+    with ss.Checkpointer(root, storage_options=options(moto)) as ckpt:
+        ckpt.save(1, make_state(1, big=300_000)).wait()
+    with ss.Checkpointer(root, storage_options=options(proxy, retries=2)) as ckpt:
+        proxy.fail(lambda r: r.method == "GET" and "list-type" in r.query, times=1000)
+        with pytest.raises(ss.CheckpointError, match=r"persistent level at s3://.* could not be listed .*SlowDown"):
+            ckpt.load_latest(zeros_like(make_state(1, big=300_000)))
+        proxy._failures.clear()
+        loaded = zeros_like(make_state(1, big=300_000))
+        assert ckpt.load_latest(loaded) == 1
+    assert_same(loaded, make_state(1, big=300_000))

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from ..engine.dist import Comm
+from ..engine.save import committed_in_place, write_manifest
 from ..errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..monitor.events import EventLog, now
@@ -145,14 +146,18 @@ class FurtherCopier:
             return f"step {step} was not copied to {target}: {failures}"
         manifest = Manifest.from_bytes(raw)
         backend = self._dst.backend
+        in_place = False
         try:
             if failures:
                 raise CheckpointError(failures)
-            backend.write_bytes(backend.join(staging, MANIFEST_NAME), raw, self._durable)
+            write_manifest(backend, staging, target, raw, self._durable)
+            in_place = staging == target
             backend.commit(staging, target, True, self._durable, keep=[*manifest.files, MANIFEST_NAME])
         except Exception as exc:  # noqa: BLE001 (reported on every rank)
-            backend.abort(staging, target, manifest.files)
-            return f"step {step} was not copied to {target}: {exc}"
+            if not in_place:  # else the manifest's write was the commit (engine/save.py: committed_in_place)
+                backend.abort(staging, target, manifest.files)
+                return f"step {step} was not copied to {target}: {exc}"
+            committed_in_place(target, exc, 0)
         try:
             self._dst.retain(set(), step)
         except Exception as exc:  # noqa: BLE001 (the copy is committed; retention is retried next time)

@@ -30,6 +30,7 @@ from ..errors import CheckpointError, StateMismatchError
 from ..monitor.events import EventLog, now
 from ..state.optim_state import create_adam_state
 from ..storage import backend_for, is_url, normalize
+from ..storage.retry import describe
 from .at_exit import finish_at_exit
 from .config import CheckpointerConfig
 from .gpu import CudaCopier, mark_devices
@@ -332,9 +333,18 @@ class Checkpointer:
             inventories = [node for _, node, *_ in held] if self.local is not None else []
             stored = held[0][2]
             local_steps = complete_steps(inventories) if inventories else []
+            listed = [steps if isinstance(steps, list) else [] for steps in stored]  # (else why it was not)
             choices = [(memory_step, 0, "memory")] + [(s, 1, "local") for s in local_steps] + [
-                (s, i + 2, lv.name) for i, (steps, lv) in enumerate(zip(stored, levels)) for s in steps]
+                (s, i + 2, lv.name) for i, (steps, lv) in enumerate(zip(listed, levels)) for s in steps]
             choices = sorted((c for c in choices if c[0] is not None), key=lambda c: (-c[0], c[1]))
+            unlisted = [(lv, why) for why, lv in zip(stored, levels) if isinstance(why, str)]
+            if not choices and unlisted:
+                # None says "no checkpoint": the loop would train from scratch, and its saves
+                # would replace and retire the checkpoints that level still holds
+                raise CheckpointError(
+                    "no checkpoint to restore was found, but " + "; ".join(
+                        f"the {lv.name} level at {lv.root} could not be listed ({why})" for lv, why in unlisted) +
+                    ": it may hold checkpoints; try again once the storage answers")
             if not choices:
                 return None
             # the newest step first, from the fastest level holding it
@@ -371,18 +381,19 @@ class Checkpointer:
         log.info("statesnap: restored step %d from the %s level", step, name)
         return step
 
-    def _stored_steps(self, levels: list[StorageLevel]) -> list[list[int]]:
+    def _stored_steps(self, levels: list[StorageLevel]) -> list[list[int] | str]:
         """Rank 0: the committed steps of each storage level. A level it cannot list (the
-        storage is down) holds none for this restore, with a warning, rather than raising here
-        while the other ranks wait for the answer: the other levels may still serve the restart."""
+        storage is down) holds none for this restore (the error's text instead of its steps), with a
+        warning, rather than raising here while the other ranks wait for the answer: the other
+        levels may still serve the restart."""
         steps = []
         for level in levels:
             try:
                 steps.append(level.committed_steps())
             except Exception as exc:  # noqa: BLE001 (any storage library's error)
-                log.warning("statesnap: the %s level at %s cannot be listed (%s: %s); restoring without it",
-                            level.name, level.root, type(exc).__name__, exc)
-                steps.append([])
+                log.warning("statesnap: the %s level at %s cannot be listed (%s); restoring without it",
+                            level.name, level.root, describe(exc))
+                steps.append(describe(exc))
         return steps
 
     def _restore_memory(self, snap, flat, step: int, remake: tuple | None = None) -> int:

@@ -7,6 +7,7 @@ stores, the manifest itself) makes the whole checkpoint visible at once.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import time
@@ -37,6 +38,8 @@ from .objects import encode_value
 from .replicas import (REPLICA_CHECK_MB, differing_pieces, hash_tensors, limit_bytes, mismatches, object_digests,
                        replicas_to_check)
 from .write import write_file
+
+log = logging.getLogger("statesnap")
 
 
 @dataclass
@@ -460,16 +463,49 @@ def commit_manifest(backend, path, staging, outputs, overwrite, durable,
     if differ is not None:
         backend.abort(staging, path, written)
         return f"{path} was not committed: {differ}"
+    in_place = False
     try:
         manifest, raw = build([out for out, _ in outputs])
-        backend.write_bytes(backend.join(staging, MANIFEST_NAME), raw, durable)
+        write_manifest(backend, staging, path, raw, durable)
+        in_place = staging == path
         backend.commit(staging, path, overwrite, durable, keep=[*manifest.files, MANIFEST_NAME])
     except Exception as exc:
+        if in_place:  # see committed_in_place
+            return committed_in_place(path, exc, manifest.total_bytes)
         backend.abort(staging, path, written)
         if isinstance(exc, (RootBusyError, CheckpointExistsError)):  # callers catch these types
             return exc
         return f"committing {path} failed: {type(exc).__name__}: {exc}"
     return manifest.total_bytes
+
+
+def write_manifest(backend: StorageBackend, staging: str, path: str, raw: bytes, durable: bool) -> None:
+    """Write the manifest ``raw`` into ``staging``. In place (an object store), a PUT that landed
+    but whose answer was lost, its retries then failing, raises although it committed: the
+    manifest read back is then this one, and the abort must not delete the files it names."""
+    where = backend.join(staging, MANIFEST_NAME)
+    try:
+        backend.write_bytes(where, raw, durable)
+    except Exception:
+        if staging != path or not _holds(backend, where, raw):
+            raise
+
+
+def _holds(backend: StorageBackend, where: str, raw: bytes) -> bool:
+    try:
+        return backend.read_bytes(where) == raw
+    except Exception:  # noqa: BLE001 (not known to be there: the write's failure stands)
+        return False
+
+
+def committed_in_place(path: str, exc: Exception, nbytes: int) -> int:
+    """A manifest written in place (an object store: staging is the final path) was the commit;
+    what failed after it (the claim's check, deleting the files of the checkpoint it replaced)
+    must not abort it. The abort deleted the data files that manifest names, and neither the new
+    checkpoint nor the one it replaced loaded. Files left over go at the next commit there."""
+    log.warning("statesnap: %s is committed, but what follows its commit failed (%s: %s); files of the "
+                "checkpoint it replaced may be left there", path, type(exc).__name__, exc)
+    return nbytes
 
 
 def committed_bytes(result: Any, path: str) -> int:

@@ -21,6 +21,7 @@ flight per file, 8 by default with 16 MiB parts).
 from __future__ import annotations
 
 import heapq
+import logging
 import os
 import tempfile
 import threading
@@ -51,6 +52,7 @@ S3_PROTOCOLS = ("s3", "s3a")
 # holds at most these plus REORDER_BYTES in host memory, outside the staging budget.
 S3_PART_BYTES = 16 << 20
 S3_UPLOAD_WINDOW = 128 << 20
+log = logging.getLogger("statesnap")
 
 
 def _error(what: str, exc: BaseException) -> CheckpointError:
@@ -395,8 +397,15 @@ class FsspecBackend(StorageBackend):
 
     def abort(self, staging: str, final: str, written: Sequence[str] = ()) -> None:
         # Only this save's files go; their names are unique to it, so no manifest refers to them.
+        # Best effort, as a local abort is: a store failing here too must not replace the save's
+        # own error (with an OSError, not a CheckpointError). What stays is unreferenced: the next
+        # commit at this path or the next Checkpointer's start deletes it.
         for name in written:
-            self.remove(self.join(staging, name))
+            try:
+                self.remove(self.join(staging, name))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("statesnap: could not delete %s of a save that failed (%s)", self.join(staging, name),
+                            describe(exc))
 
 
 def _s3_options(options: dict) -> dict:
