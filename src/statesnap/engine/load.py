@@ -19,8 +19,8 @@ from ..errors import (CheckpointError, CorruptCheckpointError, ManifestError, Mi
                       StateMismatchError)
 from ..format.checksum import checksum_whole
 from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
-from ..plan.load_plan import TargetPlan, plan_target
-from ..progress import bar
+from ..plan.load_plan import TargetPlan, one_whole_piece, plan_target
+from ..progress import bar, wanted as wanted_bar
 from ..state.flatten import StoredNames, flatten_for_load
 from ..state.items import Flattened
 from ..storage import LocalBackend, backend_for, normalize
@@ -229,7 +229,8 @@ def fill_tensors(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
     """Read every item not in ``skip`` (by name) or ``received`` (by index: another rank sends it),
     with a progress bar as ``progress`` asks (see statesnap/progress.py)."""
     wanted = [item for index, item in enumerate(flat.tensors) if item.fqn not in skip and index not in received]
-    total = sum(item.local.numel() * manifest.header(item.fqn).dtype.itemsize for item in wanted)
+    total = sum(item.local.numel() * manifest.header(item.fqn).dtype.itemsize for item in wanted) if wanted_bar(
+        progress) else 0  # (a bar's total only: asked for each tensor, it cost a load of many a millisecond)
     with bar(total, f"load <- {os.path.basename(path.rstrip('/'))}", progress) as advance:
         return _fill_wanted(wanted, manifest, backend, path, verify, threads, strict, advance)
 
@@ -272,23 +273,38 @@ def _plan_reads(wanted: list, entries: list, executor: ReadExecutor, path: str, 
     copy, and those of another dtype."""
     on_device, indirect, casts = [], [], []
     for item, entry in zip(wanted, entries):
+        local = item.local
+        if local.dtype == entry.dtype and _plain_host(local) and one_whole_piece(entry, item.layout, item.start,
+                                                                                  item.size):
+            target = _writable(local)  # (the commonest, planned at once)
+            executor.add_whole(item.fqn, entry, target, plain_byte_view(target))
+            continue
         plan = plan_target(entry, item.layout, item.start, item.size)
         if plan.covered != item.local.numel() and strict:
             raise CorruptCheckpointError(f"{item.fqn}: the checkpoint {path} stores only {plan.covered} of the "
                                          f"{item.local.numel()} elements this rank needs; it is incomplete")
-        local = item.local
         if local.dtype != entry.dtype:  # cast=True (checked by _match): filled after the others
             casts.append((item.fqn, entry, local, plan))
         elif local.is_cuda and plan.covered == local.numel():
             on_device += wave_parts(item, entry, plan, executor.manifest.block_bytes)
-        elif local.is_cpu and local.is_contiguous() and not (local.is_conj() or local.is_neg()):
-            # A plain tensor as it is; any other through a detached alias, as before (numpy refuses
-            # a subclass that dispatches: '.numpy() is not supported for tensor subclasses').
-            target = local if type(local) is torch.Tensor and not local.requires_grad else local.detach()
+        elif _plain_host(local):
+            target = _writable(local)
             executor.add(item.fqn, entry, target, plan, plain_byte_view(target))
         else:
             indirect.append((item.fqn, entry, local, plan))
     return on_device, indirect, casts
+
+
+def _plain_host(local: torch.Tensor) -> bool:
+    """Whether the bytes of ``local`` are read straight into its memory: a contiguous CPU tensor
+    whose memory holds its values (no conjugate or negative bit)."""
+    return local.is_cpu and local.is_contiguous() and not (local.is_conj() or local.is_neg())
+
+
+def _writable(local: torch.Tensor) -> torch.Tensor:
+    """A plain tensor as it is; any other through a detached alias (numpy refuses a subclass that
+    dispatches: '.numpy() is not supported for tensor subclasses')."""
+    return local if type(local) is torch.Tensor and not local.requires_grad else local.detach()
 
 
 def _fill_cast(backend: StorageBackend, path: str, manifest: Manifest, verify: bool, threads: int | None,

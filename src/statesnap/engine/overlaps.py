@@ -34,7 +34,8 @@ def overlapping_pairs(items: Iterable[TensorItem]) -> list[Pair]:
     for item in items:
         if item.local.numel():
             storage = item.local.untyped_storage()
-            key = (str(item.local.device), storage.data_ptr(), storage.nbytes())
+            device = "cpu" if item.local.is_cpu else str(item.local.device)  # (str(device) is slow to ask)
+            key = (device, storage.data_ptr(), storage.nbytes())
             by_storage.setdefault(key, []).append(item)
     pairs: list[Pair] = []
     for group in _overlapping_storages(by_storage):

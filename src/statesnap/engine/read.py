@@ -40,7 +40,7 @@ def read_threads() -> int:
     return max(4, default_threads())
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # (a load of many small tensors makes one per tensor)
 class _Job:
     fqn: str
     entry: TensorEntry
@@ -81,6 +81,7 @@ class ReadExecutor:
         self._files: dict[int, FileReader] = {}
         self._lock = threading.Lock()
         self._gap_sink = memoryview(bytearray(GAP_BYTES))  # what lies between coalesced pieces: discarded
+        self._whole_reads: dict[int, PieceRead] = {}  # nbytes -> the read of a whole piece of that size
         self.bytes_read = 0
 
     def add(self, fqn: str, entry: TensorEntry, target: torch.Tensor, plan: TargetPlan,
@@ -90,6 +91,17 @@ class ReadExecutor:
         for r in plan.reads:
             self.jobs.append(_Job(fqn, entry, target, view, r, int(entry.file[r.piece]), int(entry.offset[r.piece]),
                                   int(entry.nbytes[r.piece])))
+
+    def add_whole(self, fqn: str, entry: TensorEntry, target: torch.Tensor, view: memoryview) -> None:
+        """Read the one piece of ``entry``, all of the tensor (``plan.load_plan.one_whole_piece``),
+        into ``target``, whose bytes are ``view``: what a load in the layout of its save reads for
+        each tensor, added without a plan of its own."""
+        nbytes = len(view)
+        if nbytes:
+            read = self._whole_reads.get(nbytes)
+            if read is None:  # (shared by the pieces of one size: nothing changes a read once made)
+                read = self._whole_reads[nbytes] = PieceRead(0, 0, nbytes, [Segment(0, 0, nbytes)])
+            self.jobs.append(_Job(fqn, entry, target, view, read, int(entry.file[0]), int(entry.offset[0]), nbytes))
 
     def run(self) -> None:
         tasks = self._tasks()

@@ -103,10 +103,9 @@ def box_runs(start: Sequence[int], size: Sequence[int], shape: Sequence[int]) ->
 
 def plan_target(entry: TensorEntry, layout: str, start: Sequence[int], size: Sequence[int]) -> TargetPlan:
     """Plan the reads that fill a target part (``layout``/``start``/``size``) of ``entry``."""
-    if layout == BOX == entry.layout and len(entry.nbytes) == 1 and tuple(size) == entry.shape and not any(start):
-        whole = _whole_from_one_piece(entry)
-        if whole is not None:
-            return whole
+    if one_whole_piece(entry, layout, start, size):
+        nbytes = int(entry.nbytes[0])
+        return TargetPlan([PieceRead(0, 0, nbytes, [Segment(0, 0, nbytes)])] if nbytes else [], math.prod(entry.shape))
     isz = itemsize(entry.dtype)
     if entry.layout == BOX and layout == BOX:
         return _plan_box_box(entry, tuple(start), tuple(size), isz)
@@ -152,14 +151,12 @@ def _plan_box_box(entry: TensorEntry, t0: tuple, ts: tuple, isz: int) -> TargetP
     return TargetPlan(reads, covered)
 
 
-def _whole_from_one_piece(entry: TensorEntry) -> TargetPlan | None:
-    """The plan of the whole tensor from an entry of one piece that is the whole tensor (what one
-    process writes: most loads, planned once per tensor), or None where its one piece is a part
-    (a split manifest's entry holds only the pieces a target reaches)."""
-    if entry.size[0].tolist() != list(entry.shape):
-        return None
-    nbytes = int(entry.nbytes[0])
-    return TargetPlan([PieceRead(0, 0, nbytes, [Segment(0, 0, nbytes)])] if nbytes else [], math.prod(entry.shape))
+def one_whole_piece(entry: TensorEntry, layout: str, start: Sequence[int], size: Sequence[int]) -> bool:
+    """Whether a target part that is the whole tensor reads it from an entry of one piece that is
+    the whole tensor (what one process writes: most loads, planned at once for each tensor). Not
+    where that one piece is a part (a split manifest's entry holds only the pieces a target reaches)."""
+    return (layout == BOX == entry.layout and len(entry.nbytes) == 1 and tuple(size) == entry.shape
+            and not any(start) and entry.size[0].tolist() == list(entry.shape))
 
 
 def plan_whole(entry: TensorEntry) -> TargetPlan:

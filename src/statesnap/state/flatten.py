@@ -153,7 +153,9 @@ class _Walker:
             self.walk(join(prefix, key), value, mapping, key)
 
     def walk(self, fqn: str, value: Any, container: Any, key: Any) -> None:
-        if isinstance(value, nn.Module):
+        if type(value) is torch.Tensor:  # (the commonest: a module's state dict holds them)
+            self.tensor(fqn, value)
+        elif isinstance(value, nn.Module):
             self.module(fqn, value)
         elif isinstance(value, torch.optim.Optimizer):
             self.optimizer(fqn, value)
@@ -202,7 +204,7 @@ class _Walker:
 
     def tensor(self, fqn: str, value: torch.Tensor) -> None:
         self._claim(fqn)
-        if is_dtensor(value):
+        if type(value) is not torch.Tensor and is_dtensor(value):
             box = dtensor_box(value, fqn)
             if box is None:
                 return
@@ -533,8 +535,12 @@ def _filled_in_place(module: nn.Module, sd: dict) -> bool:
         if (m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks or _customised(m, "_load_from_state_dict")
                 or _customised(m, "set_extra_state")):
             return False
-    own = {(t.data_ptr(), t.dtype, t.shape, t.stride()) for t in (*module.parameters(), *module.buffers())}
-    return all(type(v) is torch.Tensor and (v.data_ptr(), v.dtype, v.shape, v.stride()) in own for v in sd.values())
+    own = {t.data_ptr(): t for t in (*module.parameters(), *module.buffers())}  # (two at one address: a miss)
+    return all(type(v) is torch.Tensor and _same_layout(v, own.get(v.data_ptr())) for v in sd.values())
+
+
+def _same_layout(value: torch.Tensor, own: torch.Tensor | None) -> bool:
+    return own is not None and value.dtype == own.dtype and value.shape == own.shape and value.stride() == own.stride()
 
 
 def _customised(module: nn.Module, method: str) -> bool:
