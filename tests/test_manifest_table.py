@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import xxhash
 import statesnap as ss
 from statesnap.errors import CorruptCheckpointError, ManifestError
 from statesnap.format.manifest import MANIFEST_NAME, Manifest
-from statesnap.format.table import COLUMNS, TABLE_MIN_TENSORS
+from statesnap.format.table import COLUMNS, PIECES, TABLE_MIN_TENSORS, WHOLE
 
 BLOCK = 4096  # small checksum blocks: tensors of several blocks without large tensors
 
@@ -38,19 +39,6 @@ def _sign(path, doc: dict) -> None:
     doc.pop("manifest_xxh3", None)
     body = json.dumps(doc, separators=(",", ":")).encode()
     (path / MANIFEST_NAME).write_bytes(b'%s,"manifest_xxh3":%d}' % (body[:-1], xxhash.xxh3_64_intdigest(body)))
-
-
-def _as_objects(doc: dict) -> dict:
-    """The same manifest with its table written as JSON objects (version 1)."""
-    doc = json.loads(json.dumps(doc))
-    table = doc.pop("table")
-    for name, dtype, shape, file, offset, checksum in zip(*(table[c] for c in COLUMNS)):
-        itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-        doc["tensors"][name] = {"dtype": dtype, "shape": shape, "layout": "box", "file": [file], "offset": [offset],
-                                "nbytes": [int(np.prod(shape, dtype=np.int64)) * itemsize],
-                                "start": [[0] * len(shape)], "size": [shape], "checksum": [checksum]}
-    doc["version"] = 1
-    return doc
 
 
 def _equal_entries(a: Manifest, b: Manifest) -> None:
@@ -119,6 +107,65 @@ def test_tensors_of_several_pieces_stay_objects_beside_the_table(tmp_path):
     assert torch.equal(target["flat"], torch.arange(24.0).reshape(6, 4))
 
 
+SPLIT_COUNT = 3 * TABLE_MIN_TENSORS  # enough for both tables
+
+
+def _split_state(rank: int, world: int) -> dict:
+    """Every other tensor of ``_state`` of two or more dimensions split in row blocks over the
+    ranks, the others replicated."""
+    out = {}
+    for i, (name, value) in enumerate(_state(count=SPLIT_COUNT).items()):
+        if i % 2 == 0 and value.ndim >= 2 and value.shape[0] >= world:
+            rows = value.shape[0] // world
+            part = value[rank * rows:(rank + 1) * rows if rank < world - 1 else None]
+            out[name] = ss.Sharded(part.clone(), value.shape, (rank * rows,) + (0,) * (value.ndim - 1))
+        else:
+            out[name] = value
+    return out
+
+
+def _save_many_split(rank: int, world: int, path: str) -> None:
+    ss.save(_split_state(rank, world), path, block_bytes=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def split_checkpoint(tmp_path_factory):
+    """A checkpoint of 2 gloo ranks: tensors of two pieces in ``pieces``, the others in ``table``."""
+    from dist_utils import run_ranks
+
+    path = tmp_path_factory.mktemp("split") / "c"
+    run_ranks(2, _save_many_split, str(path))
+    return path
+
+
+def test_tensors_of_a_few_pieces_are_written_as_a_table_of_pieces(split_checkpoint, tmp_path):
+    doc = _doc(split_checkpoint)
+    assert doc["version"] == 3 and doc["tensors"] == {}
+    assert len(doc["pieces"]["name"]) >= TABLE_MIN_TENSORS and len(doc["table"]["name"]) >= TABLE_MIN_TENSORS
+    assert {len(files) for files in doc["pieces"]["file"]} == {2}
+    full = _state(count=SPLIT_COUNT)
+    target = {k: torch.full_like(v, 7) for k, v in full.items()}
+    ss.load(target, split_checkpoint)
+    for name, value in full.items():
+        assert torch.equal(target[name].view(-1).view(torch.uint8), value.view(-1).view(torch.uint8)), name
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    for name in doc["files"]:
+        (objects / name).symlink_to(split_checkpoint / name)
+    _sign(objects, _as_objects(doc))
+    _equal_entries(ss.open(split_checkpoint).manifest, ss.open(objects).manifest)
+
+
+def test_a_tensor_in_both_tables_is_refused(split_checkpoint, tmp_path):
+    doc = _doc(split_checkpoint)
+    doc["table"] = {c: v + [doc["pieces"][c][0] if c in ("name", "dtype", "shape") else 0]
+                    for c, v in doc["table"].items()}
+    (tmp_path / "c").mkdir()
+    _sign(tmp_path / "c", doc)
+    with pytest.raises(ManifestError, match="two entries of tensor .*one in 'table', one in 'pieces'"):
+        Manifest.from_bytes((tmp_path / "c" / MANIFEST_NAME).read_bytes())
+
+
 def test_a_table_with_another_entry_of_its_name_is_refused(tmp_path):
     ss.save(_state(), tmp_path / "c")
     doc = _doc(tmp_path / "c")
@@ -183,6 +230,21 @@ def test_a_bad_value_in_a_row_is_refused_naming_its_tensor(tmp_path, column, val
         ss.open(tmp_path / "c")
 
 
+@pytest.mark.parametrize("shape", [[1 << 62] * 20, [1 << 62] * 20 + [0]])
+def test_a_shape_past_floats_is_refused_without_a_warning(tmp_path, shape):
+    """The table's first check of a shape multiplies in float64: one past its range is inf (nan
+    with a zero extent), which numpy warns of; a warning made an error (``-W error``) is raised
+    instead of the ManifestError, and otherwise printed for every such manifest read."""
+    ss.save(_state(), tmp_path / "c")
+    doc = _doc(tmp_path / "c")
+    doc["table"]["shape"][doc["table"]["name"].index(f"t{ROW:03d}")] = shape
+    _sign(tmp_path / "c", doc)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ManifestError, match=f"tensor 't{ROW:03d}'.*too large for a tensor"):
+            ss.open(tmp_path / "c")
+
+
 def test_a_changed_checksum_in_a_row_is_damage_named_at_load(tmp_path):
     state = _state()
     ss.save(state, tmp_path / "c")
@@ -202,23 +264,34 @@ def _outcome(raw: bytes):
         return type(exc)
 
 
-def test_mutated_tables_read_as_the_same_entries_written_as_objects(tmp_path):
-    """Each value of a table changed at random: the table and the same entries written as JSON
-    objects (read by the general reader) are both refused, or both read alike."""
+VALUES = [-1, 0, 1, 2, 3, 7, 72, 4096, 1 << 31, 1 << 62, 1 << 63, 1 << 64, True, None, 2.0, "3", [], [1], [[1]],
+          [0, 3], [6, 3], [3, 6], [0, 1], [[0, 0], [3, 0]], [[3, 3], [3, 3]], [[1], [2]], [1, [2]], "float32",
+          "int64", "bool", "float128"]
+
+
+def test_mutated_tables_read_as_the_same_entries_written_as_objects(tmp_path, split_checkpoint):
+    """Each value of a table changed at random (a value, or one piece's): the tables and the same
+    entries written as JSON objects (read by the general reader) are both refused, or both read
+    alike."""
     ss.save(_state(), tmp_path / "c", block_bytes=BLOCK)
-    doc = _doc(tmp_path / "c")
+    _mutate_and_compare(_doc(tmp_path / "c"), WHOLE, random.Random(0))
+    _mutate_and_compare(_doc(split_checkpoint), PIECES, random.Random(1))
+
+
+def _mutate_and_compare(doc: dict, member: str, rng: random.Random) -> None:
     doc.pop("manifest_xxh3")
-    rng = random.Random(0)
-    values = [-1, 0, 1, 3, 7, 72, 4096, 1 << 31, 1 << 62, 1 << 63, 1 << 64, True, None, 2.0, "3", [], [1], [[1]],
-              [0, 3], [6, 3], [3, 6], "float32", "int64", "bool", "float128"]
     refused = read = 0
     for _ in range(300):
         mutated = json.loads(json.dumps(doc))
         for _ in range(rng.choice((1, 1, 2))):
-            column = rng.choice(COLUMNS[1:])
-            mutated["table"][column][rng.randrange(len(mutated["table"]["name"]))] = rng.choice(values)
+            column = mutated[member][rng.choice(COLUMNS[member][1:])]
+            row = rng.randrange(len(column))
+            if isinstance(column[row], list) and column[row] and rng.random() < 0.5:  # one piece's value
+                column[row][rng.randrange(len(column[row]))] = rng.choice(VALUES)
+            else:
+                column[row] = rng.choice(VALUES)
         as_table = _outcome(json.dumps(mutated, separators=(",", ":")).encode())
-        as_objects = _outcome(json.dumps(_as_objects_lenient(mutated), separators=(",", ":")).encode())
+        as_objects = _outcome(json.dumps(_as_objects(mutated), separators=(",", ":")).encode())
         if isinstance(as_table, Manifest):
             assert isinstance(as_objects, Manifest), mutated
             _equal_entries(as_table, as_objects)
@@ -229,19 +302,26 @@ def test_mutated_tables_read_as_the_same_entries_written_as_objects(tmp_path):
     assert refused > 200 and read > 10  # both ways taken
 
 
-def _as_objects_lenient(doc: dict) -> dict:
-    """``_as_objects`` of a table whose values may be anything: the byte count of a row whose
-    shape or dtype the general reader refuses does not matter (it refuses them first)."""
+def _as_objects(doc: dict) -> dict:
+    """The same manifest with its tables written as JSON objects (version 1), as docs/format.md §3
+    says each row stands for one. The values of a row may be anything: the byte count of a piece
+    whose box or dtype the general reader refuses does not matter (it refuses them first)."""
     doc = json.loads(json.dumps(doc))
-    table = doc.pop("table")
-    for name, dtype, shape, file, offset, checksum in zip(*(table[c] for c in COLUMNS)):
-        try:
-            itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-            nbytes = int(np.prod(shape, dtype=object)) * itemsize
-            start = [0] * len(shape)
-        except (TypeError, AttributeError, ValueError, OverflowError):
-            nbytes, start = 0, []
-        doc["tensors"][name] = {"dtype": dtype, "shape": shape, "layout": "box", "file": [file], "offset": [offset],
-                                "nbytes": [nbytes], "start": [start], "size": [shape], "checksum": [checksum]}
+    for member in (WHOLE, PIECES):
+        table = doc.pop(member, None)
+        for row in zip(*(table[c] for c in COLUMNS[member])) if table else ():
+            if member == WHOLE:
+                name, dtype, shape, file, offset, checksum = row
+                file, offset, start, size, checksum = [file], [offset], None, [shape], [checksum]
+            else:
+                name, dtype, shape, file, offset, start, size, checksum = row
+            try:
+                itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+                nbytes = [int(np.prod(box, dtype=object)) * itemsize for box in size]
+                start = [[0] * len(shape)] if start is None else start
+            except (TypeError, AttributeError, ValueError, OverflowError):
+                nbytes, start = [0] * (len(file) if isinstance(file, list) else 1), [[]] if start is None else start
+            doc["tensors"][name] = {"dtype": dtype, "shape": shape, "layout": "box", "file": file, "offset": offset,
+                                    "nbytes": nbytes, "start": start, "size": size, "checksum": checksum}
     doc["version"] = 1
     return doc

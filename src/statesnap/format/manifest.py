@@ -35,14 +35,14 @@ from .columns import (PACK_MIN_PIECES, PACK_ZLIB_MAX_DIMS, UINT64_MAX, Inflation
                       parse_json, shape_problem, shape_text, unpack)
 from .dtypes import dtype_name, tensor_dtype
 from .plain_entries import BOX, FEW_PIECES, FLAT, read_plain_entries
-from .table import read_table, table_json, table_rows
+from .table import COLUMNS as TABLE_COLUMNS, read_table, table_rows, tables_json
 from .plaindata import int_too_long
 from .split import (Fetch, SectionReader, TensorRow, pack_files, pack_json, parse_rows, region_problem, row_json,
                     unpack_files, unpack_json)
 
 FORMAT_NAME = "statesnap"
 # The newest version this reads. A one-document manifest is written as version 1, or as version 3
-# where it has a table (format/table.py); a split one as version 2.
+# where it has tables (format/table.py); a split one as version 2.
 FORMAT_VERSION = 3
 MANIFEST_NAME = "manifest.json"
 _SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
@@ -389,13 +389,12 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         """The manifest as one document, compact, ending in its checksum of itself: version 3
-        where enough tensors are stored whole in one piece to make a table of them, else 1."""
-        table = table_json(self.tensors)
-        tabled = set(table["name"]) if table else ()
+        where enough tensors are stored in one piece or a few to make a table of them, else 1."""
+        tables = tables_json(self.tensors)
+        tabled = {name for table in tables.values() for name in table["name"]}
         doc = {
-            **self._head(1 if table is None else 3), "files": self.files, "file_sizes": self.file_sizes,
-            "tensors": {k: v.to_json() for k, v in self.tensors.items() if k not in tabled},
-            **({} if table is None else {"table": table}),
+            **self._head(3 if tables else 1), "files": self.files, "file_sizes": self.file_sizes,
+            "tensors": {k: v.to_json() for k, v in self.tensors.items() if k not in tabled}, **tables,
             "objects": {k: v.to_json() for k, v in self.objects.items()},
         }
         return _with_self_checksum(doc)
@@ -474,7 +473,12 @@ class Manifest:
         if len(file_sizes) != len(files):
             raise ManifestError(f"{where} has an inconsistent file table ({len(files)} files, "
                                 f"{len(file_sizes)} sizes)")
-        table = _field(doc, "table", where, table_rows) if version == 3 and "table" in doc else {}
+        tables = {member: _field(doc, member, where, lambda v, member=member: table_rows(v, member))
+                  for member in TABLE_COLUMNS if version == 3 and member in doc}
+        table = {name: member for member, rows in tables.items() for name in rows}
+        if len(table) != sum(map(len, tables.values())):
+            twice = sorted(set(tables["table"]) & set(tables["pieces"]))[0]
+            raise ManifestError(f"{where} has two entries of tensor {twice!r}: one in 'table', one in 'pieces'")
         if version == 2:
             count = _field(doc, "sections", where, lambda v: integer(v, high=len(files)))
             sections = list(range(len(files) - count, len(files)))  # the last files of the table
@@ -491,7 +495,8 @@ class Manifest:
             raise ManifestError(f"{where} names {both[0]!r} both as a tensor and as an object")
         twice = sorted(set(tensors_doc) & set(table))
         if twice:
-            raise ManifestError(f"{where} has two entries of tensor {twice[0]!r}: one in 'tensors', one in 'table'")
+            raise ManifestError(f"{where} has two entries of tensor {twice[0]!r}: one in 'tensors', one in "
+                                f"'{table[twice[0]]}'")
         objects = {k: ObjectEntry.from_json(k, v, files, file_sizes, where) for k, v in objects_doc.items()}
         for fqn, entry in objects.items():
             if entry.kind == "per_rank" and len(entry.per_rank) != world_size:
@@ -505,9 +510,9 @@ class Manifest:
             return manifest
         manifest.tensors = TensorEntry.read_all(tensors_doc, files, file_sizes, block_bytes, where, world_size,
                                                 budget)
-        if table:
+        for member, rows in tables.items():
             manifest.tensors.update(read_table(
-                table, files, np.asarray(file_sizes, dtype=np.int64), block_bytes, TensorEntry,
+                rows, member, files, np.asarray(file_sizes, dtype=np.int64), block_bytes, TensorEntry,
                 lambda fqn, data: TensorEntry.from_json(fqn, data, files, file_sizes, block_bytes, where, world_size,
                                                         budget)))
         return manifest

@@ -1,12 +1,16 @@
-"""The table of a version 3 manifest: the tensors stored whole in one piece, column by column.
+"""The tables of a version 3 manifest: tensors of one piece or a few, column by column.
 
-Most tensors of a checkpoint are stored so: saved by one rank, or replicated. Written as JSON
-objects (docs/format.md §3), each cost about 170 bytes and more to parse than every check of it
-(format/plain_entries.py): a third of a load of a thousand small tensors. In the table each is a
-row of plain values, one per column: name, dtype, shape, file, offset, checksum. A row stands for
-the entry ``{"dtype", "shape", "layout": "box", "file": [file], "offset": [offset], "nbytes":
-[prod(shape) * itemsize], "start": [[0, ...]], "size": [shape], "checksum": [checksum]}`` and
-keeps its rules. A table whose every value is plain is checked with numpy, all at once; any other
+Most tensors of a checkpoint are stored whole in one piece (saved by one rank, or replicated),
+or in a few pieces (split over the few ranks that saved it). Written as JSON objects
+(docs/format.md §3), each cost about 170 bytes or more and more to parse than every check of it
+(format/plain_entries.py): a third of a load of a thousand small tensors. In a table each is a
+row of plain values, one per column. A row of ``table`` (one whole piece: name, dtype, shape,
+file, offset, checksum) stands for the entry ``{"dtype", "shape", "layout": "box", "file":
+[file], "offset": [offset], "nbytes": [prod(shape) * itemsize], "start": [[0, ...]], "size":
+[shape], "checksum": [checksum]}``; a row of ``pieces`` (a few box pieces: also start and size,
+and a list of pieces in each column but name, dtype and shape) for the entry with those columns,
+each piece's ``nbytes`` its box's elements times the itemsize. Each keeps the rules of the entry
+it stands for. A table whose every value is plain is checked with numpy, all at once; any other
 is read entry by entry by the general reader, which names what is wrong.
 """
 from __future__ import annotations
@@ -19,41 +23,60 @@ import numpy as np
 
 from .columns import INT64_MAX, shape_problem
 from .dtypes import NAME_TO_DTYPE, dtype_name
-from .plain_entries import BOX, valid_entries
+from .plain_entries import BOX, FEW_PIECES, valid_entries
 
-TABLE_MIN_TENSORS = 64  # a manifest with fewer tensors of one whole piece keeps them as JSON objects
-COLUMNS = ("name", "dtype", "shape", "file", "offset", "checksum")
+TABLE_MIN_TENSORS = 64  # a manifest with fewer tensors of a table's kind keeps them as JSON objects
+WHOLE, PIECES = "table", "pieces"  # the tables: their members in the manifest
+COLUMNS = {WHOLE: ("name", "dtype", "shape", "file", "offset", "checksum"),
+           PIECES: ("name", "dtype", "shape", "file", "offset", "start", "size", "checksum")}
 _INT = {int}  # the one type a plain JSON value may have
 _SAFE_PRODUCT = 2.0 ** 62  # products below it, computed in float64, are exact enough to trust in int64
 
 
-def table_json(entries: dict) -> dict | None:
-    """The table of the entries stored whole in one box piece, or None where there are fewer than
-    ``TABLE_MIN_TENSORS`` (a manifest of a few tensors stays version 1: older statesnap reads it,
-    and a person reads its entries)."""
-    whole = {fqn: e for fqn, e in entries.items() if _one_whole_piece(e)}
-    if len(whole) < TABLE_MIN_TENSORS:
-        return None
-    sums = [e.checksum.tolist() for e in whole.values()]
-    return {"name": list(whole), "dtype": [dtype_name(e.dtype) for e in whole.values()],
-            "shape": [list(e.shape) for e in whole.values()], "file": [int(e.file[0]) for e in whole.values()],
-            "offset": [int(e.offset[0]) for e in whole.values()],
-            "checksum": [s[0] if len(s) == 1 else s for s in sums]}
+def tables_json(entries: dict) -> dict[str, dict]:
+    """member -> columns of each table that holds at least ``TABLE_MIN_TENSORS`` of the entries
+    (a manifest of a few tensors stays version 1: older statesnap reads it, and a person reads
+    its entries)."""
+    whole, pieces = {}, {}
+    for fqn, entry in entries.items():
+        if entry.layout == BOX and len(entry.file) == 1 and entry.size[0].tolist() == list(entry.shape) \
+                and not any(entry.start[0].tolist()):
+            whole[fqn] = entry
+        elif entry.layout == BOX and 1 < len(entry.file) <= FEW_PIECES:
+            pieces[fqn] = entry
+    out = {}
+    if len(whole) >= TABLE_MIN_TENSORS:
+        out[WHOLE] = _columns(whole, lambda column: column[0])
+    if len(pieces) >= TABLE_MIN_TENSORS:
+        out[PIECES] = _columns(pieces, lambda column: column, boxes=True)
+    return out
 
 
-def _one_whole_piece(entry) -> bool:
-    return (entry.layout == BOX and len(entry.file) == 1 and entry.size[0].tolist() == list(entry.shape)
-            and not any(entry.start[0].tolist()))
+def _columns(entries: dict, pieces: Callable, boxes: bool = False) -> dict:
+    """The columns of a table of ``entries``: ``pieces(column)`` of each piece column (its one
+    value, or all)."""
+    out = {"name": list(entries), "dtype": [dtype_name(e.dtype) for e in entries.values()],
+           "shape": [list(e.shape) for e in entries.values()],
+           "file": [pieces(e.file.tolist()) for e in entries.values()],
+           "offset": [pieces(e.offset.tolist()) for e in entries.values()]}
+    if boxes:
+        out.update(start=[e.start.tolist() for e in entries.values()], size=[e.size.tolist() for e in entries.values()])
+    sums = []
+    for e in entries.values():
+        flat, bounds = e.checksum.tolist(), e.checksum_bounds.tolist()
+        sums.append(pieces([flat[a] if b - a == 1 else flat[a:b] for a, b in zip(bounds, bounds[1:])]))
+    out["checksum"] = sums
+    return out
 
 
-def table_rows(table) -> dict[str, tuple]:
-    """name -> (dtype, shape, file, offset, checksum) of each row, as written; a ValueError or
-    TypeError where the table is none (its values are checked when the rows are read)."""
+def table_rows(table, member: str) -> dict[str, tuple]:
+    """name -> the other columns' values of each row of the table ``member``, as written; a
+    ValueError or TypeError where the table is none (its values are checked when it is read)."""
     if type(table) is not dict:
         raise TypeError("a JSON object of columns is expected")
-    if table.keys() != set(COLUMNS):
-        raise ValueError(f"its columns {sorted(table)} are not the table's {list(COLUMNS)}")
-    columns = [table[name] for name in COLUMNS]
+    if table.keys() != set(COLUMNS[member]):
+        raise ValueError(f"its columns {sorted(table)} are not the table's {list(COLUMNS[member])}")
+    columns = [table[name] for name in COLUMNS[member]]
     if {*map(type, columns)} != {list} or len({*map(len, columns)}) != 1:
         raise ValueError("every column must be a list, all of one length")
     names = columns[0]
@@ -67,94 +90,144 @@ def table_rows(table) -> dict[str, tuple]:
     return rows
 
 
-def read_table(rows: dict[str, tuple], files: list[str], file_sizes: np.ndarray, block_bytes: int,
+def read_table(rows: dict[str, tuple], member: str, files: list[str], file_sizes: np.ndarray, block_bytes: int,
                make: Callable, general: Callable[[str, dict], object]) -> dict:
-    """fqn -> entry of each row (``table_rows``): made by ``make`` as plain_entries makes them
-    where every row is plain and valid, else by ``general(fqn, entry)`` from the JSON entry each
-    row stands for (``TensorEntry.from_json``, which names what is wrong)."""
-    out = _all_together(rows, files, file_sizes, block_bytes, make)
+    """fqn -> entry of each row of the table ``member`` (``table_rows``): made by ``make`` as
+    plain_entries makes them where every row is plain and valid, else by ``general(fqn, entry)``
+    from the JSON entry each row stands for (``TensorEntry.from_json``, which names what is wrong)."""
+    whole = member == WHOLE
+    out = _all_together(rows, whole, files, file_sizes, block_bytes, make)
     if out is not None:
         return out
-    return {fqn: general(fqn, _row_entry(*row)) for fqn, row in rows.items()}
+    return {fqn: general(fqn, _row_entry(*(_as_pieces(*row) if whole else row))) for fqn, row in rows.items()}
 
 
-def _all_together(rows: dict[str, tuple], files: list[str], file_sizes: np.ndarray, block_bytes: int,
+def _as_pieces(dtype, shape, file, offset, sums) -> tuple:
+    """A row of ``table`` as a row of ``pieces``: one piece, its box (None) the whole tensor."""
+    return dtype, shape, [file], [offset], None, None, [sums]
+
+
+def _all_together(rows: dict[str, tuple], whole: bool, files: list[str], file_sizes: np.ndarray, block_bytes: int,
                   make: Callable) -> dict | None:
-    """The entries of ``rows`` checked with numpy, one call per rule for all rows of a number of
-    dimensions; None where a value is not plain or a row breaks a rule."""
+    """The entries of ``rows`` (of ``table`` where ``whole``, else of ``pieces``), checked with
+    numpy, one call per rule for all rows of as many pieces and dimensions; None where a value is
+    not plain or a row breaks a rule."""
     if not rows:
         return {}
     names = list(rows)
-    dtype_names, shapes, file, offset, sums = zip(*rows.values())
+    if whole:
+        (dtype_names, shapes, file, offset, piece_sums), start, size = zip(*rows.values()), None, None
+        lists, ints, sums = [shapes], [*shapes, file, offset], None
+        first_piece = list(range(len(names) + 1))
+    else:
+        dtype_names, shapes, file, offset, start, size, sums = zip(*rows.values())
+        lists, ints = [shapes, file, offset, sums, start, size], [*shapes, *file, *offset]
+        piece_sums = [*itertools.chain(*sums)] if {*map(type, sums)} == {list} else None
+        first_piece = [*itertools.accumulate(map(len, sums), initial=0)] if piece_sums is not None else None
     try:
         dtypes = [NAME_TO_DTYPE[name] for name in dtype_names]
     except (KeyError, TypeError):  # (TypeError: an unhashable name)
         return None
-    if ({*map(type, shapes)} != {list} or {*map(type, file)} != _INT or {*map(type, offset)} != _INT
-            or {*map(type, itertools.chain.from_iterable(shapes))} - _INT):
+    if (piece_sums is None or {*itertools.chain.from_iterable(map(type, column) for column in lists)} != {list}
+            or {*map(type, itertools.chain(*ints))} - _INT):
         return None
-    counts = [1 if type(s) is int else len(s) if type(s) is list else 0 for s in sums]
-    if min(counts) < 1:  # (a value neither an integer nor a list, or an empty list)
+    if not whole and ({*map(type, itertools.chain(*start, *size))} - {list}
+                      or {*map(type, itertools.chain.from_iterable(itertools.chain(*start, *size)))} - _INT):
         return None
-    flat = sums if max(counts) == 1 else [*itertools.chain.from_iterable([s] if type(s) is int else s for s in sums)]
-    if {*map(type, flat)} != _INT:
+    counts = [1 if type(s) is int else len(s) if type(s) is list else 0 for s in piece_sums]
+    if counts and min(counts) < 1:  # (a value neither an integer nor a list, or an empty list)
+        return None
+    flat = piece_sums if max(counts, default=1) == 1 else [
+        *itertools.chain.from_iterable([s] if type(s) is int else s for s in piece_sums)]
+    if {*map(type, flat)} - _INT:
         return None
     try:  # (OverflowError: a value past 64 bits, negative for the checksums)
-        file_arr, offset_arr = np.array(file, np.int64), np.array(offset, np.int64)
         flat_arr = np.array(flat, np.uint64)
     except OverflowError:
         return None
-    ends = [*itertools.accumulate(counts, initial=0)]
-    item = np.array([d.itemsize for d in dtypes], np.int64)
-    by_dims: dict[int, list[int]] = {}
+    per_piece = [*itertools.accumulate(counts, initial=0)]
+    groups: dict[tuple[int, int], list[int]] = {}
     for i, shape in enumerate(shapes):
-        by_dims.setdefault(len(shape), []).append(i)
+        groups.setdefault((1 if whole else len(file[i]), len(shape)), []).append(i)
     out = {}
-    for dims, rows_of in by_dims.items():
-        matrix = _matrix(rows_of, shapes, dims, file_arr, offset_arr, counts, item)
+    for (n, dims), rows_of in groups.items():
+        matrix = _matrix(rows_of, n, dims, dtypes, shapes, file, offset, start, size, sums,
+                         counts, first_piece)
         if matrix is None:
             return None
-        checksums = flat_arr[rows_of] if len(flat) == len(sums) else flat_arr[np.concatenate(
-            [np.arange(ends[i], ends[i + 1]) for i in rows_of])]
+        checksums, ends = _checksums_of(rows_of, n, flat_arr, per_piece, first_piece)
         entries = valid_entries(matrix, [names[i] for i in rows_of],
-                                [(dtypes[i], tuple(shapes[i]), BOX) for i in rows_of], checksums,
-                                [*itertools.accumulate((counts[i] for i in rows_of), initial=0)], 1, dims, files,
-                                file_sizes, block_bytes, make)
+                                [(dtypes[i], tuple(shapes[i]), BOX) for i in rows_of], checksums, ends, n, dims,
+                                files, file_sizes, block_bytes, make)
         if len(entries) != len(rows_of):
             return None
         out.update(entries)
     return {fqn: out[fqn] for fqn in names}  # (in the table's order)
 
 
-def _matrix(rows_of: list[int], shapes: tuple, dims: int, file: np.ndarray, offset: np.ndarray, counts: list[int],
-            item: np.ndarray) -> np.ndarray | None:
-    """The rows ``rows_of`` (tensors of ``dims`` dimensions) as plain_entries lays out an entry
-    of one piece: file, offset, nbytes, start, size, checksum count, shape, item size. None where
-    a shape is negative, past 64 bits, or too large for a tensor (``shape_problem``)."""
+def _checksums_of(rows_of: list[int], n: int, flat: np.ndarray, per_piece: list[int],
+                  first_piece: list[int]) -> tuple[np.ndarray, list[int]]:
+    """The checksums of the rows ``rows_of`` (of ``n`` pieces each) back to back, and where each
+    row's begin (``valid_entries``' ``flat`` and ``ends``)."""
+    firsts = np.array([first_piece[i] for i in rows_of], np.int64)
+    if per_piece[-1] == len(per_piece) - 1:  # one checksum per piece (the commonest): at once
+        return flat[(firsts[:, None] + np.arange(n)).reshape(-1)], list(range(0, len(rows_of) * n + 1, n))
+    own = [np.arange(per_piece[first], per_piece[first + n]) for first in firsts.tolist()]
+    return flat[np.concatenate(own)], [*itertools.accumulate(map(len, own), initial=0)]
+
+
+def _matrix(rows_of: list[int], n: int, dims: int, dtypes: list, shapes: tuple, file: tuple, offset: tuple,
+            start: tuple | None, size: tuple, sums: tuple, counts: list[int],
+            first_piece: list[int]) -> np.ndarray | None:
+    """The rows ``rows_of`` (tensors of ``n`` pieces of ``dims`` dimensions) laid out as
+    plain_entries lays out an entry: file, offset, nbytes, start, size, checksum counts (one per
+    piece), shape, item size. None where the rows' lists are not all of one length, a value is
+    negative or past 64 bits, or a shape too large for a tensor (``shape_problem``)."""
     k = len(rows_of)
     try:
         shape = np.array([shapes[i] for i in rows_of], np.int64).reshape(k, dims)
-    except OverflowError:
+        pieces = (np.array([[file[i], offset[i]] for i in rows_of], np.int64) if start is None else
+                  np.array([[*file[i], *offset[i]] for i in rows_of], np.int64))
+        if start is None:
+            lo, extent = np.zeros((k, n, dims), np.int64), shape[:, None, :]
+        else:
+            lo = np.array([start[i] for i in rows_of], np.int64)
+            extent = np.array([size[i] for i in rows_of], np.int64)
+    except (OverflowError, ValueError):  # (ValueError: lists of several lengths)
         return None
-    isz = item[rows_of]
+    if pieces.shape != (k, 2 * n) or lo.shape != (k, n, dims) or extent.shape != (k, n, dims):
+        return None
+    if sums is not None and any(len(sums[i]) != n for i in rows_of):
+        return None
     if dims and (shape < 0).any():
         return None
-    # a product that may pass 2**62 is checked exactly, as the general reader checks it
-    strides = np.maximum(shape[:, 1:], 1).prod(axis=1, dtype=np.float64)
-    total = shape.prod(axis=1, dtype=np.float64) * isz
+    isz = np.array([dtypes[i].itemsize for i in rows_of], np.int64)
+    # a product that may pass 2**62 is checked exactly, as the general reader checks it (one
+    # past float64's range is inf, or nan times a zero extent: no warning, the strides catch it)
+    with np.errstate(over="ignore", invalid="ignore"):
+        strides = np.maximum(shape[:, 1:], 1).prod(axis=1, dtype=np.float64)
+        total = shape.prod(axis=1, dtype=np.float64) * isz
     doubtful = np.flatnonzero((strides >= _SAFE_PRODUCT) | (total >= _SAFE_PRODUCT)).tolist()
     if any(shape_problem(shapes[rows_of[i]], int(isz[i])) for i in doubtful):
         return None
-    return np.column_stack([file[rows_of], offset[rows_of], shape.prod(axis=1) * isz, np.zeros((k, dims), np.int64),
-                            shape, np.array([counts[i] for i in rows_of], np.int64), shape, isz])
+    # (an extent past its shape gives a product that may wrap: its row breaks a rule checked beside it)
+    nbytes = extent.prod(axis=2) * isz[:, None] if start is not None else (shape.prod(axis=1) * isz)[:, None]
+    firsts = np.array([first_piece[i] for i in rows_of], np.int64)
+    piece_counts = np.asarray(counts, np.int64)[firsts[:, None] + np.arange(n)]
+    return np.column_stack([pieces, nbytes, lo.reshape(k, n * dims), np.broadcast_to(extent, (k, n, dims)).reshape(
+        k, n * dims), piece_counts, shape, isz])
 
 
-def _row_entry(name, shape, file, offset, sums) -> dict:
-    """The JSON entry a row stands for, as far as the row allows: its byte count is computed only
-    from a shape and dtype the general reader accepts (it refuses the others before it looks)."""
+def _row_entry(name, shape, file, offset, start, size, sums) -> dict:
+    """The JSON entry a row stands for, as far as the row allows: a byte count is computed only
+    from values the general reader accepts (it refuses the others before it looks at it)."""
     dtype = NAME_TO_DTYPE.get(name) if type(name) is str else None
-    plain = (type(shape) is list and all(type(s) is int and 0 <= s <= INT64_MAX for s in shape)
-             and dtype is not None and not shape_problem(shape, dtype.itemsize))
-    return {"dtype": name, "shape": shape, "layout": BOX, "file": [file], "offset": [offset],
-            "nbytes": [math.prod(shape) * dtype.itemsize if plain else 0],
-            "start": [[0] * len(shape) if plain else []], "size": [shape], "checksum": [sums]}
+    whole = start is None
+    boxes = [shape] if whole else size
+    plain = (dtype is not None and type(boxes) is list
+             and all(type(box) is list and all(type(s) is int and 0 <= s <= INT64_MAX for s in box) for box in boxes)
+             and (not whole or not shape_problem(shape, dtype.itemsize)))
+    nbytes = ([math.prod(box) * dtype.itemsize for box in boxes] if plain
+              else [0] * (len(file) if type(file) is list else 1))
+    return {"dtype": name, "shape": shape, "layout": BOX, "file": file, "offset": offset, "nbytes": nbytes,
+            "start": [[0] * len(shape) if plain else []] if whole else start, "size": boxes, "checksum": sums}
