@@ -325,3 +325,47 @@ def _as_objects(doc: dict) -> dict:
                                     "nbytes": nbytes, "start": start, "size": size, "checksum": checksum}
     doc["version"] = 1
     return doc
+
+
+def test_a_row_of_more_pieces_than_ranks_is_refused_as_its_entry_is(split_checkpoint, tmp_path):
+    """The pieces of a row are capped by the world size as those of an entry are: a small row
+    claiming many pieces is no allocation of pairs of them all."""
+    doc = _doc(split_checkpoint)
+    doc["world_size"] = 1
+    (tmp_path / "c").mkdir()
+    _sign(tmp_path / "c", doc)
+    with pytest.raises(ManifestError, match="has 2 pieces, more than the 1 ranks"):
+        Manifest.from_bytes((tmp_path / "c" / MANIFEST_NAME).read_bytes())
+    doc = _doc(split_checkpoint)
+    doc["world_size"] = 1 << 20
+    row = 0
+    count = 20_000  # one-element pieces of a [20000] tensor: valid, read by the general reader
+    doc["pieces"]["shape"][row], doc["pieces"]["dtype"][row] = [count], "uint8"
+    doc["file_sizes"][0] += count
+    doc["pieces"]["file"][row] = [0] * count
+    doc["pieces"]["offset"][row] = [doc["file_sizes"][0] - count + i for i in range(count)]
+    doc["pieces"]["start"][row] = [[i] for i in range(count)]
+    doc["pieces"]["size"][row] = [[1]] * count
+    doc["pieces"]["checksum"][row] = [0] * count
+    _sign(tmp_path / "c", doc)
+    entry = Manifest.from_bytes((tmp_path / "c" / MANIFEST_NAME).read_bytes()).tensors[doc["pieces"]["name"][row]]
+    assert entry.num_pieces == count
+
+
+@pytest.mark.parametrize("cell", [{"packed": "i8", "shape": [2], "data": "AAAAAAAAAAABAAAAAAAAAA=="}, 0])
+def test_a_row_of_pieces_holds_lists_only(split_checkpoint, tmp_path, cell):
+    doc = _doc(split_checkpoint)
+    doc["pieces"]["file"][0] = cell
+    (tmp_path / "c").mkdir()
+    _sign(tmp_path / "c", doc)
+    with pytest.raises(ManifestError, match="malformed field 'pieces' .*a list of its pieces' values"):
+        Manifest.from_bytes((tmp_path / "c" / MANIFEST_NAME).read_bytes())
+
+
+def test_a_negative_checksum_in_a_row_of_pieces_is_refused_by_name(split_checkpoint, tmp_path):
+    doc = _doc(split_checkpoint)
+    doc["pieces"]["checksum"][0][1] = -1
+    (tmp_path / "c").mkdir()
+    _sign(tmp_path / "c", doc)
+    with pytest.raises(ManifestError, match=f"tensor '{doc['pieces']['name'][0]}'.*'checksum'"):
+        Manifest.from_bytes((tmp_path / "c" / MANIFEST_NAME).read_bytes())

@@ -285,7 +285,9 @@ class Checkpointer:
 
     def load_latest(self, state: dict, *, cast: bool = False) -> int | None:
         """Restore the newest committed step into ``state`` from the fastest level holding it;
-        return the step (None if there is none). ``loaded_from`` names the level used.
+        return the step (None if no level holds one; a level that cannot be listed, with none
+        found elsewhere, raises a CheckpointError rather than report none). ``loaded_from`` names
+        the level used.
         ``cast`` is ``ss.load``'s: floating dtypes may differ from the stored ones.
 
         A copy that fails is skipped with a warning for the next one: the same step on a slower
@@ -333,7 +335,8 @@ class Checkpointer:
             inventories = [node for _, node, *_ in held] if self.local is not None else []
             stored = held[0][2]
             local_steps = complete_steps(inventories) if inventories else []
-            listed = [steps if isinstance(steps, list) else [] for steps in stored]  # (else why it was not)
+            # a level that could not be listed holds its error's text instead of its steps
+            listed = [steps if isinstance(steps, list) else [] for steps in stored]
             choices = [(memory_step, 0, "memory")] + [(s, 1, "local") for s in local_steps] + [
                 (s, i + 2, lv.name) for i, (steps, lv) in enumerate(zip(listed, levels)) for s in steps]
             choices = sorted((c for c in choices if c[0] is not None), key=lambda c: (-c[0], c[1]))

@@ -512,7 +512,7 @@ class Manifest:
                                                 budget)
         for member, rows in tables.items():
             manifest.tensors.update(read_table(
-                rows, member, files, np.asarray(file_sizes, dtype=np.int64), block_bytes, TensorEntry,
+                rows, member, files, np.asarray(file_sizes, dtype=np.int64), block_bytes, world_size, TensorEntry,
                 lambda fqn, data: TensorEntry.from_json(fqn, data, files, file_sizes, block_bytes, where, world_size,
                                                         budget)))
         return manifest
@@ -526,7 +526,7 @@ def _with_self_checksum(doc: dict) -> bytes:
 
 def _flipped_version(raw: bytes, doc: dict, version: int, where: str) -> bool:
     """Whether a manifest recording a newer ``version`` passes its checksum with a version this
-    statesnap writes in its place: one flipped bit turns 1 into 3, and such a manifest is
+    statesnap writes in its place: one flipped bit turns 1 into 5, and such a manifest is
     damaged, not newer. (A newer format may checksum itself some other way: only a match
     counts as damage.)"""
     recorded = b'"version":%d' % version

@@ -2,7 +2,7 @@
 
 Most tensors of a checkpoint are stored whole in one piece (saved by one rank, or replicated),
 or in a few pieces (split over the few ranks that saved it). Written as JSON objects
-(docs/format.md §3), each cost about 170 bytes or more and more to parse than every check of it
+(docs/format.md §3), each took about 170 bytes or more, and longer to parse than all its checks
 (format/plain_entries.py): a third of a load of a thousand small tensors. In a table each is a
 row of plain values, one per column. A row of ``table`` (one whole piece: name, dtype, shape,
 file, offset, checksum) stands for the entry ``{"dtype", "shape", "layout": "box", "file":
@@ -23,13 +23,12 @@ import numpy as np
 
 from .columns import INT64_MAX, shape_problem
 from .dtypes import NAME_TO_DTYPE, dtype_name
-from .plain_entries import BOX, FEW_PIECES, valid_entries
+from .plain_entries import _INT, BOX, FEW_PIECES, valid_entries
 
 TABLE_MIN_TENSORS = 64  # a manifest with fewer tensors of a table's kind keeps them as JSON objects
 WHOLE, PIECES = "table", "pieces"  # the tables: their members in the manifest
 COLUMNS = {WHOLE: ("name", "dtype", "shape", "file", "offset", "checksum"),
            PIECES: ("name", "dtype", "shape", "file", "offset", "start", "size", "checksum")}
-_INT = {int}  # the one type a plain JSON value may have
 _SAFE_PRODUCT = 2.0 ** 62  # products below it, computed in float64, are exact enough to trust in int64
 
 
@@ -82,6 +81,8 @@ def table_rows(table, member: str) -> dict[str, tuple]:
     names = columns[0]
     if {*map(type, names)} - {str}:
         raise TypeError("the names must be strings")
+    if member == PIECES and {*itertools.chain.from_iterable(map(type, cells) for cells in columns[3:])} - {list}:
+        raise TypeError("a row of pieces holds a list of its pieces' values in each column but name, dtype and shape")
     rows = dict(zip(names, zip(*columns[1:])))
     if len(rows) != len(names):
         seen = set()
@@ -91,12 +92,12 @@ def table_rows(table, member: str) -> dict[str, tuple]:
 
 
 def read_table(rows: dict[str, tuple], member: str, files: list[str], file_sizes: np.ndarray, block_bytes: int,
-               make: Callable, general: Callable[[str, dict], object]) -> dict:
+               world_size: int, make: Callable, general: Callable[[str, dict], object]) -> dict:
     """fqn -> entry of each row of the table ``member`` (``table_rows``): made by ``make`` as
     plain_entries makes them where every row is plain and valid, else by ``general(fqn, entry)``
     from the JSON entry each row stands for (``TensorEntry.from_json``, which names what is wrong)."""
     whole = member == WHOLE
-    out = _all_together(rows, whole, files, file_sizes, block_bytes, make)
+    out = _all_together(rows, whole, files, file_sizes, block_bytes, min(FEW_PIECES, world_size), make)
     if out is not None:
         return out
     return {fqn: general(fqn, _row_entry(*(_as_pieces(*row) if whole else row))) for fqn, row in rows.items()}
@@ -108,10 +109,11 @@ def _as_pieces(dtype, shape, file, offset, sums) -> tuple:
 
 
 def _all_together(rows: dict[str, tuple], whole: bool, files: list[str], file_sizes: np.ndarray, block_bytes: int,
-                  make: Callable) -> dict | None:
+                  most: int, make: Callable) -> dict | None:
     """The entries of ``rows`` (of ``table`` where ``whole``, else of ``pieces``), checked with
     numpy, one call per rule for all rows of as many pieces and dimensions; None where a value is
-    not plain or a row breaks a rule."""
+    not plain, a row has more than ``most`` pieces (the general reader caps them at the world
+    size, and checks many without pairing them all) or a row breaks a rule."""
     if not rows:
         return {}
     names = list(rows)
@@ -131,6 +133,8 @@ def _all_together(rows: dict[str, tuple], whole: bool, files: list[str], file_si
     if (piece_sums is None or {*itertools.chain.from_iterable(map(type, column) for column in lists)} != {list}
             or {*map(type, itertools.chain(*ints))} - _INT):
         return None
+    if not whole and not 1 <= min(map(len, file)) <= max(map(len, file)) <= most:
+        return None
     if not whole and ({*map(type, itertools.chain(*start, *size))} - {list}
                       or {*map(type, itertools.chain.from_iterable(itertools.chain(*start, *size)))} - _INT):
         return None
@@ -139,9 +143,9 @@ def _all_together(rows: dict[str, tuple], whole: bool, files: list[str], file_si
         return None
     flat = piece_sums if max(counts, default=1) == 1 else [
         *itertools.chain.from_iterable([s] if type(s) is int else s for s in piece_sums)]
-    if {*map(type, flat)} - _INT:
+    if {*map(type, flat)} - _INT or (flat and min(flat) < 0):  # (numpy 1 wraps a negative into uint64)
         return None
-    try:  # (OverflowError: a value past 64 bits, negative for the checksums)
+    try:  # (OverflowError: a value past 64 bits)
         flat_arr = np.array(flat, np.uint64)
     except OverflowError:
         return None
