@@ -451,3 +451,28 @@ def test_verify_reports_damage_beside_a_missing_file(tmp_path):
     message = str(caught.value)
     assert f"data files missing: {doc['files'][1]} (needed for w)" in message
     assert "also 1 damaged piece(s): " in message and doc["files"][0] in message
+
+
+def _save_row_blocks(rank, world, path):
+    """Rows of ``w`` split over the ranks, each rank's part several checksum blocks long."""
+    whole = torch.arange(world * 3000, dtype=torch.float32).reshape(world * 3, 1000)
+    ss.save({"w": ss.Sharded(whole[3 * rank:3 * rank + 3].clone(), whole.shape, (3 * rank, 0))}, path,
+            block_bytes=BLOCK)
+
+
+def test_row_blocks_of_several_ranks_load_whole_and_damage_names_the_piece(tmp_path):
+    """Pieces of whole rows, read straight into their place in a whole target (no plan of their
+    own), each cut at its checksum blocks: exact, and a flipped byte in the second rank's second
+    block is named by tensor, piece and byte range."""
+    run_ranks(2, _save_row_blocks, str(tmp_path / "c"))
+    target = torch.full((6, 1000), -1.0)
+    ss.load({"w": target}, tmp_path / "c")
+    assert torch.equal(target, torch.arange(6000, dtype=torch.float32).reshape(6, 1000))
+    doc = json.loads((tmp_path / "c" / MANIFEST_NAME).read_text())
+    entry = doc["tensors"]["w"]
+    second = entry["start"].index([3, 0])
+    start = entry["offset"][second] + BLOCK
+    flip_byte(tmp_path / "c" / doc["files"][entry["file"][second]], start + 5)
+    with pytest.raises(ss.CorruptCheckpointError,
+                       match=rf"tensor 'w', piece {second}, bytes \[{start}, {start + BLOCK}\) are damaged"):
+        ss.load({"w": target}, tmp_path / "c")

@@ -1,5 +1,7 @@
 """Save planning at scale (pure computation): pieces checked to hold every element exactly once, load
 coverage that counts exactly, and the 1024-rank planning simulation at a small size."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -165,14 +167,11 @@ def _grid_tiling(rng, shape):
     return [[lo for lo, _ in b] for b in boxes], [[hi - lo for lo, hi in b] for b in boxes]
 
 
-def test_a_whole_target_of_a_few_pieces_is_planned_as_the_general_search_plans_it(monkeypatch):
-    """A checkpoint of a few ranks loaded by one process: every piece lands whole, planned without
-    the overlap search, exactly as the search plans it (contiguous pieces as one segment at their
-    place, strided ones as box copies)."""
+def _few_piece_cases(rng) -> list:
+    """Entries of up to FEW_PIECES pieces cut along random grids, each with the plan of a whole target."""
     from statesnap.format.manifest import TensorEntry
     from statesnap.plan import load_plan
 
-    rng = np.random.default_rng(5)
     cases = []
     for _ in range(300):
         shape = tuple(int(n) for n in rng.integers(0, 6, size=rng.integers(1, 4)))
@@ -187,9 +186,51 @@ def test_a_whole_target_of_a_few_pieces_is_planned_as_the_general_search_plans_i
                             size=np.array(size, np.int64).reshape(n, len(shape)), checksum=np.zeros(n, np.uint64),
                             checksum_bounds=np.arange(n + 1))
         cases.append((entry, plan_target(entry, "box", (0,) * len(shape), shape)))
+    return cases
+
+
+def test_a_whole_target_of_a_few_pieces_is_planned_as_the_general_search_plans_it(monkeypatch):
+    """A checkpoint of a few ranks loaded by one process: every piece lands whole, planned without
+    the overlap search, exactly as the search plans it (contiguous pieces as one segment at their
+    place, strided ones as box copies)."""
+    from statesnap.plan import load_plan
+
+    cases = _few_piece_cases(np.random.default_rng(5))
     assert len(cases) > 200 and any(any(r.box for r in plan.reads) for _, plan in cases)
     monkeypatch.setattr(load_plan, "FEW_PIECES", 0)  # every entry through the vectorised search
     for entry, plan in cases:
         searched = plan_target(entry, "box", (0,) * len(entry.shape), entry.shape)
         assert plan.covered == searched.covered == int(np.prod(entry.shape))
         assert plan.reads == searched.reads, entry
+
+
+def test_pieces_of_whole_rows_land_where_their_plan_puts_them():
+    """``piece_offsets`` (a whole target read without a plan) gives each piece the place its plan
+    gives it, for every entry whose pieces are runs of whole rows, and declines the others: a
+    strided piece, a target that is a part, another layout, pieces that leave a gap."""
+    from statesnap.plan.load_plan import piece_offsets
+
+    rows_only = 0
+    for entry, plan in _few_piece_cases(np.random.default_rng(6)):
+        shape = entry.shape
+        offsets = piece_offsets(entry, "box", (0,) * len(shape), shape)
+        by_rows = all(size[1:] == list(shape[1:]) for size in entry.size.tolist())
+        if entry.num_pieces == 1:
+            assert offsets == [0]
+            continue
+        assert (offsets is not None) == by_rows, entry
+        if offsets is None:
+            continue
+        rows_only += 1
+        placed = {r.piece: (r.segments[0].dst, r.hi - r.lo) for r in plan.reads}
+        assert all(r.box is None and len(r.segments) == 1 and r.lo == 0 for r in plan.reads)
+        assert placed == {i: (offsets[i], int(entry.nbytes[i])) for i in range(entry.num_pieces) if entry.nbytes[i]}
+        assert piece_offsets(entry, "flat", (0,), (int(np.prod(shape)),)) is None
+        if shape[0] > 1:
+            assert piece_offsets(entry, "box", (1,) + (0,) * (len(shape) - 1), (shape[0] - 1,) + shape[1:]) is None
+            part = dataclasses.replace(entry, file=entry.file[:1], offset=entry.offset[:1], nbytes=entry.nbytes[:1],
+                                       start=entry.start[:1], size=entry.size[:1],
+                                       checksum=entry.checksum[:1], checksum_bounds=entry.checksum_bounds[:2])
+            if entry.size[0, 0] < shape[0]:  # a split manifest's entry of the one piece a target reached
+                assert piece_offsets(part, "box", (0,) * len(shape), shape) is None
+    assert rows_only > 20

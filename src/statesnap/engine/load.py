@@ -19,7 +19,7 @@ from ..errors import (CheckpointError, CorruptCheckpointError, ManifestError, Mi
                       StateMismatchError)
 from ..format.checksum import checksum_whole
 from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
-from ..plan.load_plan import TargetPlan, one_whole_piece, plan_target
+from ..plan.load_plan import TargetPlan, piece_offsets, plan_target
 from ..progress import bar, wanted as wanted_bar
 from ..state.flatten import StoredNames, flatten_for_load
 from ..state.items import Flattened
@@ -274,11 +274,12 @@ def _plan_reads(wanted: list, entries: list, executor: ReadExecutor, path: str, 
     on_device, indirect, casts = [], [], []
     for item, entry in zip(wanted, entries):
         local = item.local
-        if local.dtype == entry.dtype and _plain_host(local) and one_whole_piece(entry, item.layout, item.start,
-                                                                                  item.size):
-            target = _writable(local)  # (the commonest, planned at once)
-            executor.add_whole(item.fqn, entry, target, plain_byte_view(target))
-            continue
+        if local.dtype == entry.dtype and _plain_host(local):
+            offsets = piece_offsets(entry, item.layout, item.start, item.size)
+            if offsets is not None:  # (the commonest, planned at once)
+                target = _writable(local)
+                executor.add_pieces(item.fqn, entry, target, plain_byte_view(target), offsets)
+                continue
         plan = plan_target(entry, item.layout, item.start, item.size)
         if plan.covered != item.local.numel() and strict:
             raise CorruptCheckpointError(f"{item.fqn}: the checkpoint {path} stores only {plan.covered} of the "

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import CorruptCheckpointError, MissingFileError, ReadFailedError
 from ..format.checksum import checksum_blocks, checksum_whole
-from ..format.manifest import Manifest, TensorEntry
+from ..format.manifest import FEW_PIECES, Manifest, TensorEntry
 from ..plan.load_plan import PieceRead, Segment, TargetPlan, row_major_strides
 from ..storage.base import FileReader, StorageBackend
 from .buffers import byte_view
@@ -81,7 +81,7 @@ class ReadExecutor:
         self._files: dict[int, FileReader] = {}
         self._lock = threading.Lock()
         self._gap_sink = memoryview(bytearray(GAP_BYTES))  # what lies between coalesced pieces: discarded
-        self._whole_reads: dict[int, PieceRead] = {}  # nbytes -> the read of a whole piece of that size
+        self._whole_reads: list[dict[int, PieceRead]] = [{} for _ in range(FEW_PIECES)]  # [piece][nbytes]: it whole
         self.bytes_read = 0
 
     def add(self, fqn: str, entry: TensorEntry, target: torch.Tensor, plan: TargetPlan,
@@ -92,16 +92,20 @@ class ReadExecutor:
             self.jobs.append(_Job(fqn, entry, target, view, r, int(entry.file[r.piece]), int(entry.offset[r.piece]),
                                   int(entry.nbytes[r.piece])))
 
-    def add_whole(self, fqn: str, entry: TensorEntry, target: torch.Tensor, view: memoryview) -> None:
-        """Read the one piece of ``entry``, all of the tensor (``plan.load_plan.one_whole_piece``),
-        into ``target``, whose bytes are ``view``: what a load in the layout of its save reads for
-        each tensor, added without a plan of its own."""
-        nbytes = len(view)
-        if nbytes:
-            read = self._whole_reads.get(nbytes)
-            if read is None:  # (shared by the pieces of one size: nothing changes a read once made)
-                read = self._whole_reads[nbytes] = PieceRead(0, 0, nbytes, [Segment(0, 0, nbytes)])
-            self.jobs.append(_Job(fqn, entry, target, view, read, int(entry.file[0]), int(entry.offset[0]), nbytes))
+    def add_pieces(self, fqn: str, entry: TensorEntry, target: torch.Tensor, view: memoryview,
+                   offsets: list[int]) -> None:
+        """Read each piece of ``entry`` whole into ``target``, whose bytes are ``view``, at its byte
+        offset there (``plan.load_plan.piece_offsets``): what a load reads for most tensors,
+        added without a plan of their own."""
+        file, base, sizes = entry.file, entry.offset, entry.nbytes
+        for piece, dst in enumerate(offsets):
+            nbytes = int(sizes[piece])
+            if nbytes:
+                read = self._whole_reads[piece].get(nbytes)
+                if read is None:  # (shared by the pieces of one index and size: nothing changes a read once made)
+                    read = self._whole_reads[piece][nbytes] = PieceRead(piece, 0, nbytes, [Segment(0, 0, nbytes)])
+                part = view if nbytes == len(view) else view[dst:dst + nbytes]
+                self.jobs.append(_Job(fqn, entry, target, part, read, int(file[piece]), int(base[piece]), nbytes))
 
     def run(self) -> None:
         tasks = self._tasks()

@@ -97,15 +97,28 @@ class TensorEntry:
     def stored_bytes(self) -> int:
         return int(self.nbytes.sum())
 
+    @property
+    def whole_in_one_piece(self) -> bool:
+        """Whether the tensor is stored whole in one box piece: what one process saves, so most
+        tensors (written as a row of format/table.py's ``table``, and loaded without a plan).
+        Not an entry of one piece that is a part: a split manifest's entry holds only the pieces
+        a target reaches. (A box as large as the shape starts at 0: every entry's boxes lie inside
+        its shape, as read or as saved.)"""
+        return self.layout == BOX and len(self.file) == 1 and self.size[0].tolist() == list(self.shape)
+
+    def checksums_json(self) -> list:
+        """Each piece's block checksums as a manifest writes them: an integer for a piece of one
+        block, else a list."""
+        bounds, sums = self.checksum_bounds.tolist(), self.checksum.tolist()
+        return [sums[a] if b - a == 1 else sums[a:b] for a, b in zip(bounds, bounds[1:])]
+
     def to_json(self) -> dict:
         out = {"dtype": dtype_name(self.dtype), "shape": list(self.shape), "layout": self.layout}
         if self.num_pieces < PACK_MIN_PIECES:
             # plain lists, one call each: this runs for every entry at every commit, on a thread
             # that holds the GIL the training's thread needs
-            bounds, sums = self.checksum_bounds.tolist(), self.checksum.tolist()
             out.update(file=self.file.tolist(), offset=self.offset.tolist(), nbytes=self.nbytes.tolist(),
-                       start=self.start.tolist(), size=self.size.tolist(),
-                       checksum=[sums[a] if b - a == 1 else sums[a:b] for a, b in zip(bounds, bounds[1:])])
+                       start=self.start.tolist(), size=self.size.tolist(), checksum=self.checksums_json())
             return out
         counts = np.diff(self.checksum_bounds)
         # many-dimensional boxes stay uncompressed: the manifest keeps within the inflation budget

@@ -38,8 +38,7 @@ def tables_json(entries: dict) -> dict[str, dict]:
     its entries)."""
     whole, pieces = {}, {}
     for fqn, entry in entries.items():
-        if entry.layout == BOX and len(entry.file) == 1 and entry.size[0].tolist() == list(entry.shape) \
-                and not any(entry.start[0].tolist()):
+        if entry.whole_in_one_piece:
             whole[fqn] = entry
         elif entry.layout == BOX and 1 < len(entry.file) <= FEW_PIECES:
             pieces[fqn] = entry
@@ -60,11 +59,7 @@ def _columns(entries: dict, pieces: Callable, boxes: bool = False) -> dict:
            "offset": [pieces(e.offset.tolist()) for e in entries.values()]}
     if boxes:
         out.update(start=[e.start.tolist() for e in entries.values()], size=[e.size.tolist() for e in entries.values()])
-    sums = []
-    for e in entries.values():
-        flat, bounds = e.checksum.tolist(), e.checksum_bounds.tolist()
-        sums.append(pieces([flat[a] if b - a == 1 else flat[a:b] for a, b in zip(bounds, bounds[1:])]))
-    out["checksum"] = sums
+    out["checksum"] = [pieces(e.checksums_json()) for e in entries.values()]
     return out
 
 

@@ -103,9 +103,6 @@ def box_runs(start: Sequence[int], size: Sequence[int], shape: Sequence[int]) ->
 
 def plan_target(entry: TensorEntry, layout: str, start: Sequence[int], size: Sequence[int]) -> TargetPlan:
     """Plan the reads that fill a target part (``layout``/``start``/``size``) of ``entry``."""
-    if one_whole_piece(entry, layout, start, size):
-        nbytes = int(entry.nbytes[0])
-        return TargetPlan([PieceRead(0, 0, nbytes, [Segment(0, 0, nbytes)])] if nbytes else [], math.prod(entry.shape))
     isz = itemsize(entry.dtype)
     if entry.layout == BOX and layout == BOX:
         return _plan_box_box(entry, tuple(start), tuple(size), isz)
@@ -151,12 +148,24 @@ def _plan_box_box(entry: TensorEntry, t0: tuple, ts: tuple, isz: int) -> TargetP
     return TargetPlan(reads, covered)
 
 
-def one_whole_piece(entry: TensorEntry, layout: str, start: Sequence[int], size: Sequence[int]) -> bool:
-    """Whether a target part that is the whole tensor reads it from an entry of one piece that is
-    the whole tensor (what one process writes: most loads, planned at once for each tensor). Not
-    where that one piece is a part (a split manifest's entry holds only the pieces a target reaches)."""
-    return (layout == BOX == entry.layout and len(entry.nbytes) == 1 and tuple(size) == entry.shape
-            and not any(start) and entry.size[0].tolist() == list(entry.shape))
+def piece_offsets(entry: TensorEntry, layout: str, start: Sequence[int], size: Sequence[int]) -> list[int] | None:
+    """Where each stored piece of ``entry`` lands, in bytes from the start of a target part that
+    is the whole tensor, when the entry's up to ``FEW_PIECES`` box pieces are runs of whole rows
+    that together cover the tensor: such a target is read without a plan. Most are: a load in
+    the layout of its save (one piece), or of a checkpoint of a few ranks split by rows. None for
+    any other (``plan_target`` plans it; a split manifest's entry may hold only some pieces)."""
+    shape = entry.shape
+    if layout != BOX or tuple(size) != shape or any(start):
+        return None
+    if entry.whole_in_one_piece:
+        return [0]
+    if entry.layout != BOX or entry.num_pieces > FEW_PIECES:
+        return None
+    rows, starts, sizes = list(shape[1:]), entry.start.tolist(), entry.size.tolist()
+    if not shape or any(box[1:] != rows for box in sizes) or sum(box[0] for box in sizes) != shape[0]:
+        return None  # (a piece of whole rows starts at column 0 of them: the manifest's boxes lie inside the shape)
+    row_bytes = math.prod(rows) * entry.dtype.itemsize
+    return [first[0] * row_bytes for first in starts]
 
 
 def plan_whole(entry: TensorEntry) -> TargetPlan:
