@@ -25,7 +25,7 @@ from ..state.flatten import StoredNames, flatten_for_load
 from ..state.items import Flattened
 from ..storage import LocalBackend, backend_for, normalize
 from ..storage.base import StorageBackend
-from .buffers import host_contiguous, plain_byte_view
+from .buffers import borrowed_byte_view, host_contiguous
 from .device_load import fill_device_targets, wave_parts
 from .dist import DEFAULT_TIMEOUT_S, Comm
 from .objects import decode_value
@@ -277,8 +277,7 @@ def _plan_reads(wanted: list, entries: list, executor: ReadExecutor, path: str, 
         if local.dtype == entry.dtype and _plain_host(local):
             offsets = piece_offsets(entry, item.layout, item.start, item.size)
             if offsets is not None:  # (the commonest, planned at once)
-                target = _writable(local)
-                executor.add_pieces(item.fqn, entry, target, plain_byte_view(target), offsets)
+                executor.add_pieces(item.fqn, entry, local, borrowed_byte_view(local), offsets)
                 continue
         plan = plan_target(entry, item.layout, item.start, item.size)
         if plan.covered != item.local.numel() and strict:
@@ -290,7 +289,7 @@ def _plan_reads(wanted: list, entries: list, executor: ReadExecutor, path: str, 
             on_device += wave_parts(item, entry, plan, executor.manifest.block_bytes)
         elif _plain_host(local):
             target = _writable(local)
-            executor.add(item.fqn, entry, target, plan, plain_byte_view(target))
+            executor.add(item.fqn, entry, target, plan, borrowed_byte_view(target))
         else:
             indirect.append((item.fqn, entry, local, plan))
     return on_device, indirect, casts

@@ -96,7 +96,8 @@ class ReadExecutor:
                    offsets: list[int]) -> None:
         """Read each piece of ``entry`` whole into ``target``, whose bytes are ``view``, at its byte
         offset there (``plan.load_plan.piece_offsets``): what a load reads for most tensors,
-        added without a plan of their own."""
+        added without a plan of their own. (``target`` is only held: every byte goes through
+        ``view``, which may not keep it alive.)"""
         file, base, sizes = entry.file, entry.offset, entry.nbytes
         for piece, dst in enumerate(offsets):
             nbytes = int(sizes[piece])

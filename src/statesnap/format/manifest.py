@@ -390,9 +390,10 @@ class Manifest:
     def tensor_part(self, fqn: str, layout: str, start: tuple, size: tuple) -> TensorEntry:
         """An entry holding (at least) the pieces of ``fqn`` a target part needs: from a split
         manifest only the chunks a box target's rows reach, else the whole entry."""
-        row = self.header(fqn)
-        if isinstance(self.tensors, SplitTensors) and layout == BOX and row.layout == BOX and row.shape:
-            return self.tensors.part(fqn, tuple(start), tuple(size))
+        if isinstance(self.tensors, SplitTensors):
+            row = self.tensors.rows[fqn]
+            if layout == BOX and row.layout == BOX and row.shape:
+                return self.tensors.part(fqn, tuple(start), tuple(size))
         return self.tensors[fqn]
 
     def _head(self, version: int) -> dict:
