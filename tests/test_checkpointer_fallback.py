@@ -11,7 +11,7 @@ import torch
 import xxhash
 
 import statesnap as ss
-from statesnap.checkpointer import manager
+from statesnap.checkpointer import restore
 from statesnap.format.manifest import FORMAT_VERSION, MANIFEST_NAME
 from statesnap.storage.local import LocalBackend
 from test_checkpointer import assert_state_equals, make_training, reference, train_step
@@ -253,7 +253,7 @@ def test_a_failed_restore_from_memory_goes_on_to_storage_and_past_damage(tmp_pat
         train_step(model, optim, 2)
         ckpt.save(2, state).wait()
         _damage(tmp_path / "step-2", "flipped")
-        monkeypatch.setattr(manager, "restore_from_memory", lambda *args: 1 / 0)
+        monkeypatch.setattr(restore, "restore_from_memory", lambda *args: 1 / 0)
         with pytest.warns(RuntimeWarning) as caught:
             assert ckpt.load_latest(state) == 1
         assert ckpt.loaded_from == "persistent"

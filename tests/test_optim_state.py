@@ -376,7 +376,7 @@ def test_a_snapshot_in_memory_that_does_not_restore_leaves_a_fresh_optimizer_fre
     held another step), or its restore failed. With nothing persisted, load_latest returned None
     (or raised) and left the optimizer with state made of zeros: an Rprop whose step sizes were
     zero, so that its parameters never moved again."""
-    from statesnap.checkpointer import manager, staging
+    from statesnap.checkpointer import restore, staging
 
     with _rprop_in_memory(tmp_path) as ckpt:
         other = model_of(7)
@@ -386,7 +386,7 @@ def test_a_snapshot_in_memory_that_does_not_restore_leaves_a_fresh_optimizer_fre
             monkeypatch.setattr(staging.Arena, "borrow", lambda self, region: False)
             assert ckpt.load_latest(state) is None
         else:
-            monkeypatch.setattr(manager, "restore_from_memory", lambda *args: 1 / 0)
+            monkeypatch.setattr(restore, "restore_from_memory", lambda *args: 1 / 0)
             with pytest.raises(ss.CheckpointError):
                 ckpt.load_latest(state)
         monkeypatch.undo()

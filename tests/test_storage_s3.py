@@ -354,6 +354,48 @@ def test_a_manifest_put_that_landed_but_reported_failure_is_committed(proxy, mot
     ss.load(loaded, url, storage_options=options(moto))
     assert_same(loaded, second)
 
+
+def test_a_manifest_put_whose_read_back_fails_too_leaves_its_files(proxy, moto, caplog):
+    """The manifest's PUT landed but its answer was lost, its retries met 503s, and reading it
+    back failed too: whether the save committed is unknown. The abort deleted the data files,
+    and the manifest in place named files that were gone: neither checkpoint loaded. Now the
+    save raises the PUT's failure, its files stay, and the checkpoint loads once the store answers."""
+    url, first, second = fresh_url("unread"), make_state(14), make_state(15)
+    ss.save(first, url, storage_options=options(proxy))
+    manifest_put = lambda r: r.method == "PUT" and r.path.endswith("/manifest.json")  # noqa: E731
+    manifest_get = lambda r: r.method == "GET" and r.path.endswith("/manifest.json")  # noqa: E731
+    proxy.lose_answers(manifest_put, times=1)
+    proxy.fail(manifest_put, times=1000)
+    proxy.fail(manifest_get, times=1000)
+    with caplog.at_level(logging.WARNING, logger="statesnap"), \
+            pytest.raises(ss.CheckpointError, match=r"writing s3://.*manifest\.json failed: SlowDown"):
+        ss.save(second, url, overwrite=True, storage_options=options(proxy, retries=2))
+    assert any("unknown" in r.getMessage() and url in r.getMessage() for r in caplog.records)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **moto.storage_options())
+    written = ss.open(url, storage_options=options(moto)).manifest.files
+    assert written and all(fs.exists(f"{url}/{name}"[len("s3://"):]) for name in written)
+    proxy._failures.clear()  # the store answers again
+    loaded = zeros_like(second)
+    ss.load(loaded, url, storage_options=options(proxy))
+    assert_same(loaded, second)
+
+    # a Checkpointer's copy to the further level: the copy fails, and load_latest restores it there
+    root = fresh_url("unread-run")
+    further_manifest = lambda r: r.path.startswith(key_of(f"{root}-further/")) and r.path.endswith("/manifest.json")  # noqa: E731
+    proxy.lose_answers(lambda r: r.method == "PUT" and further_manifest(r), times=1)
+    proxy.fail(lambda r: r.method in ("PUT", "GET") and further_manifest(r), times=1000)
+    ckpt = ss.Checkpointer(root, further_root=f"{root}-further", further_every=1,
+                           storage_options=options(proxy, retries=2))
+    ckpt.save(1, make_state(1, big=300_000)).wait()
+    with pytest.raises(ss.CheckpointError, match=r"step 1 was not copied to s3://.*-further/step-1"):
+        ckpt.close()
+    proxy._failures.clear()
+    with ss.Checkpointer(f"{root}-further", storage_options=options(proxy)) as ckpt:
+        loaded = zeros_like(make_state(1, big=300_000))
+        assert ckpt.load_latest(loaded) == 1
+    assert_same(loaded, make_state(1, big=300_000))
+
+
 def test_a_failing_abort_leaves_the_save_its_checkpoint_error(proxy, moto):
     """The manifest's PUT fails, and so does deleting the data file it would have named: the
     save raised the deletion's bare OSError, not a CheckpointError naming the manifest."""

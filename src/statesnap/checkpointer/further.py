@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from ..engine.dist import Comm
-from ..engine.save import committed_in_place, write_manifest
+from ..engine.save import commit_unknown, committed_in_place, write_manifest
 from ..errors import CheckpointError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..monitor.events import EventLog, now
@@ -155,7 +155,8 @@ class FurtherCopier:
             backend.commit(staging, target, True, self._durable, keep=[*manifest.files, MANIFEST_NAME])
         except Exception as exc:  # noqa: BLE001 (reported on every rank)
             if not in_place:  # else the manifest's write was the commit (engine/save.py: committed_in_place)
-                backend.abort(staging, target, manifest.files)
+                if not commit_unknown(exc):
+                    backend.abort(staging, target, manifest.files)
                 return f"step {step} was not copied to {target}: {exc}"
             committed_in_place(target, exc, 0)
         try:

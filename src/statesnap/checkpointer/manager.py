@@ -21,8 +21,8 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
-from ..engine.dist import Comm, PeerLostError, described, timed_group
-from ..engine.load import CAST_HINT, load_step
+from ..engine.dist import Comm, PeerLostError, timed_group
+from ..engine.load import CAST_HINT
 from ..engine.replicas import limit_bytes, object_digests
 from ..engine.save import encode_objects, per_rank_names, plan_by_owners, shared_names
 from ..engine.write import default_threads
@@ -30,16 +30,15 @@ from ..errors import CheckpointError, StateMismatchError
 from ..monitor.events import EventLog, now
 from ..state.optim_state import create_adam_state
 from ..storage import backend_for, is_url, normalize
-from ..storage.retry import describe
 from .at_exit import finish_at_exit
 from .config import CheckpointerConfig
 from .gpu import CudaCopier, mark_devices
 from .hooks import StepGuard, find_writers
-from .fallback import Fallback
 from .further import FurtherCopier
-from .levels import MemoryLevel, StorageLevel, leave_fresh, matching_target, restore_from_memory
+from .levels import MemoryLevel, StorageLevel
 from .local import LocalFlusher, Topology, peer_buffer_bytes
-from .recovery import LocalRecovery, complete_steps, inventory
+from .recovery import LocalRecovery
+from .restore import load_newest
 from .roots import RootClaims
 from .pipeline import UNGUARDED, Flusher, FlushTarget, Snapshot, Stager, as_checkpoint_error
 from .staging import MAX_SEGMENT_BYTES, REGION_ALIGN, Arena, align_up
@@ -300,133 +299,20 @@ class Checkpointer:
         self._refuse_in_on_commit("load_latest()")
         self._wait_all()
         self._raise_pending()
+        started = now()
+        levels = [level for level in (self.persistent, self.further) if level is not None]
         try:
-            return self._load_newest(state, cast)
+            restored = load_newest(state, cast, self._comm, self.memory, self._arena, levels, self._recovery,
+                                   self.config)
         except StateMismatchError as exc:  # whose own advice names ss.load's strict=False
             raise exc.advised(LOAD_LATEST_ADVICE + (CAST_HINT if CAST_HINT in exc.advice else "")) from None
-
-    def _load_newest(self, state: dict, cast: bool) -> int | None:
-        started = now()
-        snap, refused = self.memory.newest(), None
-        # Optimizers that were fresh and got state made for the snapshot in memory: left fresh
-        # again unless that snapshot is what restores them (the ranks chose another step, the
-        # snapshot went, its restore failed), as a load from storage that fails leaves them.
-        # Else a restart that found nothing else to load went on with state made of zeros.
-        made: list[torch.optim.Optimizer] = []
-        try:
-            flat = matching_target(snap, state, made) if snap is not None else None
-        except Exception as exc:  # noqa: BLE001 (a state no load can fill: raised on every rank below)
-            flat, refused = None, exc
-        borrowed = flat is not None and self._arena.borrow(snap.region)
-        from_memory = False
-        try:
-            levels = [level for level in (self.persistent, self.further) if level is not None]
-            # what each rank holds in memory and on its node, and rank 0's listing of the stored
-            # levels, in one exchange: a restart's time is its slowest rank's, collectives included
-            held = self._comm.all_gather((snap.step if borrowed else None,
-                                          inventory(self.local) if self.local is not None else None,
-                                          self._stored_steps(levels) if self.rank == 0 else None,
-                                          described(refused)))
-            # a rank whose state no load can fill (a target refused by name) stops every rank
-            # here, not only itself while the others wait for it in the next exchange
-            self._comm.raise_any(refused, [failure for *_, failure in held], "loading the latest checkpoint")
-            memory_steps = [step for step, *_ in held]
-            memory_step = memory_steps[0] if None not in memory_steps and len(set(memory_steps)) == 1 else None
-            inventories = [node for _, node, *_ in held] if self.local is not None else []
-            stored = held[0][2]
-            local_steps = complete_steps(inventories) if inventories else []
-            # a level that could not be listed holds its error's text instead of its steps
-            listed = [steps if isinstance(steps, list) else [] for steps in stored]
-            choices = [(memory_step, 0, "memory")] + [(s, 1, "local") for s in local_steps] + [
-                (s, i + 2, lv.name) for i, (steps, lv) in enumerate(zip(listed, levels)) for s in steps]
-            choices = sorted((c for c in choices if c[0] is not None), key=lambda c: (-c[0], c[1]))
-            unlisted = [(lv, why) for why, lv in zip(stored, levels) if isinstance(why, str)]
-            if not choices and unlisted:
-                # None says "no checkpoint": the loop would train from scratch, and its saves
-                # would replace and retire the checkpoints that level still holds
-                raise CheckpointError(
-                    "no checkpoint to restore was found, but " + "; ".join(
-                        f"the {lv.name} level at {lv.root} could not be listed ({why})" for lv, why in unlisted) +
-                    ": it may hold checkpoints; try again once the storage answers")
-            if not choices:
-                return None
-            # the newest step first, from the fastest level holding it
-            fallback = Fallback(self._comm, choices)
-            emptied = False  # whether a stored copy tried first took the state made for the snapshot away
-            for index, (step, _, name) in enumerate(choices):
-                try:
-                    if name == "memory":
-                        nbytes = self._restore_memory(snap, flat, step, (state, made) if emptied else None)
-                        from_memory = True
-                    else:
-                        emptied = emptied or bool(made)
-                        leave_fresh(made)
-                        nbytes, name = self._restore_stored(state, step, name, inventories, cast)
-                    break
-                except CheckpointError as exc:
-                    if fallback.record(exc, index) and name == "local":
-                        self._recovery.prune_after(step - 1)  # a copy given up is not tried again at the next restart
-                    fallback.go_on_or_raise(exc, index)
-            by_name = {level.name: level for level in levels}
-            for damaged_step, level_name in fallback.damaged:
-                if level_name in by_name:  # (not the node's own levels: they prune what they give up)
-                    by_name[level_name].damaged.add(damaged_step)
-            if self._recovery is not None:
-                self._recovery.prune_after(step)
-        finally:
-            if not from_memory:
-                leave_fresh(made)
-            if borrowed:
-                self._arena.hold(snap.region, lambda: self.memory.drop(snap))
-        self.loaded_from = name
-        self.events.add("load", step, started, now(), nbytes, level=name)
+        if restored is None:
+            return None
+        step, self.loaded_from, nbytes = restored
+        self.events.add("load", step, started, now(), nbytes, level=self.loaded_from)
         self.events.flush()
-        log.info("statesnap: restored step %d from the %s level", step, name)
+        log.info("statesnap: restored step %d from the %s level", step, self.loaded_from)
         return step
-
-    def _stored_steps(self, levels: list[StorageLevel]) -> list[list[int] | str]:
-        """Rank 0: the committed steps of each storage level. A level it cannot list (the
-        storage is down) holds none for this restore (the error's text instead of its steps), with a
-        warning, rather than raising here while the other ranks wait for the answer: the other
-        levels may still serve the restart."""
-        steps = []
-        for level in levels:
-            try:
-                steps.append(level.committed_steps())
-            except Exception as exc:  # noqa: BLE001 (any storage library's error)
-                log.warning("statesnap: the %s level at %s cannot be listed (%s); restoring without it",
-                            level.name, level.root, describe(exc))
-                steps.append(describe(exc))
-        return steps
-
-    def _restore_memory(self, snap, flat, step: int, remake: tuple | None = None) -> int:
-        """Restore ``snap`` from the arena into ``flat``, on every rank or (raised) on none.
-        ``remake``: (state, made) whose fresh optimizers lost the state made for the snapshot to
-        a stored copy of a newer step tried first (it failed): the target is flattened again, so
-        that they get it back. Without it their ``load_state_dict`` found them without state,
-        and PyTorch's helper took a step at lr 0 to make one (their step hooks ran)."""
-        error, nbytes = None, 0
-        try:
-            if remake is not None:
-                flat = matching_target(snap, *remake)
-                if flat is None:
-                    raise CheckpointError(f"the snapshot of step {step} in host memory no longer matches the state")
-            nbytes = restore_from_memory(snap, flat, self._arena.buffer, self.config.allow_pickle)
-        except Exception as exc:  # noqa: BLE001 (all ranks raise together below)
-            error = exc
-        self._comm.agree(error, f"restoring step {step} from host memory")
-        return nbytes
-
-    def _restore_stored(self, state: dict, step: int, name: str, inventories: list, cast: bool) -> tuple[int, str]:
-        """Load ``step`` from a storage level; return the bytes read and the level's name
-        (``"local"`` becomes ``"peer"`` when some node fetched files from another)."""
-        options = dict(allow_pickle=self.config.allow_pickle, storage_options=self.config.storage_options,
-                       process_group=self.config.process_group, timeout_s=self.config.commit_timeout_s, cast=cast)
-        if name == "local":
-            nbytes, fetched = self._recovery.restore(state, step, inventories, **options)
-            return nbytes, "peer" if fetched else "local"
-        level = self.persistent if name == "persistent" else self.further
-        return load_step(state, level.path(step), step, **options).bytes, name
 
     def stats(self) -> dict:
         """Sums of the events so far: stall, background time, throughput, back-pressure, ..."""

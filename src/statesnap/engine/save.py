@@ -31,6 +31,7 @@ from ..state.items import Flattened
 from ..storage import backend_for, normalize
 from ..storage.base import StorageBackend
 from ..storage.lock import RootBusyError
+from ..storage.retry import describe
 from .buffers import byte_view, host_contiguous
 from .dist import DEFAULT_TIMEOUT_S, Comm, PeerLostError
 from .exchange import all_to_all
@@ -472,30 +473,46 @@ def commit_manifest(backend, path, staging, outputs, overwrite, durable,
     except Exception as exc:
         if in_place:  # see committed_in_place
             return committed_in_place(path, exc, manifest.total_bytes)
-        backend.abort(staging, path, written)
+        if not commit_unknown(exc):
+            backend.abort(staging, path, written)
         if isinstance(exc, (RootBusyError, CheckpointExistsError)):  # callers catch these types
             return exc
         return f"committing {path} failed: {type(exc).__name__}: {exc}"
     return manifest.total_bytes
 
 
+_COMMIT_UNKNOWN = "statesnap_commit_unknown"  # the attribute write_manifest marks its failure with
+
+
 def write_manifest(backend: StorageBackend, staging: str, path: str, raw: bytes, durable: bool) -> None:
     """Write the manifest ``raw`` into ``staging``. In place (an object store), a PUT that landed
-    but whose answer was lost, its retries then failing, raises although it committed: the
-    manifest read back is then this one, and the abort must not delete the files it names."""
+    but whose answer was lost, its retries then failing, raises although it committed, so the
+    manifest is read back: this one is the commit (the abort must not delete the files it
+    names); another or none lets the write's failure stand. When the read fails too, nobody
+    knows which: the write's failure is raised marked (``commit_unknown``), and its abort leaves
+    the files, since deleting them could leave a committed manifest naming files that are gone."""
     where = backend.join(staging, MANIFEST_NAME)
     try:
         backend.write_bytes(where, raw, durable)
-    except Exception:
-        if staging != path or not _holds(backend, where, raw):
+    except Exception as exc:
+        if staging != path:
             raise
+        try:
+            if backend.read_bytes(where) == raw:
+                return
+        except FileNotFoundError:
+            pass
+        except Exception as unread:  # noqa: BLE001 (any storage library's error)
+            log.warning("statesnap: whether %s is committed is unknown: writing its manifest failed, and so did "
+                        "reading it back (%s); its files are left there", path, describe(unread))
+            setattr(exc, _COMMIT_UNKNOWN, True)
+        raise
 
 
-def _holds(backend: StorageBackend, where: str, raw: bytes) -> bool:
-    try:
-        return backend.read_bytes(where) == raw
-    except Exception:  # noqa: BLE001 (not known to be there: the write's failure stands)
-        return False
+def commit_unknown(exc: BaseException) -> bool:
+    """Whether ``exc`` is a manifest write whose commit is unknown (``write_manifest``): the
+    abort must not delete the save's files then."""
+    return getattr(exc, _COMMIT_UNKNOWN, False)
 
 
 def committed_in_place(path: str, exc: Exception, nbytes: int) -> int:
