@@ -127,8 +127,40 @@ def test_a_full_disk_fails_every_save_until_space_returns(place):
     prefix, target = place
     faults = Faults(fail_write=2, errno=errno.ENOSPC, sticky=True)
     for attempt in range(3):
-        with pytest.raises(ss.CheckpointError, match="No space left"):
+        with pytest.raises(ss.CheckpointError, match="No space left.*free space there"):
             ss.save(small_state(attempt), f"{prefix}/full-{attempt}", **options(faults, target))
     faults.reset()
     ss.save(small_state(9), f"{prefix}/full-0", **options(faults, target))
     assert_loads(f"{prefix}/full-0", target, 9)
+
+
+@pytest.mark.parametrize("call", ["pwritev", "fsync"])
+def test_a_full_local_disk_names_the_file_and_what_to_do(tmp_path, monkeypatch, call):
+    """A full local file system: ``ss.save`` and a Checkpointer's background save each raise a
+    CheckpointError naming the data file it was writing and what to do (the system call's own
+    error names neither); the checkpoint committed before stays loadable, and once there is
+    space the next step commits."""
+    import os
+
+    ss.save(small_state(1), tmp_path / "before", allow_pickle=True)
+    real = getattr(os, call)
+
+    def full(fd, *args):
+        if call == "fsync" or len(args) == 2:  # (fsync: every one; pwritev: its views and offset)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, *args)
+
+    ckpt = ss.Checkpointer(tmp_path / "root", allow_pickle=True)
+    monkeypatch.setattr(os, call, full)
+    said = r"No space left on device: '.*data-\w+-r00000\.bin' \(the storage is full .*free space there"
+    with pytest.raises(ss.CheckpointError, match=said):
+        ss.save(small_state(2), tmp_path / "c", allow_pickle=True)
+    with pytest.raises(ss.CheckpointError, match="step 1 .*failed in the background.*" + said):
+        ckpt.save(1, small_state(3)).wait()
+    monkeypatch.setattr(os, call, real)  # space again: the next step commits
+    ckpt.save(2, small_state(4)).wait()
+    ckpt.close()
+    assert sorted(p.name for p in (tmp_path / "root").iterdir() if p.name.startswith("step-")) == ["step-2"]
+    state = blank_state()
+    ss.load(state, tmp_path / "before", allow_pickle=True)
+    assert_same(state, small_state(1))

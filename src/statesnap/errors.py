@@ -5,6 +5,20 @@ reading them is usually looking at a failed job at 3 a.m. and needs the next act
 """
 from __future__ import annotations
 
+import errno
+
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # the writes' errors a person fixes by making room
+
+
+def explained(error: BaseException) -> str:
+    """``error`` as a message says it, with what to do where its remedy is known: a full file
+    system or quota said only "[Errno 28] No space left on device"."""
+    text = str(error)
+    if isinstance(error, OSError) and error.errno in _FULL:
+        text += (" (the storage is full or over its quota: free space there, keep fewer checkpoints, or save "
+                 "elsewhere; checkpoints committed before are untouched)")
+    return text
+
 
 class CheckpointError(Exception):
     """Base class of all statesnap errors."""

@@ -26,7 +26,7 @@ from ..engine.load import CAST_HINT
 from ..engine.replicas import limit_bytes, object_digests
 from ..engine.save import encode_objects, per_rank_names, plan_by_owners, shared_names
 from ..engine.write import default_threads
-from ..errors import CheckpointError, StateMismatchError
+from ..errors import CheckpointError, StateMismatchError, explained
 from ..monitor.events import EventLog, now
 from ..state.optim_state import create_adam_state
 from ..storage import backend_for, is_url, normalize
@@ -121,7 +121,7 @@ class Checkpointer:
             self.events = EventLog(self.rank, events_path)
         except OSError as exc:
             self._roots.release()
-            raise CheckpointError(f"cannot keep checkpoints under {events_level.root}: {exc}") from exc
+            raise CheckpointError(f"cannot keep checkpoints under {events_level.root}: {explained(exc)}") from exc
         self._arena: Arena | None = None
         self._segment_bytes = MAX_SEGMENT_BYTES
         self._block_bytes = cfg.block_bytes

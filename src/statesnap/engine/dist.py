@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, explained
 
 DEFAULT_TIMEOUT_S = 1800.0  # torch.distributed's own default for gloo groups
 # Bytes of an object that a broadcast sends in its first round: a slot this small costs nothing
@@ -41,7 +41,7 @@ _IDENTITIES: dict = {}  # id(side group) -> (it, [(host, pid)] of its ranks), le
 
 def described(error: BaseException | None) -> str | None:
     """What another rank is told of ``error``."""
-    return None if error is None else f"{type(error).__name__}: {error}"
+    return None if error is None else f"{type(error).__name__}: {explained(error)}"
 
 
 class RemoteFailure(CheckpointError):

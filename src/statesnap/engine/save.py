@@ -18,7 +18,7 @@ from typing import Any, Callable, ContextManager
 
 import numpy as np
 
-from ..errors import CheckpointError, CheckpointExistsError
+from ..errors import CheckpointError, CheckpointExistsError, explained
 from ..format.checksum import DEFAULT_BLOCK_BYTES, checksum_whole
 from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry, meta_problem
@@ -290,7 +290,8 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
             backend.abort(staging, path)
         raise
     if error is not None:
-        raise error if isinstance(error, CheckpointError) else CheckpointError(f"save to {path} failed: {error}") from error
+        raise error if isinstance(error, CheckpointError) else CheckpointError(
+            f"save to {path} failed: {explained(error)}") from error
     return SaveInfo(path, committed_bytes(result, path), time.perf_counter() - started)
 
 

@@ -10,6 +10,7 @@ Checkpointer at start) puts it back.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -69,15 +70,28 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
+def _pwritev_all(fd: int, views: list[memoryview], offset: int, path: str) -> None:
     views, first = [v for v in views if len(v)], 0
     while first < len(views):
-        written = os.pwritev(fd, views[first:first + _IOV_MAX], offset)
+        with _naming(path):
+            written = os.pwritev(fd, views[first:first + _IOV_MAX], offset)
         offset += written
         # Short writes happen (signals, quotas): drop what went out and retry the rest.
         first, rest = _past(views, first, written)
         if rest:
             views[first] = views[first][rest:]
+
+
+@contextlib.contextmanager
+def _naming(path: str):
+    """An OSError of a system call on a descriptor names the file ``path``: a full disk said only
+    "[Errno 28] No space left on device", not which checkpoint file it was writing."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, exc.strerror, path) from None
 
 
 def _past(views: list[memoryview], first: int, nbytes: int) -> tuple[int, int]:
@@ -102,7 +116,7 @@ class _LocalWriter(FileWriter):
     def pwrite(self, offset: int, views: Sequence[memoryview]) -> None:
         views = [v for v in views if len(v)]
         length = sum(len(v) for v in views)
-        _pwritev_all(self.fd, views, offset)
+        _pwritev_all(self.fd, views, offset, self.path)
         if self.writeback and length >= _WRITEBACK_MIN:
             _sync_file_range(self.fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
@@ -141,7 +155,7 @@ class _LocalWriter(FileWriter):
         body = (len(view) - head) // DIRECT_ALIGN * DIRECT_ALIGN
         if body and not self._direct_refused:
             try:
-                _pwritev_all(self._direct_fd, [view[head:head + body]], offset + head)
+                _pwritev_all(self._direct_fd, [view[head:head + body]], offset + head, self.path)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
@@ -168,7 +182,8 @@ class _LocalWriter(FileWriter):
     def close(self, durable: bool) -> None:
         try:
             if durable:
-                os.fsync(self.fd)  # the inode's: it covers the O_DIRECT descriptor's writes too
+                with _naming(self.path):
+                    os.fsync(self.fd)  # the inode's: it covers the O_DIRECT descriptor's writes too
         finally:
             os.close(self.fd)
             if self._direct_fd is not None and self._direct_fd >= 0:
