@@ -219,7 +219,7 @@ class Comm:
         if error is not None:
             if isinstance(error, CheckpointError):
                 raise error
-            raise CheckpointError(f"{what} failed on rank {self.rank}: {error}") from error
+            raise CheckpointError(f"{what} failed on rank {self.rank}: {explained(error)}") from error
         failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None)
         if failed:
             raise RemoteFailure(f"{what} failed on another rank: {failed}")
