@@ -164,3 +164,29 @@ def test_a_full_local_disk_names_the_file_and_what_to_do(tmp_path, monkeypatch, 
     state = blank_state()
     ss.load(state, tmp_path / "before", allow_pickle=True)
     assert_same(state, small_state(1))
+
+
+def test_a_disk_filling_up_at_the_manifest_says_what_to_do(tmp_path, monkeypatch):
+    """The data files fit and the manifest does not: the commit's error names the manifest and
+    the remedy, the save's files are gone, and the checkpoint at the path before is intact."""
+    import os
+
+    from statesnap.storage.local import LocalBackend
+
+    ss.save(small_state(1), tmp_path / "c", allow_pickle=True)
+    real = LocalBackend.write_bytes
+
+    def full(self, path, data, durable):
+        if os.path.basename(path).startswith("manifest"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real(self, path, data, durable)
+
+    monkeypatch.setattr(LocalBackend, "write_bytes", full)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(ss.CheckpointError, match=r"committing .*c failed: OSError: .*No space left on device: "
+                                                 r"'.*manifest.*' \(the storage is full .*free space there"):
+        ss.save(small_state(2), tmp_path / "c", allow_pickle=True, overwrite=True)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    state = blank_state()
+    ss.load(state, tmp_path / "c", allow_pickle=True)
+    assert_same(state, small_state(1))

@@ -20,6 +20,12 @@ def explained(error: BaseException) -> str:
     return text
 
 
+def described(error: BaseException | None) -> str | None:
+    """``error`` as one line that names its type, for a message of statesnap's that wraps it or
+    for another rank to read; every such site says a known remedy through this one function."""
+    return None if error is None else f"{type(error).__name__}: {explained(error)}"
+
+
 class CheckpointError(Exception):
     """Base class of all statesnap errors."""
 

@@ -20,7 +20,7 @@ from typing import Any
 from ..engine.dist import Comm
 from ..engine.replicas import REPLICA_CHECK_MB, hash_tensors, limit_bytes, replicas_to_check
 from ..engine.save import RankOutput, commit_by_owners, committed_bytes, data_file_name, open_staging, own_objects
-from ..errors import CheckpointError, explained
+from ..errors import CheckpointError, described
 from ..format.checksum import checksum_blocks, checksum_whole
 from ..format.manifest import BOX, ObjectEntry
 from ..monitor.events import EventLog, now
@@ -142,7 +142,7 @@ def as_checkpoint_error(exc: BaseException, step: int, path: str) -> CheckpointE
         return exc
     where = f" ({path})" if path else ""
     error = CheckpointError(f"checkpoint of step {step}{where} failed in the background and was not "
-                            f"committed: {type(exc).__name__}: {explained(exc)}")
+                            f"committed: {described(exc)}")
     error.__cause__ = exc
     return error
 

@@ -13,7 +13,8 @@ import logging
 
 import torch
 
-from ..engine.dist import Comm, described
+from ..engine.dist import Comm
+from ..errors import described
 from ..engine.load import load_step
 from ..errors import CheckpointError
 from ..storage.retry import describe

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError, explained
+from ..errors import CheckpointError, described, explained
 
 DEFAULT_TIMEOUT_S = 1800.0  # torch.distributed's own default for gloo groups
 # Bytes of an object that a broadcast sends in its first round: a slot this small costs nothing
@@ -37,11 +37,6 @@ BROADCAST_SLOT = 16 << 10
 # Keyed by id(group); the values hold the group too, so an id cannot be reused while it is a key.
 _SIDE_GROUPS: dict = {}  # (id(group), timeout) -> (group, its side group), made once
 _IDENTITIES: dict = {}  # id(side group) -> (it, [(host, pid)] of its ranks), learned on first use
-
-
-def described(error: BaseException | None) -> str | None:
-    """What another rank is told of ``error``."""
-    return None if error is None else f"{type(error).__name__}: {explained(error)}"
 
 
 class RemoteFailure(CheckpointError):

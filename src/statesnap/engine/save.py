@@ -18,7 +18,7 @@ from typing import Any, Callable, ContextManager
 
 import numpy as np
 
-from ..errors import CheckpointError, CheckpointExistsError, explained
+from ..errors import CheckpointError, CheckpointExistsError, described, explained
 from ..format.checksum import DEFAULT_BLOCK_BYTES, checksum_whole
 from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry, meta_problem
@@ -377,8 +377,8 @@ class OwnerReport:
 def report_errors(gathered: list[OwnerReport]) -> list[str | None]:
     """Each rank's failure, if any. An owner missing a report counts only where no rank failed:
     a writer that failed explains it, and says so itself."""
-    explained = any(report.error is not None for report in gathered)
-    return [report.error or (None if explained else report.unreported) for report in gathered]
+    any_failed = any(report.error is not None for report in gathered)
+    return [report.error or (None if any_failed else report.unreported) for report in gathered]
 
 
 def gather_reports(comm: Comm, metas: list, plan: SavePlan, owned: OwnedTensors | None, output: RankOutput | None,
@@ -412,7 +412,7 @@ def gather_reports(comm: Comm, metas: list, plan: SavePlan, owned: OwnedTensors 
             write_own_section(entries)
         except Exception as exc:
             error = exc
-    text = None if error is None else f"{type(error).__name__}: {error}"
+    text = described(error)
     sent = None if output is None else dataclasses.replace(output, checksums={}, replicas=[])
     gathered = comm.gather(OwnerReport(sent, text, None if write_own_section is not None else entries, differing,
                                        unreported))
@@ -436,7 +436,7 @@ def open_staging(backend: StorageBackend, path: str, overwrite: bool) -> tuple[s
     except CheckpointError as exc:  # (its words are for the user already)
         return None, token, str(exc)
     except Exception as exc:  # noqa: BLE001 (reported on every rank by the caller)
-        return None, token, f"{type(exc).__name__}: {exc}"
+        return None, token, described(exc)
 
 
 def commit_or_abort(backend, path, staging, plan, outputs, world_size, overwrite, durable, block_bytes, meta) -> Any:
@@ -478,7 +478,7 @@ def commit_manifest(backend, path, staging, outputs, overwrite, durable,
             backend.abort(staging, path, written)
         if isinstance(exc, (RootBusyError, CheckpointExistsError)):  # callers catch these types
             return exc
-        return f"committing {path} failed: {type(exc).__name__}: {exc}"
+        return f"committing {path} failed: {described(exc)}"
     return manifest.total_bytes
 
 

@@ -192,9 +192,9 @@ def _matrix(rows_of: list[int], n: int, dims: int, dtypes: list, shapes: tuple, 
             pieces = np.hstack([_stacked([file[i] for i in rows_of], n), _stacked([offset[i] for i in rows_of], n)])
             lo, extent = (_stacked([*itertools.chain.from_iterable(_of_length([boxes[i] for i in rows_of], n))],
                                    dims).reshape(k, n, dims) for boxes in (start, size))
+        if sums is not None:
+            _of_length([sums[i] for i in rows_of], n)
     except (OverflowError, ValueError):  # (ValueError: lists of several lengths)
-        return None
-    if sums is not None and any(len(sums[i]) != n for i in rows_of):
         return None
     if dims and (shape < 0).any():
         return None

@@ -72,14 +72,14 @@ def fsync_dir(path: str) -> None:
 
 def _pwritev_all(fd: int, views: list[memoryview], offset: int, path: str) -> None:
     views, first = [v for v in views if len(v)], 0
-    while first < len(views):
-        with _naming(path):
+    with _naming(path):
+        while first < len(views):
             written = os.pwritev(fd, views[first:first + _IOV_MAX], offset)
-        offset += written
-        # Short writes happen (signals, quotas): drop what went out and retry the rest.
-        first, rest = _past(views, first, written)
-        if rest:
-            views[first] = views[first][rest:]
+            offset += written
+            # Short writes happen (signals, quotas): drop what went out and retry the rest.
+            first, rest = _past(views, first, written)
+            if rest:
+                views[first] = views[first][rest:]
 
 
 @contextlib.contextmanager

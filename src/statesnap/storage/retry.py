@@ -20,7 +20,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from ..errors import explained
+from ..errors import described
 
 log = logging.getLogger("statesnap")
 
@@ -74,7 +74,7 @@ def is_transient(exc: BaseException) -> bool:
 def describe(exc: BaseException) -> str:
     """``exc`` with the store's error code and HTTP status where its cause has them (s3fs's
     translated errors say only, for instance, ``[Errno 16] Please reduce your request rate``)."""
-    text = f"{type(exc).__name__}: {explained(exc)}"
+    text = described(exc)
     cause = exc
     while cause is not None:
         response = getattr(cause, "response", None)
