@@ -23,7 +23,8 @@ import traceback
 from datetime import timedelta
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from statesnap.bench.job import callers_place, enter_place, rank_context
 
 STORE_TIMEOUT = timedelta(minutes=30)  # what init_process_group gives its own store
 GRACE_S = 60  # how long the other ranks may take to finish or fail once one rank has failed
@@ -49,7 +50,8 @@ def pin_threads() -> None:
         pass
 
 
-def _rank_main(rank, world_size, port, fn, args, results):
+def _rank_main(rank, world_size, port, fn, args, results, place):
+    enter_place(place)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     pin_threads()
@@ -76,11 +78,13 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 240):
     rank that dies without a result, or one still running ``GRACE_S`` after another rank failed
     (typically waiting in a collective for the failed one), is named as such instead of hiding
     the first rank's traceback behind a queue timeout."""
-    ctx = mp.get_context("spawn")
+    # Ranks fork from a server started by a pytest process, which pin_threads has run in: its
+    # OpenBLAS and OpenMP have no threads that a fork could leave half-held.
+    ctx = rank_context("dist_utils")
     results = ctx.Queue()
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=STORE_TIMEOUT)
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, store.port, fn, args, results))
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, store.port, fn, args, results, callers_place()))
              for r in range(world_size)]
     for p in procs:
         p.start()

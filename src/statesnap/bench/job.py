@@ -18,7 +18,33 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _rank(rank: int, world: int, port: int, work: Callable, args: dict, results) -> None:
+def rank_context(*preload: str):
+    """A multiprocessing context whose processes fork from a server that imported torch and
+    statesnap (and ``preload``) once: a spawned rank spends seconds importing them. Such a
+    process starts with the server's environment and working directory, which were the caller's
+    when the server started: hand it ``callers_place()`` and let it ``enter_place`` first."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "statesnap.checkpointer", "statesnap.engine.save",
+                                "statesnap.engine.load", *preload])
+    return ctx
+
+
+def callers_place() -> tuple[dict, str]:
+    """This process's environment and working directory, for ``enter_place`` in a rank."""
+    return dict(os.environ), os.getcwd()
+
+
+def enter_place(place: tuple[dict, str]) -> None:
+    """Take the environment and working directory ``callers_place`` gave, as a spawned process
+    would have started with them."""
+    environ, cwd = place
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+
+
+def _rank(rank: int, world: int, port: int, work: Callable, args: dict, results, place) -> None:
+    enter_place(place)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
@@ -36,11 +62,11 @@ def _rank(rank: int, world: int, port: int, work: Callable, args: dict, results)
 
 
 def run_job(world: int, work: Callable, args: dict, timeout_s: float = 1800) -> list:
-    """``work(rank, world, **args)`` on ``world`` spawned gloo ranks (a module-level function);
+    """``work(rank, world, **args)`` on ``world`` gloo ranks (a module-level function);
     return what each rank returned, in rank order. Raises ``RuntimeError`` naming the first rank
     that failed or ended without a result."""
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     procs = []
     returned: dict[int, object] = {}
@@ -48,7 +74,7 @@ def run_job(world: int, work: Callable, args: dict, timeout_s: float = 1800) -> 
     ended_before: set[int] = set()
     try:
         for rank in range(world):
-            procs.append(ctx.Process(target=_rank, args=(rank, world, store.port, work, args, results)))
+            procs.append(ctx.Process(target=_rank, args=(rank, world, store.port, work, args, results, callers_place())))
             procs[-1].start()
         while len(returned) < world:
             try:
