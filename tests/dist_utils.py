@@ -50,12 +50,15 @@ def pin_threads() -> None:
         pass
 
 
-def _rank_main(rank, world_size, port, fn, args, results, place):
+def _rank_main(rank, world_size, port, payload, results, place):
     enter_place(place)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     pin_threads()
     try:
+        # unpickled here, not with the process: importing fn's module (and what it imports) runs
+        # its module-level code, which must see the caller's environment as under "spawn"
+        fn, args = pickle.loads(payload)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=STORE_TIMEOUT)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
@@ -78,13 +81,16 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 240):
     rank that dies without a result, or one still running ``GRACE_S`` after another rank failed
     (typically waiting in a collective for the failed one), is named as such instead of hiding
     the first rank's traceback behind a queue timeout."""
-    # Ranks fork from a server started by a pytest process, which pin_threads has run in: its
-    # OpenBLAS and OpenMP have no threads that a fork could leave half-held.
+    # Ranks fork from a server: a fresh interpreter this process started, with this process's
+    # environment then (pin_threads's OMP_NUM_THREADS=1 among it), so its OpenBLAS and OpenMP have
+    # no threads that a fork could leave half-held. (Its preload of dist_utils finds nothing on
+    # Python 3.11: the server does not take this process's sys.path; each rank imports it.)
     ctx = rank_context("dist_utils")
+    payload = pickle.dumps((fn, args))
     results = ctx.Queue()
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=STORE_TIMEOUT)
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, store.port, fn, args, results, callers_place()))
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, store.port, payload, results, callers_place()))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -397,7 +397,8 @@ def test_a_failed_write_of_an_export_leaves_nothing(tmp_path, monkeypatch):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(api.safetensors_io, "_write_file", full)
-    with pytest.raises(CheckpointError, match=r"exporting to .*hf failed.*No space left"):
+    with pytest.raises(CheckpointError, match=r"exporting to .*hf failed.*No space left on device "
+                                              r"\(the storage is full or over its quota"):
         ss.export(str(tmp_path / "ck"), str(tmp_path / "hf"))
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 

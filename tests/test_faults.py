@@ -190,3 +190,28 @@ def test_a_disk_filling_up_at_the_manifest_says_what_to_do(tmp_path, monkeypatch
     state = blank_state()
     ss.load(state, tmp_path / "c", allow_pickle=True)
     assert_same(state, small_state(1))
+
+
+@pytest.mark.parametrize("where", ["copy_file", "write_manifest"])
+def test_a_further_level_filling_up_says_what_to_do(tmp_path, monkeypatch, where):
+    """The copy to the further level meets a full disk, at a data file or at the manifest: the
+    warning names the error's type and the remedy, as a level's own save says them."""
+    import os
+    import warnings
+
+    from statesnap.checkpointer import further
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "a file of the further level")
+
+    monkeypatch.setattr(further, where, full)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt = ss.Checkpointer(tmp_path / "local", further_root=str(tmp_path / "further"), further_every=2,
+                               host_memory_gb=0.01, on_error="warn")
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.full((100,), float(step))}).wait()
+        ckpt.close()
+    said = [str(w.message) for w in caught if "not copied" in str(w.message)]
+    assert len(said) == 1 and "OSError: [Errno 28] No space left on device" in said[0], said
+    assert "(the storage is full or over its quota: free space there" in said[0], said

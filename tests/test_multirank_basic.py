@@ -7,6 +7,8 @@ import torch.nn as nn
 import statesnap as ss
 from dist_utils import run_ranks
 
+_PROBE_AT_IMPORT = os.environ.get("STATESNAP_TEST_PROBE")  # read where the ranks import this module
+
 
 def _ddp_save_load(rank, world, path):
     torch.manual_seed(0)  # same init on every rank: a replicated (DDP-style) model
@@ -99,3 +101,16 @@ def test_flags_are_or_ed_across_ranks_and_one_failure_reaches_every_rank():
             assert outcome == ("own", "a step rank 1 failed failed on rank 1: disk on fire")
         else:
             assert outcome[0] == "remote" and "rank 1: ValueError: disk on fire" in outcome[1]
+
+
+def _probe(rank, world):
+    return _PROBE_AT_IMPORT, os.environ.get("STATESNAP_TEST_PROBE")
+
+
+def test_a_rank_imports_its_functions_module_in_the_callers_environment(monkeypatch):
+    """Ranks fork from a server that started with the environment of its time; the module of the
+    rank's function is imported in the rank, and its module-level code sees the environment the
+    caller has now, as a spawned rank's did (it saw the server's before: None here)."""
+    run_ranks(1, _probe)  # the server is running from here on, without the variable
+    monkeypatch.setenv("STATESNAP_TEST_PROBE", "now")
+    assert run_ranks(2, _probe) == [("now", "now")] * 2

@@ -10,14 +10,18 @@ import errno
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # the writes' errors a person fixes by making room
 
 
+def remedy(error: BaseException) -> str:
+    """What to do about ``error``, as the end of a message (" (...)"), where it is known; else ""."""
+    if isinstance(error, OSError) and error.errno in _FULL:
+        return (" (the storage is full or over its quota: free space there, keep fewer checkpoints, or save "
+                "elsewhere; checkpoints committed before are untouched)")
+    return ""
+
+
 def explained(error: BaseException) -> str:
     """``error`` as a message says it, with what to do where its remedy is known: a full file
     system or quota said only "[Errno 28] No space left on device"."""
-    text = str(error)
-    if isinstance(error, OSError) and error.errno in _FULL:
-        text += (" (the storage is full or over its quota: free space there, keep fewer checkpoints, or save "
-                 "elsewhere; checkpoints committed before are untouched)")
-    return text
+    return str(error) + remedy(error)
 
 
 def described(error: BaseException | None) -> str | None:

@@ -22,7 +22,10 @@ def rank_context(*preload: str):
     """A multiprocessing context whose processes fork from a server that imported torch and
     statesnap (and ``preload``) once: a spawned rank spends seconds importing them. Such a
     process starts with the server's environment and working directory, which were the caller's
-    when the server started: hand it ``callers_place()`` and let it ``enter_place`` first."""
+    when the server started: hand it ``callers_place()`` and let it ``enter_place`` first. Its
+    arguments are unpickled before its target runs, so a function or value whose unpickling
+    imports a module (a test module, a library the server did not preload) would import it in the
+    server's environment: pass those pickled (``pickle.dumps``) and load them after ``enter_place``."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "statesnap.checkpointer", "statesnap.engine.save",
                                 "statesnap.engine.load", *preload])
@@ -43,11 +46,12 @@ def enter_place(place: tuple[dict, str]) -> None:
     os.chdir(cwd)
 
 
-def _rank(rank: int, world: int, port: int, work: Callable, args: dict, results, place) -> None:
+def _rank(rank: int, world: int, port: int, payload: bytes, results, place) -> None:
     enter_place(place)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
+        work, args = pickle.loads(payload)  # (in the caller's environment: see rank_context)
         store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         value = work(rank, world, **args)
@@ -65,6 +69,7 @@ def run_job(world: int, work: Callable, args: dict, timeout_s: float = 1800) -> 
     """``work(rank, world, **args)`` on ``world`` gloo ranks (a module-level function);
     return what each rank returned, in rank order. Raises ``RuntimeError`` naming the first rank
     that failed or ended without a result."""
+    payload = pickle.dumps((work, args))
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
     ctx = rank_context()
     results = ctx.Queue()
@@ -74,7 +79,7 @@ def run_job(world: int, work: Callable, args: dict, timeout_s: float = 1800) -> 
     ended_before: set[int] = set()
     try:
         for rank in range(world):
-            procs.append(ctx.Process(target=_rank, args=(rank, world, store.port, work, args, results, callers_place())))
+            procs.append(ctx.Process(target=_rank, args=(rank, world, store.port, payload, results, callers_place())))
             procs[-1].start()
         while len(returned) < world:
             try:

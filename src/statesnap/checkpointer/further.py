@@ -20,7 +20,7 @@ import torch
 
 from ..engine.dist import Comm
 from ..engine.save import commit_unknown, committed_in_place, write_manifest
-from ..errors import CheckpointError
+from ..errors import CheckpointError, described
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..monitor.events import EventLog, now
 from .levels import StorageLevel
@@ -86,7 +86,7 @@ class FurtherCopier:
             self._events.add("further", step, start, now(), nbytes)
         except BaseException as exc:  # noqa: BLE001 (reported through done)
             error = exc if isinstance(exc, CheckpointError) else CheckpointError(
-                f"copying step {step} to {self._dst.path(step)} failed: {type(exc).__name__}: {exc}")
+                f"copying step {step} to {self._dst.path(step)} failed: {described(exc)}")
             error.__cause__ = exc
         self._done(step, error)
 
@@ -110,7 +110,7 @@ class FurtherCopier:
             try:
                 copied = self._copy_own_files(step, staging, Manifest.from_bytes(raw).files)
             except Exception as exc:  # noqa: BLE001 (every rank must reach the gather below)
-                error = f"{type(exc).__name__}: {exc}"
+                error = described(exc)
         try:
             outcomes = comm.gather(error)
             result = self._commit_or_abort(step, staging, raw, outcomes) if comm.rank == 0 else None
@@ -134,7 +134,7 @@ class FurtherCopier:
             raw = self._src.backend.read_bytes(self._src.backend.join(self._src.path(step), MANIFEST_NAME))
             return self._dst.backend.begin(self._dst.path(step), uuid.uuid4().hex[:12]), raw, None, None
         except Exception as exc:  # noqa: BLE001 (reported on every rank)
-            return None, None, f"could not start the copy of step {step}: {type(exc).__name__}: {exc}", \
+            return None, None, f"could not start the copy of step {step}: {described(exc)}", \
                 self._dst.unreachable
 
     def _commit_or_abort(self, step: int, staging: str | None, raw: bytes | None, outcomes: list) -> int | str:
@@ -157,7 +157,7 @@ class FurtherCopier:
             if not in_place:  # else the manifest's write was the commit (engine/save.py: committed_in_place)
                 if not commit_unknown(exc):
                     backend.abort(staging, target, manifest.files)
-                return f"step {step} was not copied to {target}: {exc}"
+                return f"step {step} was not copied to {target}: {exc if isinstance(exc, CheckpointError) else described(exc)}"
             committed_in_place(target, exc, 0)
         try:
             self._dst.retain(set(), step)

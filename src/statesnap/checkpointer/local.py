@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..engine.dist import Comm
 from ..engine.save import (RankOutput, data_file_name, gather_reports, own_objects, report_errors, whole_manifest,
                            write_rank)
-from ..errors import CheckpointError
+from ..errors import CheckpointError, described
 from ..format.manifest import MANIFEST_NAME
 from ..monitor.events import EventLog, now
 from .levels import StorageLevel
@@ -199,7 +199,7 @@ class LocalFlusher(_Stage):
             try:
                 staging = backend.begin(final, token)
             except Exception as exc:  # noqa: BLE001 (every rank learns it below)
-                problem = f"rank {comm.rank}: cannot start {final}: {type(exc).__name__}: {exc}"
+                problem = f"rank {comm.rank}: cannot start {final}: {described(exc)}"
         starts = comm.all_gather((staging, problem))
         staging = starts[topo.leader(comm.rank)][0]
         error, output = None, None

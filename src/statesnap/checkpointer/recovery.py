@@ -22,7 +22,7 @@ import torch
 
 from ..engine.dist import Comm
 from ..engine.load import Loading
-from ..errors import CheckpointError
+from ..errors import CheckpointError, described
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..plan import plan_target
 from ..state.flatten import StoredNames, flatten_for_load
@@ -213,7 +213,7 @@ class LocalRecovery:
             backend.write_bytes(backend.join(staging, MANIFEST_NAME), raw, self.durable)
             return staging, None
         except Exception as exc:  # noqa: BLE001 (every rank learns it)
-            return None, f"rank {self.comm.rank} cannot create {final}: {type(exc).__name__}: {exc}"
+            return None, f"rank {self.comm.rank} cannot create {final}: {described(exc)}"
 
     def _receive(self, group, src: int, name: str, step: int, path: str | None, failures: list,
                  arrivals: Arrivals) -> None:
@@ -232,7 +232,7 @@ class LocalRecovery:
         finally:
             if writer is not None:
                 writer.close(self.durable)
-            problems = "; ".join(f"{type(p).__name__}: {p}" for p in failures[failed:])
+            problems = "; ".join(described(p) for p in failures[failed:])
             if writer is None and not problems:  # an earlier step failed: nowhere to write it
                 problems = "the node could not take it"
             arrivals.ended(name, problems or None)

@@ -19,7 +19,7 @@ from functools import partial
 from typing import Any, Callable, Iterator
 
 from ..engine.save import SaveInfo
-from ..errors import CheckpointError, CheckpointExistsError
+from ..errors import CheckpointError, CheckpointExistsError, explained, remedy
 from ..progress import bar
 from ..reader import Reader, TensorInfo
 from ..storage import is_url, normalize
@@ -219,14 +219,15 @@ def _staged(dst: str, overwrite: bool, single_file: bool) -> Iterator[str]:
     try:
         staging = backend.begin(dst, uuid.uuid4().hex[:12])
     except OSError as exc:
-        raise CheckpointError(f"cannot export to {dst}: {exc}") from None
+        raise CheckpointError(f"cannot export to {dst}: {explained(exc)}") from None
     target = os.path.join(staging, os.path.basename(dst)) if single_file else staging
     try:
         yield target
         _fsync_tree(staging)
         _put_in_place(backend, staging, target, dst, single_file, into_empty, overwrite)
     except OSError as exc:  # the disk is full (ENOSPC, or EFBIG past a file size limit), an I/O error, ...
-        raise CheckpointError(f"exporting to {dst} failed, and nothing was put there: {exc.strerror or exc}") from None
+        raise CheckpointError(f"exporting to {dst} failed, and nothing was put there: {exc.strerror or exc}"
+                              f"{remedy(exc)}") from None
     finally:
         if os.path.exists(staging):
             backend.abort(staging, dst)

@@ -34,7 +34,7 @@ from ..engine.buffers import byte_view, host_contiguous
 from ..engine.save import (RankOutput, SaveInfo, commit_or_abort, committed_bytes, data_file_name, encode_objects,
                            open_staging, own_objects, per_rank_names, shared_names)
 from ..engine.write import default_threads, write_file
-from ..errors import CheckpointError, CheckpointExistsError
+from ..errors import CheckpointError, CheckpointExistsError, remedy
 from ..format.checksum import DEFAULT_BLOCK_BYTES, checksum_blocks, checksum_whole
 from ..format.dtypes import dtype_name, itemsize
 from ..format.manifest import BOX, ObjectEntry
@@ -102,7 +102,7 @@ def write_checkpoint(values: dict[str, Any], dst, *, meta: dict, overwrite: bool
     except OSError as exc:  # the disk is full (ENOSPC, EFBIG past a file size limit), an I/O error, ...
         backend.abort(staging, path)
         raise CheckpointError(f"writing the converted checkpoint {path} failed, nothing was committed: "
-                              f"{exc.strerror or exc}") from None
+                              f"{exc.strerror or exc}{remedy(exc)}") from None
     except BaseException:
         backend.abort(staging, path)
         raise
