@@ -23,6 +23,7 @@ import traceback
 from datetime import timedelta
 
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from statesnap.bench.job import callers_place, enter_place, rank_context
 
@@ -73,8 +74,13 @@ def _rank_main(rank, world_size, port, payload, results, place):
             dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn, *args, timeout: float = 240):
+def run_ranks(world_size: int, fn, *args, timeout: float = 240, hash_seeds: list[int] | None = None):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
+
+    ``hash_seeds``: spawn each rank as a fresh interpreter with its own ``PYTHONHASHSEED``, so
+    that sets of strings iterate in another order on each rank, as on the ranks of a real job
+    (the ranks forked otherwise all share the server's); code that assumed one order everywhere
+    then fails every time.
 
     ``fn`` must be importable (a module-level function). Any rank's exception fails the call with
     that rank's traceback. ``timeout`` bounds the wait for each next result (not the whole run). A
@@ -83,17 +89,27 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 240):
     the first rank's traceback behind a queue timeout."""
     # Ranks fork from a server: a fresh interpreter this process started, with this process's
     # environment then (pin_threads's OMP_NUM_THREADS=1 among it), so its OpenBLAS and OpenMP have
-    # no threads that a fork could leave half-held. (Its preload of dist_utils finds nothing on
-    # Python 3.11: the server does not take this process's sys.path; each rank imports it.)
-    ctx = rank_context("dist_utils")
+    # no threads that a fork could leave half-held.
+    ctx = rank_context() if hash_seeds is None else mp.get_context("spawn")
     payload = pickle.dumps((fn, args))
     results = ctx.Queue()
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=STORE_TIMEOUT)
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, store.port, payload, results, callers_place()))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    for rank, p in enumerate(procs):
+        if hash_seeds is None:
+            p.start()
+        else:  # (a spawned interpreter takes the environment of this process as it starts)
+            before = os.environ.get("PYTHONHASHSEED")
+            os.environ["PYTHONHASHSEED"] = str(hash_seeds[rank])
+            try:
+                p.start()
+            finally:
+                if before is None:
+                    del os.environ["PYTHONHASHSEED"]
+                else:
+                    os.environ["PYTHONHASHSEED"] = before
     values, errors = {}, {}
     deadline, failed_at = time.monotonic() + timeout, None
     try:

@@ -61,9 +61,11 @@ def _save_and_restore(rank, world, root):
     return step, len(files), int(fresh["rank_value"].value[0]), whole
 
 
-def test_two_ranks_save_commit_and_restore(tmp_path):
+@pytest.mark.parametrize("hash_seeds", [None, [21, 22]], ids=["forked", "own string hashes"])
+def test_two_ranks_save_commit_and_restore(tmp_path, hash_seeds):
+    """Also with ranks whose sets of strings iterate in different orders (see run_ranks)."""
     root = str(tmp_path / "ckpt")
-    results = run_ranks(2, _save_and_restore, root)
+    results = run_ranks(2, _save_and_restore, root, hash_seeds=hash_seeds)
     for rank, (step, files, rank_value, _) in enumerate(results):
         assert step == 4
         assert files == 2  # both ranks wrote a share of the replicated model

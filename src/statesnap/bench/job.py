@@ -18,9 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def rank_context(*preload: str):
+def rank_context():
     """A multiprocessing context whose processes fork from a server that imported torch and
-    statesnap (and ``preload``) once: a spawned rank spends seconds importing them. Such a
+    statesnap once: a spawned rank spends seconds importing them. Such a
     process starts with the server's environment and working directory, which were the caller's
     when the server started: hand it ``callers_place()`` and let it ``enter_place`` first. Its
     arguments are unpickled before its target runs, so a function or value whose unpickling
@@ -28,7 +28,7 @@ def rank_context(*preload: str):
     server's environment: pass those pickled (``pickle.dumps``) and load them after ``enter_place``."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "statesnap.checkpointer", "statesnap.engine.save",
-                                "statesnap.engine.load", *preload])
+                                "statesnap.engine.load"])
     return ctx
 
 
