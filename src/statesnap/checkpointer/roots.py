@@ -11,7 +11,7 @@ import logging
 import warnings
 
 from ..engine.dist import Comm
-from ..errors import CheckpointError, explained
+from ..errors import CheckpointError, described, explained
 from .config import CheckpointerConfig
 from .levels import StorageLevel
 
@@ -75,7 +75,7 @@ class RootClaims:
         except OSError as exc:  # a root that is a file, a directory we may not write, a lost mount
             outage = CheckpointError(f"cannot keep checkpoints under {level.root}: {explained(exc)}")
         except Exception as exc:  # noqa: BLE001 - a storage library's own error (connection refused, ...)
-            outage = CheckpointError(f"cannot claim {level.root} for this job: {type(exc).__name__}: {exc}")
+            outage = CheckpointError(f"cannot claim {level.root} for this job: {described(exc)}")
             outage.__cause__ = exc
         try:
             level.release()

@@ -55,7 +55,7 @@ from ..checkpointer.config import CheckpointerConfig
 from ..checkpointer.hooks import version_of
 from ..convert.torch_save import is_torch_save_bytes
 from ..engine.load import load
-from ..errors import CheckpointError
+from ..errors import CheckpointError, described
 from ..reader import open as open_checkpoint
 from ..state.placement import is_dtensor
 from ..state.wrappers import Replicated
@@ -458,13 +458,13 @@ class _Store:
                 self._point(path, record.step, own_state)
             except Exception as exc:  # noqa: BLE001 (raised on the training thread)
                 self._failures.add(CheckpointError(f"{path} could not be pointed at step {record.step}: "
-                                                   f"{type(exc).__name__}: {exc}"))
+                                                   f"{described(exc)}"))
         for path, step in due:  # removals that waited for this commit
             try:
                 self._drop(path, step)
             except Exception as exc:  # noqa: BLE001 (raised on the training thread)
                 self._failures.add(CheckpointError(f"{path} (step {step}) could not be removed after step "
-                                                   f"{record.step} committed: {type(exc).__name__}: {exc}"))
+                                                   f"{record.step} committed: {described(exc)}"))
 
     def _point(self, path: str, step: int, own_state: str | None = None) -> None:
         """Write the pointer ``path`` -> ``step`` (with the state that differs from the stored

@@ -35,7 +35,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from ..checkpointer import Checkpointer
 from ..checkpointer.config import CheckpointerConfig
 from ..engine.load import load, parts_lacking
-from ..errors import CheckpointError, StateMismatchError
+from ..errors import CheckpointError, StateMismatchError, described
 from ..reader import open as open_checkpoint
 from ..state.wrappers import PerRank, Replicated
 from .pointers import (
@@ -166,7 +166,7 @@ class StatesnapTrainer(Trainer):
             _make_pointer_dir(final, record.step, trainer_state)
         except Exception as exc:  # noqa: BLE001 (raised on the training thread)
             error = CheckpointError(f"step {record.step} was committed to {record.path}, but {final} could not be "
-                                    f"made ({type(exc).__name__}: {exc}), so the Trainer cannot resume from it")
+                                    f"made ({described(exc)}), so the Trainer cannot resume from it")
             error.__cause__ = exc
             self._unmade.add(record.step)
             self._failures.add(error)

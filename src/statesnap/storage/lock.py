@@ -34,7 +34,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, described
 from .base import StorageBackend
 from .local import LocalBackend
 
@@ -222,8 +222,7 @@ class LeaseClaim(RootClaim):
             self._store()
         except Exception as exc:  # noqa: BLE001 (any storage library's error)
             self._forget()  # (a write reported failed may have landed)
-            raise LeaseUnreachableError(f"the lease at {self.path} cannot be written: {type(exc).__name__}: "
-                                        f"{exc}") from exc
+            raise LeaseUnreachableError(f"the lease at {self.path} cannot be written: {described(exc)}") from exc
         kind, found = self._look()  # another opener that wrote at the same moment reads back too
         if kind == "error":
             self._forget()
