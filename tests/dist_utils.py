@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from statesnap.bench.job import callers_place, enter_place, rank_context
+from statesnap.bench.job import begin_rank, callers_place, rank_context
 
 STORE_TIMEOUT = timedelta(minutes=30)  # what init_process_group gives its own store
 GRACE_S = 60  # how long the other ranks may take to finish or fail once one rank has failed
@@ -52,17 +52,11 @@ def pin_threads() -> None:
 
 
 def _rank_main(rank, world_size, port, payload, results, place):
-    enter_place(place)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    pin_threads()
     try:
-        # unpickled here, not with the process: importing fn's module (and what it imports) runs
-        # its module-level code, which must see the caller's environment as under "spawn"
-        fn, args = pickle.loads(payload)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                              timeout=STORE_TIMEOUT)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        fn, args = begin_rank(place, payload, rank, world_size, port, STORE_TIMEOUT)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+        pin_threads()
         # Pickled here, by value: a tensor put on a multiprocessing queue as it is travels as a
         # file descriptor that this process must still hold when the parent unpickles it, and on a
         # loaded machine the rank had often exited by then (FileNotFoundError in the parent).

@@ -26,8 +26,14 @@ def explained(error: BaseException) -> str:
 
 def described(error: BaseException | None) -> str | None:
     """``error`` as one line that names its type, for a message of statesnap's that wraps it or
-    for another rank to read; every such site says a known remedy through this one function."""
-    return None if error is None else f"{type(error).__name__}: {explained(error)}"
+    for another rank to read; every such site says a known remedy through this one function.
+    A :class:`CheckpointError`'s own words pass through as they are: they are written for the
+    user already, and name the file and tensor."""
+    if error is None:
+        return None
+    if isinstance(error, CheckpointError):
+        return str(error)
+    return f"{type(error).__name__}: {explained(error)}"
 
 
 class CheckpointError(Exception):

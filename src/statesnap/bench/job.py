@@ -11,6 +11,7 @@ import os
 import pickle
 import queue as queues
 import time
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -46,14 +47,23 @@ def enter_place(place: tuple[dict, str]) -> None:
     os.chdir(cwd)
 
 
-def _rank(rank: int, world: int, port: int, payload: bytes, results, place) -> None:
+def begin_rank(place: tuple[dict, str], payload: bytes, rank: int, world: int, port: int,
+               timeout: timedelta = timedelta(minutes=30)):
+    """A rank's start: take the caller's place, unpickle the work there (importing its module
+    runs that module's code, which must see the caller's environment as under "spawn"), then join
+    the job's gloo group at the store on ``port``; return the work."""
     enter_place(place)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+    work = pickle.loads(payload)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    return work
+
+
+def _rank(rank: int, world: int, port: int, payload: bytes, results, place) -> None:
     try:
-        work, args = pickle.loads(payload)  # (in the caller's environment: see rank_context)
-        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        work, args = begin_rank(place, payload, rank, world, port)
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
         value = work(rank, world, **args)
         pickle.dumps(value)  # the queue pickles on a thread of its own, which would drop it silently
         results.put((rank, True, value))

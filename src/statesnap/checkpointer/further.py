@@ -157,7 +157,7 @@ class FurtherCopier:
             if not in_place:  # else the manifest's write was the commit (engine/save.py: committed_in_place)
                 if not commit_unknown(exc):
                     backend.abort(staging, target, manifest.files)
-                return f"step {step} was not copied to {target}: {exc if isinstance(exc, CheckpointError) else described(exc)}"
+                return f"step {step} was not copied to {target}: {described(exc)}"
             committed_in_place(target, exc, 0)
         try:
             self._dst.retain(set(), step)

@@ -14,9 +14,8 @@ import logging
 import torch
 
 from ..engine.dist import Comm
-from ..errors import described
 from ..engine.load import load_step
-from ..errors import CheckpointError
+from ..errors import CheckpointError, described
 from ..storage.retry import describe
 from .config import CheckpointerConfig
 from .fallback import Fallback

@@ -433,8 +433,6 @@ def open_staging(backend: StorageBackend, path: str, overwrite: bool) -> tuple[s
             return None, token, (f"{path} holds what is not part of a statesnap checkpoint ({shown}); a save "
                                  "replaces only a checkpoint, so choose another path")
         return backend.begin(path, token), token, None
-    except CheckpointError as exc:  # (its words are for the user already)
-        return None, token, str(exc)
     except Exception as exc:  # noqa: BLE001 (reported on every rank by the caller)
         return None, token, described(exc)
 
