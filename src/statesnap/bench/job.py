@@ -89,8 +89,9 @@ def run_job(world: int, work: Callable, args: dict, timeout_s: float = 1800) -> 
     ended_before: set[int] = set()
     try:
         for rank in range(world):
-            procs.append(ctx.Process(target=_rank, args=(rank, world, store.port, payload, results, callers_place())))
-            procs[-1].start()
+            proc = ctx.Process(target=_rank, args=(rank, world, store.port, payload, results, callers_place()))
+            proc.start()
+            procs.append(proc)  # (only a started one can be joined below, should the next start fail)
         while len(returned) < world:
             try:
                 rank, ok, value = results.get(timeout=1)

@@ -91,15 +91,23 @@ def write(values: dict[str, Any], target: str) -> list[str]:
     """One torch.save file of the flat ``{name: value}`` map (it holds every tensor in memory at once)."""
     state = {name: materialize(value) for name, value in values.items()}
     try:
-        torch.save(state, target)
-    except RuntimeError as exc:  # how torch's zip writer reports a write that failed (a full disk)
+        # through a file of ours: torch's zip writer turns a failed write into a RuntimeError that
+        # says nothing of why, while our file's OSError (a full disk) stays behind it as its context
+        with open(target, "wb") as file:
+            torch.save(state, file)
+    except RuntimeError as exc:
         raise write_failed("torch.save", exc, target) from None
     return [target]
 
 
 def write_failed(writer: str, exc: BaseException, target: str) -> OSError:
-    """The ``OSError`` (``EIO``) an export reports for ``exc``, which torch's zip writer raised as
-    a ``RuntimeError`` when a write failed (the disk was full), so that the export names its
-    destination in one error as it does for any other failed write."""
+    """The ``OSError`` an export reports for ``exc``, which torch's zip writer raised as a
+    ``RuntimeError`` when a write failed, so that the export names its destination in one error
+    as it does for any other failed write. Where the writer wrote through a Python file, that
+    file's ``OSError`` (a full disk: ``ENOSPC``, with its remedy) is the ``RuntimeError``'s
+    context and gives its errno; otherwise the cause is unknown (``EIO``)."""
+    cause = exc.__context__
+    if isinstance(cause, OSError) and cause.errno is not None:
+        return OSError(cause.errno, cause.strerror, target)
     first = str(exc).splitlines()[0] if str(exc) else ""
     return OSError(errno.EIO, f"{writer} could not write it ({type(exc).__name__}: {first})", target)
