@@ -6,7 +6,6 @@ import os
 import random
 import threading
 import time
-import warnings
 
 import pytest
 import torch
@@ -14,9 +13,7 @@ import torch.nn as nn
 
 import statesnap as ss
 from statesnap.checkpointer import hooks, pipeline
-from statesnap.checkpointer.config import CheckpointerConfig
 from statesnap.monitor import trace
-from statesnap.monitor.events import EventLog
 from statesnap.state.flatten import flatten_for_save
 from statesnap.storage.local import LocalBackend, _LocalWriter
 
@@ -605,165 +602,6 @@ def test_steps_that_fit_nowhere_are_skipped_with_a_warning(tmp_path):
     ckpt.save(2, state)
     ckpt.close()
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-2"]
-
-
-# ----------------------------------------------------------------------------- failures
-
-def test_disk_full_mid_flush_surfaces_at_the_next_call(tmp_path):
-    model, optim = make_training()
-    state = {"model": model, "optim": optim}
-    ckpt = ss.Checkpointer(tmp_path, backend=DiskFullBackend({3}), keep_last=5, host_memory_gb=0.01)
-    refs = {}
-    for step in (1, 2, 3):
-        train_step(model, optim, step)
-        refs[step] = reference(state)
-        handle = ckpt.save(step, state)
-    with pytest.raises(ss.CheckpointError, match="step 3"):
-        handle.durable.result()
-    with pytest.raises(ss.CheckpointError, match="No space left"):
-        ckpt.save(4, state)
-    ckpt.close()
-    names = os.listdir(tmp_path)
-    assert sorted(n for n in names if n.startswith("step-")) == ["step-1", "step-2"]
-    assert [n for n in names if n.startswith(".")] == [".statesnap-lock"]  # the failed staging directory is gone
-    for step in (1, 2):
-        assert_checkpoint_equals(tmp_path / f"step-{step}", refs[step])
-
-
-def test_errors_can_warn_instead_of_raise(tmp_path):
-    model, optim = make_training()
-    state = {"model": model, "optim": optim}
-    ckpt = ss.Checkpointer(tmp_path, backend=DiskFullBackend({1}), on_error="warn", host_memory_gb=0.01)
-    ckpt.save(1, state).staged.result()
-    ckpt._wait_all()
-    with pytest.warns(RuntimeWarning, match="step 1"):
-        ckpt.save(2, state)
-    ckpt.close()
-    assert ss.open(tmp_path / "step-2").keys()
-
-
-def test_an_error_reported_by_wait_is_not_raised_again(tmp_path):
-    model, optim = make_training()
-    ckpt = ss.Checkpointer(tmp_path, backend=DiskFullBackend({1}), host_memory_gb=0.01)
-    with pytest.raises(ss.CheckpointError):
-        ckpt.save(1, {"model": model}).wait()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        ckpt.save(2, {"model": model})
-        ckpt.close()
-
-
-@pytest.mark.parametrize("bad", [dict(keep_last=0), dict(persist_every=0), dict(on_error="ignore"),
-                                 dict(persist_every=3, further_root="x", further_every=4),
-                                 dict(host_memory_gb=1e-9), dict(max_in_flight=0), dict(keep_last=None),
-                                 dict(keep_last=2.5), dict(persist_every=True), dict(host_memory_gb="1"),
-                                 dict(threads=1.0), dict(eager_copy_mb=None)])
-def test_invalid_settings_fail_at_construction(tmp_path, bad):
-    with pytest.raises(ss.CheckpointError, match="invalid Checkpointer setting"):
-        CheckpointerConfig(root=str(tmp_path), **bad)
-
-
-def test_a_misspelled_setting_is_a_checkpoint_error_naming_the_close_ones(tmp_path):
-    with pytest.raises(ss.CheckpointError) as caught:
-        ss.Checkpointer(tmp_path, keep_lats=2, wat=1)
-    assert "no setting 'keep_lats' (did you mean 'keep_last'" in str(caught.value) and "'wat'" in str(caught.value)
-    assert not list(tmp_path.iterdir())  # refused before the root is claimed
-
-
-def test_settings_take_numpy_numbers(tmp_path):
-    import numpy as np
-
-    config = CheckpointerConfig(root=str(tmp_path), keep_last=np.int64(2), host_memory_gb=np.float32(0.5))
-    assert config.keep_last == 2
-
-
-@pytest.mark.parametrize("step", [-1, "7", 8.9, True, None])
-def test_a_step_is_a_non_negative_integer(tmp_path, step):
-    """``step-N`` is where a checkpoint lives: ``step--1`` or ``step-8`` for 8.9 would be saved
-    where neither a restart nor retention looks."""
-    with ss.Checkpointer(tmp_path) as ckpt:
-        with pytest.raises(ss.CheckpointError, match="step must be a non-negative integer"):
-            ckpt.save(step, {"t": torch.ones(2)})
-        ckpt.save(0, {"t": torch.ones(2)}).wait()
-    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step")) == ["step-0"]
-
-
-def test_a_numpy_integer_step_is_saved_as_its_int(tmp_path):
-    """A step from numpy (``np.int64``, as a data pipeline counts) is the step it holds: it once
-    reached the events file as itself, whose writer then died, and every later wait hung."""
-    import numpy as np
-
-    state = {"t": torch.ones(2)}
-    with ss.Checkpointer(tmp_path, keep_last=3) as ckpt:
-        ckpt.save(np.int64(1), state).wait()
-        state["t"].fill_(2)
-        assert ckpt.save(np.uint8(2), state).wait() == str(tmp_path / "step-2")
-    with ss.Checkpointer(tmp_path) as ckpt:
-        target = {"t": torch.zeros(2)}
-        assert type(ckpt.load_latest(target)) is int and torch.equal(target["t"], torch.full((2,), 2.0))
-    lines = (tmp_path / "events" / "rank-00000.jsonl").read_text().splitlines()
-    assert {json.loads(line)["step"] for line in lines} >= {1, 2}
-
-
-def test_events_json_cannot_hold_are_dropped_with_a_warning(tmp_path, caplog):
-    log = EventLog(0, str(tmp_path / "events.jsonl"))
-    log.add("save", 1, 0.0, 1.0, 0, odd=object())
-    with caplog.at_level(logging.WARNING, logger="statesnap"):
-        log.flush()
-    assert "cannot write events" in caplog.text and not (tmp_path / "events.jsonl").exists()
-    log.add("save", 2, 0.0, 1.0, 0)
-    log.flush()
-    assert json.loads((tmp_path / "events.jsonl").read_text())["step"] == 2
-
-
-def test_a_background_failure_past_the_stage_keeps_later_checkpoints_going(tmp_path, monkeypatch, caplog):
-    """Whatever escapes a background stage's own handling fails that checkpoint alone: the thread
-    lives on, so later saves, waits and close() return instead of waiting forever."""
-    state = {"t": torch.ones(2)}
-    real = ss.Checkpointer._report_commit
-    failed = []
-
-    def report_once(self, step):
-        if not failed:
-            failed.append(step)
-            raise RuntimeError("injected")
-        real(self, step)
-
-    monkeypatch.setattr(ss.Checkpointer, "_report_commit", report_once)
-    ckpt = ss.Checkpointer(tmp_path, keep_last=3)
-    with caplog.at_level(logging.ERROR, logger="statesnap"):
-        ckpt.save(1, state).wait()  # committed before the failure
-        state["t"].fill_(2)
-        done = threading.Event()
-        threading.Thread(target=lambda: (ckpt.save(2, state).wait(), done.set()), daemon=True).start()
-        assert done.wait(30), "the save after the failure never finished"
-    ckpt.close()
-    assert failed == [1] and "the background statesnap-write-stage failed at step 1" in caplog.text
-    assert ss.open(tmp_path / "step-2").read("t").tolist() == [2.0, 2.0]
-
-
-def test_a_background_failure_before_a_snapshot_is_finished_hangs_no_wait(tmp_path, monkeypatch):
-    """A failure that escapes a stage before the snapshot is finished leaves nobody waiting for
-    it: wait() raises it, and close() returns."""
-    from statesnap.checkpointer import staging
-
-    real, calls = staging.Arena.hold, []
-
-    def hold_failing_once(self, region, *rest):
-        calls.append(region)
-        if len(calls) == 1:
-            raise RuntimeError("injected in _finish")
-        return real(self, region, *rest)
-
-    monkeypatch.setattr(staging.Arena, "hold", hold_failing_once)
-    ckpt = ss.Checkpointer(tmp_path, keep_last=3, host_memory_gb=0.01)
-    handle = ckpt.save(1, {"t": torch.ones(2)})
-    with pytest.raises(ss.CheckpointError, match="internal error in the background .*injected in _finish"):
-        handle.wait(timeout=30)
-    closing = threading.Thread(target=ckpt.close, daemon=True)
-    closing.start()
-    closing.join(30)
-    assert not closing.is_alive(), "close() waited for an abandoned snapshot"
 
 
 # ----------------------------------------------------------------------------- levels and retention
