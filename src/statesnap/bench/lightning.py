@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from .common import DEFAULT_OUT, DEFAULT_THREADS, add_output_arguments, fresh_dir, publish
-from .trainer_runs import interleaved, optimizer_wait_s, summarize, table
+from .common import DEFAULT_OUT, DEFAULT_THREADS, fresh_dir, publish
+from .trainer_runs import add_run_arguments, interleaved, optimizer_wait_s, summarize, table
 
 MODES = ("none", "torch", "async", "statesnap")
 
@@ -134,13 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=5, help="checkpoint every this many steps")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--no-durable", dest="durable", action="store_false",
-                        help="statesnap without fsync (torch.save does not fsync either)")
-    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
-                        help=f"torch threads of the training (default {DEFAULT_THREADS}: the cores less one, as in "
-                             "the training suite)")
-    add_output_arguments(parser)
+    add_run_arguments(parser, "statesnap without fsync (torch.save does not fsync either)")
     args = parser.parse_args(argv)
     result = run(args.steps, args.every, args.width, args.layers, args.repeat, args.durable, args.out, args.threads)
     publish(result, report(result), args.json)

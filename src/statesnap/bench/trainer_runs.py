@@ -13,11 +13,22 @@ snapshot copies in all. Two figures per checkpoint:
 """
 from __future__ import annotations
 
+import argparse
 from typing import Callable
 
-from .common import format_table, median
+from .common import DEFAULT_THREADS, add_output_arguments, format_table, median
 
 Run = dict  # {"fit_s": float, "steps": {step: seconds}, "saves": [(step, seconds)], "optimizer_wait_s": float}
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, durable_help: str) -> None:
+    """The options every framework suite takes after its model's: rounds, durability, threads, output."""
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--no-durable", dest="durable", action="store_false", help=durable_help)
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                        help=f"torch threads of the training (default {DEFAULT_THREADS}: the cores less one, as in "
+                             "the training suite)")
+    add_output_arguments(parser)
 
 
 def optimizer_wait_s(checkpointers) -> float:
