@@ -655,6 +655,58 @@ def test_load_latest_uses_the_fastest_level_holding_the_newest_step(tmp_path):
     restarted.close()
 
 
+@pytest.mark.parametrize("target", [{"w": torch.zeros(5)}, {"w": torch.zeros(4), "x": torch.ones(1)},
+                                    {"w": torch.zeros(4, dtype=torch.float64)}, {"v": torch.zeros(4)}],
+                         ids=["shape", "extra name", "dtype", "renamed"])
+def test_a_step_in_memory_alone_refuses_a_state_that_does_not_match_it(tmp_path, target):
+    """Not None ("no checkpoint": the loop would start from scratch): the mismatch, by name, as a
+    stored copy of the step would say it; the state untouched, and nothing said to be loaded."""
+    with ss.Checkpointer(tmp_path, persist_every=100, host_memory_gb=0.01) as ckpt:
+        ckpt.save(1, {"w": torch.arange(4.0)})
+        ckpt.save(2, {"w": torch.arange(4.0) * 7})
+        matching = {"w": torch.zeros(4)}
+        assert ckpt.load_latest(matching) == 2 and ckpt.loaded_from == "memory"
+        before = {name: value.clone() for name, value in target.items()}
+        with pytest.raises(ss.StateMismatchError, match="does not match the snapshot of step 2 in host memory"):
+            ckpt.load_latest(target)
+        assert ckpt.loaded_from is None
+        assert all(torch.equal(target[name], value) for name, value in before.items())
+        assert ckpt.load_latest(matching) == 2 and torch.equal(matching["w"], torch.arange(4.0) * 7)
+
+
+def test_a_step_in_memory_in_another_layout_loads_from_a_stored_copy_or_is_refused(tmp_path, caplog):
+    """A snapshot in memory restores only into the layout it was taken from. Another layout of
+    the same names, shapes and dtypes (a part of the tensor here, as another rank count gives)
+    loads a stored copy of the step, or an older stored step with a warning, and with none
+    stored is refused, not answered with None."""
+    whole = torch.arange(6.0)
+    part = lambda: {"w": ss.Sharded(torch.zeros(3), (6,), (3,))}  # noqa: E731
+    with ss.Checkpointer(tmp_path / "same", persist_every=1, host_memory_gb=0.01) as ckpt:
+        ckpt.save(1, {"w": whole})
+        target = part()
+        assert ckpt.load_latest(target) == 1 and ckpt.loaded_from == "persistent"
+        assert torch.equal(target["w"].local, whole[3:])
+        cast = {"w": torch.zeros(6, dtype=torch.float64)}
+        assert ckpt.load_latest(cast, cast=True) == 1 and ckpt.loaded_from == "persistent"
+        assert torch.equal(cast["w"], whole.double())
+    with ss.Checkpointer(tmp_path / "older", persist_every=2, host_memory_gb=0.01) as ckpt:
+        ckpt.save(2, {"w": whole}).wait()
+        ckpt.save(3, {"w": whole * 2})
+        target = part()
+        with caplog.at_level(logging.WARNING, logger="statesnap"):
+            assert ckpt.load_latest(target) == 2 and ckpt.loaded_from == "persistent"
+        assert "step 3 is held in host memory only in the layout it was saved from" in caplog.text
+        assert "restoring step 2 from the persistent level instead" in caplog.text
+        assert torch.equal(target["w"].local, whole[3:])
+    with ss.Checkpointer(tmp_path / "none", persist_every=100, host_memory_gb=0.01) as ckpt:
+        ckpt.save(1, {"w": whole})
+        target = part()
+        with pytest.raises(ss.CheckpointError, match="step 1 is held in host memory only in the layout .* no level "
+                                                     "holds a stored copy"):
+            ckpt.load_latest(target)
+        assert torch.equal(target["w"].local, torch.zeros(3)) and ckpt.loaded_from is None
+
+
 def test_load_latest_without_checkpoints_returns_none(tmp_path):
     model, _ = make_training()
     ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01)

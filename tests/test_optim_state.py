@@ -358,14 +358,15 @@ def _rprop_in_memory(tmp_path):
 def test_a_snapshot_in_memory_of_another_layout_leaves_a_fresh_optimizer_fresh(tmp_path):
     """load_latest flattens the state against the newest snapshot in host memory to see whether
     the snapshot fits it, which makes a fresh optimizer's state. A model of another layout (a
-    buffer more) does not fit, and with nothing persisted load_latest found nothing to load,
-    returned None, and left the optimizer with state made of zeros: an Rprop whose step sizes
-    were zero, not the learning rate its first step starts from."""
+    buffer more) does not fit: load_latest refuses it (it once returned None), and had left the
+    optimizer with state made of zeros: an Rprop whose step sizes were zero, not the learning
+    rate its first step starts from."""
     with _rprop_in_memory(tmp_path) as ckpt:
         other = model_of(7)
         other.register_buffer("extra", torch.zeros(2))
         fresh = torch.optim.Rprop(other.parameters(), lr=0.01)
-        assert ckpt.load_latest({"model": other, "optim": fresh}) is None
+        with pytest.raises(ss.StateMismatchError, match=r"missing in checkpoint \(1\): model.extra"):
+            ckpt.load_latest({"model": other, "optim": fresh})
     assert not fresh.state
 
 

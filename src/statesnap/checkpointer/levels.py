@@ -18,10 +18,11 @@ import logging
 import threading
 import uuid
 import warnings
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
+from ..engine.load import mismatch_error, mismatches
 from ..engine.objects import decode_value
 from ..engine.overlaps import overlapping_pairs, overwritten, same_view, tie_error
 from ..errors import CheckpointError
@@ -148,9 +149,12 @@ class MemoryLevel:
             self._snapshots.clear()
 
 
-def matching_target(snap, state: dict, fresh: list[torch.optim.Optimizer] | None = None):
+def matching_target(snap, state: dict, fresh: list[torch.optim.Optimizer] | None = None, cast: bool = False):
     """The flattened ``state`` if its layout equals the snapshot's (same items, same boxes),
-    its tensors in the snapshot's order. Flattening makes a fresh optimizer's state for the
+    its tensors in the snapshot's order; None if only the layout differs, or a precision that
+    ``cast`` lets a stored copy convert (a stored copy of the step may still load). A state
+    whose names, shapes or dtypes differ from the snapshot's is a ``StateMismatchError``: every
+    copy of the step would refuse it. Flattening makes a fresh optimizer's state for the
     snapshot to fill: where the layout is another (or flattening fails), the optimizer is left
     fresh again, as a load that fails leaves it. Else a restart that found nothing to load went
     on with state made of zeros (an Rprop's step sizes, NAdam's ``mu_product``: not what its
@@ -170,11 +174,29 @@ def matching_target(snap, state: dict, fresh: list[torch.optim.Optimizer] | None
             flat.tensors[:] = [by_name[m.fqn] for m in snap.metas]
         metas = [item.meta(dtype_name(item.dtype)) for item in flat.tensors]
         if metas != snap.metas or sorted(o.fqn for o in flat.objects) != sorted(snap.objects):
-            flat = None
+            unfit, flat = flat, None
+            _refuse_mismatch(unfit, snap, cast, [str(key) for key in state])
     finally:
         if flat is None:
             leave_fresh(fresh)
     return flat
+
+
+class _Header(NamedTuple):
+    shape: tuple
+    dtype: torch.dtype
+
+
+def _refuse_mismatch(flat, snap, cast: bool, top: list[str]) -> None:
+    """Raise what a strict load of the snapshot's step from storage would: the target's names,
+    shapes or dtypes differ from the snapshot's. Returning None for it made ``load_latest`` say
+    "no checkpoint" of a step held in memory alone, and a loop started again from scratch."""
+    headers = {m.fqn: _Header(tuple(m.shape), dtype_from_name(m.dtype)) for m in snap.metas}
+    missing, mismatched, precision_only = mismatches(flat, headers.get, snap.objects, cast)
+    mine = {item.fqn for item in flat.tensors} | {obj.fqn for obj in flat.objects}
+    unexpected = [name for name in [*headers, *snap.objects] if name not in mine]
+    if missing or mismatched or unexpected:
+        raise mismatch_error(_memory_of(snap), missing, unexpected, mismatched, precision_only, top, False)
 
 
 def leave_fresh(optimizers: list[torch.optim.Optimizer]) -> None:

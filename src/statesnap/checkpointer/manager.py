@@ -300,6 +300,7 @@ class Checkpointer:
         self._wait_all()
         self._raise_pending()
         started = now()
+        self.loaded_from = None  # until this call restores a step: nothing is loaded if it finds none, or fails
         levels = [level for level in (self.persistent, self.further) if level is not None]
         try:
             restored = load_newest(state, cast, self._comm, self.memory, self._arena, levels, self._recovery,

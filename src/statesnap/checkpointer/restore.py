@@ -40,9 +40,11 @@ def load_newest(state: dict, cast: bool, comm: Comm, memory: MemoryLevel, arena:
     # Else a restart that found nothing else to load went on with state made of zeros.
     made: list[torch.optim.Optimizer] = []
     try:
-        flat = matching_target(snap, state, made) if snap is not None else None
+        flat = matching_target(snap, state, made, cast) if snap is not None else None
     except Exception as exc:  # noqa: BLE001 (a state no load can fill: raised on every rank below)
         flat, refused = None, exc
+    # a step in memory that this state's layout cannot take (a stored copy of it may)
+    unfit = snap.step if snap is not None and flat is None and refused is None else None
     borrowed = flat is not None and arena.borrow(snap.region)
     from_memory = False
     try:
@@ -51,7 +53,7 @@ def load_newest(state: dict, cast: bool, comm: Comm, memory: MemoryLevel, arena:
         held = comm.all_gather((snap.step if borrowed else None,
                                 inventory(local) if local is not None else None,
                                 _stored_steps(levels) if comm.rank == 0 else None,
-                                described(refused)))
+                                unfit, described(refused)))
         # a rank whose state no load can fill (a target refused by name) stops every rank
         # here, not only itself while the others wait for it in the next exchange
         comm.raise_any(refused, [failure for *_, failure in held], "loading the latest checkpoint")
@@ -73,6 +75,9 @@ def load_newest(state: dict, cast: bool, comm: Comm, memory: MemoryLevel, arena:
                 "no checkpoint to restore was found, but " + "; ".join(
                     f"the {lv.name} level at {lv.root} could not be listed ({why})" for lv, why in unlisted) +
                 ": it may hold checkpoints; try again once the storage answers")
+        unfit = max((step for *_, step, _ in held if step is not None), default=None)
+        if unfit is not None and (not choices or choices[0][0] < unfit):
+            _skip_unfit_memory(unfit, choices)
         if not choices:
             return None
         options = dict(allow_pickle=config.allow_pickle, storage_options=config.storage_options,
@@ -107,6 +112,18 @@ def load_newest(state: dict, cast: bool, comm: Comm, memory: MemoryLevel, arena:
         if borrowed:
             arena.hold(snap.region, lambda: memory.drop(snap))
     return step, name, nbytes
+
+
+def _skip_unfit_memory(step: int, choices: list) -> None:
+    """Say that the newest step, held in host memory in another layout than the state's, is not
+    what this restore gives: raise if nothing else can be restored (None would say "no
+    checkpoint", and the loop would start again from scratch), else warn of the older step."""
+    why = (f"step {step} is held in host memory only in the layout it was saved from (its sharding, dtypes and "
+           "placements), and this state's layout differs: a snapshot in memory restores only into that layout")
+    if not choices:
+        raise CheckpointError(f"{why}, and no level holds a stored copy to reshard. Restore it into a state laid out "
+                              "as it was saved (and save it once, to have a copy on storage)")
+    log.warning("statesnap: %s; restoring step %d from the %s level instead", why, choices[0][0], choices[0][2])
 
 
 def _stored_steps(levels: list[StorageLevel]) -> list[list[int] | str]:

@@ -9,7 +9,7 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Container
 
 import numpy as np
 import torch
@@ -169,11 +169,30 @@ def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: 
     """Check the target against the checkpoint; return the names to skip (non-strict). ``top``:
     the state's top-level names. ``partial``: what the checkpoint holds outside them is not
     unexpected, but what it holds under them is (a model of fewer layers loads no part of a deeper one)."""
+    missing, mismatched, precision_only = mismatches(flat, manifest.header, manifest.objects, cast)
+    unexpected = []
+    if strict:
+        # what no rank loads: one flag per stored name from each rank, never every rank's names
+        keys, mine = list(manifest.keys()), {i.fqn for i in flat.tensors} | {o.fqn for o in flat.objects}
+        loaded = [k in mine or (partial and not any(in_part(k, p) for p in top)) for k in keys]
+        unexpected = [k for k, wanted in zip(keys, comm.any_of(loaded)) if not wanted]
+    if strict and (missing or mismatched or unexpected):
+        raise mismatch_error(f"checkpoint {path}", missing, unexpected, mismatched, precision_only, top, partial)
+    return set(missing) | {m.split(" ", 1)[0] for m in mismatched}
+
+
+def mismatches(flat: Flattened, header: Callable[[str], Any], stored_objects: Container[str],
+               cast: bool) -> tuple[list[str], list[str], bool]:
+    """(missing, mismatched, precision_only): the target's names the checkpoint lacks, those
+    stored with another shape or dtype (or as a plain value where the target holds a tensor, or
+    the other way round), each with both, and whether some differ in floating precision alone
+    (which ``cast`` would convert). ``header(fqn)``: the stored tensor's entry (its ``shape``
+    and ``dtype``), or None; ``stored_objects``: the names of the stored plain values."""
     missing, mismatched, precision_only = [], [], False
     for item in flat.tensors:
-        entry = manifest.header(item.fqn)
+        entry = header(item.fqn)
         if entry is None:
-            if item.fqn in manifest.objects:
+            if item.fqn in stored_objects:
                 mismatched.append(f"{item.fqn} (checkpoint a plain value, target a tensor "
                                   f"{str(item.dtype)[6:]}{list(item.global_shape)})")
             else:
@@ -188,30 +207,29 @@ def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: 
             mismatched.append(f"{item.fqn} (checkpoint {str(entry.dtype)[6:]}{list(entry.shape)}, "
                               f"target {str(item.dtype)[6:]}{list(item.global_shape)}){why}")
     for obj in flat.objects:
-        if obj.fqn in manifest.objects:
+        if obj.fqn in stored_objects:
             continue
-        entry = manifest.header(obj.fqn)
+        entry = header(obj.fqn)
         if entry is None:
             missing.append(obj.fqn)
         else:
             mismatched.append(f"{obj.fqn} (checkpoint a tensor {str(entry.dtype)[6:]}{list(entry.shape)}, "
                               f"target a {type(obj.value).__name__})")
-    unexpected = []
-    if strict:
-        # what no rank loads: one flag per stored name from each rank, never every rank's names
-        keys, mine = list(manifest.keys()), {i.fqn for i in flat.tensors} | {o.fqn for o in flat.objects}
-        loaded = [k in mine or (partial and not any(in_part(k, p) for p in top)) for k in keys]
-        unexpected = [k for k, wanted in zip(keys, comm.any_of(loaded)) if not wanted]
-    if strict and (missing or mismatched or unexpected):
-        listed = [_format_list(t, sorted(n)) for t, n in
-                  (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
-                   ("shape/dtype mismatch", mismatched)) if n]
-        hint = CAST_HINT if precision_only else ""
-        only_outside = not partial and top and not missing and not mismatched and \
-            not any(in_part(name, key) for name in unexpected for key in top)
-        raise StateMismatchError(f"state does not match checkpoint {path}: " + "; ".join(listed) + ".",
-                                 missing, unexpected, mismatched, advice=_match_advice(top, only_outside) + hint)
-    return set(missing) | {m.split(" ", 1)[0] for m in mismatched}
+    return missing, mismatched, precision_only
+
+
+def mismatch_error(where: str, missing: list[str], unexpected: list[str], mismatched: list[str],
+                   precision_only: bool, top: list[str], partial: bool) -> StateMismatchError:
+    """The error of a strict load whose target does not match ``where`` (what ``mismatches``
+    found, and the stored names no part of the target takes)."""
+    listed = [_format_list(t, sorted(n)) for t, n in
+              (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
+               ("shape/dtype mismatch", mismatched)) if n]
+    hint = CAST_HINT if precision_only else ""
+    only_outside = not partial and top and not missing and not mismatched and \
+        not any(in_part(name, key) for name in unexpected for key in top)
+    return StateMismatchError(f"state does not match {where}: " + "; ".join(listed) + ".",
+                              missing, unexpected, mismatched, advice=_match_advice(top, only_outside) + hint)
 
 
 def _match_advice(top: list[str], only_outside: bool) -> str:
