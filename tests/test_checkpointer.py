@@ -717,8 +717,28 @@ def test_load_latest_without_checkpoints_returns_none(tmp_path):
 def test_leftovers_of_an_interrupted_save_are_removed(tmp_path):
     (tmp_path / ".step-5.tmp-abc").mkdir()
     (tmp_path / "step-6").mkdir()  # no manifest: never committed
+    (tmp_path / "step-7").mkdir()  # a save staged in place (an object store's) and cut short
+    (tmp_path / "step-7" / "data-0123456789ab-r00000.bin").write_bytes(b"x" * 100)
     ss.Checkpointer(tmp_path, host_memory_gb=0.01).close()
     assert [n for n in os.listdir(tmp_path) if "step" in n] == []
+
+
+def test_what_no_save_wrote_under_a_step_name_is_left_alone(tmp_path, caplog):
+    """A step directory without a manifest holding a file of the user's, or a file named like a
+    step, is no leftover of a save: the Checkpointer's start once deleted them with the rest."""
+    (tmp_path / "step-2").mkdir()
+    (tmp_path / "step-2" / "notes.txt").write_text("mine")
+    (tmp_path / "step-2" / "data-0123456789ab-r00000.bin").write_bytes(b"x")
+    (tmp_path / "step-3").write_text("a file")
+    with caplog.at_level(logging.WARNING, logger="statesnap"):
+        with ss.Checkpointer(tmp_path, host_memory_gb=0.01, keep_last=1) as ckpt:
+            assert ckpt.load_latest({"t": torch.zeros(3)}) is None
+            ckpt.save(4, {"t": torch.ones(3)}).wait()
+            ckpt.save(5, {"t": torch.ones(3)}).wait()
+    assert (tmp_path / "step-2" / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "step-3").read_text() == "a file"
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step")) == ["step-2", "step-3", "step-5"]
+    assert "step-2 has no manifest and holds what a save does not write (notes.txt)" in caplog.text
 
 
 @pytest.mark.parametrize("name", ["step-0100", "step-\u0665", "step-07"])

@@ -375,6 +375,18 @@ def test_declared_shards_reshard_from_rows_to_columns(matrix):
         assert row == 0 and torch.equal(local, full[:, col:col + 2])
 
 
+@pytest.mark.parametrize("local, offsets", [(torch.ones(3, 8), (0,)), (torch.ones(3, 8, 2), (0, 0)),
+                                            (torch.ones(8), (0, 0))])
+def test_a_declared_shard_of_other_dimensions_than_its_tensor_is_refused_by_name(local, offsets, tmp_path):
+    """Checked by zip, a local tensor of more dimensions than the global shape passed: its save
+    failed with numpy's words, and its load blamed the checkpoint ("stores only 24 of the 48
+    elements"), which made load_latest give up good steps as damaged."""
+    shape = (6,) if len(offsets) == 1 else (6, 8)
+    with pytest.raises(ss.CheckpointError, match=r"a box of \d dimensions needs as many offsets and a local "
+                                                 r"tensor of as many dimensions"):
+        ss.Sharded(local, shape, offsets)
+
+
 def test_rank_that_receives_no_rows(matrix):
     assert matrix["4->3 head rows"] == [1, 1, 0]
     values = matrix["4->3"][2]

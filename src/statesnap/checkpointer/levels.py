@@ -24,6 +24,7 @@ import torch
 
 from ..engine.load import mismatch_error, mismatches
 from ..engine.objects import decode_value
+from ..engine.save import foreign_entries
 from ..engine.overlaps import overlapping_pairs, overwritten, same_view, tie_error
 from ..errors import CheckpointError
 from ..format.dtypes import dtype_from_name, dtype_name
@@ -116,8 +117,23 @@ class StorageLevel:
         for name in self.backend.listdir(self.root):
             step = parse_step(name)
             hidden = name.startswith(f".{STEP_PREFIX}") and (".tmp-" in name or RETIRED_MARK in name)
-            if hidden or (step is not None and not self.is_committed(step)):
+            if hidden or (step is not None and not self.is_committed(step) and self._only_saved_files(name)):
                 self.backend.remove(self.backend.join(self.root, name))
+
+    def _only_saved_files(self, name: str) -> bool:
+        """Whether the uncommitted ``step-N`` holds only files a save writes (a save staged in
+        place on an object store, cut short). Anything else there (a file of the user's, a file
+        named like a step) is left as it is, with a warning: no save of statesnap's put it there."""
+        path = self.backend.join(self.root, name)
+        try:
+            foreign = foreign_entries(self.backend, path)
+        except OSError as exc:  # (not a directory)
+            foreign = [f"{type(exc).__name__}: {exc}"]
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            log.warning("statesnap: %s has no manifest and holds what a save does not write (%s); left as it is, "
+                        "and not a checkpoint to restore", path, shown)
+        return not foreign
 
 
 class MemoryLevel:

@@ -34,8 +34,11 @@ class Sharded:
                                       f"a tensor of {numel} elements")
         else:
             self.layout, self.start, self.size = BOX, tuple(int(o) for o in offsets), tuple(local.shape)
-            if len(self.start) != len(self.global_shape) or any(
-                    o < 0 or o + s > g for o, s, g in zip(self.start, self.size, self.global_shape)):
+            if len(self.start) != len(self.global_shape) or len(self.size) != len(self.global_shape):
+                raise CheckpointError(f"a box of {len(self.global_shape)} dimensions needs as many offsets and a "
+                                      f"local tensor of as many dimensions: offsets {self.start}, local shape "
+                                      f"{self.size}, global shape {self.global_shape}")
+            if any(o < 0 or o + s > g for o, s, g in zip(self.start, self.size, self.global_shape)):
                 raise CheckpointError(f"box at {self.start} of shape {self.size} does not fit in {self.global_shape}")
 
 
