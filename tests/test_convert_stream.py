@@ -368,7 +368,9 @@ def test_import_without_copying_is_refused_where_it_cannot_apply(tmp_path):
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda raw: raw[:4], "header length"),
+    (lambda raw: raw[:4], "4 bytes are too few to hold the 8-byte header length"),
+    (lambda raw: b"", "0 bytes are too few to hold the 8-byte header length"),
+    (lambda raw: raw[:12], "header length .* does not fit a file of 12 bytes"),
     (lambda raw: raw[:8] + b"\xff" + raw[9:], "header is not JSON"),
     (lambda raw: raw[:-1], "'b' ends at byte"),
     (lambda raw: raw.replace(b'"F32"', b'"F99"', 1), "'a' has a malformed header entry"),

@@ -191,6 +191,7 @@ def test_a_nan_keeps_its_sign_and_payload(tmp_path):
 @pytest.mark.parametrize("tagged", [
     {"__ss_float": "1.5"}, {"__ss_float": 7}, {"__ss_tuple": "abc"}, {"__ss_tuple": {"a": 1}},
     {"__ss_bytes": "!!!"}, {"__ss_bytes": 5}, {"__ss_dict": [[1]]}, {"__ss_dict": [[[1], 2]]},
+    {"__ss_dict": [["a", 1], ["a", 2]]}, {"__ss_dict": [[1, "x"], [True, "y"]]},
     {"__ss_tensor": {"dtype": "float32", "shape": [-1], "data": ""}},
     {"__ss_tensor": {"dtype": "float32", "shape": [2], "data": "AAAA"}},
     {"__ss_tensor": {"dtype": "float32", "shape": [True], "data": "AAAAAA=="}},

@@ -161,7 +161,7 @@ def test_missing_data_file(ckpt):
 def test_a_data_file_that_is_not_a_regular_file(ckpt, kind):
     """A FIFO where a data file was used to block every reader forever (waiting for a writer),
     and a directory raised a bare IsADirectoryError: each is a CorruptCheckpointError naming
-    the file and the tensor, from load, read and verify alike, and the manifest too."""
+    the file and the tensor, from load, read and verify alike, and in the manifest's place too."""
     import os
 
     path, state = ckpt
@@ -176,11 +176,13 @@ def test_a_data_file_that_is_not_a_regular_file(ckpt, kind):
         # damage, not a read that may succeed again: a restart goes back to an older step
         assert not isinstance(caught.value, ss.ReadFailedError)
     assert_good_neighbour_loads(path, state)
-    if kind == "fifo":
-        (path / MANIFEST_NAME).unlink()
-        os.mkfifo(path / MANIFEST_NAME)
-        with pytest.raises(ss.CorruptCheckpointError, match="manifest.json is a FIFO"):
-            ss.open(path)
+    (path / MANIFEST_NAME).unlink()
+    os.mkfifo(path / MANIFEST_NAME) if kind == "fifo" else (path / MANIFEST_NAME).mkdir()
+    # (a directory there was "has no manifest.json", a ManifestError: a restart raised it, as a
+    # newer format's, instead of going back to an older step)
+    for attempt in (lambda: ss.open(path), lambda: ss.load(blank_like(state), path)):
+        with pytest.raises(ss.CorruptCheckpointError, match=f"manifest.json is a {kind.replace('fifo', 'FIFO')}"):
+            attempt()
 
 
 def test_a_directory_where_a_pickled_object_was_is_damage(tmp_path):

@@ -76,7 +76,10 @@ def read_header(path: str) -> dict[str, InFile]:
         with open_source(path) as f:  # a FIFO in its place is refused, not waited on
             size = os.fstat(f.fileno()).st_size
             head = f.read(8)
-            length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if len(head) < 8:
+                raise CheckpointError(f"{path} is not a safetensors file: {size} bytes are too few to hold the "
+                                      "8-byte header length it starts with")
+            length = struct.unpack("<Q", head)[0]
             if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
                 raise CheckpointError(f"{path} is not a safetensors file: header length {length} does not fit "
                                       f"a file of {size} bytes")

@@ -47,7 +47,9 @@ def read_manifest(backend: StorageBackend, path: str) -> Manifest:
     where = backend.join(path, MANIFEST_NAME)
     try:
         raw = backend.read_bytes(where)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+    except IsADirectoryError:  # a directory where the manifest was: damage, as a FIFO there is
+        raise CorruptCheckpointError(f"{where} is a directory, not the regular file a checkpoint holds there") from None
+    except (FileNotFoundError, NotADirectoryError):
         if backend.recover(path):  # an overwrite killed halfway had left the checkpoint aside
             return read_manifest(backend, path)
         if not backend.exists(path):

@@ -148,6 +148,8 @@ def _decode_tagged(tag: str, inner: Any, where: str) -> Any:
             for k, v in inner:
                 key = _decode(k, where)
                 hash(key)  # a list where encode wrote a hashable key is malformed (TypeError)
+                # (no dict holds two equal keys: which value to keep would be a guess, as for JSON's own)
+                expect(key not in out, f"the key {key!r} is given twice")
                 out[key] = _decode(v, where)
             return out
         if tag == "bytes":
