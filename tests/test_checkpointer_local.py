@@ -506,3 +506,36 @@ def test_removing_a_step_while_the_further_level_is_out_warns(tmp_path):
         with pytest.warns(RuntimeWarning, match="step 2 was not removed from the further level"):
             ckpt.remove(2)
     assert sorted(n for n in os.listdir(tmp_path / "root") if n.startswith("step-")) == ["step-1"]
+
+
+def _save_with_an_empty_piece(rank, world, root, local_roots):
+    os.environ["GROUP_RANK"] = str(rank)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 3, generator=g), torch.randn(1, 3, generator=g)
+    # rank 1 holds no row of b: its empty piece starts where its part of a does in its data file
+    state = {"a": ss.Sharded(a[2 * rank:2 * rank + 2].clone(), (4, 3), (2 * rank, 0)),
+             "b": ss.Sharded(b[rank:1].clone(), (1, 3), (rank, 0))}
+    with ss.Checkpointer(root, local_root=local_roots[rank], peer_replicas=1, persist_every=10,
+                         host_memory_gb=0.02) as ckpt:
+        ckpt.save(1, state).wait()
+    return a, b
+
+
+def test_a_replica_of_a_file_beside_an_empty_piece_is_the_file_itself(tmp_path, monkeypatch):
+    """The replica a partner node wrote of a rank holding an empty piece had zeros where the
+    rank's other tensors were (the empty piece's place in the arena was sent for its neighbour's
+    bytes): the node-loss restart found it damaged and went back to an older step."""
+    roots = [str(tmp_path / f"node{n}") for n in range(2)]
+    (a, b), _ = run_ranks(2, _save_with_an_empty_piece, str(tmp_path / "root"), roots)
+    own, replica = ([p for p in os.listdir(os.path.join(root, "step-1")) if p.endswith("-r00001.bin")]
+                    for root in (roots[1], roots[0]))
+    assert own == replica and len(own) == 1
+    with open(os.path.join(roots[1], "step-1", own[0]), "rb") as f, \
+            open(os.path.join(roots[0], "step-1", own[0]), "rb") as g:
+        assert f.read() == g.read()
+    shutil.rmtree(roots[1])  # node 1 is lost: node 0 restores both ranks' parts from its own level
+    monkeypatch.setenv("GROUP_RANK", "0")
+    state = {"a": torch.zeros(4, 3), "b": torch.zeros(1, 3)}
+    with ss.Checkpointer(tmp_path / "root", local_root=roots[0], persist_every=10, host_memory_gb=0.02) as ckpt:
+        assert ckpt.load_latest(state) == 1 and ckpt.loaded_from == "local"
+    assert torch.equal(state["a"], a) and torch.equal(state["b"], b)

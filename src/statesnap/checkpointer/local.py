@@ -310,8 +310,11 @@ class LocalFlusher(_Stage):
         if output.file is None:
             return [], None
         arena, base, plan, rank = self._arena_of(), snap.region.start, snap.plan, self.comm.rank
-        where = {offset: snap.item_offsets[index] for index, offset in plan.writes[rank]}
-        ranges = [(offset, snap.metas[index].nbytes) for index, offset in plan.writes[rank]]
+        # (an empty piece holds no bytes, and may start where the next one does: keyed by its
+        # offset, it sent its neighbour's bytes from its own place in the arena)
+        written = [(index, offset) for index, offset in plan.writes[rank] if snap.metas[index].nbytes]
+        where = {offset: snap.item_offsets[index] for index, offset in written}
+        ranges = [(offset, snap.metas[index].nbytes) for index, offset in written]
         tail_start = plan.file_bytes[rank]
         tail = torch.empty(output.file_bytes - tail_start, dtype=torch.uint8)
         if tail.numel():
