@@ -24,8 +24,8 @@ import torch
 
 from ..engine.load import mismatch_error, mismatches
 from ..engine.objects import decode_value
-from ..engine.save import foreign_entries
 from ..engine.overlaps import overlapping_pairs, overwritten, same_view, tie_error
+from ..engine.save import foreign_entries
 from ..errors import CheckpointError
 from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import MANIFEST_NAME

@@ -75,9 +75,9 @@ def load_newest(state: dict, cast: bool, comm: Comm, memory: MemoryLevel, arena:
                 "no checkpoint to restore was found, but " + "; ".join(
                     f"the {lv.name} level at {lv.root} could not be listed ({why})" for lv, why in unlisted) +
                 ": it may hold checkpoints; try again once the storage answers")
-        unfit = max((step for *_, step, _ in held if step is not None), default=None)
-        if unfit is not None and (not choices or choices[0][0] < unfit):
-            _skip_unfit_memory(unfit, choices)
+        newest_unfit = max((step for *_, step, _ in held if step is not None), default=None)
+        if newest_unfit is not None and (not choices or choices[0][0] < newest_unfit):
+            _skip_unfit_memory(newest_unfit, choices)
         if not choices:
             return None
         options = dict(allow_pickle=config.allow_pickle, storage_options=config.storage_options,
