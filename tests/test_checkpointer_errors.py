@@ -69,6 +69,17 @@ def test_invalid_settings_fail_at_construction(tmp_path, bad):
         CheckpointerConfig(root=str(tmp_path), **bad)
 
 
+@pytest.mark.parametrize("roots", [dict(local_root="{d}"), dict(further_root="{d}/"), dict(local_root="{d}/./",
+                                   further_root="file://{d}"), dict(local_root="{d}/l", further_root="{d}/l")])
+def test_two_levels_in_one_directory_are_refused_at_construction(tmp_path, roots):
+    """Given one directory, the second level's claim met the first's and advised take_over=True,
+    after which every save failed as taken over by the process itself."""
+    with pytest.raises(ss.CheckpointError, match="must be different directories, each level claiming and retaining "
+                                                 "its own: .* are both"):
+        ss.Checkpointer(tmp_path, host_memory_gb=0.02, **{k: v.format(d=tmp_path) for k, v in roots.items()})
+    assert os.listdir(tmp_path) == []  # nothing claimed
+
+
 def test_a_misspelled_setting_is_a_checkpoint_error_naming_the_close_ones(tmp_path):
     with pytest.raises(ss.CheckpointError) as caught:
         ss.Checkpointer(tmp_path, keep_lats=2, wat=1)

@@ -16,6 +16,7 @@ from ..engine.replicas import REPLICA_CHECK_MB
 from ..errors import CheckpointError
 from ..format.checksum import DEFAULT_BLOCK_BYTES
 from ..monitor.events import CommitRecord
+from ..storage import is_url, normalize
 from ..storage.base import StorageBackend
 
 GB = 1e9
@@ -136,6 +137,9 @@ class CheckpointerConfig:
             (self.peer_replicas in (0, 1), f"peer_replicas must be 0 or 1 (got {self.peer_replicas})"),
             (self.peer_replicas == 0 or self.local_root is not None,
              "peer_replicas needs local_root: the partner writes the replica into its node-local level"),
+            (self._shared_root() is None,
+             f"root, local_root and further_root must be different directories, each level claiming and "
+             f"retaining its own: {self._shared_root()}"),
             (self.block_bytes >= 4096 and self.block_bytes % 4096 == 0,
              f"block_bytes must be a positive multiple of 4096 (got {self.block_bytes}): checksum blocks are "
              "written whole, and pieces start on 64-byte boundaries"),
@@ -143,6 +147,21 @@ class CheckpointerConfig:
         for ok, message in checks:
             if not ok:
                 raise CheckpointError(f"invalid Checkpointer setting: {message}")
+
+    def _shared_root(self) -> str | None:
+        """Which two levels were given one directory, or None. (Given one, the second level's
+        claim found the first's and advised ``take_over=True``, which made every save fail.)"""
+        seen: dict[str, str] = {}
+        for name in ("root", "local_root", "further_root"):
+            where = getattr(self, name)
+            if where is None:
+                continue
+            where = normalize(str(where))
+            where = where.rstrip("/") if is_url(where) else os.path.realpath(where)
+            if where in seen:
+                return f"{seen[where]} and {name} are both {getattr(self, name)}"
+            seen[where] = name
+        return None
 
     @classmethod
     def of(cls, root, settings: dict) -> "CheckpointerConfig":
