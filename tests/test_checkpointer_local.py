@@ -172,6 +172,45 @@ def test_one_process_restores_from_the_local_level_before_root(tmp_path):
     assert_state_equals(fresh, ref)
 
 
+@pytest.mark.parametrize("damage", ["truncated manifest", "empty manifest", "data file deleted"])
+def test_a_node_local_step_no_restore_can_take_is_named_not_passed_over(tmp_path, damage):
+    """A node-local step whose manifest cannot be read, or whose data files are not all there,
+    was left out of the restore's choices without a word (a flipped byte was warned of): the
+    restart went back a step silently, and deleted the damaged step with those after it. Now
+    it is named as any copy given up is, and with nothing older to take the restore raises."""
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    settings = dict(local_root=tmp_path / "local", persist_every=2, host_memory_gb=0.01)
+    with ss.Checkpointer(tmp_path / "root", **settings) as ckpt:
+        for step in range(1, 6):
+            train_step(model, optim, step)
+            ckpt.save(step, state)
+            if step == 4:
+                ref = reference(state)
+    newest = tmp_path / "local" / "step-5"
+    manifest = newest / "manifest.json"
+    if damage == "data file deleted":
+        next(p for p in newest.iterdir() if p.name.endswith(".bin")).unlink()
+    else:
+        os.truncate(manifest, manifest.stat().st_size // 2 if damage == "truncated manifest" else 0)
+    fresh_model = make_training(seed=5)[0]
+    fresh = {"model": fresh_model, "optim": torch.optim.AdamW(fresh_model.parameters(), lr=1e-2)}
+    with pytest.warns(RuntimeWarning, match="step 5 on the node-local level at .* cannot be restored .*; restoring "
+                                            "step 4 from the local level"):
+        with ss.Checkpointer(tmp_path / "root", **settings) as ckpt:
+            assert ckpt.load_latest(fresh) == 4 and ckpt.loaded_from == "local"
+    assert_state_equals(fresh, ref)
+    with ss.Checkpointer(tmp_path / "other", local_root=tmp_path / "alone", persist_every=100,
+                         host_memory_gb=0.01) as ckpt:
+        ckpt.save(1, state).wait()
+    os.truncate(tmp_path / "alone" / "step-1" / "manifest.json", 0)
+    with ss.Checkpointer(tmp_path / "other", local_root=tmp_path / "alone", persist_every=100,
+                         host_memory_gb=0.01) as ckpt:
+        with pytest.raises(ss.CorruptCheckpointError, match="no checkpoint can be restored: step 1 on the node-local "
+                                                            "level at .* cannot be restored"):
+            ckpt.load_latest(fresh)
+
+
 def test_a_state_that_does_not_match_leaves_the_local_level_alone(tmp_path):
     """Only damage removes node-local steps: a restart with the wrong model is the user's to fix,
     and the steps must still be there once it is fixed."""

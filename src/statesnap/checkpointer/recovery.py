@@ -32,22 +32,37 @@ from .levels import StorageLevel
 from .local import Topology, pwriter, recv_stream, send_stream
 
 
-def inventory(level: StorageLevel) -> dict[int, tuple[list[str], int, int]]:
-    """step -> (data files this node holds, how many files the manifest names, a digest of their
-    names), committed steps only. Every rank sends its node's inventory to every other, so it
+def inventory(level: StorageLevel) -> tuple[dict[int, tuple[list[str], int, int]], dict[int, str]]:
+    """(step -> (data files this node holds, how many files the manifest names, a digest of their
+    names), committed steps only; step -> why its manifest cannot be read, for the steps this
+    node does not count as holding). Every rank sends its node's inventory to every other, so it
     holds the node's own files, not the job's list: that would make each rank receive
     ranks x files names, quadratic in the size of the job."""
-    out = {}
+    out, unreadable = {}, {}
     for step in level.committed_steps():
         path = level.path(step)
         try:
             manifest = Manifest.from_bytes(level.backend.read_bytes(level.backend.join(path, MANIFEST_NAME)),
                                            where=path)
-        except Exception:  # noqa: BLE001 (a damaged manifest: this node does not count as holding it)
+        except Exception as exc:  # noqa: BLE001 (a damaged manifest: this node does not count as holding it)
+            unreadable[step] = described(exc)
             continue
         held = set(level.backend.listdir(path))
         out[step] = (sorted(f for f in manifest.files if f in held), len(manifest.files),
                      zlib.crc32("\n".join(manifest.files).encode()))
+    return out, unreadable
+
+
+def unusable_steps(inventories: list[dict], unreadable: list[dict[int, str]]) -> dict[int, str]:
+    """The committed node-local steps no restore can take, and why: a manifest no node can read,
+    or data files the nodes do not hold whole together (a node lost without a peer replica, a
+    file deleted). Each is named when a restore passes over it, as a copy that fails is."""
+    whole = set(complete_steps(inventories))
+    out = {step: why for node in unreadable for step, why in node.items() if step not in whole}
+    for step in set().union(*(inv.keys() for inv in inventories)) - whole - set(out):
+        count = max(inv[step][1] for inv in inventories if step in inv)
+        held = set().union(*(inv[step][0] for inv in inventories if step in inv))
+        out[step] = f"the nodes hold {len(held)} of its {count} data files"
     return out
 
 

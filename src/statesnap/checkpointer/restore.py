@@ -10,17 +10,18 @@ node-local level's restore, files fetched from other nodes included, is ``recove
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 
 from ..engine.dist import Comm
 from ..engine.load import load_step
-from ..errors import CheckpointError, described
+from ..errors import CheckpointError, CorruptCheckpointError, described
 from ..storage.retry import describe
 from .config import CheckpointerConfig
 from .fallback import Fallback
 from .levels import MemoryLevel, StorageLevel, leave_fresh, matching_target, restore_from_memory
-from .recovery import LocalRecovery, complete_steps, inventory
+from .recovery import LocalRecovery, complete_steps, inventory, unusable_steps
 from .staging import Arena
 
 log = logging.getLogger("statesnap")
@@ -59,9 +60,10 @@ def load_newest(state: dict, cast: bool, comm: Comm, memory: MemoryLevel, arena:
         comm.raise_any(refused, [failure for *_, failure in held], "loading the latest checkpoint")
         memory_steps = [step for step, *_ in held]
         memory_step = memory_steps[0] if None not in memory_steps and len(set(memory_steps)) == 1 else None
-        inventories = [node for _, node, *_ in held] if local is not None else []
+        inventories = [node[0] for _, node, *_ in held] if local is not None else []
         stored = held[0][2]
         local_steps = complete_steps(inventories) if inventories else []
+        unusable = unusable_steps(inventories, [node[1] for _, node, *_ in held]) if inventories else {}
         # a level that could not be listed holds its error's text instead of its steps
         listed = [steps if isinstance(steps, list) else [] for steps in stored]
         choices = [(memory_step, 0, "memory")] + [(s, 1, "local") for s in local_steps] + [
@@ -78,6 +80,7 @@ def load_newest(state: dict, cast: bool, comm: Comm, memory: MemoryLevel, arena:
         newest_unfit = max((step for *_, step, _ in held if step is not None), default=None)
         if newest_unfit is not None and (not choices or choices[0][0] < newest_unfit):
             _skip_unfit_memory(newest_unfit, choices)
+        _pass_over_unusable(unusable, choices[0] if choices else None, local.root if local is not None else None)
         if not choices:
             return None
         options = dict(allow_pickle=config.allow_pickle, storage_options=config.storage_options,
@@ -124,6 +127,21 @@ def _skip_unfit_memory(step: int, choices: list) -> None:
         raise CheckpointError(f"{why}, and no level holds a stored copy to reshard. Restore it into a state laid out "
                               "as it was saved (and save it once, to have a copy on storage)")
     log.warning("statesnap: %s; restoring step %d from the %s level instead", why, choices[0][0], choices[0][2])
+
+
+def _pass_over_unusable(unusable: dict[int, str], first: tuple | None, root: str | None) -> None:
+    """Warn of each node-local step at least as new as the ``first`` choice that no restore can
+    take (``unusable_steps``): one whose manifest was damaged was passed over without a word,
+    and the restart then deleted it with the steps after the one it restored. With no choice
+    left, raise: None would say "no checkpoint", and the loop would start from scratch."""
+    passed = [f"step {step} on the node-local level at {root} cannot be restored ({why})"
+              for step, why in sorted(unusable.items(), reverse=True) if first is None or step >= first[0]]
+    if passed and first is None:
+        raise CorruptCheckpointError("no checkpoint can be restored: " + "; ".join(passed))
+    for problem in passed:  # (as fallback.py warns of a copy given up: on the log and as a warning)
+        message = f"statesnap: {problem}; restoring step {first[0]} from the {first[2]} level"
+        log.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def _stored_steps(levels: list[StorageLevel]) -> list[list[int] | str]:
