@@ -32,6 +32,7 @@ def sample_tensors() -> dict:
         "f16_transposed": torch.randn(3, 6, generator=g).half().t(),
         "f64_scalar": torch.tensor(3.5, dtype=torch.float64),
         "f8": torch.randn(8, generator=g).to(torch.float8_e4m3fn),
+        "mx_scales": torch.rand(6, generator=g).to(torch.float8_e8m0fnu),  # safetensors' F8_E8M0
         "i64": torch.arange(-5, 7),
         "u8": torch.randint(0, 255, (9,), dtype=torch.uint8, generator=g),
         "flags": torch.tensor([True, False, True]),

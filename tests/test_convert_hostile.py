@@ -10,6 +10,7 @@ from __future__ import annotations
 import copyreg
 import dataclasses
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import statesnap as ss
 from statesnap.convert import api, unpickler
@@ -209,14 +210,16 @@ def test_numpy_rng_state_still_loads(tmp_path):
 # --- FIFOs in place of source files -----------------------------------------------------------
 
 def test_a_fifo_in_place_of_a_source_file_is_refused_not_waited_on(tmp_path):
-    os.mkfifo(tmp_path / "model.safetensors")
-    os.mkfifo(tmp_path / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    src = tmp_path / "src"
+    src.mkdir()
+    os.mkfifo(src / "model.safetensors")
+    os.mkfifo(src / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     with pytest.raises(CheckpointError, match="model.safetensors is a FIFO"):
-        _convert(tmp_path / "model.safetensors", tmp_path)
+        _convert(src / "model.safetensors", tmp_path)
     with pytest.raises(CheckpointError, match="model.safetensors is a FIFO"):
-        _convert(tmp_path, tmp_path, source="safetensors")
+        _convert(src, tmp_path, source="safetensors")
     with pytest.raises(CheckpointError, match="optim_states.pt is a FIFO"):
-        unpickler.load(str(tmp_path / "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+        unpickler.load(str(src / "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
 
 
 def test_a_symlinked_source_is_still_followed(tmp_path):
@@ -697,8 +700,68 @@ def test_a_safetensors_index_nested_too_deeply_or_naming_a_tensor_twice_is_refus
     """JSON nested 100,000 deep raised a RecursionError out of ss.convert; a tensor listed for two
     shards was read from the one named last (json keeps the last key), as each shard's own
     header refuses a name given twice."""
-    save_file({"a": torch.zeros(2)}, str(tmp_path / "model-1.safetensors"))
-    save_file({"a": torch.ones(2)}, str(tmp_path / "model-2.safetensors"))
-    (tmp_path / "model.safetensors.index.json").write_text(index)
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"a": torch.zeros(2)}, str(src / "model-1.safetensors"))
+    save_file({"a": torch.ones(2)}, str(src / "model-2.safetensors"))
+    (src / "model.safetensors.index.json").write_text(index)
     with pytest.raises(CheckpointError, match=f"model.safetensors.index.json is not a safetensors index.*{says}"):
-        _convert(tmp_path, tmp_path, source="safetensors")
+        _convert(src, tmp_path, source="safetensors")
+
+
+# --- destinations that are the source, lie inside it or hold it -------------------------------
+
+@pytest.mark.parametrize("where", ["itself", "inside", "parent"])
+def test_an_export_never_writes_over_the_checkpoint_it_reads(tmp_path, where):
+    """With overwrite=True an export onto its own checkpoint, or onto the directory holding it,
+    replaced that directory as a whole: the checkpoint being exported was deleted."""
+    ck = tmp_path / "out" / "ck"
+    ss.save({"w": torch.ones(3)}, str(ck))
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    dst = {"itself": ck, "inside": ck / "hf", "parent": tmp_path / "out"}[where]
+    for to in ("safetensors", "dcp"):
+        with pytest.raises(CheckpointError, match="the destination is the source, lies inside it or holds it"):
+            ss.export(str(ck), str(dst), to=to, overwrite=True)
+    assert torch.equal(ss.open(str(ck)).read("w"), torch.ones(3))
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+
+
+def test_a_conversion_into_its_own_source_is_refused(tmp_path):
+    """A checkpoint converted into its source directory became part of the source: the next
+    conversion of it read statesnap's data files as torch.save files."""
+    src = tmp_path / "ranks"
+    src.mkdir()
+    torch.save({"w": torch.ones(2)}, src / "tp_rank_00.pt")
+    for dst in (src / "converted", src):
+        with pytest.raises(CheckpointError, match="the destination is the source, lies inside it or holds it"):
+            ss.convert(str(src), str(dst))
+    assert os.listdir(src) == ["tp_rank_00.pt"]
+    ss.convert(str(src / "tp_rank_00.pt"), str(tmp_path / "ck"))  # beside it: fine
+    assert torch.equal(ss.open(str(tmp_path / "ck")).read("w"), torch.ones(2))
+
+
+def test_a_directory_of_torch_save_files_giving_one_name_twice_is_refused(tmp_path):
+    """Merged with dict.update, the second file's value replaced the first's without a word."""
+    for files in ({"model.bin": {"w": torch.ones(2)}, "model.pt": {"w": torch.zeros(2)}},
+                  {"a.pt": {"b": {"c": torch.ones(2)}}, "a.b.pt": {"c": torch.zeros(2)}}):
+        src = tmp_path / f"src{len(os.listdir(tmp_path))}"
+        src.mkdir()
+        for name, value in files.items():
+            torch.save(value, src / name)
+        with pytest.raises(CheckpointError, match=r"\S+ and \S+ under .* both give a value named"):
+            ss.convert(str(src), str(tmp_path / "ck"))
+        assert not (tmp_path / "ck").exists()
+
+
+def test_a_tensor_named_as_the_safetensors_metadata_is_skipped_by_name(tmp_path):
+    """Written under the header's own metadata key, it made a file safetensors cannot read, which
+    statesnap then read back without the tensor."""
+    ss.save({"__metadata__": torch.ones(2), "x": torch.zeros(2)}, str(tmp_path / "ck"))
+    info = ss.export(str(tmp_path / "ck"), str(tmp_path / "hf"))
+    assert [s.split(" ")[0] for s in info.skipped] == ["__metadata__"] and info.tensors == 1
+    assert set(load_file(str(tmp_path / "hf" / "model.safetensors"))) == {"x"}
+    header = json.dumps({"__metadata__": ["not", "strings"], "x": {"dtype": "F32", "shape": [1],
+                                                                   "data_offsets": [0, 4]}}).encode()
+    (tmp_path / "bad.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    with pytest.raises(CheckpointError, match="its __metadata__ is not a map of strings to strings"):
+        ss.convert(str(tmp_path / "bad.safetensors"), str(tmp_path / "ck2"))

@@ -414,10 +414,12 @@ def test_hostile_safetensors_header_is_an_error_naming_file_and_tensor(tmp_path,
 @pytest.mark.parametrize("weight_map", [["a"], {}])
 def test_index_whose_weight_map_names_no_tensors_is_refused(tmp_path, weight_map):
     """A truncated or foreign index must not become an empty checkpoint (or an AttributeError)."""
-    save_file({"a": torch.ones(2)}, tmp_path / "s1.safetensors")
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"a": torch.ones(2)}, src / "s1.safetensors")
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(ss.CheckpointError, match=r"index\.json is not a safetensors index.*weight_map"):
-        ss.convert(tmp_path, tmp_path / "ck")
+        ss.convert(src, tmp_path / "ck")
 
 
 def test_progress_bars_only_on_a_terminal_or_when_asked(tmp_path, capsys):

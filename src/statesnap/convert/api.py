@@ -80,6 +80,7 @@ def convert(src, dst, source: str | None = None, spec: Any = None, *, overwrite:
     source's files instead of copies. ``progress``: a bar on stderr (default: on a terminal).
     What the conversion noticed without refusing (replicas that drifted) is in ``.notes``."""
     src = os.fspath(src)
+    _refuse_overlap(src, os.fspath(dst), "convert")
     source = source or detect_source(src)
     if source not in SOURCES:
         raise CheckpointError(f"unknown source {source!r} for {src}; choose one of {', '.join(SOURCES)}")
@@ -116,6 +117,7 @@ def export(path, dst, to: str = "safetensors", *, spec: Any = None, max_shard_by
                               "(the checkpoint exported may itself be at a URL)")
     if to not in TARGETS:
         raise CheckpointError(f"unknown export format {to!r}; choose one of {', '.join(TARGETS)}")
+    _refuse_overlap(os.fspath(path), dst, "export")
     if max_shard_bytes is not None and (to != "safetensors" or max_shard_bytes <= 0):
         raise CheckpointError("max_shard_bytes must be positive and applies to safetensors exports only")
     ops = load_spec(spec)
@@ -126,6 +128,10 @@ def export(path, dst, to: str = "safetensors", *, spec: Any = None, max_shard_by
         skipped += [f"{name} (safetensors holds tensors only)" for name, v in values.items() if not is_tensor(v)]
         unnamed = [name for name, v in values.items() if is_tensor(v) and not _utf8(name)]
         skipped += [f"{name} (safetensors names are UTF-8; this one holds a lone surrogate)" for name in unnamed]
+        if is_tensor(values.get(safetensors_io.METADATA)):
+            unnamed.append(safetensors_io.METADATA)
+            skipped.append(f"{safetensors_io.METADATA} (the name safetensors keeps for its header's metadata; "
+                           "rename the tensor with a transform spec to export it)")
         values = {name: v for name, v in values.items() if name not in unnamed}
     if to in _LOST:
         lost_value, why = _LOST[to]
@@ -144,6 +150,19 @@ def export(path, dst, to: str = "safetensors", *, spec: Any = None, max_shard_by
             files = (torch_save.write if to == "torch" else dcp.write)(values, target)
     return ExportInfo(dst, to, [dst] if single_file else files, len(tensors), nbytes,
                       time.perf_counter() - started, skipped)
+
+
+def _refuse_overlap(src: str, dst: str, verb: str) -> None:
+    """Refuse a ``dst`` that is ``src``, lies inside it or holds it: the write would change what
+    is being read, and with overwrite=True replace it (an export onto its own checkpoint, or
+    onto the directory holding it, deleted the checkpoint)."""
+    if is_url(src) or is_url(dst):
+        return
+    read, written = (os.path.realpath(normalize(p)) for p in (src, dst))
+    if read == written or written.startswith(read + os.sep) or read.startswith(written + os.sep):
+        raise CheckpointError(f"cannot {verb} {src} to {dst}: the destination is the source, lies inside it or "
+                              "holds it, so writing it would change or replace what is being read; choose a "
+                              "destination apart from the source")
 
 
 # Plain values an export format cannot give back, by format: DCP's flattening drops empty dicts

@@ -30,6 +30,7 @@ from .writer import InFile
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 SUFFIX = ".safetensors"
+METADATA = "__metadata__"  # the header's one key that names no tensor
 HEADER_ALIGN = 8
 # The dtype names of the safetensors specification.
 DTYPE_NAMES = {
@@ -37,7 +38,7 @@ DTYPE_NAMES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8", torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
-    torch.float8_e5m2fnuz: "F8_E5M2FNUZ", torch.complex64: "C64",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ", torch.float8_e8m0fnu: "F8_E8M0", torch.complex64: "C64",
 }
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 MAX_HEADER_BYTES = 100 << 20  # the safetensors package's own limit
@@ -95,7 +96,10 @@ def read_header(path: str) -> dict[str, InFile]:
     base = 8 + length
     out, ranges = {}, []
     for name, entry in header.items():
-        if name == "__metadata__":
+        if name == METADATA:
+            if not (isinstance(entry, dict) and all(isinstance(v, str) for v in entry.values())):
+                raise CheckpointError(f"{path} is not a safetensors file: its {METADATA} is not a map of strings "
+                                      "to strings")
             continue
         dtype, shape, (begin, end) = _entry(path, name, entry)
         if base + end > size:
@@ -227,7 +231,7 @@ def tensor_bytes(value: Any) -> int:
 
 def _write_file(path: str, tensors: list[tuple[str, Any]]) -> None:
     """Header first (shapes and dtypes are known without reading), then each tensor's bytes in turn."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    header: dict[str, Any] = {METADATA: {"format": "pt"}}
     offset = 0
     for name, value in tensors:
         if value.dtype not in DTYPE_NAMES:

@@ -40,10 +40,15 @@ def read(src: str) -> dict[str, Any]:
     if not files:
         raise CheckpointError(f"{src} holds no torch.save files ({', '.join(SUFFIXES)})")
     out: dict[str, Any] = {}
+    came_from: dict[str, str] = {}
     for rel in files:
         path = os.path.join(src, rel)
         prefix = os.path.splitext(rel)[0].replace(os.sep, "/")
-        out.update(flatten_tree(load_file(path), path, prefix))
+        for name, value in flatten_tree(load_file(path), path, prefix).items():
+            if name in out:  # (model.bin and model.pt; a.pt's b.c and a.b.pt's c): one would be lost
+                raise CheckpointError(f"{came_from[name]} and {rel} under {src} both give a value named {name!r}; "
+                                      "convert them apart, or rename one with a transform spec")
+            out[name], came_from[name] = value, rel
     return out
 
 
