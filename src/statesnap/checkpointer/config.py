@@ -16,7 +16,7 @@ from ..engine.replicas import REPLICA_CHECK_MB
 from ..errors import CheckpointError
 from ..format.checksum import DEFAULT_BLOCK_BYTES
 from ..monitor.events import CommitRecord
-from ..storage import is_url, normalize
+from ..storage import place_of
 from ..storage.base import StorageBackend
 
 GB = 1e9
@@ -111,6 +111,7 @@ class CheckpointerConfig:
         if self.host_memory_gb is None:
             self.host_memory_gb = default_host_memory_gb()
         self._check_types()
+        shared_root = self._shared_root()
         checks = [
             (self.keep_last >= 1, f"keep_last must be at least 1 (got {self.keep_last}): the newest "
                                   "committed checkpoint is never deleted"),
@@ -137,9 +138,9 @@ class CheckpointerConfig:
             (self.peer_replicas in (0, 1), f"peer_replicas must be 0 or 1 (got {self.peer_replicas})"),
             (self.peer_replicas == 0 or self.local_root is not None,
              "peer_replicas needs local_root: the partner writes the replica into its node-local level"),
-            (self._shared_root() is None,
+            (shared_root is None,
              f"root, local_root and further_root must be different directories, each level claiming and "
-             f"retaining its own: {self._shared_root()}"),
+             f"retaining its own: {shared_root}"),
             (self.block_bytes >= 4096 and self.block_bytes % 4096 == 0,
              f"block_bytes must be a positive multiple of 4096 (got {self.block_bytes}): checksum blocks are "
              "written whole, and pieces start on 64-byte boundaries"),
@@ -156,8 +157,7 @@ class CheckpointerConfig:
             where = getattr(self, name)
             if where is None:
                 continue
-            where = normalize(str(where))
-            where = where.rstrip("/") if is_url(where) else os.path.realpath(where)
+            where = place_of(where)
             if where in seen:
                 return f"{seen[where]} and {name} are both {getattr(self, name)}"
             seen[where] = name

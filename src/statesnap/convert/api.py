@@ -22,7 +22,7 @@ from ..engine.save import SaveInfo
 from ..errors import CheckpointError, CheckpointExistsError, explained, remedy
 from ..progress import bar
 from ..reader import Reader, TensorInfo
-from ..storage import is_url, normalize
+from ..storage import is_url, normalize, place_of
 from ..storage.local import LocalBackend, fsync_dir
 from . import dcp, deepspeed, megatron, safetensors_io, torch_save, ucp
 from .transform import Lazy, apply_spec, is_tensor, load_spec, materialize
@@ -158,7 +158,7 @@ def _refuse_overlap(src: str, dst: str, verb: str) -> None:
     onto the directory holding it, deleted the checkpoint)."""
     if is_url(src) or is_url(dst):
         return
-    read, written = (os.path.realpath(normalize(p)) for p in (src, dst))
+    read, written = place_of(src), place_of(dst)
     if read == written or written.startswith(read + os.sep) or read.startswith(written + os.sep):
         raise CheckpointError(f"cannot {verb} {src} to {dst}: the destination is the source, lies inside it or "
                               "holds it, so writing it would change or replace what is being read; choose a "

@@ -31,6 +31,13 @@ def backend_for(path, storage_options: dict | None = None) -> StorageBackend:
     return LocalBackend()
 
 
+def place_of(path) -> str:
+    """Where ``path`` points, for telling whether two paths name one place: a local path (or
+    ``file://``, ``shm://`` URL) resolved through links and ``..``; a URL without a trailing slash."""
+    path = normalize(path)
+    return path.rstrip("/") if is_url(path) else os.path.realpath(path)
+
+
 def normalize(path) -> str:
     """The path a backend works with: local schemes become plain file-system paths."""
     path = str(path)
