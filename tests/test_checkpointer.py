@@ -693,7 +693,7 @@ def test_a_step_in_memory_in_another_layout_loads_from_a_stored_copy_or_is_refus
         ckpt.save(2, {"w": whole}).wait()
         ckpt.save(3, {"w": whole * 2})
         target = part()
-        with caplog.at_level(logging.WARNING, logger="statesnap"):
+        with caplog.at_level(logging.WARNING, logger="statesnap"), pytest.warns(RuntimeWarning, match="step 3 is held"):
             assert ckpt.load_latest(target) == 2 and ckpt.loaded_from == "persistent"
         assert "step 3 is held in host memory only in the layout it was saved from" in caplog.text
         assert "restoring step 2 from the persistent level instead" in caplog.text

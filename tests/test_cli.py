@@ -399,3 +399,15 @@ def test_only_steps_a_checkpointer_writes_are_named_in_a_roots_advice(tmp_path, 
     assert f"{tmp_path / 'root' / 'step-10'} the newest" in str(caught.value)
     assert main(["inspect", str(tmp_path / "root")]) == 2
     assert f"{tmp_path / 'root' / 'step-10'} the newest" in capsys.readouterr().err
+
+
+def test_output_cut_short_by_its_reader_ends_quietly(tmp_path):
+    """``statesnap inspect --json | head``: the pipe closes under the listing, and the command
+    stops as ``cat`` would (status 141, SIGPIPE's), without a traceback on stderr."""
+    ss.save({"m": {f"t{i}": torch.zeros(2) for i in range(3000)}}, tmp_path / "many")
+    reader = subprocess.Popen([sys.executable, "-m", "statesnap", "inspect", "--json", str(tmp_path / "many")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert reader.stdout.read(10) == b'{\n  "path"'
+    reader.stdout.close()  # (the listing is far larger than the pipe holds: the next write fails)
+    assert reader.wait(timeout=120) == 141
+    assert reader.stderr.read() == b""

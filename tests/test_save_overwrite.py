@@ -197,3 +197,58 @@ def test_overwrite_killed_between_fallback_renames_is_recovered(tmp_path, monkey
     ss.save({"t": torch.full((4,), 5.0)}, path, overwrite=True)
     ss.load(target, other)
     assert torch.equal(target["t"], torch.full((4,), 7.0))
+
+
+KILLED_WRITER = """
+import os, signal, sys, torch
+import statesnap as ss
+from statesnap.storage.local import LocalBackend
+kind, path = sys.argv[1], sys.argv[2]
+def killed(self, staging, *args, **kwargs):  # everything written, nothing committed
+    os.kill(os.getpid(), signal.SIGKILL)
+LocalBackend.commit = killed
+if kind == "save":
+    ss.save({"t": torch.full((1 << 16,), 2.0)}, path, overwrite=True)
+else:
+    ss.export(sys.argv[3], path, to="safetensors")
+"""
+
+
+@pytest.mark.parametrize("kind", ["save", "export"])
+def test_staging_a_killed_writer_left_is_removed_by_the_next_one_to_that_path(tmp_path, kind):
+    """``kill -9`` between the writes and the commit leaves a hidden staging directory as large as
+    the checkpoint, which nothing else would ever delete; the next save (or export) to that name
+    removes it, since no live process holds its lock. The checkpoint at the name stays whole."""
+    import subprocess
+    source = tmp_path / "source"
+    ss.save({"t": torch.full((1 << 16,), 1.0)}, source)
+    path = tmp_path / "out"
+    if kind == "save":
+        ss.save({"t": torch.zeros(1 << 16)}, path)
+    done = subprocess.run([sys.executable, "-c", KILLED_WRITER, kind, str(path), str(source)], timeout=120)
+    assert done.returncode == -9
+    left = [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+    assert len(left) == 1 and left[0].is_dir() and any(left[0].iterdir())
+    if kind == "save":
+        assert torch.equal(ss.open(path).read("t"), torch.zeros(1 << 16))
+        ss.save({"t": torch.ones(1 << 16)}, path, overwrite=True)
+        assert torch.equal(ss.open(path).read("t"), torch.ones(1 << 16))
+    else:
+        ss.export(source, path, to="safetensors")
+        assert path.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "source"]
+
+
+def test_staging_a_live_writer_holds_is_left_alone(tmp_path):
+    """A second process saving to the same name finds the first one's staging directory locked:
+    it is a save in progress, and removing it would make that save fail."""
+    from statesnap.storage.local import LocalBackend
+    backend = LocalBackend()
+    staging = backend.begin(str(tmp_path / "out"), "0123456789ab")
+    (tmp_path / ".out.tmp-abcdef").mkdir()  # no lock held on it: a killed writer's
+    ss.save({"t": torch.ones(4)}, tmp_path / "out2")  # another name: neither is touched
+    assert (tmp_path / ".out.tmp-abcdef").is_dir()
+    ss.save({"t": torch.ones(4)}, tmp_path / "out")
+    assert os.path.isdir(staging) and not (tmp_path / ".out.tmp-abcdef").exists()
+    backend.abort(staging, str(tmp_path / "out"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out2"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
+import signal
 import sys
 
 # subcommand -> (module, function taking argv and returning an exit code, one-line help)
@@ -67,7 +69,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"statesnap: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
-    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    try:
+        code = int(getattr(importlib.import_module(module), func)(rest) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader went away (`statesnap inspect --json | head`): stop quietly, as `cat` does,
+        # and keep Python's own flush at exit from failing on the closed pipe again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    return code
 
 
 if __name__ == "__main__":

@@ -78,9 +78,12 @@ def load_newest(state: dict, cast: bool, comm: Comm, memory: MemoryLevel, arena:
                     f"the {lv.name} level at {lv.root} could not be listed ({why})" for lv, why in unlisted) +
                 ": it may hold checkpoints; try again once the storage answers")
         newest_unfit = max((step for *_, step, _ in held if step is not None), default=None)
-        if newest_unfit is not None and (not choices or choices[0][0] < newest_unfit):
-            _skip_unfit_memory(newest_unfit, choices)
-        _pass_over_unusable(unusable, choices[0] if choices else None, local.root if local is not None else None)
+        first = choices[0] if choices else None
+        passed = [_unfit_memory(newest_unfit, first)] if newest_unfit is not None and (
+            first is None or first[0] < newest_unfit) else []
+        passed += [f"step {step} on the node-local level at {local.root} cannot be restored ({why})"
+                   for step, why in sorted(unusable.items(), reverse=True) if first is None or step >= first[0]]
+        _pass_over(passed, first, CorruptCheckpointError if unusable else CheckpointError)
         if not choices:
             return None
         options = dict(allow_pickle=config.allow_pickle, storage_options=config.storage_options,
@@ -117,29 +120,25 @@ def load_newest(state: dict, cast: bool, comm: Comm, memory: MemoryLevel, arena:
     return step, name, nbytes
 
 
-def _skip_unfit_memory(step: int, choices: list) -> None:
-    """Say that the newest step, held in host memory in another layout than the state's, is not
-    what this restore gives: raise if nothing else can be restored (None would say "no
-    checkpoint", and the loop would start again from scratch), else warn of the older step."""
+def _unfit_memory(step: int, first: tuple | None) -> str:
+    """Why the newest step, held in host memory in another layout than the state's, is not what
+    this restore gives (and what to do if nothing else can be: ``first`` is None)."""
     why = (f"step {step} is held in host memory only in the layout it was saved from (its sharding, dtypes and "
            "placements), and this state's layout differs: a snapshot in memory restores only into that layout")
-    if not choices:
-        raise CheckpointError(f"{why}, and no level holds a stored copy to reshard. Restore it into a state laid out "
-                              "as it was saved (and save it once, to have a copy on storage)")
-    log.warning("statesnap: %s; restoring step %d from the %s level instead", why, choices[0][0], choices[0][2])
+    return why if first is not None else (
+        f"{why}, and no level holds a stored copy to reshard. Restore it into a state laid out as it was saved "
+        "(and save it once, to have a copy on storage)")
 
 
-def _pass_over_unusable(unusable: dict[int, str], first: tuple | None, root: str | None) -> None:
-    """Warn of each node-local step at least as new as the ``first`` choice that no restore can
-    take (``unusable_steps``): one whose manifest was damaged was passed over without a word,
-    and the restart then deleted it with the steps after the one it restored. With no choice
-    left, raise: None would say "no checkpoint", and the loop would start from scratch."""
-    passed = [f"step {step} on the node-local level at {root} cannot be restored ({why})"
-              for step, why in sorted(unusable.items(), reverse=True) if first is None or step >= first[0]]
+def _pass_over(passed: list[str], first: tuple | None, error: type[CheckpointError]) -> None:
+    """Warn of each newer step in ``passed`` (why it cannot be restored) that the restore goes
+    past for its ``first`` choice: one passed over without a word was deleted by the restart with
+    the steps after the one it restored. With no choice left, raise ``error``: None would say
+    "no checkpoint", and the loop would start again from scratch."""
     if passed and first is None:
-        raise CorruptCheckpointError("no checkpoint can be restored: " + "; ".join(passed))
+        raise error("no checkpoint can be restored: " + "; ".join(passed))
     for problem in passed:  # (as fallback.py warns of a copy given up: on the log and as a warning)
-        message = f"statesnap: {problem}; restoring step {first[0]} from the {first[2]} level"
+        message = f"statesnap: {problem}; restoring step {first[0]} from the {first[2]} level instead"
         log.warning(message)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 

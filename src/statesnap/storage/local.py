@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
+import logging
 import mmap
 import os
 import re
@@ -46,6 +48,11 @@ _WRITEBACK_MIN = 1 << 20
 _ASIDE_SUFFIX = ".old"  # the old checkpoint during an overwrite without renameat2
 RETIRED_MARK = ".deleting-"  # a checkpoint renamed out of the namespace, being deleted
 _RETIRED_HEX = 12  # hex digits after RETIRED_MARK
+_FRESH_SUFFIX = ".new"  # a staging directory before it is locked (as long as _ASIDE_SUFFIX)
+# staging directory -> the descriptor whose flock says "a live process writes here"
+_writing: dict[str, int] = {}
+_writing_lock = threading.Lock()
+log = logging.getLogger("statesnap")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _DIRECT_MIN = 1 << 20
 
@@ -334,7 +341,18 @@ class LocalBackend(StorageBackend):
         os.makedirs(parent, exist_ok=True)
         staging = os.path.join(parent, f".{name}.tmp-{token}")
         _refuse_long_staging_name(parent, name, os.path.basename(staging))
-        os.makedirs(staging)
+        _remove_abandoned_staging(parent, name)
+        # made under another name and locked before it takes its own, so that no other
+        # process's ``_remove_abandoned_staging`` sees it unlocked
+        os.makedirs(staging + _FRESH_SUFFIX)
+        fd = os.open(staging + _FRESH_SUFFIX, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a file system without flock: its leftovers stay for a Checkpointer's start
+            pass
+        os.rename(staging + _FRESH_SUFFIX, staging)
+        with _writing_lock:
+            _writing[staging] = fd
         return staging
 
     def commit(self, staging: str, final: str, overwrite: bool, durable: bool,
@@ -364,6 +382,7 @@ class LocalBackend(StorageBackend):
             self._delete_hidden(aside, final)
         if durable:
             fsync_dir(parent)
+        _release(os.path.abspath(staging))
 
     def _replace(self, staging: str, final: str) -> None:
         if _rename2(staging, final, _RENAME_EXCHANGE):
@@ -419,3 +438,40 @@ class LocalBackend(StorageBackend):
         if os.path.abspath(staging) == os.path.abspath(final):
             raise CheckpointError("refusing to remove a committed checkpoint while aborting a save")
         shutil.rmtree(staging, ignore_errors=True)
+        _release(os.path.abspath(staging))
+
+
+def _release(staging: str) -> None:
+    """Drop the lock ``begin`` took on ``staging`` (committed or removed by now)."""
+    with _writing_lock:
+        fd = _writing.pop(staging, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _remove_abandoned_staging(parent: str, name: str) -> None:
+    """Remove the staging directories of ``name`` that no live process holds: what a save, an
+    export or a conversion killed while writing left (as large as the checkpoint), which nothing
+    else would ever delete. A writer holds an ``flock`` on its directory until it commits or
+    aborts, and the kernel drops it when the writer dies, ``kill -9`` included; a directory still
+    locked is another job's save in progress and is left alone."""
+    own = re.compile(rf"\.{re.escape(name)}\.tmp-[0-9a-f]+")
+    for entry in os.listdir(parent):
+        if not own.fullmatch(entry):
+            continue
+        path = os.path.join(parent, entry)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:  # gone meanwhile (committed, aborted), or not a directory of ours
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a save in progress (or no flock here, so no telling)
+            continue
+        else:
+            # (by name: had its writer committed since the listing, the name is gone and this
+            # removes nothing)
+            log.info("statesnap: removing %s, left by a save that was interrupted", path)
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)
