@@ -193,6 +193,29 @@ def test_sharded_safetensors_to_statesnap_and_sharded_export_round_trip(tmp_path
         assert same_bits(again.read(name), tensor), name
 
 
+def test_one_file_exports_refuse_what_needs_a_directory_naming_the_destination(tmp_path):
+    """A ``.safetensors`` file with ``max_shard_bytes`` smaller than the tensors, or any one-file
+    export onto a directory (empty or not, overwrite or not), is refused before anything is
+    written, in words that name the user's destination, never the hidden staging name."""
+    ss.save({"a": torch.ones(100), "b": torch.zeros(100)}, tmp_path / "ck")
+    with pytest.raises(ss.CheckpointError, match=r"m\.safetensors is one file, and max_shard_bytes=500 splits these "
+                                                 r"800 bytes into shards: export to a directory") as caught:
+        ss.export(tmp_path / "ck", tmp_path / "m.safetensors", max_shard_bytes=500)
+    assert ".tmp-" not in str(caught.value)
+    ss.export(tmp_path / "ck", tmp_path / "fits.safetensors", max_shard_bytes=800)  # one shard: one file
+    ss.convert(tmp_path / "fits.safetensors", tmp_path / "back")
+    assert torch.equal(ss.open(tmp_path / "back").read("b"), torch.zeros(100))
+    (tmp_path / "empty").mkdir()
+    for to, overwrite in [("torch", False), ("torch", True), ("safetensors", False)]:
+        dst = tmp_path / "empty" if to == "torch" else tmp_path / "empty.safetensors"
+        if to == "safetensors":
+            dst.mkdir()
+        with pytest.raises(ss.CheckpointError, match="is a directory, and this export writes one file"):
+            ss.export(tmp_path / "ck", dst, to=to, overwrite=overwrite)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "ck", "empty", "empty.safetensors",
+                                                          "fits.safetensors"]
+
+
 def test_safetensors_index_missing_tensor_is_an_error(tmp_path):
     (tmp_path / "hf").mkdir()
     _write_hf_shards(tmp_path / "hf", {"a": torch.ones(2), "b": torch.zeros(3)}, per_file=1)

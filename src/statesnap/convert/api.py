@@ -141,6 +141,10 @@ def export(path, dst, to: str = "safetensors", *, spec: Any = None, max_shard_by
     single_file = to == "torch" or dst.endswith(safetensors_io.SUFFIX)
     tensors = [v for v in values.values() if is_tensor(v)]
     nbytes = sum(safetensors_io.tensor_bytes(v) for v in tensors)
+    if single_file and max_shard_bytes is not None and nbytes > max_shard_bytes and len(tensors) > 1:
+        raise CheckpointError(f"{dst} is one file, and max_shard_bytes={max_shard_bytes} splits these {nbytes} "
+                              "bytes into shards: export to a directory (a name without .safetensors) to shard, "
+                              "or leave max_shard_bytes out")
     with _staged(dst, overwrite, single_file) as target, bar(nbytes, f"export -> {os.path.basename(dst)}",
                                                              progress) as advance:
         values = {name: _counted(v, advance) if is_tensor(v) else v for name, v in values.items()}
@@ -227,13 +231,14 @@ def _staged(dst: str, overwrite: bool, single_file: bool) -> Iterator[str]:
     An existing empty directory is where a user meant the export to go (``mkdir out`` first, as
     with ``save_pretrained``): it is removed just before the rename, which fails if anything has
     appeared in it meanwhile, so nothing the user put there is ever replaced without ``overwrite``."""
+    if single_file and os.path.isdir(dst):  # overwrite=True replaces a file, never a whole directory with one
+        raise CheckpointExistsError(f"{dst} is a directory, and this export writes one file; overwrite=True does "
+                                    "not replace a directory with a file: export to a file name (inside it, or "
+                                    "elsewhere), or remove it")
     into_empty = not single_file and not overwrite and os.path.isdir(dst) and not os.listdir(dst)
     if os.path.exists(dst) and not overwrite and not into_empty:
         raise CheckpointExistsError(f"{dst} already exists and is not an empty directory; "
                                     "pass overwrite=True to replace it")
-    if single_file and os.path.isdir(dst):  # overwrite=True replaces a file, never a whole directory with one
-        raise CheckpointExistsError(f"{dst} is a directory, and this export writes one file; overwrite=True does "
-                                    "not replace a directory with a file: remove it, or export to another name")
     backend = LocalBackend()
     try:
         staging = backend.begin(dst, uuid.uuid4().hex[:12])

@@ -73,7 +73,9 @@ def _unstorable(t: torch.Tensor) -> str | None:
     if t.layout != torch.strided:
         return f"is {str(t.layout)[6:]}: only dense (strided) tensors are saved or loaded into (t.to_dense() gives one)"
     if t.dtype not in DTYPE_TO_NAME:
-        return f"has dtype {t.dtype}, which the statesnap format does not store"
+        hint = (": store its integers (t.int_repr()) and its quantization parameters (t.q_scale() and "
+                "t.q_zero_point(), or the per-channel ones), or t.dequantize()") if t.is_quantized else ""
+        return f"has dtype {t.dtype}, which the statesnap format does not store{hint}"
     if t.is_meta:
         return "is on the meta device: it has no values (materialise it, e.g. with to_empty, first)"
     if t.numel() and not t.data_ptr():
