@@ -397,6 +397,39 @@ def test_malicious_torch_save_is_refused_naming_the_file(tmp_path, capsys):
     assert not os.path.exists(marker) and not (tmp_path / "ck").exists()
 
 
+class _WithBytesExtraState(nn.Module):
+    """As TransformerEngine's layers: extra state kept as an io.BytesIO, which DCP pickles."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def get_extra_state(self):
+        return __import__("io").BytesIO(b"fp8 meta")
+
+    def set_extra_state(self, state):
+        pass
+
+
+def test_a_dcp_value_refused_to_unpickle_can_be_dropped_by_the_spec_it_names(tmp_path):
+    """A DCP checkpoint of a module whose extra state is a BytesIO: the value is refused (a global
+    not admitted), but only if the conversion keeps it; the error names the file and the value and
+    gives the spec that drops it, and that spec converts the rest bit for bit."""
+    torch.manual_seed(0)
+    model = _WithBytesExtraState()
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "dcp"))
+    with pytest.raises(ss.UnsafeCheckpointError, match=r"__0_0\.distcp: value 'model\._extra_state': refused to "
+                                                      r"unpickle.*BytesIO.*drop it with the transform spec") as caught:
+        ss.convert(tmp_path / "dcp", tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+    spec = json.loads(str(caught.value).rsplit("transform spec ", 1)[1][:-1])
+    ss.convert(tmp_path / "dcp", tmp_path / "ck", spec=spec)
+    reader = ss.open(tmp_path / "ck")
+    assert sorted(reader.keys()) == ["model.lin.bias", "model.lin.weight"]
+    assert torch.equal(reader.read("model.lin.weight"), model.lin.weight.detach())
+    assert torch.equal(reader.read("model.lin.bias"), model.lin.bias.detach())
+
+
 @pytest.mark.parametrize("content", [b"garbage", b"", b"\x80\x09 not a pickle"])
 def test_a_file_that_is_no_torch_save_file_is_reported_damaged_not_unsafe(tmp_path, content):
     (tmp_path / "model.pt").write_bytes(content)

@@ -26,6 +26,7 @@ from ..storage import is_url, normalize, place_of
 from ..storage.local import LocalBackend, fsync_dir
 from . import dcp, deepspeed, megatron, safetensors_io, torch_save, ucp
 from .transform import Lazy, apply_spec, is_tensor, load_spec, materialize
+from .tree import refuse_unread
 from .writer import write_checkpoint
 
 SOURCES = {"torch": torch_save.read, "dcp": dcp.read, "safetensors": safetensors_io.read, "ucp": ucp.read,
@@ -92,6 +93,7 @@ def convert(src, dst, source: str | None = None, spec: Any = None, *, overwrite:
     notes: list[str] = []
     read = SOURCES[source]
     values = apply_spec(ops, read(src, notes) if source in NOTING_SOURCES else read(src), notes=notes)
+    refuse_unread(values)
     meta = {"converted_from": {"source": source, "path": os.path.abspath(src), "ops": ops}}
     info = write_checkpoint(values, dst, meta=meta, overwrite=overwrite, allow_pickle=allow_pickle,
                             storage_options=storage_options, copy=copy, progress=progress)

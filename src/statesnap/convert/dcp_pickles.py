@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from ..format.boxes import first_outside, tiling_problem
 from ..storage.local import open_source
+from .tree import Refused
 from .unpickler import load_from, nesting_problem
 
 METADATA_NAME = ".metadata"
@@ -171,6 +172,8 @@ class PlainValuesPlanner(DefaultLoadPlanner):
         where = os.path.join(self._src, stored.relative_path) if stored is not None else self._src
         try:
             self.original_state_dict[fqn] = load_from(value, f"{where}: value {fqn!r}")
+        except UnsafeCheckpointError as exc:  # raised only if the conversion keeps it
+            self.original_state_dict[fqn] = Refused(exc)
         except CheckpointError as exc:
             self.failed = exc
             raise

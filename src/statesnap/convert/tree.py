@@ -12,11 +12,13 @@ checkpoint, and tensors that are not what a checkpoint stores (see its docstring
 """
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Mapping
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsafeCheckpointError
 from ..format import plaindata
 from ..state.flatten import join
 
@@ -178,3 +180,22 @@ def _put(node: Any, step: Any, value: Any) -> None:
     if isinstance(node, list):
         node.extend([None] * (step + 1 - len(node)))
     node[step] = value
+
+
+class Refused:
+    """In place of a value the source holds but statesnap refuses to read (a pickle naming a
+    class it does not admit, as TransformerEngine's ``_extra_state`` BytesIO): kept by name, so
+    that a transform spec can drop it, and raised by :func:`refuse_unread` if it is still there."""
+
+    def __init__(self, error: UnsafeCheckpointError):
+        self.error = error
+
+
+def refuse_unread(values: dict[str, Any]) -> None:
+    """Raise the error of the first :class:`Refused` value that the transform spec kept, saying
+    how to drop it."""
+    for name, value in values.items():
+        if isinstance(value, Refused):
+            spec = json.dumps({"ops": [{"drop": f"^{re.escape(name)}$"}]})
+            raise UnsafeCheckpointError(f"{value.error} (to convert without it, drop it with the transform spec "
+                                        f"{spec})")
