@@ -95,14 +95,16 @@ def test_reader_reads_regions(tmp_path, index):
     ("t", np.array(1, dtype=np.uint8), "a bool or uint8 index is a mask"),
     ("t", slice(0.5, 2), "slice bounds must be integers"),
     ("n", 0, "n is a plain value, not a tensor"),
+    ("t", (1, -5), "t: index -5 out of range for dimension 1 of size 4"),
 ])
 def test_reader_region_indices_that_would_read_something_else_are_refused(tmp_path, name, index, words):
     """``read("t", True)`` read row 1 (a bool is an int), where torch's ``t[True]`` adds a
     dimension; an index into a plain value was ignored and the whole value returned; a slice of
     float bounds raised a bare TypeError. Numpy and 0-d tensor integers read as the ints they are."""
     ss.save({"t": torch.randn(3, 4), "n": [1, 2]}, tmp_path / "c")
-    with pytest.raises(ss.CheckpointError, match=words):
+    with pytest.raises(ss.CheckpointError, match=words) as caught:
         ss.open(tmp_path / "c").read(name, index)
+    assert isinstance(caught.value, IndexError) == ("out of range" in words)  # (as t[1, -5] raises one)
 
 
 def test_reader_region_reads_only_its_bytes(tmp_path, monkeypatch):

@@ -97,7 +97,19 @@ def test_the_state_keys_are_those_a_real_step_makes():
     embedding(torch.tensor([1, 3])).sum().backward()
     sparse.step()
     assert set(sparse.state[embedding.weight]) == _state_keys_of(sparse)(sparse.param_groups[0], embedding.weight)
-    assert set(_STATE_KEYS) <= covered | {"SparseAdam"}
+    model = model_of(0)  # LBFGS: its state under its first parameter, its history once it has one
+    lbfgs = torch.optim.LBFGS(model.parameters(), history_size=3)
+
+    def closure():
+        lbfgs.zero_grad()
+        loss = model(torch.ones(2, 16)).square().sum()
+        loss.backward()
+        return loss
+    lbfgs.step(closure)
+    first, *others = model.parameters()
+    required, allowed = _state_keys_of(lbfgs)(lbfgs.param_groups[0], first)
+    assert required < set(lbfgs.state[first]) == allowed and not any(lbfgs.state[p] for p in others)
+    assert set(_STATE_KEYS) <= covered | {"SparseAdam", "LBFGS"}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -517,3 +529,39 @@ def test_an_optimizer_of_another_number_of_param_groups_is_refused_before_anythi
     assert all(torch.equal(p, q) for p, q in zip(before, fresh_model.parameters())) and not fresh.state
     ss.load({"model": fresh_model}, tmp_path / "c", partial=True)  # the advice: the model alone
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh_model.parameters()))
+
+
+@pytest.mark.parametrize("target", ["fresh", "stepped", "positional"])
+def test_the_same_parameters_grouped_otherwise_are_refused_before_anything_is_read(tmp_path, target):
+    """As many param groups, other members (the layers' weights and biases against layer by
+    layer): the stored groups' hyperparameters would go to other parameters (1.weight's weight
+    decay of 0.3 to another), or a group got none (a KeyError at the next step). Refused by name,
+    whether the optimizer is fresh or has stepped, keyed by name or by position."""
+    def built(seed: int, by_layer: bool):
+        model = model_of(seed)
+        w0, b0, w1, b1 = model.parameters()
+        cuts = [[w0, b0], [w1, b1]] if by_layer else [[w0], [b0, w1, b1]]
+        return model, torch.optim.SGD([{"params": p, "lr": lr, "weight_decay": decay}
+                                       for p, lr, decay in zip(cuts, [0.05, 0.01], [0.0, 0.3])], momentum=0.9)
+
+    model, optim = built(0, by_layer=True)
+    step(model, optim, 0)
+    state = (lambda m, o: {"model": m, "optim": o}) if target != "positional" else (lambda m, o: {"optim": o})
+    ss.save(state(model, optim), tmp_path / "c")
+    fresh_model, fresh = built(7, by_layer=False)
+    if target == "stepped":
+        step(fresh_model, fresh, 1)
+    before = {k: v["momentum_buffer"].clone() for k, v in fresh.state_dict()["state"].items()}
+    with pytest.raises(ss.StateMismatchError, match="optim: the checkpoint's optimizer groups its parameters "
+                                                    "otherwise than this one") as caught:
+        ss.load(state(fresh_model, fresh), tmp_path / "c")
+    assert caught.value.mismatched == ["optim.param_groups"]
+    assert [g["weight_decay"] for g in fresh.param_groups] == [0.0, 0.3]
+    after = {k: v["momentum_buffer"] for k, v in fresh.state_dict()["state"].items()}
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    same_model, same = built(7, by_layer=True)  # grouped as saved: loads, every value exact
+    ss.load(state(same_model, same), tmp_path / "c")
+    assert [(g["lr"], g["weight_decay"]) for g in same.param_groups] == [(0.05, 0.0), (0.01, 0.3)]
+    for p, q in zip(optim.param_groups, same.param_groups):
+        assert all(torch.equal(optim.state[a]["momentum_buffer"], same.state[b]["momentum_buffer"])
+                   for a, b in zip(p["params"], q["params"]))

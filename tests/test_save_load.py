@@ -5,6 +5,7 @@ import os
 import struct
 
 import fsspec
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -283,11 +284,64 @@ def test_an_optimizer_alone_in_the_state_loads_into_a_fresh_one(tmp_path):
     assert_same_optim(optim, optim2)
 
 
-def test_a_fresh_optimizer_whose_step_needs_a_closure_is_refused_clearly(tmp_path):
-    """PyTorch's helper creates a fresh optimizer's state with a step at lr 0 and no closure,
-    which LBFGS refuses: a CheckpointError that says so, and the lr is put back."""
+def _lbfgs_run(width: int, seed: int):
+    torch.manual_seed(seed)
+    model = nn.Linear(width, 2)
+    optim = torch.optim.LBFGS(model.parameters(), lr=0.5, history_size=3, max_iter=4)
+    batch = torch.randn(5, width, generator=torch.Generator().manual_seed(1))
+
+    def closure():
+        optim.zero_grad()
+        loss = model(batch).square().sum()
+        loss.backward()
+        return loss
+    return model, optim, closure
+
+
+@pytest.mark.parametrize("width", [4, 150_000], ids=["history inline", "history in data files"])
+def test_a_fresh_lbfgs_loads_its_history_and_steps_on_exactly(tmp_path, width):
+    """LBFGS keeps its state (the history of directions and steps, lists of flat tensors) under
+    its first parameter, and its step needs a closure, so PyTorch's helper cannot make a fresh
+    one's state with a step at lr 0: the load makes it from the checkpoint instead, the lists of
+    large tensors included, and two more steps match the run that saved it bit for bit."""
+    model, optim, closure = _lbfgs_run(width, 0)
+    for _ in range(2):
+        optim.step(closure)
+    ss.save({"model": model, "optim": optim}, tmp_path / "c")
+    walked = [k for k in ss.open(tmp_path / "c").keys() if ".old_dirs." in k]
+    assert bool(walked) == (width > 4)  # (tensors over 1 MiB are not kept inline)
+    target, fresh, fresh_closure = _lbfgs_run(width, 7)
+    ss.load({"model": target, "optim": fresh}, tmp_path / "c")
+    assert fresh.param_groups[0]["lr"] == 0.5
+    for _ in range(2):
+        optim.step(closure)
+        fresh.step(fresh_closure)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), target.parameters()))
+    mine, theirs = optim.state[next(model.parameters())], fresh.state[next(target.parameters())]
+    assert mine.keys() == theirs.keys() and mine["n_iter"] == theirs["n_iter"]
+    assert all(torch.equal(a, b) for a, b in zip(mine["old_dirs"], theirs["old_dirs"], strict=True))
+
+
+class _ClosureOnly(torch.optim.Optimizer):
+    """An optimizer of its own whose step needs a closure (as LBFGS's does) and keeps state."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.5})
+
+    def step(self, closure):
+        closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["seen"] = self.state[p].get("seen", torch.zeros_like(p)) + p.grad
+                p.data.add_(p.grad, alpha=-group["lr"])
+
+
+def test_a_fresh_optimizer_of_its_own_whose_step_needs_a_closure_is_refused_clearly(tmp_path):
+    """PyTorch's helper creates the state of a fresh optimizer that is not one of PyTorch's with
+    a step at lr 0 and no closure, which one needing a closure refuses: a CheckpointError that
+    says so, and the lr is put back."""
     model = nn.Linear(4, 2)
-    optim = torch.optim.LBFGS(model.parameters(), lr=0.5)
+    optim = _ClosureOnly(model.parameters())
 
     def closure():
         optim.zero_grad()
@@ -297,8 +351,8 @@ def test_a_fresh_optimizer_whose_step_needs_a_closure_is_refused_clearly(tmp_pat
     optim.step(closure)
     ss.save({"model": model, "optim": optim}, tmp_path / "c")
     target = nn.Linear(4, 2)
-    fresh = torch.optim.LBFGS(target.parameters(), lr=0.5)
-    with pytest.raises(ss.CheckpointError, match="LBFGS has no state yet.*closure"):
+    fresh = _ClosureOnly(target.parameters())
+    with pytest.raises(ss.CheckpointError, match="_ClosureOnly has no state yet.*closure"):
         ss.load({"model": target, "optim": fresh}, tmp_path / "c")
     assert fresh.param_groups[0]["lr"] == 0.5 and not fresh.state
 
@@ -526,6 +580,50 @@ def test_a_module_without_parameters_or_buffers_saves_and_loads(tmp_path):
     target = {"act": nn.ReLU(), "blocks": nn.Sequential(nn.ReLU(), nn.Dropout()), "x": torch.zeros(2)}
     ss.load(target, tmp_path / "c")
     assert torch.equal(target["x"], torch.ones(2))
+
+
+def test_a_place_held_under_two_names_gets_each_name_its_stored_value(tmp_path):
+    """A list, or a small tensor in a list, held under two names of the target (a fresh
+    SequentialLR's ``_last_lr`` is its first scheduler's list), or a tensor that is both a data
+    file's target and in a list: filling it for both names left the last value in both, without
+    a word. The first is filled in place; the second name gets its stored value as a new object."""
+    ss.save({"a": [0.5], "b": [0.25], "c": [torch.tensor([1, 2])], "d": [torch.tensor([3, 4])],
+             "e": torch.ones(3), "f": [torch.zeros(3)]}, tmp_path / "c")
+    shared, small, large = [0.0], torch.zeros(2, dtype=torch.int64), torch.full((3,), 7.0)
+    state = {"a": shared, "b": shared, "c": [small], "d": [small], "e": large, "f": [large]}
+    ss.load(state, tmp_path / "c")
+    assert state["a"] == [0.5] and state["b"] == [0.25]
+    assert state["c"][0].tolist() == [1, 2] and state["d"][0].tolist() == [3, 4]
+    assert state["e"] is large and torch.equal(large, torch.ones(3)) and torch.equal(state["f"][0], torch.zeros(3))
+
+    def scheduled(model):
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        warm = torch.optim.lr_scheduler.LinearLR(optim, 0.5, total_iters=3)
+        cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optim, 5)
+        return optim, torch.optim.lr_scheduler.SequentialLR(optim, [warm, cosine], milestones=[3])
+    optim, sched = scheduled(nn.Linear(2, 1))
+    for _ in range(5):
+        optim.step()
+        sched.step()
+    ss.save({"optim": optim, "sched": sched}, tmp_path / "seq")
+    optim2, sched2 = scheduled(nn.Linear(2, 1))
+    ss.load({"optim": optim2, "sched": sched2}, tmp_path / "seq")
+    assert sched2.get_last_lr() == sched.get_last_lr() != [0.1] and sched2.state_dict() == sched.state_dict()
+
+
+def test_a_held_bytearray_or_float_subclass_keeps_its_type(tmp_path):
+    """A bytearray is filled in place (it came back as bytes, immutable); a value of a subclass of
+    the stored type (numpy's float64 is a float, its str_ a str) stays one, holding the stored
+    value bit for bit. A bool is not taken for an int."""
+    ss.save({"buf": bytearray(b"ab"), "f": np.float64(0.1), "nan": float("-nan"), "s": "x", "i": 5}, tmp_path / "c")
+    buf = bytearray(b"zz")
+    state = {"buf": buf, "f": np.float64(0.0), "nan": np.float64(1.0), "s": np.str_("q"), "i": True}
+    ss.load(state, tmp_path / "c")
+    assert state["buf"] is buf and buf == b"ab"
+    assert type(state["f"]) is np.float64 and state["f"] == 0.1
+    assert type(state["nan"]) is np.float64 and struct.pack("<d", state["nan"]) == struct.pack("<d", float("-nan"))
+    assert type(state["s"]) is np.str_ and state["s"] == "x"
+    assert type(state["i"]) is int and state["i"] == 5
 
 
 Pair = collections.namedtuple("Pair", "n name")

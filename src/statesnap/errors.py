@@ -61,6 +61,11 @@ class NotInCheckpointError(CheckpointError, KeyError):
     as a lookup by a missing key is."""
 
 
+class RegionOutOfRangeError(CheckpointError, IndexError):
+    """An index of a region read (``Reader.read(fqn, index)``) past a dimension's size; also an
+    IndexError, as indexing a tensor so is."""
+
+
 class ManifestError(CheckpointError):
     """The manifest is unreadable, from a future format version, or unsafe (paths escape)."""
 

@@ -14,7 +14,7 @@ from .engine.objects import decode_value
 from .engine.read import ReadExecutor
 from .engine.write import default_threads
 from .errors import (
-    CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, NotInCheckpointError,
+    CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, NotInCheckpointError, RegionOutOfRangeError,
 )
 from .format.checksum import checksum_blocks
 from .format.manifest import BOX, MANIFEST_NAME, Manifest, SplitTensors, TensorEntry
@@ -275,7 +275,7 @@ def _region(shape: tuple, index: Any, fqn: str) -> tuple[tuple, tuple, tuple]:
         if isinstance(sel, int):
             pos = sel + length if sel < 0 else sel
             if not 0 <= pos < length:
-                raise IndexError(f"{fqn}: index {sel} out of range for dimension {dim} of size {length}")
+                raise RegionOutOfRangeError(f"{fqn}: index {sel} out of range for dimension {dim} of size {length}")
             start.append(pos)
             size.append(1)
             squeeze.append(dim)

@@ -100,6 +100,10 @@ class StoredNames:
         return i < len(self._names) and self._names[i] == name
 
 
+_GROUPS_ADVICE = ("Build the optimizer with the param groups it was saved with, or leave it out of the state "
+                  "(with partial=True) and start it afresh.")
+
+
 class _Walker:
     def __init__(self, for_load: bool, stored: StoredNames | None, created: list[torch.Tensor] | None = None,
                  fresh: list[torch.optim.Optimizer] | None = None, cache: ProviderCache | None = None):
@@ -112,6 +116,7 @@ class _Walker:
         self.seen: set[str] = set()
         self.modules: list[nn.Module] = []
         self.named_modules: list[tuple[str, nn.Module]] = []  # (fqn in the state, module)
+        self.filled = FilledPlaces(lambda: [item.local for item in self.out.tensors])  # loads' plain values
 
     def _claim(self, fqn: str) -> None:
         if fqn in self.seen:
@@ -189,7 +194,7 @@ class _Walker:
                 self.out.finalizers.append(lambda v=value, sd=sd: v.load_state_dict(sd))
         else:
             self._claim(fqn)
-            self.out.objects.append(ObjectItem(fqn, value, assign=_assigner(fqn, container, key)))
+            self.out.objects.append(ObjectItem(fqn, value, assign=_assigner(fqn, container, key, self.filled)))
 
     def _walks_sequence(self, fqn: str, value: list | tuple) -> bool:
         """A save walks a list or tuple that holds what plain data cannot (``_needs_walk``). A
@@ -264,6 +269,7 @@ class _Walker:
                 if fresh and not optim.state:  # a kind whose state only its step makes
                     state_dict_by_a_step(positional_holder(optim), optim, fqn)
                 sd = optim.state_dict()
+            self._refuse_regrouped(fqn, sd)
             self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
             if self.for_load:
                 self.out.finalizers.append(lambda: optim.load_state_dict(sd))
@@ -276,6 +282,7 @@ class _Walker:
                 sd = state_dict_by_a_step(model, optim, fqn)
             else:
                 sd = state_dict_without_step(model, optim)
+        self._refuse_regrouped(fqn, sd)
         first_tensor, first_object = len(self.out.tensors), len(self.out.objects)
         self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
         if self.for_load:
@@ -296,8 +303,31 @@ class _Walker:
                 f"{fqn}: the checkpoint's optimizer has {len(stored)} param group(s), this one "
                 f"{len(optim.param_groups)}; their hyperparameters (lr, weight decay, ...) would go to other "
                 "parameters or to none.", mismatched=[join(fqn, "param_groups")],
-                advice="Build the optimizer with the param groups it was saved with, or leave it out of the state "
-                       "(with partial=True) and start it afresh.")
+                advice=_GROUPS_ADVICE)
+
+    def _refuse_regrouped(self, fqn: str, sd: dict) -> None:
+        """The same parameters grouped otherwise (as many groups, other members) cannot be loaded
+        either: each group's hyperparameters would go to the parameters of another (the weight
+        decay of the layers to the biases), or a group would get none. Compared by the names (or
+        positions) in the groups of ``sd``, the optimizer's state dict as this load fills it, only
+        where both hold the same parameters: a pipeline stage's groups list its own parameters,
+        while the checkpoint keeps rank 0's (docs/resharding.md)."""
+        if not self.for_load:
+            return
+        stored = self.stored.plain(join(fqn, "param_groups"))
+        held = [set(group.get("params", ())) for group in sd.get("param_groups", ())]
+        try:
+            kept = [set(group["params"]) for group in stored]
+        except (TypeError, KeyError):  # (malformed groups: the load names them when it fills them)
+            return
+        if len(kept) != len(held) or kept == held or set().union(*kept) != set().union(*held):
+            return
+        moved = sorted(str(p) for k, h in zip(kept, held) for p in k ^ h)
+        raise StateMismatchError(
+            f"{fqn}: the checkpoint's optimizer groups its parameters otherwise than this one ({', '.join(moved[:4])}"
+            f"{' and more' if len(moved) > 4 else ''} lie in another param group); their hyperparameters (lr, "
+            "weight decay, ...) would go to other parameters or to none.", mismatched=[join(fqn, "param_groups")],
+            advice=_GROUPS_ADVICE)
 
     def _fresh_state(self, optim: torch.optim.Optimizer, fqn: str, state_dict: Callable[[], dict]) -> dict | None:
         """Make a fresh optimizer's state for the load without a step, where its kind allows:
@@ -356,20 +386,73 @@ def _needs_walk(value: Any) -> bool:
     return isinstance(value, (nn.Module, torch.optim.Optimizer, PerRank, Replicated, Sharded)) or _is_stateful(value)
 
 
-def _assigner(fqn: str, container: Any, key: Any) -> Callable[[Any], None]:
+def _assigner(fqn: str, container: Any, key: Any, filled: FilledPlaces) -> Callable[[Any], None]:
     """How a load puts a plain value back at ``container[key]``: filled into what is held there
     where it can be (``_merged``), since a load is in place and others may hold the objects
     (an optimizer the small tensors of a list). A tuple cannot take a new value: what it holds
     must be filled in place or already be the stored value."""
     if not isinstance(container, tuple):
-        return lambda v: container.__setitem__(key, _merged(container[key], v))
+        return lambda v: container.__setitem__(key, _merged(container[key], v, filled))
 
     def fill(value: Any) -> None:
-        if _merged(container[key], value) is not container[key] and not _same(container[key], value):
+        if _merged(container[key], value, filled) is not container[key] and not _same(container[key], value):
             raise CheckpointError(f"{fqn} lies in a tuple, which a load cannot change, and the checkpoint holds "
                                   f"another value there ({_shown(value):.80} against {_shown(container[key]):.80}); "
                                   "make the tuple a list")
     return fill
+
+
+class FilledPlaces:
+    """What a load has filled in place so far, over the whole state: the lists and dicts, and
+    the bytes of the tensors (by device, sorted, none overlapping another; by device, not
+    storage: two ``torch.from_numpy`` views of one array are two storages over one memory),
+    the data files' targets among them. One place cannot hold two stored values, so a place
+    filled before is given its stored value as a new object instead (a list held under two
+    names, as a fresh ``SequentialLR``'s ``_last_lr`` and its first scheduler's; ``[t] * n``; a
+    tensor that is also a data file's target): each name then holds what was stored for it,
+    where filling both left the last one's value in both, without a word."""
+
+    def __init__(self, targets: Callable[[], list[torch.Tensor]]):
+        self._targets = targets  # asked once a tensor is filled: every data file's target is known by then
+        self._spans: dict[str, list[tuple[int, int]]] | None = None
+        self._containers: set[int] = set()
+
+    def first_time(self, held: list | dict) -> bool:
+        """Whether ``held`` is filled for the first time (it is then recorded)."""
+        if id(held) in self._containers:
+            return False
+        self._containers.add(id(held))
+        return True
+
+    def take(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s bytes overlap none filled before (they are then recorded)."""
+        if self._spans is None:
+            self._spans = _merged_spans(self._targets())
+        span, spans = address_range(t), self._spans.setdefault(str(t.device), [])
+        at = bisect.bisect_left(spans, span)  # only its neighbours in address order can overlap it
+        if (at > 0 and spans[at - 1][1] > span[0]) or (at < len(spans) and spans[at][0] < span[1]):
+            return False
+        if span[1] > span[0]:
+            spans.insert(at, span)
+        return True
+
+
+def _merged_spans(tensors: list[torch.Tensor]) -> dict[str, list[tuple[int, int]]]:
+    """The address ranges of ``tensors`` by device, sorted, overlapping ones joined (tied weights)."""
+    by_device: dict[str, list[tuple[int, int]]] = {}
+    for t in tensors:
+        span = address_range(t)
+        if span[1] > span[0]:
+            by_device.setdefault(str(t.device), []).append(span)
+    for device, spans in by_device.items():
+        joined: list[tuple[int, int]] = []
+        for start, end in sorted(spans):
+            if joined and start < joined[-1][1]:
+                joined[-1] = (joined[-1][0], max(end, joined[-1][1]))
+            else:
+                joined.append((start, end))
+        by_device[device] = joined
+    return by_device
 
 
 def _shown(value: Any) -> str:
@@ -381,30 +464,25 @@ def _shown(value: Any) -> str:
     return repr(value)
 
 
-def _merged(held: Any, value: Any, filled: dict[int, list[tuple[int, int]]] | None = None) -> Any:
+def _merged(held: Any, value: Any, filled: FilledPlaces) -> Any:
     """``value`` put into ``held`` in place as far as it goes: a tensor of the same shape and
     dtype is copied into, a list or dict keeps its object (a list of another length, or a dict,
     takes the stored elements, each merged with the one it replaces); anything else is the
     stored value itself, which the caller puts in its place. Plain data keeps no class: a
     stored namedtuple or enum member is a tuple or its value, given back as the held one's class
-    (a held ``IntEnum`` stayed an int after a load). A tensor whose memory overlaps one
-    filled before (``[t] * n``) is replaced, not filled: one memory cannot hold two stored
-    values; views of one buffer that do not overlap are each filled. ``filled``: the address
-    ranges filled so far, by device, sorted (by device, not storage: two ``torch.from_numpy``
-    views of one array are two storages over one memory)."""
-    filled = {} if filled is None else filled
+    (a held ``IntEnum`` stayed an int after a load). A place ``filled`` before is replaced, not
+    filled again (:class:`FilledPlaces`); views of one buffer that do not overlap are each filled."""
     if isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor):
-        span, spans = address_range(held), filled.setdefault(str(held.device), [])
-        if held.shape != value.shape or held.dtype != value.dtype or _overlaps_filled(span, spans):
+        if held.shape != value.shape or held.dtype != value.dtype or not filled.take(held):
             return value
         try:
             with torch.no_grad():
                 held.copy_(value)
         except RuntimeError:  # one that cannot be written (an inference tensor): replaced
             return value
-        if span[1] > span[0]:
-            bisect.insort(spans, span)
         return held
+    if isinstance(held, (list, dict)) and isinstance(value, (list, dict)) and not filled.first_time(held):
+        return value
     if isinstance(held, list) and isinstance(value, list):
         held[:] = [_merged(h, v, filled) for h, v in zip(held, value)] + value[len(held):]
         return held
@@ -423,6 +501,16 @@ def _merged(held: Any, value: Any, filled: dict[int, list[tuple[int, int]]] | No
             return type(held)(value)  # the member of that value
         except ValueError:  # none: the stored value itself
             return value
+    if isinstance(held, bytearray) and isinstance(value, bytes):  # (stored as bytes)
+        held[:] = value
+        return held
+    if type(value) in (int, float, str, bytes) and type(held) is not type(value) and isinstance(held, type(value)) \
+            and not isinstance(held, bool):
+        try:  # a subclass of the stored type (numpy's float64 is a float): the same value in it
+            same = type(held)(value)
+        except Exception:  # noqa: BLE001 (one that is not made so)
+            return value
+        return same if _same(type(value)(same), value) else value
     return value
 
 
@@ -432,13 +520,6 @@ def address_range(t: torch.Tensor) -> tuple[int, int]:
         return 0, 0
     last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-
-def _overlaps_filled(span: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
-    """Whether ``span`` overlaps one of ``spans`` (sorted, none overlapping another): only its
-    neighbours in address order can, so a long list of tensors costs a bisection each."""
-    at = bisect.bisect_left(spans, span)
-    return (at > 0 and spans[at - 1][1] > span[0]) or (at < len(spans) and spans[at][0] < span[1])
 
 
 def _same(held: Any, stored: Any) -> bool:

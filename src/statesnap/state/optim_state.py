@@ -168,7 +168,7 @@ def _optional(group: dict, **keys_by_option: str) -> tuple[str, ...]:
 # exactly these: a subclass that keeps more, or a checkpoint of another kind (Adam's state
 # loaded into an SGD), takes the helper's step and so meets the same checks as before.
 # tests/test_optim_state.py compares each with what a real step makes.
-_STATE_KEYS: dict[str, Callable[[dict, torch.Tensor], frozenset]] = {
+_STATE_KEYS: dict[str, Callable[[dict, torch.Tensor], frozenset | tuple[frozenset, frozenset]]] = {
     "Adam": lambda group, param: frozenset(("step", "exp_avg", "exp_avg_sq",
                                             *_optional(group, amsgrad="max_exp_avg_sq"))),
     "SGD": lambda group, param: frozenset(_optional(group, momentum="momentum_buffer")),
@@ -184,7 +184,39 @@ _STATE_KEYS: dict[str, Callable[[dict, torch.Tensor], frozenset]] = {
     "ASGD": _step_and("eta", "mu", "ax"),
     "Adafactor": lambda group, param: frozenset(("step", *(("row_var", "col_var") if param.dim() >= 2
                                                            else ("variance",)))),
+    # under its first parameter only; the keys of its history once a step has made them
+    "LBFGS": lambda group, param: (frozenset(("func_evals", "n_iter")), frozenset((
+        "func_evals", "n_iter", "d", "t", "old_dirs", "old_stps", "ro", "al", "H_diag", "prev_flat_grad",
+        "prev_loss"))),
 }
+
+
+def _fits(keys: set[str], expected: frozenset | tuple[frozenset, frozenset]) -> bool:
+    """Whether stored ``keys`` are the ``expected`` ones: a set, or (required, allowed)."""
+    if isinstance(expected, tuple):
+        return expected[0] <= keys <= expected[1]
+    return keys == expected
+
+
+def _listed(keys: list[str]) -> dict[str, list[str] | None] | None:
+    """The stored keys of one parameter's state by their first part: None for a value stored
+    under its key, the element keys in order for a list stored element by element (LBFGS's
+    history of large tensors, ``old_dirs.0``, ``old_dirs.1``, ...); None if neither."""
+    out: dict[str, list[str] | None] = {}
+    for key in keys:
+        base, _, index = key.partition(SEP)
+        if not index:
+            out[base] = None
+        elif index.isdigit():
+            out.setdefault(base, []).append(key)
+        else:
+            return None
+    for base, elements in out.items():
+        if elements is not None:
+            elements.sort(key=lambda key: int(key.partition(SEP)[2]))
+            if [int(key.partition(SEP)[2]) for key in elements] != list(range(len(elements))):
+                return None
+    return out
 
 
 def _state_keys_of(optim: torch.optim.Optimizer) -> Callable[[dict, torch.Tensor], frozenset] | None:
@@ -235,17 +267,20 @@ def create_state_from_checkpoint(optim: torch.optim.Optimizer, state_dict: Calla
         keys = stored.keys_under(where)
         if not keys:
             continue
-        if set(keys) != keys_of(groups[id(param)], param):
+        listed = _listed(keys)
+        if listed is None or not _fits(set(listed), keys_of(groups[id(param)], param)):
             return None
         headers = {key: stored.header(where + key) for key in keys}
         if is_dtensor(param) and any(h is not None and h[0] and tuple(h[0]) != tuple(param.shape)
                                      for h in headers.values()):
             return None  # its part on this rank: only the optimizer's step knows it (scalars are whole)
-        made[name] = param, {key: _new_state_tensor(param, header) for key, header in headers.items()}
+        made[name] = param, {key: _new_state_tensor(param, headers[key]) if elements is None else
+                             [_new_state_tensor(param, headers[element]) for element in elements]
+                             for key, elements in listed.items()}
     if not made:
         return None
     for param, state in made.values():
-        for tensor in state.values():
+        for tensor in (t for value in state.values() for t in (value if isinstance(value, list) else [value])):
             if tensor is None:
                 continue
             if created is None:
