@@ -626,6 +626,17 @@ def test_a_held_bytearray_or_float_subclass_keeps_its_type(tmp_path):
     assert type(state["i"]) is int and state["i"] == 5
 
 
+def test_plain_data_nested_past_the_recursion_limit_is_refused_saying_so(tmp_path):
+    """Python's recursion limit ended the save with "maximum recursion depth exceeded", naming
+    neither the problem nor a remedy."""
+    deep: object = {"a": 1}
+    for _ in range(2000):
+        deep = [deep]
+    with pytest.raises(ss.CheckpointError, match="nests lists, tuples and dicts too deeply .* to be saved: store"):
+        ss.save({"deep": deep, "t": torch.ones(2)}, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+
+
 Pair = collections.namedtuple("Pair", "n name")
 
 

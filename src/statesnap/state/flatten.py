@@ -126,16 +126,19 @@ class _Walker:
     def run(self, state: dict) -> Flattened:
         if not isinstance(state, dict):
             raise CheckpointError(f"state must be a dict, not {type(state).__name__}")
-        self.named_modules = list(_named_modules(state))
-        self.modules = [module for _, module in self.named_modules]
-        if self.cache is None:
-            self.walk_dict("", state)
-            return self.out
-        self.cache.begin()
+        if self.cache is not None:
+            self.cache.begin()
         try:
+            self.named_modules = list(_named_modules(state))
+            self.modules = [module for _, module in self.named_modules]
             self.walk_dict("", state)
+        except RecursionError:  # (Python's recursion limit: plain data of hundreds of levels)
+            raise CheckpointError(
+                "the state nests lists, tuples and dicts too deeply (hundreds of levels) to be "
+                f"{'loaded' if self.for_load else 'saved'}: store such a value flatter, e.g. as a JSON string") from None
         finally:
-            self.cache.end()
+            if self.cache is not None:
+                self.cache.end()
         return self.out
 
     def _reused(self, fqn: str, provider) -> bool:
