@@ -252,3 +252,40 @@ def test_staging_a_live_writer_holds_is_left_alone(tmp_path):
     assert os.path.isdir(staging) and not (tmp_path / ".out.tmp-abcdef").exists()
     backend.abort(staging, str(tmp_path / "out"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out2"]
+
+
+def test_a_path_that_resolves_to_a_directory_of_user_files_is_never_replaced(tmp_path, monkeypatch):
+    """``ss.save(state, "", overwrite=True)`` replaced the working directory, and so did a path
+    through a directory that does not exist (``proj/missing/..``): the check for files that are
+    not a checkpoint's listed no such directory and found nothing, while the commit resolved the
+    path by its text to the directory itself, and deleted what was in it."""
+    project = tmp_path / "proj"
+    (project / "data").mkdir(parents=True)
+    (project / "train.py").write_text("print('hi')")
+    monkeypatch.chdir(project)
+    state = {"t": torch.ones(2)}
+    with pytest.raises(ss.CheckpointError, match="the checkpoint path is empty"):
+        ss.save(state, "", overwrite=True)
+    for path in ["data/missing/../..", str(project / "missing" / "..")]:
+        with pytest.raises(ss.CheckpointError, match="holds what is not part of a statesnap checkpoint"):
+            ss.save(state, path, overwrite=True)
+    with pytest.raises(ss.CheckpointError, match="the checkpoint path is empty"):
+        ss.convert(tmp_path / "none.pt", "", source="torch", overwrite=True)
+    assert sorted(p.name for p in project.iterdir()) == ["data", "train.py"]
+    ss.save(state, "ck/missing/..", overwrite=True)  # a path to a new directory: saved there
+    assert torch.equal(ss.open(project / "ck").read("t"), torch.ones(2))
+
+
+def test_bytes_paths_name_their_decoded_path_and_nul_characters_are_refused(tmp_path, monkeypatch):
+    """A bytes path was written to a directory named after its repr (``b'...'``); a NUL character
+    raised a bare ValueError from ``ss.open`` and ``ss.Checkpointer``."""
+    monkeypatch.chdir(tmp_path)
+    info = ss.save({"t": torch.ones(2)}, b"ck")
+    assert info.path == "ck" and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    assert torch.equal(ss.open(b"ck").read("t"), torch.ones(2))
+    with ss.Checkpointer(os.fsencode(tmp_path / "root"), host_memory_gb=0.01) as ckpt:
+        ckpt.save(1, {"t": torch.ones(2)}).wait()
+    assert (tmp_path / "root" / "step-1").is_dir()
+    for call in (lambda p: ss.save({"t": torch.ones(2)}, p), ss.open, lambda p: ss.Checkpointer(p)):
+        with pytest.raises(ss.CheckpointError, match="holds a NUL character"):
+            call("a\0b")

@@ -1,4 +1,5 @@
 """The fsspec backend's streaming writer: exact files, bounded memory, errors that surface."""
+import datetime
 import hashlib
 import importlib
 import random
@@ -331,3 +332,26 @@ def test_a_url_fsspec_cannot_serve_is_a_checkpoint_error_naming_it(monkeypatch):
                 attempt()
     with pytest.raises(ss.CheckpointError, match="^cannot open memory://b/ckpt: .*retries"):
         ss.open("memory://b/ckpt", storage_options={"retries": 0})
+
+
+def test_an_overwrite_in_place_deletes_only_the_replaced_checkpoints_files_and_old_leftovers():
+    """Two saves to one object-store path at once: the first to commit deleted every file its
+    manifest did not name, the other save's data file among them, and that save's manifest,
+    committed next, named a file that was gone. A commit now deletes the files of the
+    checkpoint it replaced, and files no save has written for a day (a killed save's)."""
+    url = "memory://statesnap-fsspec-tests/overwrite-race/ck"
+    fs = fsspec.filesystem("memory")
+    if fs.exists(url):
+        fs.rm(url, recursive=True)
+    ss.save({"t": torch.zeros(1000)}, url)
+    old_files = set(ss.open(url).manifest.files)
+    base = "/statesnap-fsspec-tests/overwrite-race/ck"
+    fs.pipe_file(f"{base}/data-0123456789ab-r00000.bin", b"another save's, being written")
+    fs.pipe_file(f"{base}/data-ba9876543210-r00000.bin", b"a killed save's")
+    fs.store[f"{base}/data-ba9876543210-r00000.bin"].created -= datetime.timedelta(days=2)
+    ss.save({"t": torch.ones(1000)}, url, overwrite=True)
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)}
+    new_files = set(ss.open(url).manifest.files)
+    assert names == new_files | {"manifest.json", "data-0123456789ab-r00000.bin"} and not old_files & names
+    assert torch.equal(ss.open(url).read("t"), torch.ones(1000))
+    fs.rm(url, recursive=True)

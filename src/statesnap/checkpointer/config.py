@@ -16,7 +16,7 @@ from ..engine.replicas import REPLICA_CHECK_MB
 from ..errors import CheckpointError
 from ..format.checksum import DEFAULT_BLOCK_BYTES
 from ..monitor.events import CommitRecord
-from ..storage import place_of
+from ..storage import path_text, place_of
 from ..storage.base import StorageBackend
 
 GB = 1e9
@@ -104,8 +104,9 @@ class CheckpointerConfig:
     on_commit: Callable[[CommitRecord], None] | None = None
 
     def __post_init__(self):
-        self.root = str(self.root)
-        self.local_root = None if self.local_root is None else str(self.local_root)
+        self.root = path_text(self.root)
+        self.local_root = None if self.local_root is None else path_text(self.local_root)
+        self.further_root = None if self.further_root is None else path_text(self.further_root)
         if self.node_id is None:
             self.node_id = int(os.environ.get("GROUP_RANK", "0"))
         if self.host_memory_gb is None:
@@ -167,7 +168,7 @@ class CheckpointerConfig:
     def of(cls, root, settings: dict) -> "CheckpointerConfig":
         """The config of ``Checkpointer(root, **settings)`` (see :meth:`check_names`)."""
         cls.check_names(settings)
-        return cls(root=str(root), **settings)
+        return cls(root=root, **settings)
 
     @classmethod
     def check_names(cls, settings: dict) -> None:

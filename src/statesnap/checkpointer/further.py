@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from ..engine.dist import Comm
-from ..engine.save import commit_unknown, committed_in_place, write_manifest
+from ..engine.save import commit_unknown, committed_in_place, files_replaced, write_manifest
 from ..errors import CheckpointError, described
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..monitor.events import EventLog, now
@@ -150,9 +150,11 @@ class FurtherCopier:
         try:
             if failures:
                 raise CheckpointError(failures)
+            replaced = files_replaced(backend, staging, target)
             write_manifest(backend, staging, target, raw, self._durable)
             in_place = staging == target
-            backend.commit(staging, target, True, self._durable, keep=[*manifest.files, MANIFEST_NAME])
+            backend.commit(staging, target, True, self._durable, keep=[*manifest.files, MANIFEST_NAME],
+                           replaced=replaced)
         except Exception as exc:  # noqa: BLE001 (reported on every rank)
             if not in_place:  # else the manifest's write was the commit (engine/save.py: committed_in_place)
                 if not commit_unknown(exc):

@@ -34,6 +34,7 @@ from ..storage.lock import RootBusyError
 from ..storage.retry import describe
 from .buffers import byte_view, host_contiguous
 from .dist import DEFAULT_TIMEOUT_S, Comm, PeerLostError
+from .load import read_manifest
 from .exchange import all_to_all
 from .objects import encode_value
 from .replicas import (REPLICA_CHECK_MB, differing_pieces, hash_tensors, limit_bytes, mismatches, object_digests,
@@ -466,9 +467,10 @@ def commit_manifest(backend, path, staging, outputs, overwrite, durable,
     in_place = False
     try:
         manifest, raw = build([out for out, _ in outputs])
+        replaced = files_replaced(backend, staging, path)
         write_manifest(backend, staging, path, raw, durable)
         in_place = staging == path
-        backend.commit(staging, path, overwrite, durable, keep=[*manifest.files, MANIFEST_NAME])
+        backend.commit(staging, path, overwrite, durable, keep=[*manifest.files, MANIFEST_NAME], replaced=replaced)
     except Exception as exc:
         if in_place:  # see committed_in_place
             return committed_in_place(path, exc, manifest.total_bytes)
@@ -481,6 +483,20 @@ def commit_manifest(backend, path, staging, outputs, overwrite, durable,
 
 
 _COMMIT_UNKNOWN = "statesnap_commit_unknown"  # the attribute write_manifest marks its failure with
+
+
+def files_replaced(backend: StorageBackend, staging: str, path: str) -> list[str]:
+    """Saving in place (an object store): the files of the checkpoint at ``path`` that the
+    manifest about to be written replaces, for the commit to delete. Read just before, so
+    that what another save to the path writes meanwhile is never among them. None where there
+    is no checkpoint, or it cannot be read (its files are then left)."""
+    if staging != path or not backend.exists(backend.join(path, MANIFEST_NAME)):
+        return []
+    try:
+        return list(read_manifest(backend, path).files)
+    except CheckpointError as exc:
+        log.warning("statesnap: the checkpoint %s replaces cannot be read (%s); its files are left there", path, exc)
+        return []
 
 
 def write_manifest(backend: StorageBackend, staging: str, path: str, raw: bytes, durable: bool) -> None:

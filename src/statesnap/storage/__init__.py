@@ -38,14 +38,33 @@ def place_of(path) -> str:
     return path.rstrip("/") if is_url(path) else os.path.realpath(path)
 
 
+def path_text(path) -> str:
+    """A path given as text, a ``PathLike`` or bytes, as text (``str`` of bytes made a name of
+    their repr, ``b'...'``)."""
+    path = os.fspath(path) if isinstance(path, os.PathLike) else path
+    return os.fsdecode(path) if isinstance(path, bytes) else str(path)
+
+
 def normalize(path) -> str:
-    """The path a backend works with: local schemes become plain file-system paths."""
-    path = str(path)
+    """The path a backend works with: local schemes become plain file-system paths. A local path
+    with ``..`` in it is resolved as the save's commit resolves it, by its text (``x/new/..`` is
+    ``x``): the kernel, which resolves it by the directories there, found no ``x/new`` and so
+    nothing in ``x`` that a save must not replace, and an overwrite then replaced ``x`` whole.
+    An empty path (the working directory, by the same route) and bytes or NUL characters, which
+    no file system names, are refused."""
+    path = path_text(path)
+    if not path.strip():
+        raise CheckpointError("the checkpoint path is empty: give the checkpoint's directory (for the working "
+                              "directory itself, '.')")
+    if "\0" in path:
+        raise CheckpointError(f"the checkpoint path {path!r} holds a NUL character, which no file system or URL takes")
     if path.startswith("file:/"):
-        return _file_url_path(path)
-    if path.startswith(SHM_SCHEME):
-        return os.path.join(SHM_ROOT, path[len(SHM_SCHEME):].lstrip("/"))
-    return path
+        path = _file_url_path(path)
+    elif path.startswith(SHM_SCHEME):
+        path = os.path.join(SHM_ROOT, path[len(SHM_SCHEME):].lstrip("/"))
+    elif is_url(path):
+        return path
+    return os.path.normpath(path) if ".." in path.split(os.sep) else path
 
 
 def _file_url_path(url: str) -> str:

@@ -104,9 +104,10 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def commit(self, staging: str, final: str, overwrite: bool, durable: bool,
-               keep: Sequence[str] = ()) -> None:
-        """Make ``staging`` visible at ``final`` atomically. ``keep`` names the committed files
-        (backends that write in place delete older files not in it after the switch)."""
+               keep: Sequence[str] = (), replaced: Sequence[str] = ()) -> None:
+        """Make ``staging`` visible at ``final`` atomically. ``keep`` names the committed files;
+        backends that write in place delete, after the switch, the files of the checkpoint it
+        replaced (``replaced``) that it does not keep, and files no save has written to for long."""
 
     def retire(self, path: str, marker: str) -> None:
         """Delete the committed checkpoint at ``path`` so that it leaves the namespace in one

@@ -20,11 +20,13 @@ flight per file, 8 by default with 16 MiB parts).
 """
 from __future__ import annotations
 
+import datetime
 import heapq
 import logging
 import os
 import tempfile
 import threading
+import time
 from typing import NamedTuple, Sequence
 
 import fsspec
@@ -37,6 +39,7 @@ from .s3_upload import ParallelUpload
 
 # Out-of-order bytes one file may hold in host memory. It is outside the Checkpointer's
 # ``host_memory_gb`` budget, so it is small and fixed: about one write of a blocking save.
+ABANDONED_AFTER_S = 24 * 3600  # a file at a checkpoint's path unwritten this long: no save's in progress
 REORDER_BYTES = 64 << 20
 # The most one call hands to the fsspec file: its buffer grows by at most this before it
 # uploads a block, whatever size the caller's write has.
@@ -388,24 +391,54 @@ class FsspecBackend(StorageBackend):
         return final
 
     def commit(self, staging: str, final: str, overwrite: bool, durable: bool,
-               keep: Sequence[str] = ()) -> None:
+               keep: Sequence[str] = (), replaced: Sequence[str] = ()) -> None:
         # The caller wrote the manifest last into ``staging`` (== ``final``): that was the commit.
-        keep = set(keep)
-        for name in self.listdir(final):
-            if name not in keep:
+        # Another save to this path may be writing its files here now, and nothing tells them
+        # from a killed save's: deleting every file the new manifest does not name deleted that
+        # save's, and its manifest, committed next, named files that were gone. So only the
+        # replaced checkpoint's files go, and files untouched for a day (a killed save's).
+        keep, replaced = set(keep), set(replaced)
+        abandoned = time.time() - ABANDONED_AFTER_S
+        for name, modified in self._listing(final):
+            if name not in keep and (name in replaced or (modified is not None and modified < abandoned)):
                 self.remove(self.join(final, name))
+
+    def _listing(self, path: str) -> list[tuple[str, float | None]]:
+        """(name, last modified as a POSIX time, or None where the store does not say) under ``path``."""
+        try:
+            found = self._call(f"listing {path}", self.fs.ls, self._strip(path), detail=True, refresh=True)
+        except FileNotFoundError:
+            return []
+        return [(info["name"].rstrip("/").rsplit("/", 1)[-1], _modified(info)) for info in found]
 
     def abort(self, staging: str, final: str, written: Sequence[str] = ()) -> None:
         # Only this save's files go; their names are unique to it, so no manifest refers to them.
         # Best effort, as a local abort is: a store failing here too must not replace the save's
-        # own error (with an OSError, not a CheckpointError). What stays is unreferenced: the next
-        # commit at this path or the next Checkpointer's start deletes it.
+        # own error (with an OSError, not a CheckpointError). What stays is unreferenced: a commit at
+        # this path a day later or the next Checkpointer's start deletes it.
         for name in written:
             try:
                 self.remove(self.join(staging, name))
             except Exception as exc:  # noqa: BLE001
                 log.warning("statesnap: could not delete %s of a save that failed (%s)", self.join(staging, name),
                             describe(exc))
+
+
+def _modified(info: dict) -> float | None:
+    """When an object was last written, from an fsspec listing's details: each store names it
+    its own way (S3 ``LastModified``, GCS ``updated``, local ``mtime``, memory ``created``)."""
+    for key in ("LastModified", "last_modified", "mtime", "updated", "created"):
+        value = info.get(key)
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, datetime.datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            try:
+                return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                return None
+    return None
 
 
 def _s3_options(options: dict) -> dict:

@@ -356,7 +356,7 @@ class LocalBackend(StorageBackend):
         return staging
 
     def commit(self, staging: str, final: str, overwrite: bool, durable: bool,
-               keep: Sequence[str] = ()) -> None:
+               keep: Sequence[str] = (), replaced: Sequence[str] = ()) -> None:
         final = os.path.abspath(final)
         parent = os.path.dirname(final)
         if durable:
