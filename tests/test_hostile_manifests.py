@@ -227,3 +227,31 @@ def test_a_packed_value_holding_nan_is_a_manifest_error(ckpt_dir, monkeypatch):
         with pytest.raises(ManifestError, match=f"^{re.escape(str(ckpt_dir / MANIFEST_NAME))} has malformed "
                                                 "field 'file_sizes' .*NaN is not a JSON value"):
             attempt()
+
+
+MEMORY_BOUND_LOADER = """
+import resource, sys, torch, statesnap as ss
+resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # far below the manifest's 64 GiB
+for call in (lambda: ss.open(sys.argv[1]), lambda: ss.load({"t": torch.zeros(3)}, sys.argv[1])):
+    try:
+        call()
+        print("loaded")
+    except ss.CheckpointError as exc:
+        print(type(exc).__name__, exc)
+"""
+
+
+def test_a_manifest_larger_than_memory_is_a_manifest_error(tmp_path):
+    """A manifest grown to gigabytes (a sparse file here) raised a bare MemoryError from ss.open,
+    and ss.load failed "on rank 0:" with no reason at all."""
+    import subprocess
+    import sys
+    ss.save({"t": torch.ones(3)}, tmp_path / "c")
+    with open(tmp_path / "c" / MANIFEST_NAME, "r+b") as f:
+        f.truncate(64 << 30)
+    done = subprocess.run([sys.executable, "-c", MEMORY_BOUND_LOADER, str(tmp_path / "c")], capture_output=True,
+                          text=True, timeout=300)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and len(lines) == 2, done.stderr[-2000:]
+    assert all(re.fullmatch(r"ManifestError the manifest .*manifest\.json is too large to read into this "
+                            r"process's memory", line) for line in lines), lines

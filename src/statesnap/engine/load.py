@@ -47,6 +47,8 @@ def read_manifest(backend: StorageBackend, path: str) -> Manifest:
     where = backend.join(path, MANIFEST_NAME)
     try:
         raw = backend.read_bytes(where)
+    except MemoryError:  # (a manifest of gigabytes: damaged, or not statesnap's)
+        raise ManifestError(f"the manifest {where} is too large to read into this process's memory") from None
     except IsADirectoryError:  # a directory where the manifest was: damage, as a FIFO there is
         raise CorruptCheckpointError(f"{where} is a directory, not the regular file a checkpoint holds there") from None
     except (FileNotFoundError, NotADirectoryError):
@@ -116,7 +118,11 @@ def blob_reader(backend: StorageBackend, path: str, manifest: Manifest):
         file, offset, nbytes, checksum = ref
         reader = open_data_file(backend, path, manifest.files[file], f"object {fqn!r}")
         try:
-            data = read_at_most(reader, offset, nbytes)
+            try:
+                data = read_at_most(reader, offset, nbytes)
+            except MemoryError:  # (its size is the manifest's word: damage or a forgery may make it any)
+                raise CheckpointError(f"object {fqn!r} in {manifest.files[file]} of {path} is {nbytes:,} bytes "
+                                      "according to the manifest, too many to read into this process's memory") from None
             if len(data) != nbytes or checksum_whole(memoryview(data)) != checksum:
                 raise CorruptCheckpointError(f"object {fqn!r} in {manifest.files[file]} of {path} is damaged" +
                                              (f" (the file ends before its byte {offset + nbytes})"
