@@ -289,3 +289,20 @@ def test_bytes_paths_name_their_decoded_path_and_nul_characters_are_refused(tmp_
     for call in (lambda p: ss.save({"t": torch.ones(2)}, p), ss.open, lambda p: ss.Checkpointer(p)):
         with pytest.raises(ss.CheckpointError, match="holds a NUL character"):
             call("a\0b")
+
+
+@pytest.mark.parametrize("has_renameat2", [True, False])
+def test_an_overwrite_of_a_link_replaces_the_link_and_leaves_what_it_pointed_to(tmp_path, monkeypatch, has_renameat2):
+    """``latest -> step-100`` saved over with overwrite=True: ``latest`` becomes the new
+    checkpoint, ``step-100`` stays whole, and the link does not stay behind under a hidden name
+    (the deletion of what was swapped out took it for a directory and left it)."""
+    import statesnap.storage.local as local
+    if not has_renameat2:
+        monkeypatch.setattr(local, "_rename2", lambda *args: False)
+    ss.save({"t": torch.zeros(4)}, tmp_path / "step-100")
+    os.symlink("step-100", tmp_path / "latest")
+    ss.save({"t": torch.ones(4)}, tmp_path / "latest", overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-100"]
+    assert not (tmp_path / "latest").is_symlink()
+    assert torch.equal(ss.open(tmp_path / "latest").read("t"), torch.ones(4))
+    assert torch.equal(ss.open(tmp_path / "step-100").read("t"), torch.zeros(4))

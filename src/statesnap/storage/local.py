@@ -386,8 +386,9 @@ class LocalBackend(StorageBackend):
 
     def _replace(self, staging: str, final: str) -> None:
         if _rename2(staging, final, _RENAME_EXCHANGE):
-            # ``staging`` now holds the old checkpoint: it is deleted only after the swap.
-            shutil.rmtree(staging, ignore_errors=True)
+            # ``staging`` now holds the old checkpoint (or the link the user had there): it is
+            # deleted only after the swap
+            self.remove(staging)
             return
         os.rename(final, staging + _ASIDE_SUFFIX)  # deleted by ``commit`` once the new one is in
         os.rename(staging, final)
@@ -409,7 +410,7 @@ class LocalBackend(StorageBackend):
             return
         if durable:
             fsync_dir(parent)
-        shutil.rmtree(hidden, ignore_errors=True)
+        self.remove(hidden)  # (a link is unlinked: what it points to is not this checkpoint's)
 
     def _asides(self, final: str) -> list[str]:
         """The checkpoints interrupted overwrites of ``final`` left aside."""
