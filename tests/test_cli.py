@@ -324,6 +324,19 @@ def test_trace_skips_a_line_cut_short_saying_so(tmp_path, capsys):
     assert "1 events" in captured.out
 
 
+def test_trace_png_path_it_cannot_write_is_a_one_line_error_and_png_is_added_to_a_bare_name(tmp_path, capsys):
+    """``--png`` into a missing directory ended in a FileNotFoundError traceback; a name without
+    ``.png`` was written with the suffix matplotlib adds, and reported without it."""
+    pytest.importorskip("matplotlib")
+    source = _events_file(tmp_path, "root", EVENT)
+    out = str(tmp_path / "trace.json")
+    assert main(["trace", str(source), "-o", out, "--png", str(tmp_path / "missing" / "t.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(r"statesnap trace: cannot write .*missing/t\.png: No such file or directory", err)
+    assert main(["trace", str(source), "-o", out, "--png", str(tmp_path / "timeline")]) == 0
+    assert f"wrote {tmp_path / 'timeline.png'}" in capsys.readouterr().out and (tmp_path / "timeline.png").is_file()
+
+
 def test_no_command_is_a_usage_error(capsys):
     assert main([]) == 2
     captured = capsys.readouterr()

@@ -44,3 +44,21 @@ def test_demo_command_succeeds(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "SIGKILL after step" in out and "resumed from the newest committed checkpoint" in out
     assert out.count("bit for bit: yes") == 2
+
+
+def test_demo_refuses_settings_and_roots_it_cannot_run_with(tmp_path, capsys):
+    """A second demo in one ``--root`` resumed from the first one's checkpoints, so the run to be
+    killed never trained, and the summary failed with an IndexError; a ``--persist-every 0`` or a
+    file as the root ended in tracebacks. Each is a usage error now (exit 2), before any training."""
+    (tmp_path / "root" / "run" / "step-6").mkdir(parents=True)
+    (tmp_path / "file").write_text("x")
+    for args, words in [(["--root", str(tmp_path / "root")], "already holds an earlier demo's checkpoints (run/)"),
+                        (["--persist-every", "0"], "--persist-every must be at least 1"),
+                        (["--root", str(tmp_path / "file")], "is not a directory")]:
+        try:
+            cli.main(["demo", *args])
+        except SystemExit as exc:
+            assert exc.code == 2, args
+        else:
+            raise AssertionError(f"demo ran with {args}")
+        assert words in capsys.readouterr().err

@@ -5,9 +5,11 @@ limits in the same run, with the same helpers, and reports medians rather than s
 """
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
 import json
+import math
 import os
 import platform
 import resource
@@ -189,6 +191,27 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
                                            for i, (c, w) in enumerate(zip(cells, widths))) + " |"
     sep = "|" + "|".join("-" * (w + 1) + ("-" if i == 0 else ":") for i, w in enumerate(widths)) + "|"
     return "\n".join([line(headers), sep, *(line(r) for r in text)])
+
+
+def _number(kind: type, least: float, what: str) -> Callable[[str], float]:
+    """An argparse type: a finite ``kind`` of at least ``least`` (a size of -1 GB failed deep in
+    the bench with a math domain error, a repeat count of 0 printed a table of inf)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < least:
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return value
+    parse.__name__ = kind.__name__  # (argparse names the type in its messages)
+    return parse
+
+
+positive_int = _number(int, 1, "a positive integer")
+non_negative_int = _number(int, 0, "a non-negative integer")
+positive_float = _number(float, math.ulp(0.0), "a positive number")
+non_negative_float = _number(float, 0.0, "a non-negative number")
 
 
 def add_output_arguments(parser) -> None:

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 
-from .common import DEFAULT_OUT, format_table, fresh_dir, median, tree_bytes, publish
+from .common import DEFAULT_OUT, format_table, fresh_dir, median, positive_float, positive_int, publish, tree_bytes
 
 PARTS = ("deepspeed", "safetensors")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -264,10 +264,10 @@ def report(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="statesnap bench --suite convert", description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
-    parser.add_argument("--dim", type=int, default=2048, help="width of the DeepSpeed model's square layers")
-    parser.add_argument("--layers", type=int, default=8, help="layers of the DeepSpeed model")
-    parser.add_argument("--gb", type=float, default=1.0, help="size of the safetensors model")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dim", type=positive_int, default=2048, help="width of the DeepSpeed model's square layers")
+    parser.add_argument("--layers", type=positive_int, default=8, help="layers of the DeepSpeed model")
+    parser.add_argument("--gb", type=positive_float, default=1.0, help="size of the safetensors model")
+    parser.add_argument("--repeat", type=positive_int, default=3)
     parser.add_argument("--out", default=DEFAULT_OUT, help="scratch directory (removed at the end)")
     parser.add_argument("--json", help="also write the figures here ('-' for stdout)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)  # one timed job in a fresh process

@@ -25,7 +25,9 @@ import time
 
 import torch
 
-from .common import DEFAULT_OUT, add_output_arguments, format_table, gbps, median, publish
+from .common import (
+    DEFAULT_OUT, add_output_arguments, format_table, gbps, median, non_negative_int, positive_int, publish,
+)
 
 MIB = 1 << 20
 
@@ -164,10 +166,11 @@ def report(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="statesnap bench --suite gpu", description=__doc__.split("\n")[0])
-    parser.add_argument("--small", type=int, default=256, help="1 MiB tensors (default 256)")
-    parser.add_argument("--medium", type=int, default=48, help="64 MiB tensors (default 48)")
-    parser.add_argument("--large-mib", type=int, default=512, help="size of the one large tensor (default 512; 0: none)")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds; medians are reported (default 5)")
+    parser.add_argument("--small", type=non_negative_int, default=256, help="1 MiB tensors (default 256)")
+    parser.add_argument("--medium", type=non_negative_int, default=48, help="64 MiB tensors (default 48)")
+    parser.add_argument("--large-mib", type=non_negative_int, default=512,
+                        help="size of the one large tensor (default 512; 0: none)")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="timed rounds; medians are reported (default 5)")
     add_output_arguments(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     result = run(args.small, args.medium, args.large_mib, args.rounds, args.out)

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from .common import DEFAULT_OUT, DEFAULT_THREADS, fresh_dir, publish
+from .common import DEFAULT_OUT, DEFAULT_THREADS, fresh_dir, positive_int, publish
 from .trainer_runs import add_run_arguments, interleaved, optimizer_wait_s, summarize, table
 
 MODES = ("none", "hf", "statesnap")
@@ -115,10 +115,10 @@ def report(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="statesnap bench --suite hf", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--every", type=int, default=5, help="save_steps")
-    parser.add_argument("--hidden", type=int, default=384)
-    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--steps", type=positive_int, default=30)
+    parser.add_argument("--every", type=positive_int, default=5, help="save_steps")
+    parser.add_argument("--hidden", type=positive_int, default=384)
+    parser.add_argument("--layers", type=positive_int, default=6)
     add_run_arguments(parser, "statesnap without fsync")
     args = parser.parse_args(argv)
     result = run(args.steps, args.every, args.hidden, args.layers, args.repeat, args.durable, args.out, args.threads)

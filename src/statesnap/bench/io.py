@@ -38,7 +38,7 @@ from ..storage.aligned import huge_aligned_pages, unmap
 from ..storage.base import DIRECT_ALIGN
 from .common import (
     DEFAULT_OUT, add_output_arguments, drop_page_cache, format_table, gbps, machine_description, median,
-    parse_choices, rotated, settle_disk, timed, publish,
+    non_negative_float, parse_choices, positive_float, positive_int, publish, rotated, settle_disk, timed,
 )
 
 SYSTEMS = ("raw", "raw_parallel", "raw_direct", "torch", "dcp", "statesnap")
@@ -357,10 +357,10 @@ def report(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="statesnap bench --suite io", description=__doc__.split("\n")[0])
-    parser.add_argument("--size-gb", type=float, default=1.0, help="state size in GB (default 1)")
-    parser.add_argument("--repeat", type=int, default=3, help="interleaved repeats; medians are reported")
+    parser.add_argument("--size-gb", type=positive_float, default=1.0, help="state size in GB (default 1)")
+    parser.add_argument("--repeat", type=positive_int, default=3, help="interleaved repeats; medians are reported")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
-    parser.add_argument("--settle-s", type=float, default=5.0,
+    parser.add_argument("--settle-s", type=non_negative_float, default=5.0,
                         help="before each save, wait this long after deleting the previous file, and "
                              "until the disk is quiet (0: do not wait)")
     add_output_arguments(parser)

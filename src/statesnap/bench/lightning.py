@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .common import DEFAULT_OUT, DEFAULT_THREADS, fresh_dir, publish
+from .common import DEFAULT_OUT, DEFAULT_THREADS, fresh_dir, positive_int, publish
 from .trainer_runs import add_run_arguments, interleaved, optimizer_wait_s, summarize, table
 
 MODES = ("none", "torch", "async", "statesnap")
@@ -130,10 +130,10 @@ def report(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="statesnap bench --suite lightning", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--every", type=int, default=5, help="checkpoint every this many steps")
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=positive_int, default=40)
+    parser.add_argument("--every", type=positive_int, default=5, help="checkpoint every this many steps")
+    parser.add_argument("--width", type=positive_int, default=1024)
+    parser.add_argument("--layers", type=positive_int, default=8)
     add_run_arguments(parser, "statesnap without fsync (torch.save does not fsync either)")
     args = parser.parse_args(argv)
     result = run(args.steps, args.every, args.width, args.layers, args.repeat, args.durable, args.out, args.threads)

@@ -41,7 +41,7 @@ from ..format.split import encode_section, section_name
 from ..plan.load_plan import plan_target
 from ..plan.owners import owner_of, place_writes, plan_owned, route
 from ..plan.save_plan import plan_save
-from .common import publish
+from .common import positive_int, publish
 from ..monitor.trace import can_plot
 from ..state.items import ItemMeta
 from ..state.placement import chunk_bounds
@@ -358,14 +358,14 @@ def _plot_scaling(points: list[dict], png: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="statesnap bench --suite planning", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="70b", help="Llama shape (layers: --layers)")
-    parser.add_argument("--layers", type=int, help="transformer layers (default: the model's, 80 or 126)")
-    parser.add_argument("--tp", type=int, default=8)
-    parser.add_argument("--dp", type=int, default=128, help="FSDP degree (world = tp * dp * pp)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    parser.add_argument("--reshard-tp", type=int, default=4)
-    parser.add_argument("--reshard-dp", type=int, default=256)
-    parser.add_argument("--sample-ranks", type=int, default=4, help="ranks whose load planning is timed")
-    parser.add_argument("--dcp-layers", type=int, default=2, help="layers in DCP's metadata sample")
+    parser.add_argument("--layers", type=positive_int, help="transformer layers (default: the model's, 80 or 126)")
+    parser.add_argument("--tp", type=positive_int, default=8)
+    parser.add_argument("--dp", type=positive_int, default=128, help="FSDP degree (world = tp * dp * pp)")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline stages")
+    parser.add_argument("--reshard-tp", type=positive_int, default=4)
+    parser.add_argument("--reshard-dp", type=positive_int, default=256)
+    parser.add_argument("--sample-ranks", type=positive_int, default=4, help="ranks whose load planning is timed")
+    parser.add_argument("--dcp-layers", type=positive_int, default=2, help="layers in DCP's metadata sample")
     parser.add_argument("--whole", action="store_true", help="also time the whole-job planner (no pipeline only)")
     parser.add_argument("--scaling", metavar="PNG", help="instead: the 405B-shaped model over TP 8 x PP 16 x "
                         "FSDP 8/32/128 (1k, 4k, 16k ranks), plotted here ('' for no plot)")

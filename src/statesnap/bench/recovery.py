@@ -26,7 +26,9 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from .common import DEFAULT_OUT, add_output_arguments, format_table, fresh_dir, median, publish
+from .common import (
+    DEFAULT_OUT, add_output_arguments, format_table, fresh_dir, median, positive_float, positive_int, publish,
+)
 from .job import run_job
 from .reshard import _barrier_timed, remote_url
 from ..storage import SHM_SCHEME, normalize
@@ -111,12 +113,12 @@ def report(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="statesnap bench --suite recovery", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=4, help="processes, half of them on each simulated node")
-    parser.add_argument("--mb-per-rank", type=float, default=64.0, help="sharded state per rank, MB")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--remote-mbps", type=float, default=100.0,
+    parser.add_argument("--ranks", type=positive_int, default=4, help="processes, half of them on each simulated node")
+    parser.add_argument("--mb-per-rank", type=positive_float, default=64.0, help="sharded state per rank, MB")
+    parser.add_argument("--repeat", type=positive_int, default=3)
+    parser.add_argument("--remote-mbps", type=positive_float, default=100.0,
                         help="bandwidth of each process to the simulated object store (root), MB/s")
-    parser.add_argument("--remote-latency-ms", type=float, default=10.0, help="latency of each request to it")
+    parser.add_argument("--remote-latency-ms", type=positive_float, default=10.0, help="latency of each request to it")
     parser.add_argument("--local", choices=LOCAL_KINDS, default="disk",
                         help="where the node-local levels live: this machine's disk, or its shared memory (shm://)")
     add_output_arguments(parser)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from fsspec.implementations.local import LocalFileSystem
 from torch import nn
 
-from .common import DEFAULT_OUT, drop_page_cache, format_table, fresh_dir, median, publish
+from .common import DEFAULT_OUT, drop_page_cache, format_table, fresh_dir, median, positive_float, positive_int, publish
 from .job import run_job
 
 LAYOUTS = ("same", "2d")
@@ -184,13 +184,13 @@ def report(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="statesnap bench --suite reshard", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dim", type=int, default=1024, help="width of each square layer")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--ranks", type=int, default=4, help="processes (even, for the 2-D mesh)")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--remote-mbps", type=float, default=100.0,
+    parser.add_argument("--dim", type=positive_int, default=1024, help="width of each square layer")
+    parser.add_argument("--layers", type=positive_int, default=8)
+    parser.add_argument("--ranks", type=positive_int, default=4, help="processes (even, for the 2-D mesh)")
+    parser.add_argument("--repeat", type=positive_int, default=3)
+    parser.add_argument("--remote-mbps", type=positive_float, default=100.0,
                         help="bandwidth of each process to the simulated object store, MB/s")
-    parser.add_argument("--remote-latency-ms", type=float, default=10.0, help="latency of each request to it")
+    parser.add_argument("--remote-latency-ms", type=positive_float, default=10.0, help="latency of each request to it")
     parser.add_argument("--out", default=DEFAULT_OUT, help="scratch directory (checkpoints go under it)")
     parser.add_argument("--json", help="also write the figures here ('-' for stdout)")
     args = parser.parse_args(argv)

@@ -38,7 +38,7 @@ from torch import nn
 
 from .common import (
     DEFAULT_OUT, add_output_arguments, drop_page_cache, files_under, format_table, fresh_dir, machine_description,
-    median, parse_choices, publish, release_freed_memory, rotated, timed,
+    median, parse_choices, positive_int, publish, release_freed_memory, rotated, timed,
 )
 
 SYSTEMS = ("torch", "torch_mmap", "dcp", "statesnap", "raw_parallel")
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="statesnap bench --suite restore", description=__doc__.split("\n")[0])
     parser.add_argument("--small", action="store_true",
                         help="a quick run: a 0.1 GB GPT state and 40 MB large tensors")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds; medians are reported")
     parser.add_argument("--states", default=",".join(STATES), help="comma-separated subset of " + ",".join(STATES))
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))

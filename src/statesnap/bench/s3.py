@@ -27,7 +27,10 @@ import shutil
 
 from .. import load as ss_load
 from .. import save as ss_save
-from .common import add_output_arguments, format_table, fresh_dir, gbps, machine_description, median, publish, timed
+from .common import (
+    add_output_arguments, format_table, fresh_dir, gbps, machine_description, median, non_negative_float,
+    positive_float, positive_int, publish, timed,
+)
 from .io import build_state, same_values, tensors_of, zeros_like_state
 from .s3_server import MotoServer, ShapedLink
 
@@ -102,9 +105,9 @@ def report(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="statesnap bench --suite s3", description=__doc__.split("\n")[0])
-    parser.add_argument("--size-gb", type=float, default=0.5, help="state size in GB (default 0.5)")
-    parser.add_argument("--repeat", type=int, default=3, help="interleaved repeats; medians are reported")
-    parser.add_argument("--link-mb-s", type=float, default=0.0,
+    parser.add_argument("--size-gb", type=positive_float, default=0.5, help="state size in GB (default 0.5)")
+    parser.add_argument("--repeat", type=positive_int, default=3, help="interleaved repeats; medians are reported")
+    parser.add_argument("--link-mb-s", type=non_negative_float, default=0.0,
                         help="cap every connection to the S3 server at this many MB/s (default 0: no cap)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..demo import gpt
-from .common import median, run_child
+from .common import median, non_negative_int, positive_int, run_child
 
 STATES = ("gpt", "linear333")
 ISSUE_GPT = gpt.GPTConfig(vocab=8192, d_model=768, n_layer=8, seq_len=128, batch=4)
@@ -110,9 +110,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="statesnap.bench.save_call --child")
     parser.add_argument("--child", choices=STATES, required=True)
     parser.add_argument("--reuse", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--saves", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--saves", type=positive_int, default=20)
+    parser.add_argument("--warmup", type=non_negative_int, default=3)
+    parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--scratch", required=True)
     args = parser.parse_args(argv)
     shutil.rmtree(args.scratch, ignore_errors=True)

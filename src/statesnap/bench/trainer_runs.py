@@ -16,16 +16,16 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from .common import DEFAULT_THREADS, add_output_arguments, format_table, median
+from .common import DEFAULT_THREADS, add_output_arguments, format_table, median, positive_int
 
 Run = dict  # {"fit_s": float, "steps": {step: seconds}, "saves": [(step, seconds)], "optimizer_wait_s": float}
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, durable_help: str) -> None:
     """The options every framework suite takes after its model's: rounds, durability, threads, output."""
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=positive_int, default=3)
     parser.add_argument("--no-durable", dest="durable", action="store_false", help=durable_help)
-    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+    parser.add_argument("--threads", type=positive_int, default=DEFAULT_THREADS,
                         help=f"torch threads of the training (default {DEFAULT_THREADS}: the cores less one, as in "
                              "the training suite)")
     add_output_arguments(parser)

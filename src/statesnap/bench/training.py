@@ -29,8 +29,8 @@ import torch
 from ..demo import gpt
 from ..monitor.trace import NO_PLOT, can_plot
 from .common import (
-    DEFAULT_OUT, DEFAULT_THREADS, add_output_arguments, format_table, median, parse_choices, peak_rss_bytes,
-    run_child, publish,
+    DEFAULT_OUT, DEFAULT_THREADS, add_output_arguments, format_table, median, non_negative_int, parse_choices,
+    peak_rss_bytes, positive_float, positive_int, publish, run_child,
 )
 from . import save_call
 from .modes import MODES, make_mode
@@ -78,12 +78,12 @@ def child_main(argv: list[str]) -> int:
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--mode", choices=sorted(MODES), required=True)
     parser.add_argument("--config", required=True, help="GPTConfig as JSON")
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
+    parser.add_argument("--steps", type=positive_int, required=True)
+    parser.add_argument("--warmup", type=non_negative_int, default=2)
+    parser.add_argument("--threads", type=positive_int, default=DEFAULT_THREADS)
     parser.add_argument("--scratch", required=True)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--every", type=int, default=1)
+    parser.add_argument("--every", type=positive_int, default=1)
     args = parser.parse_args(argv)
     shutil.rmtree(args.scratch, ignore_errors=True)
     os.makedirs(args.scratch)
@@ -238,25 +238,25 @@ def main(argv: list[str] | None = None) -> int:
     if "--child" in argv:
         return child_main(argv)
     parser = argparse.ArgumentParser(prog="statesnap bench --suite training", description=__doc__.split("\n")[0])
-    parser.add_argument("--size-gb", type=float, default=1.0, help="model + AdamW state in GB (default 1)")
+    parser.add_argument("--size-gb", type=positive_float, default=1.0, help="model + AdamW state in GB (default 1)")
     parser.add_argument("--config", help="explicit GPTConfig as JSON (overrides --size-gb)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
-    parser.add_argument("--warmup", type=int, default=2,
+    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per run (default 20)")
+    parser.add_argument("--warmup", type=non_negative_int, default=2,
                         help="untimed steps before them (default 2; at least two checkpoints' worth)")
-    parser.add_argument("--runs", type=int, default=3, help="interleaved runs per mode (default 3)")
+    parser.add_argument("--runs", type=positive_int, default=3, help="interleaved runs per mode (default 3)")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated subset of " + ",".join(MODES))
-    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+    parser.add_argument("--threads", type=positive_int, default=DEFAULT_THREADS,
                         help=f"torch threads of the training (default {DEFAULT_THREADS}: the cores less one)")
-    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH,
+    parser.add_argument("--batch", type=positive_int, default=DEFAULT_BATCH,
                         help=f"sequences per step with --size-gb (default {DEFAULT_BATCH}); more compute per step "
                              "hides more of the snapshot copy")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model trains (default cpu)")
-    parser.add_argument("--every", type=int, default=1, help="checkpoint every N steps (default 1)")
+    parser.add_argument("--every", type=positive_int, default=1, help="checkpoint every N steps (default 1)")
     parser.add_argument("--issue13", action="store_true",
                         help="issue 13's run: GPT D=768 L=8 V=8192 T=128 B=4 (0.83 GB with AdamW), 2 torch threads, "
                              "a checkpoint every 2 steps, 4 warm-up steps, no sweep")
     parser.add_argument("--sweep-gb", default="0.25,1,4", help="state sizes for the stall sweep ('' = skip)")
-    parser.add_argument("--sweep-steps", type=int, default=5)
+    parser.add_argument("--sweep-steps", type=positive_int, default=5)
     parser.add_argument("--save-call", action="store_true",
                         help="time only the ckpt.save() call (issue 13's GPT and a 1,300-tensor state), with the "
                              "state reused across saves and rebuilt at each, interleaved --runs times")

@@ -137,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.kill_after < args.steps:
         parser.error("--kill-after must be between 1 and --steps - 1")
+    if args.persist_every < 1:
+        parser.error("--persist-every must be at least 1")
+    if args.root is not None:
+        _check_root(parser, args.root)
     root = args.root or tempfile.mkdtemp(prefix="statesnap-demo-")
     cfg = DEMO_CONFIG
     print(f"statesnap demo: a GPT with {cfg.n_params() / 1e6:.2f}M parameters "
@@ -144,8 +148,23 @@ def main(argv: list[str] | None = None) -> int:
           f"a snapshot after every step, persisted to disk every {args.persist_every} steps.\n")
     try:
         result = run_demo(root, args.steps, args.kill_after, args.persist_every, cfg)
+    except RuntimeError as exc:  # a training process failed: its own error is on stderr above
+        print(f"statesnap demo: {exc}", file=sys.stderr)
+        return 1
     finally:
         if args.root is None:
             shutil.rmtree(root, ignore_errors=True)
     print(summary(result, args.persist_every))
     return 0 if result.ok else 1
+
+
+def _check_root(parser: argparse.ArgumentParser, root: str) -> None:
+    """A ``--root`` the demo can use: a directory (or none yet) without an earlier demo's
+    checkpoints, from which the run to be killed would resume instead of training."""
+    if os.path.exists(root) and not os.path.isdir(root):
+        parser.error(f"--root {root} is not a directory")
+    used = [name for name in ("run", "reference") if os.path.isdir(os.path.join(root, name))
+            and os.listdir(os.path.join(root, name))]
+    if used:
+        parser.error(f"--root {root} already holds an earlier demo's checkpoints ({', '.join(used)}/), from which "
+                     "this one would resume instead of training: choose a new --root, or remove them")

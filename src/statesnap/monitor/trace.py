@@ -169,7 +169,12 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 0
         png = args.png or os.path.splitext(output)[0] + ".png"
-        plot_timeline(events, png)
+        if not png.lower().endswith(".png"):  # (matplotlib would add it, and the name printed would be wrong)
+            png += ".png"
+        try:
+            plot_timeline(events, png)
+        except OSError as exc:
+            return _fail(f"cannot write {png}: {exc.strerror or exc}")
         print(f"wrote {png}")
     return 0
 
