@@ -95,6 +95,11 @@ def test_verify_of_a_path_with_no_checkpoint_says_unreadable_not_damaged(ckpt, t
     assert main(["verify", str(tmp_path / "nowhere"), str(ckpt)]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"UNREADABLE {tmp_path / 'nowhere'}: no checkpoint at") and "DAMAGED" not in err
+    torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")  # no checkpoint either: not damage
+    assert main(["verify", str(tmp_path / "m.pt"), str(ckpt / MANIFEST_NAME)]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == [f"NOT A CHECKPOINT {tmp_path / 'm.pt'}",
+                                                      f"NOT A CHECKPOINT {ckpt / MANIFEST_NAME}"]
 
 
 def test_diff(ckpt, tmp_path, capsys):

@@ -30,7 +30,7 @@ _WHERE = {
     **{name: "errors" for name in (
         "CheckpointError", "CorruptCheckpointError", "MissingFileError", "ManifestError", "StateMismatchError",
         "CheckpointExistsError", "UnsafeCheckpointError", "ConsistencyError", "ReshardError",
-        "NotInCheckpointError", "ReadFailedError")},
+        "NotInCheckpointError", "ReadFailedError", "NotACheckpointError", "RegionOutOfRangeError")},
 }
 
 __all__ = list(_WHERE)
@@ -70,7 +70,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .engine.save import SaveInfo, save
     from .errors import (
         CheckpointError, CheckpointExistsError, ConsistencyError, CorruptCheckpointError, ManifestError,
-        MissingFileError, ReadFailedError, ReshardError, StateMismatchError, UnsafeCheckpointError,
+        MissingFileError, NotACheckpointError, NotInCheckpointError, ReadFailedError, RegionOutOfRangeError,
+        ReshardError, StateMismatchError, UnsafeCheckpointError,
     )
     from .reader import Reader, open  # noqa: A004
     from .state.wrappers import PerRank, Replicated, Sharded, flat_partition

@@ -70,6 +70,11 @@ class ManifestError(CheckpointError):
     """The manifest is unreadable, from a future format version, or unsafe (paths escape)."""
 
 
+class NotACheckpointError(ManifestError):
+    """The path holds no manifest: something other than a checkpoint (a file, a Checkpointer's
+    root, the manifest itself), or a save interrupted before its commit."""
+
+
 class NewerFormatError(ManifestError):
     """The checkpoint was written in a newer format version than this statesnap reads: it is
     whole, and an upgraded statesnap loads it."""

@@ -14,7 +14,7 @@ import sys
 import torch
 
 from .cli import json_text, printable
-from .errors import CheckpointError
+from .errors import CheckpointError, NotACheckpointError
 from .format.columns import parse_json
 from .format.dtypes import dtype_name
 from .format.manifest import MANIFEST_NAME, ObjectEntry
@@ -159,7 +159,8 @@ def verify_main(argv: list[str]) -> int:
         except CheckpointError as exc:
             results.append({"path": path, "ok": False, "error": str(exc)})
             if not args.json:  # (a path with nothing there, or a URL no file system serves, is no damage)
-                label = "UNREADABLE" if type(exc) is CheckpointError else "DAMAGED"
+                label = ("UNREADABLE" if type(exc) is CheckpointError else
+                         "NOT A CHECKPOINT" if isinstance(exc, NotACheckpointError) else "DAMAGED")
                 print(printable(f"{label} {path}: {exc}"), file=sys.stderr)
             continue
         results.append({"path": path, "ok": True, "tensors": len(reader.manifest.tensors), "bytes_verified": checked})

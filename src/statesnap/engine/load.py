@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from ..collector import collector_paused
-from ..errors import (CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, ReadFailedError,
-                      StateMismatchError)
+from ..errors import (CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, NotACheckpointError,
+                      ReadFailedError, StateMismatchError)
 from ..format.checksum import checksum_whole
 from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
 from ..plan.load_plan import TargetPlan, piece_offsets, plan_target
@@ -57,10 +57,10 @@ def read_manifest(backend: StorageBackend, path: str) -> Manifest:
         if not backend.exists(path):
             raise CheckpointError(f"no checkpoint at {path}") from None
         if os.path.basename(path) == MANIFEST_NAME:
-            raise ManifestError(f"{path} is a checkpoint's manifest, not the checkpoint: name its directory, "
-                                f"{os.path.dirname(path) or '.'}, instead") from None
-        raise ManifestError(f"{path} has no {MANIFEST_NAME}: it is not a committed statesnap checkpoint "
-                            f"({_what_else(backend, path)})") from None
+            raise NotACheckpointError(f"{path} is a checkpoint's manifest, not the checkpoint: name its directory, "
+                                      f"{os.path.dirname(path) or '.'}, instead") from None
+        raise NotACheckpointError(f"{path} has no {MANIFEST_NAME}: it is not a committed statesnap checkpoint "
+                                  f"({_what_else(backend, path)})") from None
     except OSError as exc:  # no permission, a loop of links, an I/O error: the file may be intact
         raise ReadFailedError(f"the manifest {where} cannot be read: {exc}") from None
     return Manifest.from_bytes(raw, where=where, fetch=section_fetcher(backend, path))
