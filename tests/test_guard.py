@@ -5,6 +5,7 @@ DeepSpeed's and Megatron's optimizers, EMA updates and hand-written steps change
 copy is done, the checkpoint silently holds the values after the change.
 """
 import copy
+import logging
 import pickle
 import threading
 import weakref
@@ -424,3 +425,49 @@ def test_a_guarded_optimizer_owns_its_tensors_in_a_plain_state_dict(tmp_path, mo
     assert_checkpoint_equals(handle.wait(), ref)
     assert not torch.equal(model[0].weight, ref["state_dict.0.weight"])
     assert hook_waits(ckpt) == 1
+
+
+def test_optimizer_state_given_other_memory_before_its_copy_is_reported(tmp_path, monkeypatch):
+    """``exp_avg.data = ...`` right after save(): the optimizer's state tensors are copied from
+    whatever memory they hold when the copy runs, and the version counter does not move, so
+    the checkpoint held the new values without a word. The copy now also compares where each
+    tensor's values lie with where they lay at save(), and drops the checkpoint."""
+    model = nn.Linear(64, 64)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 64)).sum().backward()
+    optim.step()
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01)
+    gate = CopiesWaitForAWaiter(monkeypatch)
+    handle = ckpt.save(1, {"model": model, "optim": optim})
+    exp_avg = optim.state[model.weight]["exp_avg"]
+    exp_avg.data = exp_avg.data + 1
+    gate.open()
+    with pytest.raises(ss.ConsistencyError, match="tensor 'optim.state.weight.exp_avg' was given other memory"):
+        handle.wait()
+    ckpt.close()
+    assert not (tmp_path / "step-1").exists()
+
+
+@pytest.mark.parametrize("first", ["wait", "load_latest"])
+def test_a_step_kept_in_memory_only_changed_in_place_after_save_is_not_restored(tmp_path, first, caplog):
+    """A step not persisted had no commit to look at its version counters a last time, so a
+    change in place right after save() that ended after its copy's own check went unseen:
+    load_latest restored the changed values from host memory. ``wait()`` of such a step and
+    the restore from memory now look at them (as a commit does)."""
+    model = nn.Linear(64, 64)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, persist_every=10)
+    handle = ckpt.save(1, {"model": model, "optim": optim})
+    handle.staged.result(timeout=60)  # the copy and its check are done: the change comes later
+    with torch.no_grad():
+        model.weight.mul_(2)
+    if first == "wait":
+        with pytest.raises(ss.ConsistencyError, match="tensor 'model.weight' was changed in place after save"):
+            handle.wait()
+    fresh = nn.Linear(64, 64)
+    before = fresh.weight.detach().clone()
+    with caplog.at_level(logging.WARNING, logger="statesnap"):
+        assert ckpt.load_latest({"model": fresh, "optim": torch.optim.Adam(fresh.parameters(), lr=1e-2)}) is None
+    assert "the snapshot of step 1 in host memory is not restored" in caplog.text
+    assert ckpt.loaded_from is None and torch.equal(fresh.weight, before)
+    ckpt.close()

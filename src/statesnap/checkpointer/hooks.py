@@ -165,7 +165,22 @@ def changed_since_save(fqn: str, step: int) -> ConsistencyError:
         "or guard the method that changes them")
 
 
-def check_unchanged(t: torch.Tensor, expected: int | None, fqn: str, step: int) -> None:
+def storage_of(t: torch.Tensor) -> int:
+    """Where a tensor's values lie now (its local shard's, for a DTensor): ``t.data = other``
+    moves them without moving the version counter."""
+    return (t.to_local() if is_dtensor(t) else t).data_ptr()
+
+
+def check_unchanged(t: torch.Tensor, expected: int | None, where: int, fqn: str, step: int) -> None:
+    """Raise if ``t`` changed in place since its version was ``expected``, or was given other
+    memory than ``where`` (an optimizer's state tensor is copied from whatever memory it holds
+    when its copy runs: ``exp_avg.data = ...`` after save() put the new values in the checkpoint)."""
+    if storage_of(t) != where:
+        raise ConsistencyError(
+            f"checkpoint of step {step}: tensor {fqn!r} was given other memory (its .data reassigned) after "
+            "save() and before its snapshot copy finished, so this checkpoint would hold values of after save() "
+            "and was dropped. Reassign saved tensors' .data only after ckpt.wait_staged(), or inside "
+            "optimizer.step() or a method given to ckpt.guard()")
     if expected is not None and version_of(t) != expected:
         raise ConsistencyError(
             f"checkpoint of step {step}: tensor {fqn!r} was changed in place after save() and before its "

@@ -160,6 +160,10 @@ class MemoryLevel:
         with self._lock:
             return self._snapshots[max(self._snapshots)] if self._snapshots else None
 
+    def snapshots(self) -> list:
+        with self._lock:
+            return list(self._snapshots.values())
+
     def clear(self) -> None:
         with self._lock:
             self._snapshots.clear()

@@ -64,7 +64,12 @@ class SaveHandle:
             raise CheckpointError(f"step {self.step} is saved by process {self._pid}; a forked child cannot wait "
                                   "for it")
         try:
-            return self.durable.result(timeout)
+            path = self.durable.result(timeout)
+            if path is None and self._snap is not None and self._snap.release() is not None:
+                # kept in memory only: no commit looked at its counters a last time, and a change
+                # in place made right after save() may have ended after its copy's own check
+                raise self._snap.error
+            return path
         except CheckpointError:
             if self._snap is not None:
                 self._snap.reported = True
@@ -260,6 +265,8 @@ class Checkpointer:
                 snap.copied.wait()
                 self.events.add("wait-staged", snap.step, start, now())
             snap.release()
+        for snap in self.memory.snapshots():
+            snap.release()
         self._raise_pending()
 
     def guard(self, obj, method: str = "step") -> None:
@@ -336,6 +343,8 @@ class Checkpointer:
             self._closing = True  # a save() on another thread now raises instead of queueing behind the end
         try:
             self._wait_all()
+            for snap in self.memory.snapshots():  # the last look (after this, no hook tells of a step)
+                snap.release()
         finally:
             self._closed = True
             self._stager.close()
@@ -451,7 +460,7 @@ class Checkpointer:
         return Snapshot(
             step=step, flat=flat, metas=metas, plan=plan, elsewhere=elsewhere, owned=owned, persist=persist,
             resident=resident,
-            versions=versions, owners=owners, writers=layout.writers, hot=hot, late_checks=layout.late_checks,
+            versions=versions, storages=layout.storages(locals_), owners=owners, writers=layout.writers, hot=hot, late_checks=layout.late_checks,
             plain=layout.plain, nbytes=layout.nbytes,
             objects=objects, blobs=blobs, per_rank=per_rank_names(flat), cuda_ready=cuda_ready,
             object_digests=object_digests(flat, objects) if persist and self._compares_objects else {},
@@ -539,10 +548,11 @@ class Checkpointer:
 
     def _release_inflight(self, optimizer_id: int | None) -> None:
         """A writer waited and is about to change tensors: an optimizer's step (its own items),
-        or a guarded method or ``wait_staged`` (None: every item)."""
+        or a guarded method or ``wait_staged`` (None: every item). The snapshots kept in host
+        memory only are looked at too: no commit did, and a restore from memory trusts them."""
         with self._lock:
             inflight = list(self._inflight)
-        for snap in inflight:
+        for snap in inflight + self.memory.snapshots():
             snap.release(optimizer_id)
 
     def _gates_for(self, optimizer_id: int | None) -> list:

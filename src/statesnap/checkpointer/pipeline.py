@@ -48,6 +48,7 @@ class Snapshot:
     persist: bool
     resident: bool
     versions: list
+    storages: list  # per item: where its values lay at save() (``hooks.storage_of``)
     owners: list  # per item: the id of the optimizer that writes it, or None
     writers: frozenset  # the ids of the optimizers that write some item
     # items no optimizer writes that changed since the previous save: save() waits for their
@@ -322,7 +323,8 @@ class Stager(_Stage):
             if snap.error is not None:
                 return
             for item in {seg.item for seg in batch.segments}:
-                check_unchanged(items[item].local, snap.versions[item], items[item].fqn, snap.step)
+                check_unchanged(items[item].local, snap.versions[item], snap.storages[item], items[item].fqn,
+                                snap.step)
             self._events.add("copy", snap.step, start, now(), sum(seg.nbytes for seg in batch.segments))
         except BaseException as exc:  # noqa: BLE001 (reported through the snapshot)
             snap.fail(as_checkpoint_error(exc, snap.step, snap.path))

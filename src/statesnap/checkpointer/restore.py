@@ -35,6 +35,12 @@ def load_newest(state: dict, cast: bool, comm: Comm, memory: MemoryLevel, arena:
     storage levels, fastest first; ``recovery``: the node-local level's, where there is one."""
     local = recovery.level if recovery is not None else None
     snap, refused = memory.newest(), None
+    if snap is not None and snap.release() is not None:
+        # the last look at its counters (no commit took it): a tensor changed in place right
+        # after save() may have changed under its copy; the snapshot may mix two steps
+        log.warning("statesnap: the snapshot of step %d in host memory is not restored: %s", snap.step, snap.error)
+        memory.drop(snap)
+        snap = None
     # Optimizers that were fresh and got state made for the snapshot in memory: left fresh
     # again unless that snapshot is what restores them (the ranks chose another step, the
     # snapshot went, its restore failed), as a load from storage that fails leaves them.

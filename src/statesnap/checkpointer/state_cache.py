@@ -22,7 +22,7 @@ from ..state.items import Flattened, ItemMeta, TensorItem
 from ..state.placement import is_dtensor
 from ..state.reuse import ProviderCache
 from ..storage.base import DIRECT_ALIGN
-from .hooks import owners_of, version_of
+from .hooks import owners_of, storage_of, version_of
 from .staging import align_up
 
 
@@ -63,6 +63,12 @@ class Layout:
         if self.plain:
             return [t._version for t in tensors]
         return [version_of(t) for t in tensors]
+
+    def storages(self, tensors: list[torch.Tensor]) -> list[int]:
+        """Where every tensor's values lie now, which the copy compares too."""
+        if self.plain:
+            return [t.data_ptr() for t in tensors]
+        return [storage_of(t) for t in tensors]
 
 
 def _optimizers_key(optimizers: list) -> tuple:
