@@ -365,3 +365,94 @@ def test_a_snapshot_in_memory_restored_after_a_damaged_newer_step_takes_no_optim
     then restored into an optimizer without state, whose load_state_dict (PyTorch's helper)
     took a step at lr 0 to make one: its step hooks ran."""
     assert run_ranks(2, _memory_behind_a_damaged_step, str(tmp_path / "ckpt")) == [0, 0]
+
+
+class _FailsOnce:
+    """A state value whose state_dict raises on one rank at one step (a flaky custom object)."""
+
+    def __init__(self, rank: int, step_fails: int):
+        self.rank, self.step_fails, self.step = rank, step_fails, 0
+
+    def state_dict(self):
+        if self.rank == 1 and self.step == self.step_fails:
+            raise RuntimeError("flaky state_dict on rank 1")
+        return {}
+
+    def load_state_dict(self, sd):
+        pass
+
+
+def _out_of_step(rank, world, root):
+    """save(2) raises on rank 1 only and the loop goes on: each rank's next snapshot to write
+    was paired with the other's by order, and steps 2 and 3 were committed torn (rank 0's
+    half of one step, rank 1's of the next), passing verify and restored by load_latest."""
+    flaky = _FailsOnce(rank, 2)
+    ckpt = ss.Checkpointer(root, host_memory_gb=0.01, commit_timeout_s=20)
+    outcomes = []
+    for step in range(1, 5):
+        flaky.step = step
+        state = {"w": ss.Sharded(torch.full((4,), float(step)) + 10 * rank, (8,), (4 * rank,)), "f": flaky}
+        try:
+            handle = ckpt.save(step, state)
+            outcomes.append((step, "saved"))
+            if step == 1:
+                handle.wait()
+        except ss.CheckpointError as exc:
+            outcomes.append((step, str(exc)))
+        except RuntimeError:
+            outcomes.append((step, "raised here"))
+    try:
+        ckpt.close()
+        outcomes.append(("close", "ok"))
+    except ss.CheckpointError as exc:
+        outcomes.append(("close", type(exc).__name__))
+    return outcomes
+
+
+def test_ranks_out_of_step_after_a_save_raised_on_one_commit_nothing_torn(tmp_path):
+    root = tmp_path / "ckpt"
+    run_ranks(2, _out_of_step, str(root))
+    committed = sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
+    assert committed == ["step-1"]  # every later pairing mixed two steps: refused
+    for name in committed:
+        whole = ss.open(root / name).read("w")
+        step = int(name.split("-")[1])
+        assert torch.equal(whole, torch.cat([torch.full((4,), float(step)), torch.full((4,), step + 10.0)]))
+
+
+def _different_paths(rank, world, root):
+    try:
+        ss.save({"w": ss.Sharded(torch.ones(2) * rank, (4,), (2 * rank,))}, os.path.join(root, f"ck-rank{rank}"),
+                timeout_s=60)
+    except ss.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_saving_to_different_paths_are_refused_on_every_rank(tmp_path):
+    """Rank 1's SaveInfo named a path nothing was written to, while rank 0's checkpoint held its data."""
+    errors = run_ranks(2, _different_paths, str(tmp_path))
+    assert all(e is not None and "rank 1 saves to" in e and "give every rank the same path" in e for e in errors)
+    assert not [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+
+
+def _one_rank_bad_url(rank, world, root, op):
+    path = os.path.join(root, "ck") if rank == 0 else "nosuchproto://bucket/ck"
+    try:
+        if op == "save":
+            ss.save({"w": torch.ones(2)}, path, timeout_s=300)
+        else:
+            ss.load({"w": torch.zeros(2)}, path, timeout_s=300)
+    except ss.CheckpointError as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+@pytest.mark.parametrize("op", ["save", "load"])
+def test_a_path_one_rank_cannot_use_fails_every_rank_with_its_cause(tmp_path, op):
+    """The storage of one rank's path failed there before the ranks' first exchange, so the
+    others waited the whole timeout (30 minutes by default) and then reported a lost peer."""
+    if op == "load":
+        ss.save({"w": torch.ones(2)}, tmp_path / "ck")
+    outcomes = run_ranks(2, _one_rank_bad_url, str(tmp_path), op)
+    assert all(o is not None and "PeerLost" not in o[0] and "nosuchproto" in o[1] for o in outcomes), outcomes

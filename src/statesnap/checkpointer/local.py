@@ -200,11 +200,15 @@ class LocalFlusher(_Stage):
                 staging = backend.begin(final, token)
             except Exception as exc:  # noqa: BLE001 (every rank learns it below)
                 problem = f"rank {comm.rank}: cannot start {final}: {described(exc)}"
-        starts = comm.all_gather((staging, problem))
+        starts = comm.all_gather((staging, problem, snap.step))
         staging = starts[topo.leader(comm.rank)][0]
+        steps = sorted({step for *_, step in starts})
         error, output = None, None
         try:
-            problems = [p for _, p in starts if p is not None]
+            problems = [p for _, p, _ in starts if p is not None] + ([
+                f"the ranks are out of step: their next node-local checkpoints are of steps {steps} (a save() "
+                "raised on some ranks and not on others); none is committed until the job restarts"]
+                if len(steps) > 1 else [])
             if problems:
                 raise CheckpointError("; ".join(problems))
             snap.copied.wait()

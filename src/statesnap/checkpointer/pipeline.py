@@ -376,8 +376,8 @@ class Flusher(_Stage):
                                   f"the other ranks ({self.broken}); restart the job from the last checkpoint")
         comm, backend = self.target.comm, self.target.backend
         try:
-            staging, token, problem = comm.broadcast(
-                open_staging(self.target.backend, snap.path, True) if comm.rank == 0 else None)
+            staging, token, problem, first_step = comm.broadcast(
+                (*open_staging(self.target.backend, snap.path, True), snap.step) if comm.rank == 0 else None)
         except BaseException as exc:
             self.broken = exc
             self._drain(snap)
@@ -386,6 +386,12 @@ class Flusher(_Stage):
         try:
             if problem is not None:
                 raise CheckpointError(f"could not start checkpoint {snap.path}: {problem}")
+            if snap.step != first_step:  # (each rank flushes its snapshots in the order it took them)
+                raise CheckpointError(
+                    f"the ranks are out of step: rank {comm.rank}'s next checkpoint to write is of step {snap.step}, "
+                    f"rank 0's of step {first_step} (a save() raised on some ranks and not on others, or they gave "
+                    "different steps); a checkpoint of both would mix two steps, so none is committed until the job "
+                    "restarts from the last checkpoint")
             output = self._write(snap, staging, token)
             self._drain(snap)  # every copy is done, also on a rank that writes nothing
             snap.release()

@@ -23,7 +23,7 @@ from ..plan.load_plan import TargetPlan, piece_offsets, plan_target
 from ..progress import bar, wanted as wanted_bar
 from ..state.flatten import StoredNames, flatten_for_load
 from ..state.items import Flattened
-from ..storage import LocalBackend, backend_for, normalize
+from ..storage import LocalBackend, backend_for, normalize, path_text
 from ..storage.base import StorageBackend
 from .buffers import borrowed_byte_view, host_contiguous
 from .device_load import fill_device_targets, wave_parts
@@ -458,21 +458,22 @@ class Loading:
                  partial: bool = False, step: int | None = None):
         self.started = time.perf_counter()
         self.step = step  # the Checkpointer's step-N: a checkpoint that records another is no step N
-        self.path = normalize(path)
+        self.path = path_text(path)
         self.comm = Comm(process_group, f"loading {self.path}", timeout_s)
-        self.backend = backend_for(self.path, storage_options)
         self.strict, self.verify, self.allow_pickle, self.threads, self.progress = (
             strict, verify, allow_pickle, threads, progress)
         self.created: list[torch.Tensor] = []  # a fresh optimizer's state, created unfilled (state/flatten.py)
         self.fresh: list[torch.optim.Optimizer] = []  # the optimizers without state before the load
         self.nbytes, self._error = 0, None
         with self._reset_on_failure():
-            self._begin(state, manifest, cast, shared_reads, partial)
+            self._begin(state, manifest, cast, shared_reads, partial, storage_options)
 
     def _begin(self, state: dict, manifest: Manifest | None, cast: bool, shared_reads: bool | None,
-               partial: bool) -> None:
+               partial: bool, storage_options: dict | None) -> None:
         error = None
-        try:
+        try:  # (a path or storage one rank cannot use fails every rank at once, not after timeout_s)
+            self.path = normalize(self.path)
+            self.backend = backend_for(self.path, storage_options)
             self.manifest = manifest if manifest is not None else read_manifest(self.backend, self.path)
             recorded = self.manifest.meta.get("step")  # (none in checkpoints no Checkpointer wrote)
             if self.step is not None and recorded not in (None, self.step):  # renamed, or copied in from another run

@@ -28,7 +28,7 @@ from ..plan.save_plan import SavePlan, align_up
 from ..progress import bar
 from ..state.flatten import flatten_for_save
 from ..state.items import Flattened
-from ..storage import backend_for, normalize
+from ..storage import backend_for, normalize, path_text
 from ..storage.base import StorageBackend
 from ..storage.lock import RootBusyError
 from ..storage.retry import describe
@@ -231,11 +231,11 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
     across the ranks holding them (0: nothing is compared); if they differ nothing is committed
     (see ``engine/replicas.py``)."""
     started = time.perf_counter()
-    path = normalize(path)
-    comm = Comm(process_group, f"saving {path}", timeout_s)
-    backend = backend_for(path, storage_options)
+    comm = Comm(process_group, f"saving {path_text(path)}", timeout_s)
     error = None
-    try:
+    try:  # (a path or storage one rank cannot use fails every rank at once, not after timeout_s)
+        path = normalize(path)
+        backend = backend_for(path, storage_options)
         problem = meta_problem({} if meta is None else meta)
         if problem:
             raise CheckpointError(f"cannot save to {path}: {problem}. meta is plain JSON (dicts with string keys, "
@@ -254,7 +254,7 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
     entries, blobs = own_objects(all_entries, all_blobs, per_rank_names(flat), comm.rank, plan.object_writers)
     opened = open_staging(backend, path, overwrite) if comm.rank == 0 else None
     try:
-        staging, token, problem = comm.broadcast(opened)
+        staging, token, problem, first_path = comm.broadcast(None if opened is None else (*opened, path))
     except PeerLostError:
         if opened is not None and opened[0] is not None:  # no rank wrote into it yet
             backend.abort(opened[0], path)
@@ -264,7 +264,12 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
     if staging is None:
         raise CheckpointExistsError(f"{path} already exists; pass overwrite=True to replace it")
     output, error = None, None
+    if path != first_path:  # (rank 0's path is the one written: this rank's SaveInfo named another)
+        error = CheckpointError(f"rank {comm.rank} saves to {path} and rank 0 to {first_path}: the ranks of one "
+                                "save write one checkpoint, so give every rank the same path")
     try:
+        if error is not None:
+            raise error
         tensors = {index: host_contiguous(flat.tensors[index].local) for index, _ in plan.writes[comm.rank]}
         total = sum(t.numel() * t.element_size() for t in tensors.values()) + sum(len(b) for _, b in blobs)
         with bar(total, f"save -> {os.path.basename(path.rstrip('/'))}", progress) as advance:
