@@ -20,6 +20,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausa
 
 from ds_train import save_with_rank_truths  # the script's directory is on sys.path
 
+from statesnap.bench.ds_producer import init_gloo
+
 SIZES = dict(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, hidden_size=32, intermediate_size=48,
              vocab_size=64, max_position_embeddings=32, tie_word_embeddings=False)
 MODELS = {"llama": lambda: LlamaForCausalLM(LlamaConfig(**SIZES)),
@@ -38,12 +40,13 @@ PARTITIONS = {"phi3": {"partition_config": {"use_default_specs": False, "layer_s
 def main():
     outdir = sys.argv[1]
     kind = sys.argv[2] if len(sys.argv) > 2 else "llama"
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_gloo()
     torch.manual_seed(0)
     model = MODELS[kind]()
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
            "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2, **PARTITIONS.get(kind, {})},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+           # torch_adam: torch's AdamW; DeepSpeed's FusedAdam compiles for minutes on a CPU
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     if kind == "phi3":  # AutoTP set the layers' own head counts; Phi-3 finds q in qkv by the config's
         model.config.num_attention_heads //= 2

@@ -14,16 +14,20 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 
 from ds_train import save_with_rank_truths  # the script's directory is on sys.path
 
+from statesnap.bench.ds_producer import init_gloo
+
 
 def main():
     outdir = sys.argv[1]
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_gloo()
     torch.manual_seed(0)
     layers = [LayerSpec(nn.Linear, 16, 30), LayerSpec(nn.ReLU), LayerSpec(nn.Linear, 30, 30), LayerSpec(nn.ReLU),
               LayerSpec(nn.Linear, 30, 8)]
     model = PipelineModule(layers=layers, num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform")
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
-           "zero_optimization": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+           "zero_optimization": {"stage": 1},
+           # torch_adam: torch's AdamW; DeepSpeed's FusedAdam compiles for minutes on a CPU
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     batches = [(torch.randn(2, 16), torch.randn(2, 8)) for _ in range(6)]
     it = iter(batches)

@@ -22,6 +22,8 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from ds_train import save_with_rank_truths  # the script's directory is on sys.path
 
+from statesnap.bench.ds_producer import init_gloo
+
 TOPOLOGY = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
 TP = 2
 UNIVERSAL_CHECKPOINT_INFO = {  # parameter names are PipelineModule's: <layer index>.<name>
@@ -90,7 +92,7 @@ class RowParallelLinear(_SlicedLinear):
 
 def main():
     outdir = sys.argv[1]
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_gloo()
     torch.manual_seed(0)
     layers = [LayerSpec(ColumnParallelLinear, 16, 24), LayerSpec(RowParallelLinear, 24, 16),
               LayerSpec(ColumnParallelLinear, 16, 20), LayerSpec(RowParallelLinear, 20, 8)]
@@ -98,7 +100,8 @@ def main():
     _tp_group.append(model.mpu().get_slice_parallel_group())
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1000,
            "bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+           # torch_adam: torch's AdamW; DeepSpeed's FusedAdam compiles for minutes on a CPU
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     batches = iter([(torch.randn(2, 16, dtype=torch.bfloat16), torch.randn(2, 8, dtype=torch.bfloat16))
                     for _ in range(6)])

@@ -76,9 +76,9 @@ def full_state(engine) -> dict:
 
 
 def main(stage: int, out: str, resume: bool) -> None:
-    import deepspeed
+    from statesnap.bench.ds_producer import init_gloo
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_gloo()
     rank = torch.distributed.get_rank()
     engine = engine_for(stage, seed=0)
     losses = [train_step(engine, step) for step in range(STEPS)]

@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+from statesnap.bench.ds_producer import init_gloo
+
 
 class Net(nn.Module):
     def __init__(self):
@@ -59,7 +61,7 @@ def save_with_rank_truths(engine, outdir: str, client_state: dict | None = None)
 
 def main():
     stage, outdir, precision = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_gloo()
     torch.manual_seed(0)
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
            "zero_optimization": {"stage": stage},

@@ -10,12 +10,25 @@ from __future__ import annotations
 import sys
 
 
+def init_gloo() -> None:
+    """Join the job's gloo group without DeepSpeed's shared-memory all-reduce kernel. DeepSpeed
+    compiles that kernel (minutes on two cores, again whenever the build directory's paths
+    change) on its first ``init_distributed``; gloo carries these small producers' collectives
+    as well, and a checkpoint's layout does not depend on which of the two reduced."""
+    import deepspeed
+    import deepspeed.ops
+
+    # (DeepSpeed probes each op once and keeps this dict: its edits persist for the process)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
 def main(out: str, dim: int, layers: int) -> None:
     import deepspeed
     import torch
     from torch import nn
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_gloo()
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(dim, dim) for _ in range(layers)])
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,

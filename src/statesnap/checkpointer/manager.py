@@ -459,8 +459,8 @@ class Checkpointer:
             self._cuda = CudaCopier()
         return Snapshot(
             step=step, flat=flat, metas=metas, plan=plan, elsewhere=elsewhere, owned=owned, persist=persist,
-            resident=resident,
-            versions=versions, storages=layout.storages(locals_), owners=owners, writers=layout.writers, hot=hot, late_checks=layout.late_checks,
+            resident=resident, versions=versions, storages=layout.storages(locals_), owners=owners,
+            writers=layout.writers, hot=hot, late_checks=layout.late_checks,
             plain=layout.plain, nbytes=layout.nbytes,
             objects=objects, blobs=blobs, per_rank=per_rank_names(flat), cuda_ready=cuda_ready,
             object_digests=object_digests(flat, objects) if persist and self._compares_objects else {},

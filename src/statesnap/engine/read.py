@@ -83,6 +83,15 @@ class ReadExecutor:
         self._gap_sink = memoryview(bytearray(GAP_BYTES))  # what lies between coalesced pieces: discarded
         self._whole_reads: list[dict[int, PieceRead]] = [{} for _ in range(FEW_PIECES)]  # [piece][nbytes]: it whole
         self.bytes_read = 0
+        self._counting = threading.Lock()
+
+    def _count(self, nbytes: int) -> None:
+        """Add ``nbytes`` read to ``bytes_read`` and the progress bar. Under a lock: the read
+        threads call it at once, and an unguarded ``+=`` lost updates when a thread switch fell
+        between its read and its write (a load reported 80 of its 128 MiB)."""
+        with self._counting:
+            self.bytes_read += nbytes
+            self.advance(nbytes)
 
     def add(self, fqn: str, entry: TensorEntry, target: torch.Tensor, plan: TargetPlan,
             view: memoryview | None = None) -> None:
@@ -252,8 +261,7 @@ class ReadExecutor:
             raise ReadFailedError(
                 f"data file {self.manifest.files[first.file]} of {self.directory} could not be read at byte "
                 f"{offset} (tensor {first.fqn!r}): {type(exc).__name__}: {exc}") from None
-        self.bytes_read += max(got - gaps, 0)
-        self.advance(max(got - gaps, 0))
+        self._count(max(got - gaps, 0))
         if got == want:
             return
         # the first piece whose bytes the read fell short of (past a gap, the piece after it)
@@ -296,8 +304,7 @@ class ReadExecutor:
         raw = self._reader(job).map(job.base + lo, hi - lo)
         if raw is not None:  # pick the parts straight out of the page cache: no copy of the span
             scratch = torch.frombuffer(raw, dtype=torch.uint8)
-            self.bytes_read += hi - lo
-            self.advance(hi - lo)
+            self._count(hi - lo)
         else:
             scratch = torch.empty(hi - lo, dtype=torch.uint8)
             raw = byte_view(scratch)
