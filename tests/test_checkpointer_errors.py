@@ -181,3 +181,21 @@ def test_a_background_failure_before_a_snapshot_is_finished_hangs_no_wait(tmp_pa
     closing.start()
     closing.join(30)
     assert not closing.is_alive(), "close() waited for an abandoned snapshot"
+
+
+def test_a_wait_that_runs_out_of_time_says_the_step_is_still_being_written(tmp_path, monkeypatch):
+    """wait(timeout) ending before the commit is no failure of the checkpoint: a TimeoutError that
+    is a CheckpointError too, naming the step; the save goes on and a later wait() returns it."""
+    from statesnap.storage.local import LocalBackend
+
+    release, real = threading.Event(), LocalBackend.commit
+    monkeypatch.setattr(LocalBackend, "commit", lambda self, *a, **k: (release.wait(30), real(self, *a, **k))[1])
+    ckpt = ss.Checkpointer(tmp_path, keep_last=3)
+    handle = ckpt.save(4, {"t": torch.arange(3.0)})
+    with pytest.raises(ss.NotDurableYetError, match="step 4 is not durable after 0.05 s") as caught:
+        handle.wait(0.05)
+    assert isinstance(caught.value, TimeoutError) and isinstance(caught.value, ss.CheckpointError)
+    release.set()
+    assert handle.wait(30) == str(tmp_path / "step-4")
+    ckpt.close()
+    assert ss.open(tmp_path / "step-4").read("t").tolist() == [0.0, 1.0, 2.0]

@@ -30,7 +30,8 @@ _WHERE = {
     **{name: "errors" for name in (
         "CheckpointError", "CorruptCheckpointError", "MissingFileError", "ManifestError", "StateMismatchError",
         "CheckpointExistsError", "UnsafeCheckpointError", "ConsistencyError", "ReshardError",
-        "NotInCheckpointError", "ReadFailedError", "NotACheckpointError", "RegionOutOfRangeError")},
+        "NotInCheckpointError", "ReadFailedError", "NotACheckpointError", "RegionOutOfRangeError",
+        "NotDurableYetError")},
 }
 
 __all__ = list(_WHERE)
@@ -70,8 +71,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .engine.save import SaveInfo, save
     from .errors import (
         CheckpointError, CheckpointExistsError, ConsistencyError, CorruptCheckpointError, ManifestError,
-        MissingFileError, NotACheckpointError, NotInCheckpointError, ReadFailedError, RegionOutOfRangeError,
-        ReshardError, StateMismatchError, UnsafeCheckpointError,
+        MissingFileError, NotACheckpointError, NotDurableYetError, NotInCheckpointError, ReadFailedError,
+        RegionOutOfRangeError, ReshardError, StateMismatchError, UnsafeCheckpointError,
     )
     from .reader import Reader, open  # noqa: A004
     from .state.wrappers import PerRank, Replicated, Sharded, flat_partition

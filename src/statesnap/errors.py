@@ -109,5 +109,10 @@ class ConsistencyError(CheckpointError):
     """A tensor changed in place before its snapshot copy finished."""
 
 
+class NotDurableYetError(CheckpointError, TimeoutError):
+    """``SaveHandle.wait(timeout)`` ran out of time: the checkpoint is still being written (not
+    failed), so it is a ``TimeoutError`` too; wait again or let ``close()`` finish it."""
+
+
 class ReshardError(CheckpointError):
     """The saved state cannot be mapped onto the requested layout (e.g. per-rank state)."""

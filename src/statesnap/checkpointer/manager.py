@@ -26,7 +26,7 @@ from ..engine.load import CAST_HINT
 from ..engine.replicas import limit_bytes, object_digests
 from ..engine.save import encode_objects, per_rank_names, plan_by_owners, shared_names
 from ..engine.write import default_threads
-from ..errors import CheckpointError, StateMismatchError, explained
+from ..errors import CheckpointError, NotDurableYetError, StateMismatchError, explained
 from ..monitor.events import EventLog, now
 from ..state.optim_state import create_adam_state
 from ..storage import backend_for, is_url, normalize
@@ -64,7 +64,14 @@ class SaveHandle:
             raise CheckpointError(f"step {self.step} is saved by process {self._pid}; a forked child cannot wait "
                                   "for it")
         try:
-            path = self.durable.result(timeout)
+            try:
+                path = self.durable.result(timeout)
+            except TimeoutError:
+                if self.durable.done():  # (the save's own error, not the wait's)
+                    raise
+                raise NotDurableYetError(
+                    f"step {self.step} is not durable after {timeout} s: it is still being written; call wait() again, "
+                    "or close() the Checkpointer, which waits for it") from None
             if path is None and self._snap is not None and self._snap.release() is not None:
                 # kept in memory only: no commit looked at its counters a last time, and a change
                 # in place made right after save() may have ended after its copy's own check
