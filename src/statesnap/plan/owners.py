@@ -30,11 +30,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import CheckpointError
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import TensorEntry
 from ..state.items import ItemMeta
-from .save_plan import TensorPieces, align_up, check_tiling
+from .save_plan import TensorPieces, align_up, check_tiling, ranks_disagree
 
 # what a rank sends an owner: its item descriptions (with their index in its list and where they
 # lie in its bytes, a fraction in [0, 1)) and the names of the shared plain values it holds
@@ -118,14 +117,13 @@ def plan_owned(inbox: Mapping[int, Routed]) -> OwnedTensors:
 def _plan_tensor(fqn: str, holders: list[tuple[int, int, float, ItemMeta]], decisions: dict[int, Decision]
                  ) -> TensorPieces:
     """One tensor: its distinct pieces, each with one writer, in (writer rank, item) order."""
-    head = holders[0][3]
+    head_rank, head = holders[0][0], holders[0][3]
     kind = (head.dtype, head.shape, head.layout)
     copies: dict[tuple, list[tuple[int, int]]] = {}
     position: dict[tuple, float] = {}  # where the piece lies in its lowest holder's bytes
     for rank, index, where, meta in holders:
         if (meta.dtype, meta.shape, meta.layout) != kind:
-            raise CheckpointError(f"{fqn}: ranks disagree on dtype/shape/layout "
-                                  f"({kind} vs {(meta.dtype, meta.shape, meta.layout)})")
+            raise ranks_disagree(fqn, head_rank, head, rank, meta)
         key = (meta.start, meta.size, meta.nbytes)
         copies.setdefault(key, []).append((rank, index))
         position.setdefault(key, where)

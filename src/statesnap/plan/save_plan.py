@@ -125,6 +125,20 @@ def _choose_holders(first: np.ndarray, rank: np.ndarray, nbytes: np.ndarray, wor
     return np.sort(np.concatenate([np.nonzero(single)[0], np.asarray(picked, dtype=np.int64)]))
 
 
+def _kind(meta: ItemMeta) -> tuple:
+    return meta.dtype, meta.shape, meta.layout
+
+
+def ranks_disagree(fqn: str, rank: int, meta: ItemMeta, other_rank: int, other: ItemMeta) -> CheckpointError:
+    """The error for two ranks holding one name as tensors of another dtype, shape or layout."""
+    def held(meta: ItemMeta) -> str:
+        return f"{meta.dtype} of shape {tuple(meta.shape)}" + (" (flat shards)" if meta.layout != BOX else "")
+    return CheckpointError(
+        f"tensor {fqn!r}: rank {rank} holds it as {held(meta)} and rank {other_rank} as {held(other)}; the ranks of "
+        "one checkpoint hold one tensor under each name: give every rank the same dtype and shape (a DTensor or "
+        "ss.Sharded for a sharded one), or a name of its own to a tensor each rank holds for itself")
+
+
 def _tensor_tables(metas: list[ItemMeta], rank: np.ndarray, item: np.ndarray, offset: np.ndarray,
                    nbytes: np.ndarray) -> dict[str, TensorPieces]:
     """Group the chosen pieces by tensor (in rank order) and check that the ranks agree."""
@@ -134,9 +148,10 @@ def _tensor_tables(metas: list[ItemMeta], rank: np.ndarray, item: np.ndarray, of
     fqn_of = np.fromiter(map(fqn_ids.__getitem__, fqns), np.int64, len(metas))
     if len(kinds) != len(fqn_ids):
         seen: dict[str, tuple] = {}
-        for fqn, *kind in sorted(kinds, key=str):
-            if seen.setdefault(fqn, tuple(kind)) != tuple(kind):
-                raise CheckpointError(f"{fqn}: ranks disagree on dtype/shape/layout ({seen[fqn]} vs {tuple(kind)})")
+        for meta, holder in zip(metas, rank.tolist()):
+            first = seen.setdefault(meta.fqn, (holder, meta))
+            if _kind(first[1]) != _kind(meta):
+                raise ranks_disagree(meta.fqn, *first, holder, meta)
     order = np.argsort(fqn_of, kind="stable")
     bounds = np.searchsorted(fqn_of[order], np.arange(len(fqn_ids) + 1)).tolist()
     heads = [metas[order[b]] for b in bounds[:-1]]
