@@ -1,6 +1,7 @@
 """The Checkpointer's failures and settings: a background failure reaches the training loop at its
 next call and costs no later checkpoint; bad settings and steps fail at once, by name."""
 import json
+import re
 import logging
 import os
 import threading
@@ -199,3 +200,22 @@ def test_a_wait_that_runs_out_of_time_says_the_step_is_still_being_written(tmp_p
     assert handle.wait(30) == str(tmp_path / "step-4")
     ckpt.close()
     assert ss.open(tmp_path / "step-4").read("t").tolist() == [0.0, 1.0, 2.0]
+
+
+def test_a_step_committed_below_later_ones_warns_that_load_latest_prefers_them(tmp_path):
+    """A run that went back (restored step 3 of a root holding 5) is told, once, that a restart
+    before it passes step 5 would go on from the abandoned run's step 5, and how to remove it."""
+    state = {"t": torch.zeros(2)}
+    with ss.Checkpointer(tmp_path, keep_last=3) as ckpt:
+        for step in range(1, 6):
+            state["t"].fill_(step)
+            ckpt.save(step, state).wait()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ss.Checkpointer(tmp_path, keep_last=3) as ckpt:
+            for step in (3, 4, 5, 6):
+                ckpt.save(step, state).wait()
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1, messages  # steps 4 and 5 again, then past them: nothing more to say
+    assert re.search(r"step 3 was committed .* later steps 4, 5: .* go on from step 5.*Checkpointer.remove",
+                     messages[0])

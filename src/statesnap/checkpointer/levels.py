@@ -59,6 +59,7 @@ class StorageLevel:
         # steps a restore found damaged here and went back past: retention neither counts them
         # (they would take the places of good ones) nor deletes them, until one is saved again
         self.damaged: set[int] = set()
+        self._warned_newer: set[int] = set()  # steps past a rollback already warned about
 
     def claim_root(self, take_over: bool, lease_s: float) -> None:
         """Own the root for this job; from then on every commit and deletion checks the claim."""
@@ -85,10 +86,27 @@ class StorageLevel:
         ``committed``: the step just committed here, whole again if it was ``damaged``."""
         self.damaged.discard(committed)
         steps = [step for step in self.committed_steps() if step not in self.damaged]
+        self._warn_of_newer(committed, steps)
         doomed = [s for s in steps[:-self.keep_last] if s not in protected]
         for step in doomed:
             self.backend.retire(self.path(step), MANIFEST_NAME)
         return doomed
+
+    def _warn_of_newer(self, committed: int | None, steps: list[int]) -> None:
+        """Warn (once for each later step) of committed steps past the one just committed: a run that
+        went back (restored an earlier step, or its step counter restarted) leaves the steps it
+        abandoned, and ``load_latest`` restores the highest step, so a restart before this run
+        passes them would go on from the abandoned run's state."""
+        newer = [step for step in steps if committed is not None and step > committed]
+        if set(newer) <= self._warned_newer:
+            return
+        self._warned_newer.update(newer)
+        message = (f"statesnap: step {committed} was committed at {self.root}, which holds later steps "
+                   f"{', '.join(map(str, newer))}: load_latest restores the highest step, so a restart before this run "
+                   f"passes them would go on from step {newer[-1]}. If they belong to a run you went back from, "
+                   "remove them (Checkpointer.remove(step))")
+        log.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     def remove_step(self, step: int) -> None:
         """Retire ``step`` here (``Checkpointer.remove``); an unreachable level is warned about,
