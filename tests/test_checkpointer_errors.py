@@ -1,9 +1,9 @@
 """The Checkpointer's failures and settings: a background failure reaches the training loop at its
 next call and costs no later checkpoint; bad settings and steps fail at once, by name."""
 import json
-import re
 import logging
 import os
+import re
 import threading
 import warnings
 
@@ -200,6 +200,26 @@ def test_a_wait_that_runs_out_of_time_says_the_step_is_still_being_written(tmp_p
     assert handle.wait(30) == str(tmp_path / "step-4")
     ckpt.close()
     assert ss.open(tmp_path / "step-4").read("t").tolist() == [0.0, 1.0, 2.0]
+
+
+def test_a_save_failing_after_a_wait_ran_out_of_time_is_still_raised_at_close(tmp_path, monkeypatch):
+    """The timed-out wait reported nothing: the commit's later failure is close()'s to raise."""
+    from statesnap.storage.local import LocalBackend
+
+    release = threading.Event()
+
+    def failing_commit(self, *args, **kwargs):
+        release.wait(30)
+        raise OSError(5, "injected I/O error")
+
+    monkeypatch.setattr(LocalBackend, "commit", failing_commit)
+    ckpt = ss.Checkpointer(tmp_path, keep_last=3)
+    handle = ckpt.save(4, {"t": torch.arange(3.0)})
+    with pytest.raises(ss.NotDurableYetError):
+        handle.wait(0.05)
+    release.set()
+    with pytest.raises(ss.CheckpointError, match="injected I/O error"):
+        ckpt.close()
 
 
 def test_a_step_committed_below_later_ones_warns_that_load_latest_prefers_them(tmp_path):

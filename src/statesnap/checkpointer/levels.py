@@ -97,7 +97,7 @@ class StorageLevel:
         went back (restored an earlier step, or its step counter restarted) leaves the steps it
         abandoned, and ``load_latest`` restores the highest step, so a restart before this run
         passes them would go on from the abandoned run's state."""
-        newer = [step for step in steps if committed is not None and step > committed]
+        newer = [step for step in steps if step > committed] if committed is not None else []
         if set(newer) <= self._warned_newer:
             return
         self._warned_newer.update(newer)

@@ -64,14 +64,7 @@ class SaveHandle:
             raise CheckpointError(f"step {self.step} is saved by process {self._pid}; a forked child cannot wait "
                                   "for it")
         try:
-            try:
-                path = self.durable.result(timeout)
-            except TimeoutError:
-                if self.durable.done():  # (the save's own error, not the wait's)
-                    raise
-                raise NotDurableYetError(
-                    f"step {self.step} is not durable after {timeout} s: it is still being written; call wait() again, "
-                    "or close() the Checkpointer, which waits for it") from None
+            path = self.durable.result(timeout)
             if path is None and self._snap is not None and self._snap.release() is not None:
                 # kept in memory only: no commit looked at its counters a last time, and a change
                 # in place made right after save() may have ended after its copy's own check
@@ -81,6 +74,13 @@ class SaveHandle:
             if self._snap is not None:
                 self._snap.reported = True
             raise
+        except TimeoutError:
+            if self.durable.done():  # (the save's own error, not the wait's)
+                raise
+            # not marked reported: a failure after this wait is still raised at the next call or close()
+            raise NotDurableYetError(
+                f"step {self.step} is not durable after {timeout} s: it is still being written; call wait() again, "
+                "or close() the Checkpointer, which waits for it") from None
 
 
 class Checkpointer:
