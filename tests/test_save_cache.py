@@ -102,6 +102,16 @@ def _swap_parameter_data(state):
     state["model"].body[1].weight.data = torch.randn(8, 8)  # same Parameter, new storage
 
 
+def _transpose_parameter_data(state):
+    weight = state["model"].body[1].weight
+    weight.data = weight.data.t()  # same memory, offset and shape: only the strides tell
+
+
+def _reinterpret_buffer_data(state):
+    counts = state["model"].counts
+    counts.data = counts.data.view(torch.int32)  # same memory, shape and strides: only the dtype tells
+
+
 def _add_param_group(state):
     state["optim"].add_param_group({"params": [state["model"].head.weight], "lr": 0.05})
 
@@ -136,6 +146,8 @@ def _add_buffer_to_a_submodule(state):
 CHANGES = {
     "parameter_replaced": (_replace_parameter, True),
     "parameter_data_swapped": (_swap_parameter_data, True),
+    "parameter_data_transposed": (_transpose_parameter_data, True),
+    "buffer_data_reinterpreted": (_reinterpret_buffer_data, True),
     "param_group_added": (_add_param_group, False),
     "state_tensor_replaced": (_replace_state_tensor, True),
     "state_tensor_data_swapped": (_swap_state_tensor_data, True),

@@ -9,7 +9,9 @@ it back while a cheap check finds nothing it depends on changed:
 - the *signature* of every live tensor (parameters, buffers, optimizer state values): its
   identity, data pointer, shape, strides and dtype, and for a DTensor its placements, mesh and
   local tensor. This sees a tensor replaced in the optimizer's state, ``param.data = ...``,
-  ``resize_``/``set_`` in place, a DTensor swapped for one sharded otherwise. Optimizer state
+  ``resize_``/``set_`` in place, a DTensor swapped for one sharded otherwise. A module's plain
+  tensors are checked more cheaply against aliases taken when it was cached (``is_set_to``: the
+  same storage, offset, sizes and strides) and their dtypes, which sees the same. Optimizer state
   whose items are the state's own tensor objects (a plain optimizer's) is checked by identity
   alone, which reads no tensor: such an item follows ``.data =`` by itself, and a shape or dtype
   changed in place is refused by the snapshot's copy, which then drops the cache;
@@ -32,6 +34,7 @@ optimizer (or a registration) in practice, which the check does see.
 from __future__ import annotations
 
 import itertools
+import operator
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -67,6 +70,7 @@ def _install_registration_hooks() -> None:
     _hooks_installed = True
 
 
+_values = operator.methodcaller("values")
 _PLAIN = (torch.Tensor, nn.Parameter)  # no subclass: a type lookup instead of an isinstance per tensor
 
 
@@ -75,6 +79,18 @@ def signatures(tensors: list[torch.Tensor]) -> list[tuple]:
     with torch.no_grad():  # a DTensor's to_local() is then its own local tensor, no autograd view
         return [(id(t), t.data_ptr(), t.shape, t.stride(), t.dtype)
                 if type(t) in _PLAIN or not is_dtensor(t) else _dtensor_signature(t) for t in tensors]
+
+
+def _unmoved(live: list[torch.Tensor]) -> Callable[[], Any]:
+    """A cheaper check of plain tensors than their signatures: whether each still shows the memory
+    of an alias taken now (``is_set_to``: storage, offset, sizes and strides, one call that makes
+    no Python object) in the same dtype, which ``.data =`` of a reinterpreting view would change."""
+    with torch.no_grad():
+        aliases = [t.detach() for t in live]
+    dtypes = [t.dtype for t in live]
+    unmoved = torch.Tensor.is_set_to
+    dtype_of = operator.attrgetter("dtype")
+    return lambda: all(map(unmoved, live, aliases)) and list(map(dtype_of, live)) == dtypes
 
 
 def _dtensor_signature(t) -> tuple:
@@ -159,12 +175,11 @@ class ProviderCache:
             return
 
         _watched.update(module.modules())
-
-        def fingerprint():
-            return context, _registration_count[0], signatures(live)
-
+        fingerprint = _unmoved(live) if all(type(t) in _PLAIN and t.layout == torch.strided for t in live) \
+            else lambda: signatures(live)
         self._store(fqn, module, _Entry(module, list(tensors), frozenset(i.fqn for i in tensors), [],
-                                        fingerprint, fingerprint()))
+                                        lambda: (context, _registration_count[0], fingerprint()),
+                                        (context, _registration_count[0], fingerprint())))
 
     def store_optimizer(self, fqn: str, optim: torch.optim.Optimizer, owner: nn.Module, sd: dict,
                         tensors: list[TensorItem], objects: list[ObjectItem], join: Callable[..., str],
@@ -210,14 +225,20 @@ class ProviderCache:
         # (the signatures cost a microsecond per tensor). What identity misses, a shape or dtype
         # changed in place, the snapshot's copy refuses (checkpointer/pipeline.py).
         itself = {id(v) for v in live} >= {id(item.local) for item in tensors}
-        describe = (lambda values: [id(v) for v in values]) if itself else signatures
+        # Where every value is such a tensor, the identities of all values are the check (a plain
+        # value appearing among them is a new identity): no filtering by type at each save.
+        only_itself = itself and all(isinstance(v, torch.Tensor) for s in optim.state.values() for v in s.values())
 
         def fingerprint():  # optim.state in its own order: looking parameters up would hash each
-            layout = [id(p) for group in optim.param_groups for p in group["params"]]
             states = list(optim.state.values())
-            keys = [tuple(s) for s in states]
-            tensors_now = [v for s in states for v in s.values() if isinstance(v, torch.Tensor)]
-            return context, len(optim.param_groups), layout, list(map(id, optim.state)), keys, describe(tensors_now)
+            values = list(itertools.chain.from_iterable(map(_values, states)))
+            if only_itself:
+                described = list(map(id, values))
+            else:
+                tensors_now = [v for v in values if isinstance(v, torch.Tensor)]
+                described = list(map(id, tensors_now)) if itself else signatures(tensors_now)
+            layout = [list(map(id, group["params"])) for group in optim.param_groups]
+            return context, layout, list(map(id, optim.state)), list(map(tuple, states)), described
 
         entry = _Entry(optim, list(tensors), frozenset([*(i.fqn for i in tensors), *(o.fqn for o in objects)]),
                        [(o.fqn, o.replicated, readers[o.fqn]) for o in objects], fingerprint, fingerprint(),
