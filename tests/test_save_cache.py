@@ -260,3 +260,37 @@ def test_dtensor_resharded_between_saves(tmp_path):
     boxes, values, full = results[0]
     assert boxes[0] == boxes[1] != boxes[2]  # the pieces of step 3 are columns, not rows
     assert torch.equal(bits(values[1]), bits(full)) and torch.equal(bits(values[2]), bits(full + 1))
+
+
+class _CountingSGD(torch.optim.SGD):
+    """Keeps a plain int beside its tensors in each parameter's state, as some optimizers do; from
+    step 3 on it holds its buffer as a plain float instead of a tensor."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["count"] = state.get("count", 0) + 1
+                state["scale"] = torch.full((2,), float(state["count"])) if state["count"] < 3 else 0.5
+
+
+@pytest.mark.parametrize("plain_from_start", [False, True])
+def test_optimizer_state_with_plain_values_is_read_again_at_every_save(tmp_path, plain_from_start):
+    torch.manual_seed(0)
+    model = Net()
+    optim = _CountingSGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = {"model": model, "optim": optim}
+    if plain_from_start:
+        train_step(state, 0)
+        for s in optim.state.values():
+            s["note"] = "made outside step"
+    with ss.Checkpointer(str(tmp_path), keep_last=5) as ckpt:
+        for step in (1, 2, 3, 4):
+            train_step(state, step)
+            expected = snapshot_now(state)
+            handle = ckpt.save(step, state)
+            handle.wait()
+            assert_holds(handle.durable.result(), expected)
+            counts = [v for fqn, v in expected[1].items() if fqn.endswith(".count")]
+            assert counts and set(counts) == {step + plain_from_start}
