@@ -175,11 +175,14 @@ class ProviderCache:
             return
 
         _watched.update(module.modules())
-        fingerprint = _unmoved(live) if all(type(t) in _PLAIN and t.layout == torch.strided for t in live) \
+        tensors_unchanged = _unmoved(live) if all(type(t) in _PLAIN and t.layout == torch.strided for t in live) \
             else lambda: signatures(live)
+
+        def fingerprint():
+            return context, _registration_count[0], tensors_unchanged()
+
         self._store(fqn, module, _Entry(module, list(tensors), frozenset(i.fqn for i in tensors), [],
-                                        lambda: (context, _registration_count[0], fingerprint()),
-                                        (context, _registration_count[0], fingerprint())))
+                                        fingerprint, fingerprint()))
 
     def store_optimizer(self, fqn: str, optim: torch.optim.Optimizer, owner: nn.Module, sd: dict,
                         tensors: list[TensorItem], objects: list[ObjectItem], join: Callable[..., str],
@@ -225,18 +228,12 @@ class ProviderCache:
         # (the signatures cost a microsecond per tensor). What identity misses, a shape or dtype
         # changed in place, the snapshot's copy refuses (checkpointer/pipeline.py).
         itself = {id(v) for v in live} >= {id(item.local) for item in tensors}
-        # Where every value is such a tensor, the identities of all values are the check (a plain
-        # value appearing among them is a new identity): no filtering by type at each save.
-        only_itself = itself and all(isinstance(v, torch.Tensor) for s in optim.state.values() for v in s.values())
 
         def fingerprint():  # optim.state in its own order: looking parameters up would hash each
             states = list(optim.state.values())
-            values = list(itertools.chain.from_iterable(map(_values, states)))
-            if only_itself:
-                described = list(map(id, values))
-            else:
-                tensors_now = [v for v in values if isinstance(v, torch.Tensor)]
-                described = list(map(id, tensors_now)) if itself else signatures(tensors_now)
+            values = itertools.chain.from_iterable(map(_values, states))
+            tensors_now = [v for v in values if isinstance(v, torch.Tensor)]
+            described = list(map(id, tensors_now)) if itself else signatures(tensors_now)
             layout = [list(map(id, group["params"])) for group in optim.param_groups]
             return context, layout, list(map(id, optim.state)), list(map(tuple, states)), described
 
