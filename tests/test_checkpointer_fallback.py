@@ -290,11 +290,30 @@ def test_an_error_every_copy_would_meet_deletes_no_node_local_step(tmp_path):
         for step in (1, 2, 3):
             ckpt.save(step, {"model": model, "t": (torch.zeros(300_000), step)}).wait()
     with ss.Checkpointer(tmp_path / "root", **settings) as restarted:
+        model = make_training(seed=5)[0]
+        before = reference({"model": model})
         with pytest.raises(ss.CheckpointError, match="lies in a tuple"):
-            restarted.load_latest({"model": make_training(seed=5)[0], "t": (torch.zeros(300_000), 0)})
+            restarted.load_latest({"model": model, "t": (torch.zeros(300_000), 0)})
+        assert_state_equals({"model": model}, before)  # refused before anything was read into it
     assert sorted(n for n in os.listdir(tmp_path / "local") if n.startswith("step-")) == ["step-2", "step-3"]
     with ss.Checkpointer(tmp_path / "root", **settings) as restarted:
         assert restarted.load_latest({"model": make_training(seed=5)[0], "t": (torch.zeros(300_000), 3)}) == 3
+
+
+def test_a_tuple_the_snapshot_in_memory_does_not_fit_is_refused_before_any_copy(tmp_path):
+    """From host memory as from storage: a tuple whose plain value differs from the snapshot's
+    is refused, and the state is left as it was."""
+    model, _ = make_training()
+    with ss.Checkpointer(tmp_path, **SETTINGS) as ckpt:
+        ckpt.save(1, {"model": model, "t": (torch.ones(300_000), 1)}).wait()
+        target = make_training(seed=5)[0]
+        before, held = reference({"model": target}), torch.zeros(300_000)
+        with pytest.raises(ss.CheckpointError, match="t.1 lies in a tuple"):
+            ckpt.load_latest({"model": target, "t": (held, 2)})
+        assert_state_equals({"model": target}, before)
+        assert not held.any()
+        assert ckpt.load_latest({"model": target, "t": (held, 1)}) == 1 and ckpt.loaded_from == "memory"
+        assert held.all()
 
 
 def test_only_copies_all_damaged_are_summarised_as_damage():

@@ -1,5 +1,6 @@
 """Blocking ss.save / ss.load: what a training state holds, in place, strictly, resumably, atomically."""
 import collections
+import copy
 import enum
 import os
 import struct
@@ -560,9 +561,51 @@ def test_sequences_holding_large_tensors_modules_or_dicts_of_them_are_walked(tmp
     assert torch.equal(target["m"][0].weight, state["m"][0].weight)
     assert torch.equal(target["small"][0], torch.ones(3))
 
-    other = {**target, "t": ((torch.zeros(BIG), 6, torch.zeros(2)),)}
+    # refused before anything is written: the state is as it was, tensors in data files included
+    other = {"x": [{"w": torch.zeros(BIG), "n": 0}], "t": ((torch.zeros(BIG), 6, torch.zeros(2)),),
+             "l": [[torch.zeros(BIG)]], "m": [nn.Linear(4, 4)], "small": [torch.zeros(3)]}
+    before = copy.deepcopy(other)
     with pytest.raises(ss.CheckpointError, match="t.0.1 lies in a tuple, which a load cannot change"):
         ss.load(other, tmp_path / "c")
+    _assert_same_tree(other, before)
+
+
+def _assert_same_tree(a, b):
+    """``a`` holds what ``b`` does, tensors bit for bit (modules by their state dicts)."""
+    if isinstance(a, nn.Module):
+        a, b = a.state_dict(), b.state_dict()
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _assert_same_tree(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same_tree(x, y)
+    else:
+        assert a == b
+
+
+def test_a_value_the_load_cannot_read_leaves_the_state_as_it_was(tmp_path):
+    """A pickled value without allow_pickle, and a tuple's plain value of another kind or length,
+    are refused before any tensor is read into the state."""
+    torch.manual_seed(0)
+    ss.save({"w": torch.randn(BIG), "obj": {1, 2}, "t": (torch.randn(BIG), (1, 2))}, tmp_path / "c",
+            allow_pickle=True)
+    refusals = [(dict(), (1, 2), ss.UnsafeCheckpointError, "obj is stored with pickle")]
+    refusals += [(dict(allow_pickle=True), held, ss.CheckpointError, "t.1 lies in a tuple")
+                 for held in ((1, 2, 3), [1, 2], (1.0, 2), (1, 3))]
+    for options, held, kind, match in refusals:
+        target = {"w": torch.zeros(BIG), "obj": None, "t": (torch.zeros(BIG), held)}
+        before = copy.deepcopy(target)
+        with pytest.raises(kind, match=match):
+            ss.load(target, tmp_path / "c", **options)
+        _assert_same_tree(target, before)
+    target = {"w": torch.zeros(BIG), "obj": None, "t": (torch.zeros(BIG), (1, 2))}
+    ss.load(target, tmp_path / "c", allow_pickle=True)
+    assert target["obj"] == {1, 2} and torch.count_nonzero(target["w"]) > 0
 
 
 def test_a_list_stored_whole_beside_a_name_under_it_loads_whole(tmp_path):

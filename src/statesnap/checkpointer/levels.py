@@ -247,6 +247,11 @@ def leave_fresh(optimizers: list[torch.optim.Optimizer]) -> None:
 def restore_from_memory(snap, flat, buffer: torch.Tensor, allow_pickle: bool) -> int:
     """Copy a resident snapshot back into the flattened target; return the bytes restored."""
     pairs, staged = _pairs_to_check(snap, flat, buffer)
+    read_blob = lambda fqn, _ref: snap.blobs[fqn]  # noqa: E731 (pickled values kept in memory)
+    objects = [(item, decode_value(item.fqn, snap.objects[item.fqn], allow_pickle, read_blob)) for item in flat.objects]
+    for item, value in objects:  # before any copy: a value the state cannot take leaves it as it was
+        if item.check is not None:
+            item.check(value)
     base = snap.region.start
     nbytes = 0
     devices = set()
@@ -264,9 +269,7 @@ def restore_from_memory(snap, flat, buffer: torch.Tensor, allow_pickle: bool) ->
     names = overwritten(pairs, staged) if pairs else None
     if names is not None:
         raise tie_error(names, _memory_of(snap))
-    read_blob = lambda fqn, _ref: snap.blobs[fqn]  # noqa: E731 (pickled values kept in memory)
-    for item in flat.objects:
-        value = decode_value(item.fqn, snap.objects[item.fqn], allow_pickle, read_blob)
+    for item, value in objects:
         if item.per_rank is not None:
             item.per_rank.restore(value)
         else:

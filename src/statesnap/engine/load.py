@@ -357,10 +357,15 @@ def _read_stored(backend: StorageBackend, path: str, manifest: Manifest, verify:
     return buffer, executor.bytes_read
 
 
-def fill_objects(flat: Flattened, manifest: Manifest, backend: StorageBackend, path: str, skip: set[str],
-                 allow_pickle: bool, comm: Comm) -> None:
+def decode_objects(flat: Flattened, manifest: Manifest, backend: StorageBackend, path: str, skip: set[str],
+                   allow_pickle: bool, comm: Comm) -> list[tuple[Callable[[Any], None], Any]]:
+    """``(put, value)`` for each plain value of this rank: decoded, chosen (a per-rank value)
+    and checked before the load writes anything, so that one it cannot read (pickled, without
+    ``allow_pickle``; malformed), map (saved by another number of ranks) or put back (another
+    value where the state holds a tuple) fails the load with the state as it was."""
     read_blob = blob_reader(backend, path, manifest)
     where = backend.join(path, MANIFEST_NAME)
+    puts = []
     for item in flat.objects:
         if item.fqn in skip:
             continue
@@ -370,11 +375,15 @@ def fill_objects(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
             values = values if entry.kind == "per_rank" else [values]
             found, value = item.per_rank.choose(values, comm.rank, comm.world_size, item.fqn)
             if found:
-                item.per_rank.restore(value)
+                puts.append((item.per_rank.restore, value))
             continue
         if entry.kind == "per_rank":
             raise CheckpointError(f"{item.fqn} was saved per rank; wrap it in ss.PerRank(...) to load it")
-        item.assign(decode_value(item.fqn, entry, allow_pickle, read_blob, where))
+        value = decode_value(item.fqn, entry, allow_pickle, read_blob, where)
+        if item.check is not None:
+            item.check(value)
+        puts.append((item.assign, value))
+    return puts
 
 
 def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_pickle: bool = False,
@@ -489,6 +498,8 @@ class Loading:
             tied_apart = _tied_apart(self.sharing, self.manifest, self.path)
             if tied_apart is not None:
                 raise tied_apart
+            self.objects = decode_objects(self.flat, self.manifest, self.backend, self.path, self.skip,
+                                          self.allow_pickle, self.comm)
             zero_unfilled(self.created, [item.local for item in self.flat.tensors if item.fqn in self.skip])
         except Exception as exc:
             error = exc
@@ -520,8 +531,8 @@ class Loading:
                 clash = self._overwritten()
                 if clash is not None:
                     raise clash
-                fill_objects(self.flat, self.manifest, self.backend, self.path, self.skip, self.allow_pickle,
-                             self.comm)
+                for put, value in self.objects:
+                    put(value)
                 for finalize in self.flat.finalizers:
                     finalize()
             except Exception as exc:

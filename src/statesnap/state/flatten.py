@@ -197,7 +197,8 @@ class _Walker:
                 self.out.finalizers.append(lambda v=value, sd=sd: v.load_state_dict(sd))
         else:
             self._claim(fqn)
-            self.out.objects.append(ObjectItem(fqn, value, assign=_assigner(fqn, container, key, self.filled)))
+            assign, check = _assigner(fqn, container, key, self.filled)
+            self.out.objects.append(ObjectItem(fqn, value, assign=assign, check=check))
 
     def _walks_sequence(self, fqn: str, value: list | tuple) -> bool:
         """A save walks a list or tuple that holds what plain data cannot (``_needs_walk``). A
@@ -389,20 +390,50 @@ def _needs_walk(value: Any) -> bool:
     return isinstance(value, (nn.Module, torch.optim.Optimizer, PerRank, Replicated, Sharded)) or _is_stateful(value)
 
 
-def _assigner(fqn: str, container: Any, key: Any, filled: FilledPlaces) -> Callable[[Any], None]:
-    """How a load puts a plain value back at ``container[key]``: filled into what is held there
-    where it can be (``_merged``), since a load is in place and others may hold the objects
+def _assigner(fqn: str, container: Any, key: Any,
+              filled: FilledPlaces) -> tuple[Callable[[Any], None], Callable[[Any], None] | None]:
+    """How a load puts a plain value back at ``container[key]``, and the check it runs on the
+    value before it writes anything (None: any value goes). A value is filled into what is held
+    there where it can be (``_merged``), since a load is in place and others may hold the objects
     (an optimizer the small tensors of a list). A tuple cannot take a new value: what it holds
     must be filled in place or already be the stored value."""
     if not isinstance(container, tuple):
-        return lambda v: container.__setitem__(key, _merged(container[key], v, filled))
+        return lambda v: container.__setitem__(key, _merged(container[key], v, filled)), None
 
-    def fill(value: Any) -> None:
+    def check(value: Any) -> None:
+        if not _fits_in_place(container[key], value):
+            raise _tuple_refuses(fqn, container[key], value)
+
+    def fill(value: Any) -> None:  # (checked before; a place also filled under another name is still refused here)
         if _merged(container[key], value, filled) is not container[key] and not _same(container[key], value):
-            raise CheckpointError(f"{fqn} lies in a tuple, which a load cannot change, and the checkpoint holds "
-                                  f"another value there ({_shown(value):.80} against {_shown(container[key]):.80}); "
-                                  "make the tuple a list")
-    return fill
+            raise _tuple_refuses(fqn, container[key], value)
+    return fill, check
+
+
+def _tuple_refuses(fqn: str, held: Any, value: Any) -> StateMismatchError:
+    """A mismatch of the state, not damage: no other copy of the checkpoint would fit it either."""
+    return StateMismatchError(f"{fqn} lies in a tuple, which a load cannot change, and the checkpoint holds another "
+                              f"value there ({_shown(value):.80} against {_shown(held):.80}).", mismatched=[fqn],
+                              advice="Make the tuple a list.")
+
+
+def _fits_in_place(held: Any, value: Any) -> bool:
+    """Whether ``_merged`` keeps ``held`` when given ``value``, or ``value`` equals it: what a
+    tuple's element needs. Asked without filling anything."""
+    if isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor):
+        return (held.shape == value.shape and held.dtype == value.dtype) or _same(held, value)
+    if isinstance(held, list) and isinstance(value, list) or isinstance(held, dict) and isinstance(value, dict):
+        return True
+    if isinstance(held, tuple) and isinstance(value, tuple) and len(held) == len(value):
+        return all(map(_fits_in_place, held, value))
+    if isinstance(held, bytearray) and isinstance(value, bytes):
+        return True
+    if isinstance(held, enum.Enum) and not isinstance(value, enum.Enum):
+        try:
+            return type(held)(value) is held
+        except ValueError:
+            return False
+    return _same(held, value)
 
 
 class FilledPlaces:

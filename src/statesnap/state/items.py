@@ -143,6 +143,9 @@ class ObjectItem:
     fqn: str
     value: Any
     assign: Callable[[Any], None] | None = None
+    # raises where ``assign`` could not take the value (an element of a tuple that differs): a
+    # load asks before it writes anything, so that such a state is refused as it was
+    check: Callable[[Any], None] | None = None
     per_rank: Any = None  # the PerRank wrapper, for per-rank values
     replicated: bool = False  # declared (ss.Replicated): ranks may differ, rank 0's value is kept
 
