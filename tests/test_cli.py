@@ -55,6 +55,7 @@ def test_inspect_json(ckpt, capsys):
     assert totals["tensors"] == len(tensors) == 9
     assert totals["tensor_bytes"] == sum(t["bytes"] for t in tensors.values())
     assert totals["file_bytes"] == sum(f["bytes"] for f in doc["files"]) >= totals["tensor_bytes"]
+    assert {f["kind"] for f in doc["files"]} == {"data"} and totals["manifest_sections"] == 0
     assert totals["manifest_bytes"] == (ckpt / MANIFEST_NAME).stat().st_size
     assert doc["format_version"] == 1 and doc["world_size"] == 1
 
@@ -371,6 +372,44 @@ def test_a_destination_that_exists_names_the_flag_that_replaces_it(ckpt, tmp_pat
     assert main(["convert", str(tmp_path / "w.pt"), str(ckpt)]) == 2
     err = capsys.readouterr().err
     assert err.count("pass --overwrite to replace it") == 2 and "overwrite=True" not in err
+
+
+def test_convert_and_export_errors_name_their_flags_not_the_python_arguments(ckpt, tmp_path, capsys):
+    """The messages are written for the Python call; the command line names its own flags."""
+    torch.save({"w": torch.ones(2), "v": torch.ones(3)}, tmp_path / "w.pt")
+    assert main(["convert", str(tmp_path / "w.pt"), str(tmp_path / "ck"), "--no-copy"]) == 2
+    assert main(["export", str(ckpt), str(tmp_path / "o.safetensors"), "--max-shard-size", "10B"]) == 2
+    err = capsys.readouterr().err
+    assert "--no-copy links the source's files" in err and "so it is copied: leave out --no-copy" in err
+    assert "--max-shard-size 10 splits" in err and "or leave out --max-shard-size" in err
+    assert not any(word in err for word in ("copy=", "max_shard_bytes", "allow_pickle"))
+    ss.save({"w": torch.ones(2), "obj": {1, 2}}, tmp_path / "pickled", allow_pickle=True)
+    assert main(["export", str(tmp_path / "pickled"), str(tmp_path / "p.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "skipped obj (pickled; pass --allow-pickle if you trust the checkpoint)" in out
+
+
+def test_a_trainers_pointer_is_not_taken_for_a_checkpoint_and_what_it_names_is_said(tmp_path, capsys):
+    """Lightning's ``last.ckpt`` and the Trainer's ``checkpoint-N`` are pointers to a step of
+    the store beside them: inspecting one names that step, which inspects as a checkpoint."""
+    from statesnap.integrations.pointers import POINTER_NAME, pointer_bytes
+
+    ss.save({"w": torch.ones(2)}, tmp_path / "statesnap" / "step-3")
+    (tmp_path / "last.ckpt").write_bytes(pointer_bytes("statesnap-lightning-1", "statesnap/step-3"))
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / POINTER_NAME).write_bytes(pointer_bytes("statesnap-transformers-1",
+                                                                          "statesnap/step-3"))
+    named = str(tmp_path / "statesnap" / "step-3")
+    assert main(["inspect", str(tmp_path / "last.ckpt")]) == 2
+    assert main(["inspect", str(tmp_path / "checkpoint-3")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(line.endswith(f"the checkpoint it names is {named})") for line in err)
+    assert "it is a pointer a trainer's statesnap integration wrote" in err[0]
+    assert f"{tmp_path / 'checkpoint-3' / POINTER_NAME} is a pointer" in err[1]
+    assert main(["inspect", named]) == 0
+    (tmp_path / "other.ckpt").write_bytes(b'{"format": "lightning", "checkpoint": "statesnap/step-3"}')
+    with pytest.raises(ss.CheckpointError, match="it is a file, perhaps a torch.save or safetensors one"):
+        ss.load({"w": torch.zeros(2)}, tmp_path / "other.ckpt")
 
 
 def test_a_checkpointer_root_is_not_taken_for_a_checkpoint_and_its_newest_step_is_named(tmp_path, capsys):

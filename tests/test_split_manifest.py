@@ -64,7 +64,14 @@ def test_split_manifest_of_three_ranks_loads_resharded_and_every_tool_reads_it(t
     assert json.loads((tmp_path / "single" / MANIFEST_NAME).read_bytes())["version"] == 1
     capsys.readouterr()
     assert main(["verify", path]) == 0 and main(["inspect", path]) == 0 and main(["diff", path, single]) == 0
-    assert "mp.w" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    data_files = len(reader.manifest.files) - len(sections)
+    assert "mp.w" in out and f"{data_files} data files" in out and f"and {len(sections)} section files" in out
+    assert main(["inspect", "--json", path]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["totals"]["files"] == data_files and doc["totals"]["manifest_sections"] == len(sections)
+    assert sorted(f["name"] for f in doc["files"] if f["kind"] == "manifest section") == sorted(sections)
+    assert doc["totals"]["file_bytes"] == sum(f["bytes"] for f in doc["files"] if f["kind"] == "data")
 
 
 def _values_at(step: int) -> torch.Tensor:

@@ -89,14 +89,18 @@ def describe(reader: Reader) -> dict:
         manifest_bytes = manifest_file.size()
     finally:
         manifest_file.close()
+    sections = set(manifest.sections)  # (a split manifest's sections are in its file table, but hold no tensors)
+    files = [{"name": n, "bytes": s, "kind": "manifest section" if i in sections else "data"}
+             for i, (n, s) in enumerate(zip(manifest.files, manifest.file_sizes))]
     return {
         "path": reader.path, "format_version": manifest.version, "world_size": manifest.world_size,
-        "block_bytes": manifest.block_bytes, "meta": manifest.meta,
-        "files": [{"name": n, "bytes": s} for n, s in zip(manifest.files, manifest.file_sizes)],
+        "block_bytes": manifest.block_bytes, "meta": manifest.meta, "files": files,
         "tensors": tensors, "objects": objects,
         "totals": {"tensors": len(tensors), "objects": len(objects), "pieces": sum(t["pieces"] for t in tensors),
-                   "tensor_bytes": sum(t["bytes"] for t in tensors), "files": len(manifest.files),
-                   "file_bytes": manifest.total_bytes, "manifest_bytes": manifest_bytes},
+                   "tensor_bytes": sum(t["bytes"] for t in tensors), "files": len(files) - len(sections),
+                   "file_bytes": manifest.total_bytes, "manifest_bytes": manifest_bytes,
+                   "manifest_sections": len(sections),
+                   "section_bytes": sum(f["bytes"] for f in files if f["kind"] != "data")},
     }
 
 
@@ -117,10 +121,13 @@ def print_description(doc: dict, show_files: bool) -> None:
     if doc["objects"]:
         print("\n".join(_columns([["object", "kind"]] + [[printable(o["name"]), o["kind"]] for o in doc["objects"]])))
     if show_files:
-        print("\n".join(_columns([["file", "bytes"]] + [[printable(f["name"]), human_bytes(f["bytes"])] for f in doc["files"]])))
+        rows = [[printable(f["name"]), human_bytes(f["bytes"]), f["kind"]] for f in doc["files"]]
+        print("\n".join(_columns([["file", "bytes", "holds"]] + rows)))
+    sections = totals["manifest_sections"]
     print(f"total: {totals['tensors']} tensors in {totals['pieces']} pieces, {human_bytes(totals['tensor_bytes'])}; "
           f"{totals['objects']} objects; {totals['files']} data files, {human_bytes(totals['file_bytes'])}; "
-          f"manifest {human_bytes(totals['manifest_bytes'])}")
+          f"manifest {human_bytes(totals['manifest_bytes'])}"
+          + (f" and {sections} section files, {human_bytes(totals['section_bytes'])}" if sections else ""))
 
 
 def inspect_main(argv: list[str]) -> int:

@@ -7,7 +7,7 @@ import sys
 from typing import Any, Callable
 
 from ..cli import printable
-from ..errors import CheckpointError, CheckpointExistsError
+from ..errors import CheckpointError
 from ..tools import OK, TROUBLE, progress_flags
 from .api import SOURCES, TARGETS, convert, export
 
@@ -37,15 +37,25 @@ def _parser(name: str, description: str, src_help: str, dst_help: str) -> argpar
     return parser
 
 
+# The errors name the Python call's arguments; on the command line the flags that set them.
+_FLAGS_FOR_ARGUMENTS = (("pass overwrite=True", "pass --overwrite"), ("use copy=True", "leave out --no-copy"),
+                        ("copy=False", "--no-copy"), ("leave max_shard_bytes out", "leave out --max-shard-size"),
+                        ("max_shard_bytes=", "--max-shard-size "), ("allow_pickle=True", "--allow-pickle"))
+
+
+def cli_wording(message: str) -> str:
+    """``message`` with the Python call's arguments named as this command's flags."""
+    for argument, flag in _FLAGS_FOR_ARGUMENTS:
+        message = message.replace(argument, flag)
+    return message
+
+
 def _run(name: str, call: Callable[[], Any]) -> Any:
     """The call's result, or None after printing the CheckpointError it raised."""
     try:
         return call()
     except CheckpointError as exc:
-        message = str(exc)
-        if isinstance(exc, CheckpointExistsError):  # said for the Python call; here it is the flag
-            message = message.replace("pass overwrite=True", "pass --overwrite")
-        print(printable(f"statesnap {name}: {message}"), file=sys.stderr)
+        print(printable(f"statesnap {name}: {cli_wording(str(exc))}"), file=sys.stderr)
         return None
 
 
@@ -86,5 +96,5 @@ def export_main(argv: list[str]) -> int:
     print(printable(f"exported {args.src} -> {info.path} ({info.to}): {info.tensors} tensors, {info.bytes} bytes "
                     f"in {len(info.files)} file(s), {info.seconds:.2f} s"))
     for line in info.skipped:
-        print(printable(f"  skipped {line}"))
+        print(printable(f"  skipped {cli_wording(line)}"))
     return OK

@@ -97,6 +97,12 @@ def _what_else(backend: StorageBackend, path: str) -> str:
     except OSError:  # a file: statesnap checkpoints are directories
         names = None
     convert = f"convert it with ss.convert({path!r}, DST) or `statesnap convert`"
+    from ..integrations.pointers import POINTER_NAME  # (light: no trainer is imported)
+    pointer = path if names is None else backend.join(path, POINTER_NAME) if POINTER_NAME in names else None
+    pointed = _pointed_checkpoint(backend, pointer) if pointer is not None else None
+    if pointed is not None:  # (named from the directory above ``path``: beside a .ckpt file, or a checkpoint-N)
+        return (f"{'it' if pointer == path else pointer} is a pointer a trainer's statesnap integration wrote; "
+                f"the checkpoint it names is {backend.join(path.rstrip('/').rpartition('/')[0] or '.', pointed)}")
     if names is None:
         return f"it is a file, perhaps a torch.save or safetensors one: {convert}"
     from ..checkpointer.levels import STEP_PREFIX, parse_step  # (here: the checkpointer package imports this module)
@@ -110,6 +116,22 @@ def _what_else(backend: StorageBackend, path: str) -> str:
     if any(name.endswith(".safetensors") for name in names):
         return f"it holds safetensors files: {convert}"
     return "an interrupted save leaves none; load an earlier checkpoint"
+
+
+def _pointed_checkpoint(backend: StorageBackend, pointer: str) -> str | None:
+    """The relative path that the file ``pointer`` names, if it is a statesnap pointer (one that
+    Lightning's or the Hugging Face Trainer's integration wrote), else None."""
+    from ..integrations.pointers import POINTER_MAX_BYTES, pointed_checkpoint
+
+    try:
+        reader = backend.open_read(pointer)
+        try:
+            relative = pointed_checkpoint(read_at_most(reader, 0, POINTER_MAX_BYTES))
+        finally:
+            reader.close()
+    except (OSError, CheckpointError):
+        return None
+    return relative
 
 
 def blob_reader(backend: StorageBackend, path: str, manifest: Manifest):

@@ -22,6 +22,7 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from ..storage.local import open_source
 
 POINTER_MAX_BYTES = 1 << 20  # a pointer may carry a trainer's own small state (see ``pointer_bytes``)
+POINTER_NAME = "statesnap.json"  # the pointer inside a checkpoint directory a trainer names (Hugging Face's)
 
 
 def step_of(name: str) -> int | None:
@@ -49,14 +50,33 @@ def parse_pointer(raw: bytes, fmt: str, where: str, verify: bool = True) -> tupl
     if not isinstance(pointer, dict) or pointer.get("format") != fmt:
         return None
     relative = pointer.get("checkpoint")
-    if not isinstance(relative, str) or step_of(relative) is None or ".." in relative.split("/") \
-            or relative.startswith("/"):
+    if not _names_a_step_beside(relative):
         raise CheckpointError(f"{where} is a statesnap pointer with a malformed target {relative!r}")
     own_state = pointer.get("own_state")
     if verify and own_state is not None and (not isinstance(own_state, str) or pointer.get("own_state_xxh3")
                                              != xxhash.xxh3_64_hexdigest(own_state.encode())):
         raise CheckpointError(f"{where} is a statesnap pointer whose own state is damaged (checksum mismatch)")
     return relative, own_state
+
+
+def pointed_checkpoint(raw: bytes) -> str | None:
+    """The path, relative to the pointer, that a pointer of any integration names; None if
+    ``raw`` is no pointer. Only for telling a user who names a pointer where its checkpoint is:
+    loading through a pointer is :func:`parse_pointer`'s, which checks what it names."""
+    try:
+        pointer = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(pointer, dict) and str(pointer.get("format")).startswith("statesnap-") \
+            and _names_a_step_beside(pointer.get("checkpoint")):
+        return pointer["checkpoint"]
+    return None
+
+
+def _names_a_step_beside(relative) -> bool:
+    """Whether a pointer's target is a ``step-N`` below the pointer's directory, as written."""
+    return (isinstance(relative, str) and step_of(relative) is not None and ".." not in relative.split("/")
+            and not relative.startswith("/"))
 
 
 def read_pointer_file(path: str) -> bytes:

@@ -39,12 +39,11 @@ from ..errors import CheckpointError, StateMismatchError, described
 from ..reader import open as open_checkpoint
 from ..state.wrappers import PerRank, Replicated
 from .pointers import (
-    PointerFailures, fsync_directory, parse_pointer, pointer_bytes, read_pointer_file, step_of,
+    POINTER_NAME, PointerFailures, fsync_directory, parse_pointer, pointer_bytes, read_pointer_file, step_of,
 )
 from .rng import RngStates
 
 POINTER_FORMAT = "statesnap-transformers-1"
-POINTER_NAME = "statesnap.json"
 log = logging.getLogger("statesnap")
 TRAINER_STATE_NAME = "trainer_state.json"
 STORE_DIR = "statesnap"
