@@ -2,6 +2,7 @@
 created in place, unfilled, instead of by a zero-lr step; the load fills it bit for bit, what it
 does not fill (strict=False) is zero, never leftover memory, and a failed load leaves it fresh.
 Files that are not in the page cache come back bit for bit and still verified."""
+import importlib
 import json
 import os
 import subprocess
@@ -155,6 +156,41 @@ def test_cold_files_load_bit_exact(tmp_path):
     ss.load(target, tmp_path / "ck")
     for name, value in state["model"].items():
         assert same_bits(target["model"][name], value), name
+
+
+def test_a_small_checkpoint_is_read_ahead_as_its_load_begins_and_a_large_one_is_not(tmp_path, monkeypatch):
+    """Right after the manifest is read, the data files of a checkpoint of at most
+    PREFETCH_MAX_BYTES are handed to the backend's prefetch (their disk reads then overlap the
+    planning); a larger one's are not (its own parallel reads are faster alone). Either way the
+    cold load is bit exact."""
+    load_module = importlib.import_module("statesnap.engine.load")  # (the package names its function load)
+    asked = []
+    monkeypatch.setattr(LocalBackend, "prefetch", lambda self, paths: asked.append(sorted(paths)))
+    state = odd_state()
+    ss.save(state, tmp_path / "ck")
+    data_files = sorted(str(p) for p in (tmp_path / "ck").iterdir() if p.name != MANIFEST_NAME)
+    for limit, expected in ((load_module.PREFETCH_MAX_BYTES, [data_files]), (1 * MIB, [])):
+        monkeypatch.setattr(load_module, "PREFETCH_MAX_BYTES", limit)
+        asked.clear()
+        evict(tmp_path / "ck")
+        target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+        ss.load(target, tmp_path / "ck")
+        assert asked == expected
+        for name, value in state["model"].items():
+            assert same_bits(target["model"][name], value), name
+
+
+def test_prefetch_passes_over_what_is_not_a_regular_file(tmp_path):
+    """A FIFO (which a blocking open would wait on forever), a directory and a missing name among
+    the files: the read-ahead skips them and ends; it is a hint, never an error."""
+    from statesnap.storage import local
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_bytes(b"x" * 10_000)
+    paths = [str(tmp_path / n) for n in ("fifo", "dir", "missing", "file")]
+    local._read_ahead(paths)  # (what the backend's thread runs: it returns)
+    LocalBackend().prefetch(paths)
 
 
 def test_damage_in_a_cold_file_is_named(tmp_path):

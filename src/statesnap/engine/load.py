@@ -471,6 +471,19 @@ def _stored_alike(manifest: Manifest, a: str, b: str) -> bool:
                                                        (ea.checksum, eb.checksum))))
 
 
+# A checkpoint of at most this many data bytes is read ahead whole as soon as its manifest is read:
+# loading a small state is mostly planning, which the disk reads then overlap (1,000 tensors of
+# 9 MB, cold: 19 -> 16 ms). A large one is not: its own parallel reads outrun one read-ahead of
+# everything, which competed with them (3 x 400 MB, cold: 0.36 -> 0.49 s).
+PREFETCH_MAX_BYTES = 64 << 20
+
+
+def _prefetch_small(backend: StorageBackend, path: str, manifest: Manifest) -> None:
+    if manifest.total_bytes <= PREFETCH_MAX_BYTES:
+        sections = set(manifest.sections)
+        backend.prefetch([backend.join(path, name) for i, name in enumerate(manifest.files) if i not in sections])
+
+
 class Loading:
     """One load (``load``'s arguments) in its three steps, for a caller with other work to run
     between checking the target and reading its bytes: a restore from the node-local level
@@ -506,6 +519,7 @@ class Loading:
             self.path = normalize(self.path)
             self.backend = backend_for(self.path, storage_options)
             self.manifest = manifest if manifest is not None else read_manifest(self.backend, self.path)
+            _prefetch_small(self.backend, self.path, self.manifest)
             recorded = self.manifest.meta.get("step")  # (none in checkpoints no Checkpointer wrote)
             if self.step is not None and recorded not in (None, self.step):  # renamed, or copied in from another run
                 raise CorruptCheckpointError(f"{self.path} holds step {recorded!r}, not step {self.step}")

@@ -92,6 +92,12 @@ class StorageBackend(ABC):
     @abstractmethod
     def open_read(self, path: str) -> FileReader: ...
 
+    def prefetch(self, paths: Sequence[str]) -> None:
+        """A hint that the files at ``paths`` are about to be read whole: a backend may start
+        reading them in the background, so that a load's disk reads overlap the work it does
+        before it reads (parsing the manifest, planning). Nothing waits for it and nothing it
+        meets is an error: the reads that follow check everything. The default does nothing."""
+
     @abstractmethod
     def write_bytes(self, path: str, data: bytes, durable: bool) -> None: ...
 

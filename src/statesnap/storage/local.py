@@ -216,6 +216,20 @@ def _open_regular(path: str) -> int:
     return fd
 
 
+def _read_ahead(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            fd = _open_regular(path)  # (a FIFO or a device in a file's place is never read)
+        except (OSError, CheckpointError):
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
 def open_source(path: str) -> BinaryIO:
     """The regular file at ``path`` opened for reading, for importing a foreign checkpoint, as a
     statesnap checkpoint's own files are opened: a symbolic link is followed, and anything that
@@ -323,6 +337,13 @@ class LocalBackend(StorageBackend):
 
     def open_read(self, path: str) -> FileReader:
         return _LocalReader(path)
+
+    def prefetch(self, paths: Sequence[str]) -> None:
+        """``POSIX_FADV_WILLNEED`` on each file, from a thread of its own: the kernel starts
+        reading them into the page cache, and the call itself may wait for the disk's queue."""
+        if hasattr(os, "posix_fadvise"):  # (not on macOS)
+            threading.Thread(target=_read_ahead, args=(list(paths),), name="statesnap-prefetch",
+                             daemon=True).start()
 
     def write_bytes(self, path: str, data: bytes, durable: bool) -> None:
         writer = _LocalWriter(path)
