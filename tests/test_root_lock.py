@@ -267,11 +267,11 @@ class _FailingWrites:
     def __getattr__(self, name):
         return getattr(self._backend, name)
 
-    def write_bytes(self, path, data, durable):
+    def write_bytes(self, path, data, durable, exclusive=False):
         self.writes += 1
         if self.writes in self.fail:
             raise ss.CheckpointError(f"writing {path} failed: injected")
-        self._backend.write_bytes(path, data, durable)
+        self._backend.write_bytes(path, data, durable, exclusive)
         if self.writes > max(self.fail):
             self.renewed.set()
 

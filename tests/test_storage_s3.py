@@ -4,6 +4,7 @@ Every test talks to S3 through a fresh :class:`s3_server.FaultProxy` (its reques
 parts, ranges and order; it injects 503s and dies on demand); ``direct`` options reach moto
 without the proxy, to look at what was stored after the proxy died.
 """
+import importlib
 import logging
 import uuid
 
@@ -353,6 +354,44 @@ def test_a_manifest_put_that_landed_but_reported_failure_is_committed(proxy, mot
     loaded = zeros_like(second)
     ss.load(loaded, url, storage_options=options(moto))
     assert_same(loaded, second)
+
+
+def test_of_two_saves_to_one_path_without_overwrite_the_second_to_commit_is_refused(proxy, moto, monkeypatch):
+    """Both saves find the path free and write their files; the first manifest commits. The
+    second's manifest PUT is conditional (If-None-Match), so it fails with CheckpointExistsError
+    instead of silently replacing the first checkpoint, and deletes its own files."""
+    save_module = importlib.import_module("statesnap.engine.save")
+    url, first, second = fresh_url("race"), make_state(14), make_state(15)
+    opened = save_module.open_staging
+
+    def meanwhile_another_save_commits(backend, path, overwrite):
+        staged = opened(backend, path, overwrite)  # (the path was free: this save goes on)
+        monkeypatch.setattr(save_module, "open_staging", opened)
+        ss.save(first, url, storage_options=options(moto))
+        return staged
+
+    monkeypatch.setattr(save_module, "open_staging", meanwhile_another_save_commits)
+    with pytest.raises(ss.CheckpointExistsError, match="another save committed it while this one wrote"):
+        ss.save(second, url, storage_options=options(proxy))
+    loaded = zeros_like(first)
+    ss.load(loaded, url, storage_options=options(moto))
+    assert_same(loaded, first)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **moto.storage_options())
+    stored = {p.rsplit("/", 1)[-1] for p in fs.ls(url[len("s3://"):], refresh=True)}
+    assert stored == {"manifest.json", *ss.open(url, storage_options=options(moto)).manifest.files}
+
+
+def test_a_conditional_manifest_put_whose_answer_was_lost_is_committed_by_its_retry(proxy, moto):
+    """The first PUT landed but its answer was lost; its retry finds the object there (412). The
+    manifest read back is this save's own: the save committed, and says so."""
+    url, state = fresh_url("lost-answer"), make_state(16)
+    manifest_put = lambda r: r.method == "PUT" and r.path.endswith("/manifest.json")  # noqa: E731
+    proxy.lose_answers(manifest_put, times=1)
+    ss.save(state, url, storage_options=options(proxy, retries=3))
+    assert len([r for r in proxy.requests if manifest_put(r)]) == 2
+    loaded = zeros_like(state)
+    ss.load(loaded, url, storage_options=options(moto))
+    assert_same(loaded, state)
 
 
 def test_a_manifest_put_whose_read_back_fails_too_leaves_its_files(proxy, moto, caplog):

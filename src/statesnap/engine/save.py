@@ -473,7 +473,8 @@ def commit_manifest(backend, path, staging, outputs, overwrite, durable,
     try:
         manifest, raw = build([out for out, _ in outputs])
         replaced = files_replaced(backend, staging, path)
-        write_manifest(backend, staging, path, raw, durable)
+        # (in place only: elsewhere the staging directory is new, and the commit's rename refuses to replace)
+        write_manifest(backend, staging, path, raw, durable, exclusive=not overwrite and staging == path)
         in_place = staging == path
         backend.commit(staging, path, overwrite, durable, keep=[*manifest.files, MANIFEST_NAME], replaced=replaced)
     except Exception as exc:
@@ -504,16 +505,20 @@ def files_replaced(backend: StorageBackend, staging: str, path: str) -> list[str
         return []
 
 
-def write_manifest(backend: StorageBackend, staging: str, path: str, raw: bytes, durable: bool) -> None:
+def write_manifest(backend: StorageBackend, staging: str, path: str, raw: bytes, durable: bool,
+                   exclusive: bool = False) -> None:
     """Write the manifest ``raw`` into ``staging``. In place (an object store), a PUT that landed
     but whose answer was lost, its retries then failing, raises although it committed, so the
     manifest is read back: this one is the commit (the abort must not delete the files it
     names); another or none lets the write's failure stand. When the read fails too, nobody
     knows which: the write's failure is raised marked (``commit_unknown``), and its abort leaves
-    the files, since deleting them could leave a committed manifest naming files that are gone."""
+    the files, since deleting them could leave a committed manifest naming files that are gone.
+    ``exclusive`` (a save without ``overwrite``): another save's manifest that got there first,
+    while this one wrote its files, is a ``CheckpointExistsError``; without it, both saves
+    succeeded and the first one's checkpoint was silently replaced."""
     where = backend.join(staging, MANIFEST_NAME)
     try:
-        backend.write_bytes(where, raw, durable)
+        backend.write_bytes(where, raw, durable, **({"exclusive": True} if exclusive else {}))
     except Exception as exc:
         if staging != path:
             raise
@@ -526,6 +531,9 @@ def write_manifest(backend: StorageBackend, staging: str, path: str, raw: bytes,
             log.warning("statesnap: whether %s is committed is unknown: writing its manifest failed, and so did "
                         "reading it back (%s); its files are left there", path, describe(unread))
             setattr(exc, _COMMIT_UNKNOWN, True)
+        if isinstance(exc, FileExistsError) and not commit_unknown(exc):
+            raise CheckpointExistsError(f"{path} already exists: another save committed it while this one wrote "
+                                        "its files; pass overwrite=True to replace it") from None
         raise
 
 

@@ -99,7 +99,10 @@ class StorageBackend(ABC):
         meets is an error: the reads that follow check everything. The default does nothing."""
 
     @abstractmethod
-    def write_bytes(self, path: str, data: bytes, durable: bool) -> None: ...
+    def write_bytes(self, path: str, data: bytes, durable: bool, exclusive: bool = False) -> None:
+        """Write ``data`` as the whole file ``path``. ``exclusive``: a ``FileExistsError`` where
+        a file is there already, decided atomically where the store can (an S3 conditional PUT),
+        so that of two saves to one path without ``overwrite`` only one commits."""
 
     @abstractmethod
     def read_bytes(self, path: str) -> bytes: ...

@@ -2,7 +2,8 @@
 
 Object stores cannot rename a directory atomically, so the manifest is the commit marker: data
 files are written in place under names unique to this save, and the manifest is written last in
-one PUT. A reader that finds no manifest sees no checkpoint. On overwrite the old data files stay
+one PUT (without overwrite a conditional one, so that of two saves to one path only the first
+commits). A reader that finds no manifest sees no checkpoint. On overwrite the old data files stay
 until the new manifest is in place and are deleted only then.
 
 Object stores also cannot write at an offset: a file is one stream (fsspec's buffered files on
@@ -370,11 +371,15 @@ class FsspecBackend(StorageBackend):
     def open_read(self, path: str) -> FileReader:
         return _FsspecReader(self.fs, self._strip(path), path, self.retry)
 
-    def write_bytes(self, path: str, data: bytes, durable: bool) -> None:
+    def write_bytes(self, path: str, data: bytes, durable: bool, exclusive: bool = False) -> None:
         # One PUT (up to 100 MiB on S3): the object appears whole or not at all, which is what
-        # makes the manifest, written last, the commit marker.
+        # makes the manifest, written last, the commit marker. Exclusive, fsspec's mode "create":
+        # a conditional PUT on S3 (If-None-Match), a look first on stores that have none.
         try:
-            self._call(f"writing {path}", self.fs.pipe_file, self._strip(path), data)
+            self._call(f"writing {path}", self.fs.pipe_file, self._strip(path), data,
+                       **({"mode": "create"} if exclusive else {}))  # (older fsspec stores know no mode)
+        except FileExistsError:
+            raise
         except Exception as exc:
             raise _error(f"writing {path} failed", exc) from exc
 

@@ -110,9 +110,9 @@ def _past(views: list[memoryview], first: int, nbytes: int) -> tuple[int, int]:
 
 
 class _LocalWriter(FileWriter):
-    def __init__(self, path: str, durable: bool = False):
+    def __init__(self, path: str, durable: bool = False, exclusive: bool = False):
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC), 0o644)
         # Start writing back each range as soon as it is written, so the disk works while later
         # ranges are still being copied and the final fsync has little left to wait for.
         self.writeback = durable and _sync_file_range is not None
@@ -345,8 +345,8 @@ class LocalBackend(StorageBackend):
             threading.Thread(target=_read_ahead, args=(list(paths),), name="statesnap-prefetch",
                              daemon=True).start()
 
-    def write_bytes(self, path: str, data: bytes, durable: bool) -> None:
-        writer = _LocalWriter(path)
+    def write_bytes(self, path: str, data: bytes, durable: bool, exclusive: bool = False) -> None:
+        writer = _LocalWriter(path, exclusive=exclusive)
         try:
             writer.pwrite(0, [memoryview(data)])
         finally:

@@ -61,10 +61,10 @@ class _DyingBackend(LocalBackend):
             _die(self.how)
         return super().open_write(path, durable)
 
-    def write_bytes(self, path: str, data: bytes, durable: bool) -> None:
+    def write_bytes(self, path: str, data: bytes, durable: bool, exclusive: bool = False) -> None:
         if self.op == "commit" and f"{os.sep}.step-2.tmp-" in path and path.endswith(MANIFEST_NAME):
             _die(self.how)
-        super().write_bytes(path, data, durable)
+        super().write_bytes(path, data, durable, exclusive)
 
 
 # (op, point) -> the function of that engine module the victim dies entering

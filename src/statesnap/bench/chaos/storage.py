@@ -88,9 +88,9 @@ class BudgetBackend(LocalBackend):
     def open_write(self, path: str, durable: bool = False) -> FileWriter:
         return _BudgetWriter(super().open_write(path, durable), self._take)
 
-    def write_bytes(self, path: str, data: bytes, durable: bool) -> None:
+    def write_bytes(self, path: str, data: bytes, durable: bool, exclusive: bool = False) -> None:
         self._take(len(data))
-        super().write_bytes(path, data, durable)
+        super().write_bytes(path, data, durable, exclusive)
 
 
 class _Ballast:
