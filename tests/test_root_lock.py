@@ -169,6 +169,25 @@ def test_a_lease_that_is_not_renewed_goes_stale_and_its_holder_stops():
     new.release()
 
 
+@pytest.mark.parametrize("storage", ["object store", "file system without flock"])
+def test_two_jobs_that_both_find_a_root_free_do_not_both_claim_it(tmp_path, monkeypatch, storage):
+    """Both read 'no lease' before either wrote one: the second one's write is exclusive (a
+    conditional PUT, a link), so it is refused naming the first, whose lease stays as it was."""
+    root = f"memory://both-free-{uuid.uuid4().hex[:8]}/root" if storage == "object store" else str(tmp_path)
+    backend = backend_for(root)
+    first = _by_hand(LeaseClaim(root, backend, take_over=False, lease_s=60))
+    held = _stored(backend, root)
+    looked = LeaseClaim._look
+    answers = iter([("free", None)])  # what the second job read before the first one's lease was there
+    monkeypatch.setattr(LeaseClaim, "_look", lambda self: next(answers, None) or looked(self))
+    with pytest.raises(RootBusyError, match=f"was not claimed: pid {held['pid']} on host .* claimed it at the same"):
+        LeaseClaim(root, backend, take_over=False, lease_s=60)
+    assert _stored(backend, root) == held
+    first.check()
+    first.release()
+    assert not backend.exists(backend.join(root, LEASE_NAME))
+
+
 def _lease_root(name):
     faults = Faults()
     root = f"faulty://{name}-{os.getpid()}-{time.monotonic_ns()}/root"

@@ -21,6 +21,7 @@ stops with a ``CheckpointError`` instead of deleting the new owner's checkpoints
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -172,9 +173,11 @@ class FlockClaim(RootClaim):
 class LeaseClaim(RootClaim):
     """A lease object on storage without locks, renewed every third of its length.
 
-    Object stores offer no compare-and-swap through fsspec, so a lease is read, then written,
-    then read back: two openers that write within one round trip of each other could both read
-    back their own lease, and that window is what remains. Everything else is checked:
+    A lease is read, then written, then read back. Where none was found the write is exclusive
+    (``_store``), so two jobs starting at once cannot both claim the root. Object stores offer no
+    compare-and-swap of an object that exists through fsspec, so two openers taking over one
+    stale lease within one round trip of each other could both read back their own lease: that
+    window is what remains. Everything else is checked:
 
     * :meth:`check` (before every commit and deletion, through :class:`ClaimedBackend`) reads the
       lease object (one GET). Another holder's lease, a deleted one or an unreadable one means
@@ -206,6 +209,7 @@ class LeaseClaim(RootClaim):
         self._lost: str | None = None  # why the claim is gone for good
         self._renewing = threading.Lock()  # one read-write-read of the lease at a time
         self.renew_errors = 0  # renewals that failed (and were retried)
+        kind = None
         if not take_over:
             kind, found = self._look()
             if kind == "error":
@@ -219,7 +223,7 @@ class LeaseClaim(RootClaim):
                                     f"for {found['expires'] - time.time():.0f} s more unless renewed. "
                                     f"{TAKE_OVER_HINT}.")
         try:
-            self._store()
+            self._store(exclusive=kind == "free")
         except Exception as exc:  # noqa: BLE001 (any storage library's error)
             self._forget()  # (a write reported failed may have landed)
             raise LeaseUnreachableError(f"the lease at {self.path} cannot be written: {described(exc)}") from exc
@@ -270,20 +274,36 @@ class LeaseClaim(RootClaim):
             return "garbled", "it names no owner token"
         return "held", record
 
-    def _store(self) -> None:
+    def _store(self, exclusive: bool = False) -> None:
         """Write this holder's lease; only once the write succeeded does the holder trust it,
-        until ``lease_s`` after a moment taken before the write."""
+        until ``lease_s`` after a moment taken before the write. ``exclusive`` (a root found
+        free): the write fails where a lease appeared meanwhile, atomically where the storage
+        can (an S3 conditional PUT, a link on a file system), so that of two jobs starting at
+        once only one claims the root; the read-back after it tells another opener's lease from
+        this one's that landed before a retried PUT."""
         started, now_wall = time.monotonic(), time.time()
         expires = now_wall + self.lease_s
         data = json.dumps({**_holder_record(self.token, expires), "since": self._since}).encode()
-        if isinstance(self.backend, LocalBackend):
-            # A file system without flock: write a new file and rename it over the lease, so that
-            # no reader ever sees a lease truncated or half written (it would count as garbled).
-            scratch = f"{self.path}.tmp-{self.token}"
-            self.backend.write_bytes(scratch, data, True)
-            os.replace(scratch, self.path)
-        else:  # an object store's PUT replaces the object at once
-            self.backend.write_bytes(self.path, data, True)
+        try:
+            if isinstance(self.backend, LocalBackend):
+                # A file system without flock: write a new file and rename it over the lease (link
+                # it, where it must not replace one), so that no reader ever sees a lease truncated
+                # or half written (it would count as garbled).
+                scratch = f"{self.path}.tmp-{self.token}"
+                self.backend.write_bytes(scratch, data, True)
+                try:
+                    if exclusive:
+                        os.link(scratch, self.path)
+                    else:
+                        os.replace(scratch, self.path)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(scratch)
+            else:  # an object store's PUT replaces the object at once
+                self.backend.write_bytes(self.path, data, True, **({"exclusive": True} if exclusive else {}))
+        except FileExistsError:
+            if not exclusive:
+                raise
         self.expires, self._deadline = expires, started + self.lease_s
 
     def _lose(self, kind: str, found) -> RootBusyError:
