@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 
 import statesnap as ss
-from statesnap.cli import json_text, main, printable
+from statesnap.cli import json_text, main
+from statesnap.errors import printable
 from statesnap.format.manifest import MANIFEST_NAME
 
 
@@ -295,6 +296,15 @@ def test_names_from_the_manifest_are_printed_escaped(ckpt, tmp_path, capsys):
     assert main(["inspect", "--json", str(ckpt)]) == 0
     assert forged in {t["name"] for t in json.loads(capsys.readouterr().out)["tensors"]}
     assert printable("naïve ✓ name") == "naïve ✓ name"
+
+    # the Python API's errors too: a traceback or a log line prints them as they are
+    for load in (lambda: ss.load({"x": torch.zeros(1)}, ckpt),
+                 lambda: ss.open(ckpt).read(forged + ".missing")):
+        with pytest.raises(ss.CheckpointError) as caught:
+            load()
+        message = str(caught.value.args[0])
+        assert escaped in message
+        assert "\n" not in message and "\x1b" not in message and "\x07" not in message
 
 
 def _events_file(tmp_path, name: str, text: str):

@@ -39,13 +39,6 @@ def _finite_floats(value):
     return value
 
 
-def printable(text: str) -> str:
-    """``text`` for a terminal, each non-printable character as its Python escape (``\\n``,
-    ``\\x1b``): names come from manifests, which anyone may write, and a newline or an escape
-    sequence in one would forge lines of the output or drive the terminal."""
-    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
 def _usage() -> str:
     lines = ["usage: statesnap COMMAND [options]", "", "commands:"]
     lines += [f"  {name:<8} {help_}" for name, (_, _, help_) in COMMANDS.items()]

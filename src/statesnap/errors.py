@@ -36,8 +36,20 @@ def described(error: BaseException | None) -> str | None:
     return f"{type(error).__name__}: {explained(error)}"
 
 
+def printable(text: str) -> str:
+    """``text`` for a terminal, each non-printable character as its Python escape (``\\n``,
+    ``\\x1b``): names come from manifests, which anyone may write, and a newline or an escape
+    sequence in one would forge lines of the output or drive the terminal."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class CheckpointError(Exception):
-    """Base class of all statesnap errors."""
+    """Base class of all statesnap errors. Its message is :func:`printable`: it names tensors and
+    files as a checkpoint's manifest spells them, and a traceback or a log line printing a
+    hostile name's newline or escape sequence would forge lines or drive the terminal."""
+
+    def __init__(self, *args):
+        super().__init__(*(printable(a) if isinstance(a, str) else a for a in args))
 
 
 class CorruptCheckpointError(CheckpointError):

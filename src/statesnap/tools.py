@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from .cli import json_text, printable
-from .errors import CheckpointError, NotACheckpointError
+from .cli import json_text
+from .errors import CheckpointError, NotACheckpointError, printable
 from .format.columns import parse_json
 from .format.dtypes import dtype_name
 from .format.manifest import MANIFEST_NAME, ObjectEntry

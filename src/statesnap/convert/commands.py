@@ -6,7 +6,7 @@ import re
 import sys
 from typing import Any, Callable
 
-from ..cli import printable
+from ..errors import printable
 from ..errors import CheckpointError
 from ..tools import OK, TROUBLE, progress_flags
 from .api import SOURCES, TARGETS, convert, export
