@@ -157,17 +157,24 @@ def test_missing_data_file(ckpt):
     assert_good_neighbour_loads(path, state)
 
 
-@pytest.mark.parametrize("kind", ["fifo", "directory"])
-def test_a_data_file_that_is_not_a_regular_file(ckpt, kind):
-    """A FIFO where a data file was used to block every reader forever (waiting for a writer),
-    and a directory raised a bare IsADirectoryError: each is a CorruptCheckpointError naming
-    the file and the tensor, from load, read and verify alike, and in the manifest's place too."""
+def _put_in_place(kind: str, file) -> None:
+    """A FIFO, a directory or a symbolic link to itself where ``file`` was."""
     import os
 
+    file.unlink()
+    {"fifo": os.mkfifo, "directory": os.mkdir, "loop": lambda f: os.symlink(f.name, f)}[kind](file)
+
+
+@pytest.mark.parametrize("kind, said", [("fifo", "a FIFO"), ("directory", "a directory"),
+                                        ("loop", "a symbolic link that loops")])
+def test_a_data_file_that_is_not_a_regular_file(ckpt, kind, said):
+    """A FIFO where a data file was used to block every reader forever (waiting for a writer), a
+    directory raised a bare IsADirectoryError, and a link to itself was a read to retry for load
+    but a missing file for verify: each is a CorruptCheckpointError naming the file and the
+    tensor, from load, read and verify alike, and in the manifest's place too."""
     path, state = ckpt
     file, _, _ = piece(path, "model.big")
-    file.unlink()
-    os.mkfifo(file) if kind == "fifo" else file.mkdir()
+    _put_in_place(kind, file)
     for attempt in (lambda: ss.load(blank_like(state), path), lambda: ss.open(path).read("model.big"),
                     lambda: ss.open(path).verify()):
         with pytest.raises(ss.CorruptCheckpointError) as caught:
@@ -176,13 +183,13 @@ def test_a_data_file_that_is_not_a_regular_file(ckpt, kind):
         # damage, not a read that may succeed again: a restart goes back to an older step
         assert not isinstance(caught.value, ss.ReadFailedError)
     assert_good_neighbour_loads(path, state)
-    (path / MANIFEST_NAME).unlink()
-    os.mkfifo(path / MANIFEST_NAME) if kind == "fifo" else (path / MANIFEST_NAME).mkdir()
+    _put_in_place(kind, path / MANIFEST_NAME)
     # (a directory there was "has no manifest.json", a ManifestError: a restart raised it, as a
     # newer format's, instead of going back to an older step)
     for attempt in (lambda: ss.open(path), lambda: ss.load(blank_like(state), path)):
-        with pytest.raises(ss.CorruptCheckpointError, match=f"manifest.json is a {kind.replace('fifo', 'FIFO')}"):
+        with pytest.raises(ss.CorruptCheckpointError, match=f"manifest.json is {said}") as caught:
             attempt()
+        assert not isinstance(caught.value, ss.ReadFailedError)
 
 
 def test_a_directory_where_a_pickled_object_was_is_damage(tmp_path):
@@ -204,16 +211,25 @@ def test_a_directory_where_a_pickled_object_was_is_damage(tmp_path):
     assert os.path.isdir(data[0])
 
 
-def test_a_manifest_that_cannot_be_read_is_a_checkpoint_error_naming_it(ckpt):
-    """A loop of links (or no permission) where the manifest is: a ReadFailedError (the file may
-    be intact) from open, load and verify alike, not a bare OSError."""
-    import os
+def test_a_manifest_the_storage_fails_to_read_is_a_read_failure_naming_it(ckpt, monkeypatch):
+    """An I/O error reading the manifest (a mount that stopped answering): a ReadFailedError
+    from open and load alike (the file may be intact, so a restart retries rather than going
+    back to an older step), not a bare OSError."""
+    import errno
+
+    from statesnap.storage.local import LocalBackend
 
     path, state = ckpt
-    (path / MANIFEST_NAME).unlink()
-    os.symlink(MANIFEST_NAME, path / MANIFEST_NAME)
+    real = LocalBackend.read_bytes
+
+    def failing(self, where):
+        if where.endswith(MANIFEST_NAME):
+            raise OSError(errno.EIO, "Input/output error", where)
+        return real(self, where)
+
+    monkeypatch.setattr(LocalBackend, "read_bytes", failing)
     for attempt in (lambda: ss.open(path), lambda: ss.load(blank_like(state), path)):
-        with pytest.raises(ss.ReadFailedError, match="manifest.json cannot be read"):
+        with pytest.raises(ss.ReadFailedError, match="manifest.json cannot be read.*Input/output error"):
             attempt()
 
 

@@ -113,12 +113,11 @@ class Reader:
         damaged piece by tensor and file, so one run shows the whole extent of the damage.
         ``progress``: a bar on stderr (default: only when stderr is a terminal)."""
         problems, missing, resized = [], [], []
-        for index, name in enumerate(self.manifest.files):
-            where = self.backend.join(self.path, name)
-            if not self.backend.exists(where):
+        for name, recorded in zip(self.manifest.files, self.manifest.file_sizes):
+            try:
+                resized += self._resized(self.backend.join(self.path, name), name, int(recorded))
+            except FileNotFoundError:
                 missing.append(name)
-                continue
-            resized += self._resized(where, name, int(self.manifest.file_sizes[index]))
         entries = self._readable_entries(problems)
         tasks = [(fqn, entry, i) for fqn, entry in entries for i in range(entry.num_pieces)
                  if self.manifest.files[int(entry.file[i])] not in missing]
@@ -155,10 +154,12 @@ class Reader:
         intact. One shorter by less than ``ALIGN`` bytes is whole: checkpoints written before
         sizes were exact record the padding after the last piece that was never written
         (docs/format.md §1); shorter by more, it is cut short, or its recorded size (which
-        ``verify`` reports as checked) is false."""
+        ``verify`` reports as checked) is false. A ``FileNotFoundError`` where there is no file."""
         try:
             reader = self.backend.open_read(where)
-        except (OSError, CorruptCheckpointError):
+        except FileNotFoundError:
+            raise
+        except (OSError, CorruptCheckpointError):  # (a link that loops, a FIFO: not missing, but unreadable)
             return []  # (each of its pieces reports why it cannot be read)
         try:
             size = reader.size()

@@ -61,7 +61,7 @@ def read_manifest(backend: StorageBackend, path: str) -> Manifest:
                                       f"{os.path.dirname(path) or '.'}, instead") from None
         raise NotACheckpointError(f"{path} has no {MANIFEST_NAME}: it is not a committed statesnap checkpoint "
                                   f"({_what_else(backend, path)})") from None
-    except OSError as exc:  # no permission, a loop of links, an I/O error: the file may be intact
+    except OSError as exc:  # no permission, an I/O error: the file may be intact
         raise ReadFailedError(f"the manifest {where} cannot be read: {exc}") from None
     return Manifest.from_bytes(raw, where=where, fetch=section_fetcher(backend, path))
 

@@ -204,7 +204,13 @@ def _open_regular(path: str) -> int:
     symbolic link is followed to the file it names (a download cache such as Hugging Face's
     links every file of a snapshot into its blob store): that file must be a regular file too,
     and its bytes pass a checkpoint's checksums like any others."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise CorruptCheckpointError(f"{path} is a symbolic link that loops (or one of too long a chain), not the "
+                                     "regular file a checkpoint holds there") from None
     kind = stat.S_IFMT(os.fstat(fd).st_mode)
     if kind != stat.S_IFREG:
         os.close(fd)
