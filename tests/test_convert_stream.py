@@ -392,6 +392,22 @@ def test_overlapping_safetensors_tensors_are_refused(tmp_path):
         ss.convert(tmp_path / "m.safetensors", tmp_path / "ck")
 
 
+@pytest.mark.parametrize("offsets, data_bytes, message", [
+    ([[0, 8], [12, 20]], 20, r"bytes \[8, 12\) of its data, before tensor 'b', belong to no tensor"),
+    ([[4, 12], [12, 20]], 20, r"bytes \[0, 4\) of its data, before tensor 'a', belong to no tensor"),
+    ([[0, 8], [8, 16]], 24, "its last 8 bytes belong to no tensor"),
+])
+def test_safetensors_data_with_holes_is_refused(tmp_path, offsets, data_bytes, message):
+    """The format indexes every byte of the data (no other content may hide in a file that loads
+    as tensors), and safetensors itself refuses a file with holes: so does convert, naming them."""
+    header = {name: {"dtype": "F32", "shape": [2], "data_offsets": span} for name, span in zip("ab", offsets)}
+    encoded = json.dumps(header).encode()
+    (tmp_path / "m.safetensors").write_bytes(len(encoded).to_bytes(8, "little") + encoded + bytes(data_bytes))
+    with pytest.raises(ss.CheckpointError, match=rf"m\.safetensors is not a valid safetensors file: {message}"):
+        ss.convert(tmp_path / "m.safetensors", tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+
+
 @pytest.mark.parametrize("header, message", [
     (b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}',
      "names given twice: 'a'"),

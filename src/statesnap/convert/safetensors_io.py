@@ -111,7 +111,23 @@ def read_header(path: str) -> dict[str, InFile]:
     for (_, end, first), (begin, _, second) in zip(ranges, ranges[1:]):
         if begin < end:
             raise CheckpointError(f"{path}: tensors {first!r} and {second!r} overlap in the file")
+    _refuse_holes(path, ranges, size - base)
     return out
+
+
+def _refuse_holes(path: str, ranges: list[tuple[int, int, str]], data_bytes: int) -> None:
+    """The specification leaves no byte of the data unindexed (so that no other content can hide
+    in a file that loads as tensors; safetensors itself refuses such a file): the sorted
+    ``ranges`` must follow one another from 0 to the end of the file."""
+    at = 0
+    for begin, end, name in ranges:
+        if begin != at:
+            raise CheckpointError(f"{path} is not a valid safetensors file: bytes [{at}, {begin}) of its data, before "
+                                  f"tensor {name!r}, belong to no tensor (the format allows no holes)")
+        at = end
+    if at != data_bytes:
+        raise CheckpointError(f"{path} is not a valid safetensors file: its last {data_bytes - at} bytes belong to no "
+                              "tensor (the format allows no holes)")
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
