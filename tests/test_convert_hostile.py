@@ -293,6 +293,31 @@ def _deepspeed(tmp_path, stage: int = 2, tp: int = 1, model=None, optim=None) ->
     return str(run)
 
 
+@pytest.mark.parametrize("optimizer", ["torch's own (stage 0)", "none"])
+def test_a_deepspeed_checkpoint_without_zero_says_how_to_convert_it(tmp_path, optimizer):
+    """Without ZeRO, DeepSpeed saves the module and PyTorch's own optimizer state dict (keyed by
+    the parameters' positions) in the model states file, and no param_shapes: the error says so
+    and names the conversion that takes it, which then holds every value bit for bit."""
+    run = tmp_path / "run"
+    (run / "global_step3").mkdir(parents=True)
+    (run / "latest").write_text("global_step3")
+    states = {**_model_states(2, 1), "param_shapes": None}
+    if optimizer != "none":
+        states["optimizer"] = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 2)}},
+                               "param_groups": [{"lr": 0.1, "params": [0, 1]}]}
+    file = run / "global_step3" / "mp_rank_00_model_states.pt"
+    _save(states, file)
+    held = "PyTorch's own optimizer state dict" if optimizer != "none" else "no optimizer state"
+    with pytest.raises(CheckpointError, match=f"{file} has no param_shapes, so it is no ZeRO checkpoint: it holds "
+                                              f"its module's weights and {held}.*source='torch'"):
+        _convert(run, tmp_path, source="deepspeed")
+    _convert(file, tmp_path, source="torch")
+    reader = ss.open(str(tmp_path / "out"))
+    assert torch.equal(reader.read("module.w"), states["module"]["w"]) and reader.read("my_extra") == 42
+    if optimizer != "none":
+        assert torch.equal(reader.read("optimizer.state.0.exp_avg"), states["optimizer"]["state"][0]["exp_avg"])
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_the_built_deepspeed_checkpoints_convert(stage, tmp_path):
     _convert(_deepspeed(tmp_path, stage), tmp_path, source="deepspeed")
