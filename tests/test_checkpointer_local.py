@@ -129,6 +129,35 @@ def test_restart_after_node_loss_restores_from_the_peer_replica(killed_job, worl
     assert results == [(STEPS, "peer")] * world
 
 
+def _restore_on_node_0(rank, world, dirs, out):
+    """A rank of a restart on the one node left, configured as before (``peer_replicas=1``)."""
+    os.environ["GROUP_RANK"] = "0"
+    state = _state(rank, world, seed=7)
+    with pytest.warns(RuntimeWarning, match="every rank is on node 0: no other node can keep replicas"):
+        ckpt = ss.Checkpointer(dirs["root"], local_root=dirs["local"][0], local_every=1, peer_replicas=1,
+                               persist_every=PERSIST_EVERY, host_memory_gb=0.02)
+    step, loaded_from = ckpt.load_latest(state), ckpt.loaded_from
+    ref = torch.load(os.path.join(out, f"ref-{step}.pt"))
+    assert_state_equals({"model": state["model"], "optim": state["optim"]}, ref)
+    shards = [torch.load(os.path.join(out, f"shard-{step}-{r}.pt")) for r in range(4)]
+    rows = GLOBAL_ROWS // world
+    assert torch.equal(state["shard"].local, torch.cat(shards)[rows * rank:rows * (rank + 1)])
+    _train(state, rank, step + 1)  # and the run goes on, checkpointing on its node alone
+    ckpt.save(step + 1, state).wait()
+    ckpt.close()
+    return step, loaded_from
+
+
+def test_a_restart_on_the_node_left_restores_its_replicas_with_the_configuration_unchanged(killed_job):
+    """Node 1 is gone and the job restarts on node 0 alone (2 ranks), still asking for
+    peer_replicas=1: it warns that no replicas can be kept, restores the newest step from node 0's
+    level (its own files and node 1's replicas), bit for bit, resharded from 4 ranks, and goes on."""
+    tmp_path, dirs, out = killed_job
+    copy, _ = _copy(tmp_path, dirs, "one-node")
+    assert run_ranks(2, _restore_on_node_0, copy, out) == [(STEPS, "local")] * 2
+    assert f"step-{STEPS + 1}" in os.listdir(copy["local"][0])  # (committed by the node's leader)
+
+
 @pytest.mark.parametrize("damage, steps, expected", [
     ("flipped", (STEPS,), (STEPS - 1, "peer")),
     ("flipped", (STEPS, STEPS - 1), (PERSIST_EVERY, "persistent")),
@@ -277,10 +306,34 @@ def test_an_unreachable_root_leaves_the_local_level_serving_until_it_is_back(tmp
 
 
 def test_peer_replicas_need_two_nodes(tmp_path):
-    with pytest.raises(ss.CheckpointError, match="at least two nodes"):
-        ss.Checkpointer(tmp_path / "root", local_root=tmp_path / "local", peer_replicas=1, node_id=0)
+    """On one node (one host) there is no partner: a warning, and the run goes on without replicas."""
+    with pytest.warns(RuntimeWarning, match="no other node can keep replicas, so this run keeps none"):
+        ckpt = ss.Checkpointer(tmp_path / "root", local_root=tmp_path / "local", peer_replicas=1, node_id=0)
+    assert ckpt.config.peer_replicas == 0
+    ckpt.save(1, {"w": torch.ones(3)}).wait()
+    ckpt.close()
+    assert "step-1" in os.listdir(tmp_path / "local") and "step-1" in os.listdir(tmp_path / "root")
     with pytest.raises(ss.CheckpointError, match="needs local_root"):
         ss.Checkpointer(tmp_path / "root", peer_replicas=1)
+
+
+def _one_node_id_on_two_hosts(rank, world, root):
+    import socket
+
+    socket.gethostname = lambda: f"host-{rank}"  # (as two machines would answer)
+    try:
+        ss.Checkpointer(os.path.join(root, "root"), local_root=os.path.join(root, f"local{rank}"), peer_replicas=1,
+                        node_id=0)
+    except ss.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_on_two_hosts_that_report_one_node_are_refused(tmp_path):
+    """GROUP_RANK unset on a job of two machines: every rank says node 0. That is no one-node
+    restart, and taking two machines' local levels for one would be wrong: refused, saying what to set."""
+    errors = run_ranks(2, _one_node_id_on_two_hosts, str(tmp_path))
+    assert all(e is not None and "every rank says it is on node 0, on 2 hosts: set GROUP_RANK" in e for e in errors)
 
 
 @pytest.mark.parametrize("local", ["disk", "shm"])

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import numbers
 import os
+import socket
 import threading
 import warnings
 from collections import deque
@@ -168,7 +169,7 @@ class Checkpointer:
         self._local_flusher = None
         if self.local is not None:
             self._local_flusher = LocalFlusher(
-                self.local, self._recovery.comm, self._recovery.topology, cfg.peer_replicas > 0,
+                self.local, self._recovery.comm, self._recovery.topology, self.config.peer_replicas > 0,
                 lambda: self._arena, lambda: self._block_bytes, cfg.durable, cfg.threads or default_threads(),
                 peer_buffer_bytes(cfg.host_memory_bytes), self.events, self._local_done)
         for stage in (self._stager, self._flusher, self._local_flusher):
@@ -418,11 +419,29 @@ class Checkpointer:
         cfg = self.config
         topology = Topology(self._comm.all_gather(cfg.node_id), self.rank)
         if cfg.peer_replicas and len(set(topology.nodes)) < 2:
-            raise CheckpointError(f"peer_replicas={cfg.peer_replicas} needs ranks on at least two nodes, but every "
-                                  f"rank is on node {cfg.node_id} (set GROUP_RANK or node_id=)")
+            self._keep_no_peer_replicas()
         self._local_group, comm = self._side_comm(f"node-local checkpoints under {self.local.root}")
         self._recovery = LocalRecovery(self.local, comm, topology, cfg.durable)
         self._local_leader = topology.is_leader
+
+    def _keep_no_peer_replicas(self) -> None:
+        """``peer_replicas=1`` on ranks that all say they are on one node. On one host that is a
+        restart on the node a lost one left (the configuration unchanged, as at 3 a.m. it is):
+        refusing it kept the job from restoring the replicas this node holds. So it runs without
+        replicas and says so. Ranks on several hosts that report one node are misconfigured:
+        their node-local levels would be taken for one, so that is refused as before."""
+        cfg = self.config
+        hosts = set(self._comm.all_gather(socket.gethostname()))
+        if len(hosts) > 1:
+            raise CheckpointError(f"peer_replicas={cfg.peer_replicas} needs ranks on at least two nodes, but every "
+                                  f"rank says it is on node {cfg.node_id}, on {len(hosts)} hosts: set GROUP_RANK "
+                                  "or node_id= to each rank's node")
+        message = (f"statesnap: peer_replicas={cfg.peer_replicas}, but every rank is on node {cfg.node_id}: no other "
+                   "node can keep replicas, so this run keeps none (a node-local checkpoint is then lost with its "
+                   "node; the persistent level keeps its own copies). Restores still read the replicas kept here.")
+        log.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        self.config = dataclasses.replace(cfg, peer_replicas=0)
 
     def _side_comm(self, what: str) -> tuple:
         """A group of the Checkpointer's ranks for one background stage alone (None on one rank)
