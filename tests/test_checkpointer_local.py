@@ -317,6 +317,32 @@ def test_peer_replicas_need_two_nodes(tmp_path):
         ss.Checkpointer(tmp_path / "root", peer_replicas=1)
 
 
+def _pickled_value_job(rank, world, root, local_roots, restart):
+    """Save (or, ``restart``, restore) a state holding a pickled value, as node ``rank``."""
+    os.environ["GROUP_RANK"] = str(rank)
+    state = {"a": ss.Sharded(torch.full((2, 3), float(rank if not restart else -1)), (4, 3), (2 * rank, 0)),
+             "extra": {"seen": {10, 11} if not restart else None}}
+    with ss.Checkpointer(root, local_root=local_roots[rank], peer_replicas=1, persist_every=10,
+                         host_memory_gb=0.02, allow_pickle=True) as ckpt:
+        if not restart:
+            ckpt.save(1, state).wait()
+            return None
+        step = ckpt.load_latest(state)
+        return step, ckpt.loaded_from, state["extra"]["seen"], state["a"].local.tolist()
+
+
+def test_a_peer_restore_reads_a_pickled_value_once_its_file_has_arrived(tmp_path):
+    """A pickled value's bytes are in a data file that the node which lost its level fetches from
+    the partner: they are read after the fetch (read before it, the restore failed, and the
+    step, given up, was deleted from the node-local level)."""
+    root, local_roots = str(tmp_path / "root"), [str(tmp_path / f"node{n}") for n in range(2)]
+    run_ranks(2, _pickled_value_job, root, local_roots, False)
+    shutil.rmtree(local_roots[1])  # node 1 is lost
+    assert run_ranks(2, _pickled_value_job, root, local_roots, True) == [
+        (1, "peer", {10, 11}, [[0.0] * 3] * 2), (1, "peer", {10, 11}, [[1.0] * 3] * 2)]
+    assert "step-1" in os.listdir(local_roots[0])
+
+
 def _one_node_id_on_two_hosts(rank, world, root):
     import socket
 

@@ -18,7 +18,7 @@ from ..collector import collector_paused
 from ..errors import (CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, NotACheckpointError,
                       ReadFailedError, StateMismatchError)
 from ..format.checksum import checksum_whole
-from ..format.manifest import MANIFEST_NAME, Manifest, TensorEntry
+from ..format.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry
 from ..plan.load_plan import TargetPlan, piece_offsets, plan_target
 from ..progress import bar, wanted as wanted_bar
 from ..state.flatten import StoredNames, flatten_for_load
@@ -379,33 +379,45 @@ def _read_stored(backend: StorageBackend, path: str, manifest: Manifest, verify:
     return buffer, executor.bytes_read
 
 
-def decode_objects(flat: Flattened, manifest: Manifest, backend: StorageBackend, path: str, skip: set[str],
-                   allow_pickle: bool, comm: Comm) -> list[tuple[Callable[[Any], None], Any]]:
-    """``(put, value)`` for each plain value of this rank: decoded, chosen (a per-rank value)
-    and checked before the load writes anything, so that one it cannot read (pickled, without
-    ``allow_pickle``; malformed), map (saved by another number of ranks) or put back (another
-    value where the state holds a tuple) fails the load with the state as it was."""
-    read_blob = blob_reader(backend, path, manifest)
-    where = backend.join(path, MANIFEST_NAME)
-    puts = []
-    for item in flat.objects:
-        if item.fqn in skip:
-            continue
-        entry = manifest.objects[item.fqn]
+class PlainValues:
+    """This rank's plain values of a load, in two steps. Made before any tensor is written, it
+    decodes, chooses (a per-rank value) and checks each value the manifest holds inline, and
+    refuses a pickled one without ``allow_pickle``: a value the load cannot read, map (saved by
+    another number of ranks) or put back (another value where the state holds a tuple) then
+    fails it with the state as it was. A pickled value's bytes lie in a data file, which a
+    node-local restore may still be fetching (checkpointer/recovery.py): :meth:`put` reads those,
+    after the tensors, then puts every value in place."""
+
+    def __init__(self, flat: Flattened, manifest: Manifest, backend: StorageBackend, path: str, skip: set[str],
+                 allow_pickle: bool, comm: Comm):
+        self.manifest, self.allow_pickle, self.comm = manifest, allow_pickle, comm
+        self.where = backend.join(path, MANIFEST_NAME)
+        self._values = []  # (item, its entry, (found, value) or None where its bytes are read by put)
+        for item in flat.objects:
+            if item.fqn in skip:
+                continue
+            entry = manifest.objects[item.fqn]
+            if item.per_rank is None and entry.kind == "per_rank":
+                raise CheckpointError(f"{item.fqn} was saved per rank; wrap it in ss.PerRank(...) to load it")
+            in_file = allow_pickle and any(e.kind == "pickle" for e in (entry.per_rank or [entry]))
+            self._values.append((item, entry, None if in_file else self._decoded(item, entry, None)))
+
+    def _decoded(self, item, entry: ObjectEntry, read_blob) -> tuple[bool, Any]:
+        """(whether this rank takes a value, the value), checked where the state must keep its own."""
+        value = decode_value(item.fqn, entry, self.allow_pickle, read_blob, self.where)
         if item.per_rank is not None:
-            values = decode_value(item.fqn, entry, allow_pickle, read_blob, where)
-            values = values if entry.kind == "per_rank" else [values]
-            found, value = item.per_rank.choose(values, comm.rank, comm.world_size, item.fqn)
-            if found:
-                puts.append((item.per_rank.restore, value))
-            continue
-        if entry.kind == "per_rank":
-            raise CheckpointError(f"{item.fqn} was saved per rank; wrap it in ss.PerRank(...) to load it")
-        value = decode_value(item.fqn, entry, allow_pickle, read_blob, where)
+            return item.per_rank.choose(value if entry.kind == "per_rank" else [value], self.comm.rank,
+                                        self.comm.world_size, item.fqn)
         if item.check is not None:
             item.check(value)
-        puts.append((item.assign, value))
-    return puts
+        return True, value
+
+    def put(self, backend: StorageBackend, path: str) -> None:
+        read_blob = blob_reader(backend, path, self.manifest)
+        values = [(item, decoded or self._decoded(item, entry, read_blob)) for item, entry, decoded in self._values]
+        for item, (found, value) in values:
+            if found:
+                (item.assign if item.per_rank is None else item.per_rank.restore)(value)
 
 
 def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_pickle: bool = False,
@@ -534,8 +546,8 @@ class Loading:
             tied_apart = _tied_apart(self.sharing, self.manifest, self.path)
             if tied_apart is not None:
                 raise tied_apart
-            self.objects = decode_objects(self.flat, self.manifest, self.backend, self.path, self.skip,
-                                          self.allow_pickle, self.comm)
+            self.plain = PlainValues(self.flat, self.manifest, self.backend, self.path, self.skip, self.allow_pickle,
+                                     self.comm)
             zero_unfilled(self.created, [item.local for item in self.flat.tensors if item.fqn in self.skip])
         except Exception as exc:
             error = exc
@@ -567,8 +579,7 @@ class Loading:
                 clash = self._overwritten()
                 if clash is not None:
                     raise clash
-                for put, value in self.objects:
-                    put(value)
+                self.plain.put(self.backend, self.path)
                 for finalize in self.flat.finalizers:
                     finalize()
             except Exception as exc:
