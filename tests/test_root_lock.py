@@ -188,6 +188,41 @@ def test_two_jobs_that_both_find_a_root_free_do_not_both_claim_it(tmp_path, monk
     assert not backend.exists(backend.join(root, LEASE_NAME))
 
 
+def test_a_backend_written_before_exclusive_writes_still_claims_and_saves():
+    """A StorageBackend subclass whose write_bytes takes (path, data, durable), as the ABC declared
+    before exclusive writes: its root is claimed and its saves commit (a look first instead)."""
+    from statesnap.storage.fsspec_backend import FsspecBackend
+
+    class Counting(FsspecBackend):
+        def write_bytes(self, path, data, durable):
+            self.written = getattr(self, "written", 0) + len(data)
+            super().write_bytes(path, data, durable)
+
+    root = f"memory://before-exclusive-{uuid.uuid4().hex[:8]}/root"
+    backend = Counting(root)
+    with ss.Checkpointer(root, backend=backend) as ckpt:
+        ckpt.save(1, _state(1)).wait()
+    assert backend.written > 0
+    with ss.Checkpointer(root, backend=Counting(root)) as ckpt:
+        state = _state(0)
+        assert ckpt.load_latest(state) == 1 and torch.equal(state["t"], _state(1)["t"])
+
+
+def test_a_lease_file_system_without_hard_links_renames_it_into_place(tmp_path, monkeypatch):
+    """A mount with neither flock nor hard links (FUSE mounts of object stores answer EPERM):
+    the lease is renamed into place, as where it replaces one, instead of failing the claim."""
+    import errno
+
+    def no_link(*args):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_link)
+    claim = _by_hand(LeaseClaim(str(tmp_path), LocalBackend(), take_over=False, lease_s=3))
+    assert os.listdir(tmp_path) == [LEASE_NAME] and _stored(LocalBackend(), str(tmp_path))["token"] == claim.token
+    claim.check()
+    claim.release()
+
+
 def _lease_root(name):
     faults = Faults()
     root = f"faulty://{name}-{os.getpid()}-{time.monotonic_ns()}/root"

@@ -381,6 +381,49 @@ def test_of_two_saves_to_one_path_without_overwrite_the_second_to_commit_is_refu
     assert stored == {"manifest.json", *ss.open(url, storage_options=options(moto)).manifest.files}
 
 
+def test_a_store_without_conditional_writes_still_takes_saves_and_checkpointers(proxy, caplog):
+    """Some stores speaking S3's API answer a conditional PUT with 501 NotImplemented: a save, and
+    a Checkpointer's lease, then look first and write plainly (said once in the log), instead of
+    failing every save; a 501 is not retried."""
+    conditional = lambda r: r.method == "PUT" and any(k.lower() == "if-none-match" for k in r.headers)  # noqa: E731
+    proxy.fail(conditional, times=10**6, status=501, code="NotImplemented")
+    url, state = fresh_url("no-conditional"), make_state(17, big=300_000)
+    with caplog.at_level(logging.WARNING, logger="statesnap"):
+        ss.save(state, url, storage_options=options(proxy))
+        with ss.Checkpointer(fresh_url("no-conditional-root"), storage_options=options(proxy)) as ckpt:
+            ckpt.save(1, state).wait()
+    # one, or one for each of the two file systems where fsspec did not share one: a 501 is not retried
+    assert 1 <= sum(map(conditional, proxy.requests)) <= 2
+    assert "refuses conditional writes (NotImplemented (HTTP 501)" in caplog.text
+    loaded = zeros_like(state)
+    ss.load(loaded, url, storage_options=options(proxy))
+    assert_same(loaded, state)
+    with pytest.raises(ss.CheckpointExistsError):
+        ss.save(state, url, storage_options=options(proxy))
+
+
+def test_a_412_without_its_condition_named_is_still_another_save_first(proxy, moto, monkeypatch):
+    """s3fs says FileExistsError only for a 412 that names If-None-Match; a store whose 412 does
+    not (s3fs then raises EINVAL) still makes the losing save a CheckpointExistsError."""
+    save_module = importlib.import_module("statesnap.engine.save")
+    url, opened = fresh_url("bare-412"), save_module.open_staging
+
+    def meanwhile_another_save_commits(backend, path, overwrite):
+        staged = opened(backend, path, overwrite)
+        monkeypatch.setattr(save_module, "open_staging", opened)
+        ss.save(make_state(18, big=300_000), url, storage_options=options(moto))
+        return staged
+
+    monkeypatch.setattr(save_module, "open_staging", meanwhile_another_save_commits)
+    proxy.fail(lambda r: r.method == "PUT" and r.path.endswith("/manifest.json"), times=1, status=412,
+               code="PreconditionFailed")
+    with pytest.raises(ss.CheckpointExistsError, match="another save committed it"):
+        ss.save(make_state(19, big=300_000), url, storage_options=options(proxy))
+    loaded = zeros_like(make_state(18, big=300_000))
+    ss.load(loaded, url, storage_options=options(moto))
+    assert_same(loaded, make_state(18, big=300_000))
+
+
 def test_a_conditional_manifest_put_whose_answer_was_lost_is_committed_by_its_retry(proxy, moto):
     """The first PUT landed but its answer was lost; its retry finds the object there (412). The
     manifest read back is this save's own: the save committed, and says so."""

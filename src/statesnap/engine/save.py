@@ -29,7 +29,7 @@ from ..progress import bar
 from ..state.flatten import flatten_for_save
 from ..state.items import Flattened
 from ..storage import backend_for, normalize, path_text
-from ..storage.base import StorageBackend
+from ..storage.base import StorageBackend, write_new
 from ..storage.lock import RootBusyError
 from ..storage.retry import describe
 from .buffers import byte_view, host_contiguous
@@ -518,7 +518,7 @@ def write_manifest(backend: StorageBackend, staging: str, path: str, raw: bytes,
     succeeded and the first one's checkpoint was silently replaced."""
     where = backend.join(staging, MANIFEST_NAME)
     try:
-        backend.write_bytes(where, raw, durable, **({"exclusive": True} if exclusive else {}))
+        write_new(backend, where, raw, durable) if exclusive else backend.write_bytes(where, raw, durable)
     except Exception as exc:
         if staging != path:
             raise

@@ -6,6 +6,7 @@ POSIX; the manifest written last on object stores). Readers only ever see commit
 """
 from __future__ import annotations
 
+import errno
 from abc import ABC, abstractmethod
 from typing import Sequence
 
@@ -135,3 +136,17 @@ class StorageBackend(ABC):
     def abort(self, staging: str, final: str, written: Sequence[str] = ()) -> None:
         """Remove what a failed save left behind (``written`` names its files), never touching a
         committed checkpoint."""
+
+
+def write_new(backend: StorageBackend, path: str, data: bytes, durable: bool) -> None:
+    """``backend.write_bytes(..., exclusive=True)``: a ``FileExistsError`` where a file is at
+    ``path`` already. A backend written before ``exclusive`` (its own ``write_bytes`` takes three
+    arguments) gets a look first and a plain write, which two writers at once can both pass."""
+    try:
+        backend.write_bytes(path, data, durable, exclusive=True)
+    except TypeError as exc:
+        if "exclusive" not in str(exc):
+            raise
+        if backend.exists(path):
+            raise FileExistsError(errno.EEXIST, f"{path} exists", path) from None
+        backend.write_bytes(path, data, durable)

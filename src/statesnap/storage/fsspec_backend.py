@@ -22,12 +22,14 @@ flight per file, 8 by default with 16 MiB parts).
 from __future__ import annotations
 
 import datetime
+import errno
 import heapq
 import logging
 import os
 import tempfile
 import threading
 import time
+import weakref
 from typing import NamedTuple, Sequence
 
 import fsspec
@@ -35,7 +37,7 @@ from fsspec.spec import AbstractBufferedFile
 
 from ..errors import CheckpointError
 from .base import FileReader, FileWriter, StorageBackend
-from .retry import RetryPolicy, describe
+from .retry import NOT_IMPLEMENTED, RetryPolicy, answered, describe
 from .s3_upload import ParallelUpload
 
 # Out-of-order bytes one file may hold in host memory. It is outside the Checkpointer's
@@ -57,6 +59,8 @@ S3_PROTOCOLS = ("s3", "s3a")
 S3_PART_BYTES = 16 << 20
 S3_UPLOAD_WINDOW = 128 << 20
 log = logging.getLogger("statesnap")
+# file systems whose store refused a conditional write (FsspecBackend.write_bytes): not asked again
+_NO_CONDITIONAL_WRITES: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def _error(what: str, exc: BaseException) -> CheckpointError:
@@ -373,13 +377,28 @@ class FsspecBackend(StorageBackend):
 
     def write_bytes(self, path: str, data: bytes, durable: bool, exclusive: bool = False) -> None:
         # One PUT (up to 100 MiB on S3): the object appears whole or not at all, which is what
-        # makes the manifest, written last, the commit marker. Exclusive, fsspec's mode "create":
-        # a conditional PUT on S3 (If-None-Match), a look first on stores that have none.
+        # makes the manifest, written last, the commit marker. Exclusive: fsspec's mode "create",
+        # a conditional PUT on S3 (If-None-Match); on a store that refuses those (some speaking
+        # S3's API answer 501), a look first, once said in the log.
+        if exclusive and self.fs not in _NO_CONDITIONAL_WRITES:
+            try:
+                self._call(f"writing {path}", self.fs.pipe_file, self._strip(path), data, mode="create")
+                return
+            except FileExistsError:
+                raise
+            except Exception as exc:
+                if answered(exc, {"PreconditionFailed"}, 412):  # (s3fs says FileExistsError only for some 412s)
+                    raise FileExistsError(errno.EEXIST, f"{path} exists", path) from exc
+                if not answered(exc, {"NotImplemented"}, NOT_IMPLEMENTED):
+                    raise _error(f"writing {path} failed", exc) from exc
+                _NO_CONDITIONAL_WRITES.add(self.fs)
+                log.warning("statesnap: %s refuses conditional writes (%s): where a file must not exist yet (a save "
+                            "without overwrite, a root's lease) statesnap looks first instead, which two writers at "
+                            "once can both pass", path, describe(exc))
+        if exclusive and self.exists(path):
+            raise FileExistsError(errno.EEXIST, f"{path} exists", path)
         try:
-            self._call(f"writing {path}", self.fs.pipe_file, self._strip(path), data,
-                       **({"mode": "create"} if exclusive else {}))  # (older fsspec stores know no mode)
-        except FileExistsError:
-            raise
+            self._call(f"writing {path}", self.fs.pipe_file, self._strip(path), data)
         except Exception as exc:
             raise _error(f"writing {path} failed", exc) from exc
 

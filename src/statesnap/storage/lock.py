@@ -36,7 +36,7 @@ import uuid
 from abc import ABC, abstractmethod
 
 from ..errors import CheckpointError, described
-from .base import StorageBackend
+from .base import StorageBackend, write_new
 from .local import LocalBackend
 
 LOCK_NAME = ".statesnap-lock"
@@ -292,15 +292,14 @@ class LeaseClaim(RootClaim):
                 scratch = f"{self.path}.tmp-{self.token}"
                 self.backend.write_bytes(scratch, data, True)
                 try:
-                    if exclusive:
-                        os.link(scratch, self.path)
-                    else:
-                        os.replace(scratch, self.path)
+                    _put_in_place(scratch, self.path, exclusive)
                 finally:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(scratch)
+            elif exclusive:
+                write_new(self.backend, self.path, data, True)
             else:  # an object store's PUT replaces the object at once
-                self.backend.write_bytes(self.path, data, True, **({"exclusive": True} if exclusive else {}))
+                self.backend.write_bytes(self.path, data, True)
         except FileExistsError:
             if not exclusive:
                 raise
@@ -407,6 +406,24 @@ def claim_root(root: str, backend: StorageBackend, take_over: bool = False, leas
                 raise
             # a file system without flock (some FUSE mounts): fall back to a lease file
     return LeaseClaim(root, backend, take_over, lease_s, token)
+
+
+# what link() answers on a file system without hard links (FUSE mounts of object stores, some)
+_NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV}
+
+
+def _put_in_place(scratch: str, path: str, exclusive: bool) -> None:
+    """Move the lease written at ``scratch`` to ``path``: exclusive, by a hard link, which fails
+    where a lease is there already; else, or where the file system has no hard links, by a
+    rename over it."""
+    if exclusive:
+        try:
+            os.link(scratch, path)
+            return
+        except OSError as exc:
+            if exc.errno not in _NO_LINKS:
+                raise
+    os.replace(scratch, path)
 
 
 class ClaimedBackend:

@@ -34,12 +34,14 @@ _jitter = random.Random()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_jitter.seed)
 
-# Error codes S3 (and stores speaking its API) send for "not now": throttling and server trouble.
+# Error codes S3 (and stores speaking its API) send for "not now": throttling and server trouble,
+# and two conditional writes that met (the one sent again then finds the other's object, or none).
 TRANSIENT_CODES = frozenset({
     "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
     "RequestLimitExceeded", "TooManyRequestsException", "ServiceUnavailable", "InternalError",
-    "RequestTimeout", "RequestTimeoutException", "PriorRequestNotComplete",
+    "RequestTimeout", "RequestTimeoutException", "PriorRequestNotComplete", "ConditionalRequestConflict",
 })
+NOT_IMPLEMENTED = 501  # a 5xx that no retry changes: the store lacks what the request asks for
 # Connection failures by class name, so that no client library has to be imported to tell them:
 # botocore's, aiohttp's, and the standard library's (ConnectionError covers refused and reset).
 TRANSIENT_CLASSES = frozenset({
@@ -49,26 +51,35 @@ TRANSIENT_CLASSES = frozenset({
 })
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Would the same request, sent again later, likely succeed? Looks through the chain of
-    causes: fsspec implementations translate client errors into ``OSError`` with the original as
-    their cause."""
+def store_answers(exc: BaseException | None):
+    """``(error, the store's error code or None, its HTTP status or 0)`` for ``exc`` and each
+    error in its chain of causes: fsspec implementations translate client errors into
+    ``OSError`` with the original as their cause."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if any(cls.__name__ in TRANSIENT_CLASSES for cls in type(exc).__mro__):
-            return True
+        code, status = None, getattr(exc, "code", None)  # gcsfs's HttpError and others carry the status
         response = getattr(exc, "response", None)
         if isinstance(response, dict):
             code = response.get("Error", {}).get("Code")
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-            if code in TRANSIENT_CODES or status >= 500 or status == 429:
-                return True
-        status = getattr(exc, "code", None)  # gcsfs's HttpError and others carry the HTTP status
-        if isinstance(status, int) and (status >= 500 or status == 429):
-            return True
+        yield exc, code, status if isinstance(status, int) else 0
         exc = exc.__cause__ or exc.__context__
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Would the same request, sent again later, likely succeed?"""
+    for error, code, status in store_answers(exc):
+        if any(cls.__name__ in TRANSIENT_CLASSES for cls in type(error).__mro__):
+            return True
+        if code in TRANSIENT_CODES or (status >= 500 and status != NOT_IMPLEMENTED) or status == 429:
+            return True
     return False
+
+
+def answered(exc: BaseException, codes: set[str], status: int) -> bool:
+    """Whether the store answered the request that raised ``exc`` with one of ``codes`` or ``status``."""
+    return any(code in codes or got == status for _, code, got in store_answers(exc))
 
 
 def describe(exc: BaseException) -> str:
