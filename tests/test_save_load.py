@@ -608,6 +608,18 @@ def test_a_value_the_load_cannot_read_leaves_the_state_as_it_was(tmp_path):
     assert target["obj"] == {1, 2} and torch.count_nonzero(target["w"]) > 0
 
 
+def test_a_tuple_holding_a_subclass_of_the_stored_type_keeps_its_equal_value(tmp_path):
+    """A numpy float64 (an lr drawn with numpy) is stored as the float it equals: a tuple that
+    holds it loads (it was refused as '0.5 against np.float64(0.5)'); another value is refused."""
+    np_value = np.float64(0.5)
+    ss.save({"t": (torch.ones(BIG), np_value, 3)}, tmp_path / "c")
+    target = {"t": (torch.zeros(BIG), np.float64(0.5), 3)}
+    ss.load(target, tmp_path / "c")
+    assert torch.equal(target["t"][0], torch.ones(BIG)) and target["t"][1:] == (0.5, 3)
+    with pytest.raises(ss.StateMismatchError, match="t.1 lies in a tuple"):
+        ss.load({"t": (torch.zeros(BIG), np.float64(0.25), 3)}, tmp_path / "c")
+
+
 def test_a_list_stored_whole_beside_a_name_under_it_loads_whole(tmp_path):
     state = {"x": [1, 2], "x.0": torch.arange(3.0), "y": [torch.ones(2)], "y.1": 5}
     ss.save(state, tmp_path / "c")

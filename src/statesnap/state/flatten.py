@@ -405,8 +405,10 @@ def _assigner(fqn: str, container: Any, key: Any,
             raise _tuple_refuses(fqn, container[key], value)
 
     def fill(value: Any) -> None:  # (checked before; a place also filled under another name is still refused here)
-        if _merged(container[key], value, filled) is not container[key] and not _same(container[key], value):
-            raise _tuple_refuses(fqn, container[key], value)
+        held = container[key]
+        merged = _merged(held, value, filled)
+        if merged is not held and not _same(held, value) and not _same(held, merged):
+            raise _tuple_refuses(fqn, held, value)
     return fill, check
 
 
@@ -433,6 +435,8 @@ def _fits_in_place(held: Any, value: Any) -> bool:
             return type(held)(value) is held
         except ValueError:
             return False
+    if type(value) in (int, float, str, bytes) and isinstance(held, type(value)) and not isinstance(held, bool):
+        return _same(type(value)(held), value)  # (numpy's float64 is a float: the value it holds is what counts)
     return _same(held, value)
 
 
