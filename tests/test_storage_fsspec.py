@@ -5,6 +5,7 @@ import importlib
 import random
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
@@ -332,6 +333,32 @@ def test_a_url_fsspec_cannot_serve_is_a_checkpoint_error_naming_it(monkeypatch):
                 attempt()
     with pytest.raises(ss.CheckpointError, match="^cannot open memory://b/ckpt: .*retries"):
         ss.open("memory://b/ckpt", storage_options={"retries": 0})
+
+
+def test_a_store_whose_pipe_file_takes_no_mode_still_saves_and_refuses_a_second_save(monkeypatch, caplog):
+    """An fsspec store from before ``pipe_file`` took a mode (its keyword arguments go to its
+    client, which refuses ``mode``): a save without overwrite looks first and writes plainly,
+    said once in the log; a second save to the path is still a CheckpointExistsError."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    plain = MemoryFileSystem.pipe_file
+
+    def older(self, path, value, **kwargs):
+        if kwargs:
+            raise TypeError(f"put_object() got an unexpected keyword argument {next(iter(kwargs))!r}")
+        return plain(self, path, value)
+
+    monkeypatch.setattr(MemoryFileSystem, "pipe_file", older)
+    monkeypatch.setattr(fsspec_backend, "_NO_CONDITIONAL_WRITES", weakref.WeakSet())  # (for this test only)
+    url = f"memory://older-store-{time.monotonic_ns()}/ckpt"
+    with caplog.at_level("WARNING", logger="statesnap"):
+        ss.save({"w": torch.arange(5.0)}, url)
+    assert "refuses conditional writes" in caplog.text
+    with pytest.raises(ss.CheckpointExistsError):
+        ss.save({"w": torch.zeros(5)}, url)
+    target = {"w": torch.zeros(5)}
+    ss.load(target, url)
+    assert torch.equal(target["w"], torch.arange(5.0))
 
 
 def test_an_overwrite_in_place_deletes_only_the_replaced_checkpoints_files_and_old_leftovers():

@@ -389,7 +389,9 @@ class FsspecBackend(StorageBackend):
             except Exception as exc:
                 if answered(exc, {"PreconditionFailed"}, 412):  # (s3fs says FileExistsError only for some 412s)
                     raise FileExistsError(errno.EEXIST, f"{path} exists", path) from exc
-                if not answered(exc, {"NotImplemented"}, NOT_IMPLEMENTED):
+                # (a TypeError naming the mode: an fsspec store from before pipe_file took one)
+                if not (answered(exc, {"NotImplemented"}, NOT_IMPLEMENTED)
+                        or isinstance(exc, TypeError) and "mode" in str(exc)):
                     raise _error(f"writing {path} failed", exc) from exc
                 _NO_CONDITIONAL_WRITES.add(self.fs)
                 log.warning("statesnap: %s refuses conditional writes (%s): where a file must not exist yet (a save "
