@@ -72,6 +72,8 @@ class NotInCheckpointError(CheckpointError, KeyError):
     """A name the checkpoint does not hold (``Reader.read``, ``Reader.info``); also a KeyError,
     as a lookup by a missing key is."""
 
+    __str__ = Exception.__str__  # (KeyError's would print the message's repr: quoted, escapes doubled)
+
 
 class RegionOutOfRangeError(CheckpointError, IndexError):
     """An index of a region read (``Reader.read(fqn, index)``) past a dimension's size; also an
