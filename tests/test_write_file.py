@@ -209,7 +209,10 @@ def test_a_failed_window_write_stops_the_copies_and_writes_after_it(tmp_path, sm
 
     Counting every write tried would be flaky: a write thread that took the third window can wait
     for the GIL while the others write many windows after it, so the bound is stated from the
-    moment the failure is recorded, and the windows after the third wait until it was tried."""
+    moment the failure is recorded, and the windows after the third wait until it was tried. Only
+    a while: with two copying threads, the windows after it can be filled first and take every
+    write slot, and the third then waits for a slot they hold (the CI's run of 2026-11-29 timed
+    out so); those writes then come before the failure and are not late ones."""
     jobs, _ = layout([40 * WINDOW], seed=5)
     recorders: list = []
     real_init = write._WindowWrites.__init__
@@ -229,7 +232,7 @@ def test_a_failed_window_write_stops_the_copies_and_writes_after_it(tmp_path, sm
             third_tried.set()
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         if offset > 2 * WINDOW:
-            assert third_tried.wait(30)
+            third_tried.wait(2)
 
     real_fill = write._filled_window
 
