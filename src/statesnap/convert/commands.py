@@ -6,8 +6,7 @@ import re
 import sys
 from typing import Any, Callable
 
-from ..errors import printable
-from ..errors import CheckpointError
+from ..errors import CheckpointError, printable
 from ..tools import OK, TROUBLE, progress_flags
 from .api import SOURCES, TARGETS, convert, export
 

@@ -127,15 +127,16 @@ def param_shapes(states: dict, where: str) -> list[dict[str, torch.Size]]:
     partitions, so it is checked before anything is sized by it)."""
     groups = states.get("param_shapes")
     if not groups:
-        optimizer = states.get("optimizer")
-        held = ("its module's weights and PyTorch's own optimizer state dict, which keys the state by the "
-                "parameters' positions, not their names (ZeRO stage 0)" if isinstance(optimizer, dict)
-                else "its module's weights and no optimizer state")
+        if isinstance(states.get("optimizer"), dict):  # ZeRO stage 0: PyTorch's own optimizer state dict
+            held = ("its module's weights and PyTorch's own optimizer state dict, which keys the state by the "
+                    "parameters' positions, not their names (ZeRO stage 0)")
+            keys = "module.*, optimizer.state.<position>.*"
+        else:
+            held, keys = "its module's weights and no optimizer state", "module.*"
         raise CheckpointError(f"{where} has no param_shapes, so it is no ZeRO checkpoint: it holds {held}. "
                               f"Convert that file as the torch.save file it is: ss.convert({where!r}, DST, "
                               "source='torch') (`statesnap convert FILE DST --from torch`) stores everything in "
-                              "it by its keys (module.*" + (", optimizer.state.<position>.*)" if isinstance(
-                                  optimizer, dict) else ")"))
+                              f"it by its keys ({keys})")
     if not isinstance(groups, list) or not all(isinstance(group, dict) for group in groups):
         raise CheckpointError(f"{where}: param_shapes is not a list of {{name: shape}} dicts")
     out = []

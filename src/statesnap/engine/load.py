@@ -414,7 +414,8 @@ class PlainValues:
 
     def put(self, backend: StorageBackend, path: str) -> None:
         read_blob = blob_reader(backend, path, self.manifest)
-        values = [(item, decoded or self._decoded(item, entry, read_blob)) for item, entry, decoded in self._values]
+        values = [(item, self._decoded(item, entry, read_blob) if decoded is None else decoded)
+                  for item, entry, decoded in self._values]
         for item, (found, value) in values:
             if found:
                 (item.assign if item.per_rank is None else item.per_rank.restore)(value)
