@@ -116,7 +116,9 @@ class _Walker:
         self.seen: set[str] = set()
         self.modules: list[nn.Module] = []
         self.named_modules: list[tuple[str, nn.Module]] = []  # (fqn in the state, module)
-        self.filled = FilledPlaces(lambda: [item.local for item in self.out.tensors])  # loads' plain values
+        # (the items' list, not a closure over the walker: that made a cycle, which kept every item,
+        # entry and the manifest of a load alive until the collector next ran)
+        self.filled = FilledPlaces(self.out.tensors)  # loads' plain values
 
     def _claim(self, fqn: str) -> None:
         if fqn in self.seen:
@@ -450,8 +452,8 @@ class FilledPlaces:
     tensor that is also a data file's target): each name then holds what was stored for it,
     where filling both left the last one's value in both, without a word."""
 
-    def __init__(self, targets: Callable[[], list[torch.Tensor]]):
-        self._targets = targets  # asked once a tensor is filled: every data file's target is known by then
+    def __init__(self, items: list):
+        self._items = items  # the state's tensor items, read once a tensor is filled: all are known by then
         self._spans: dict[str, list[tuple[int, int]]] | None = None
         self._containers: set[int] = set()
 
@@ -465,7 +467,7 @@ class FilledPlaces:
     def take(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s bytes overlap none filled before (they are then recorded)."""
         if self._spans is None:
-            self._spans = _merged_spans(self._targets())
+            self._spans = _merged_spans([item.local for item in self._items])
         span, spans = address_range(t), self._spans.setdefault(str(t.device), [])
         at = bisect.bisect_left(spans, span)  # only its neighbours in address order can overlap it
         if (at > 0 and spans[at - 1][1] > span[0]) or (at < len(spans) and spans[at][0] < span[1]):
