@@ -583,8 +583,8 @@ def test_state_larger_than_the_budget_streams_through_the_arena(tmp_path):
         train_step(model, optim, step)
         refs[step] = reference(state)
         ckpt.save(step, state)
-    ckpt.close()
     assert ckpt._arena.capacity <= 128 * 1024
+    ckpt.close()
     stats = ckpt.stats()
     assert stats["bytes_written"] >= 3 * sum(v.numel() * v.element_size() for v in refs[1].values())
     assert stats["memory_step"] is None  # nothing fits: no memory level
@@ -815,3 +815,23 @@ def test_each_commit_logs_one_info_line_and_calls_on_commit_whose_failure_costs_
     assert ss.open(tmp_path / "run" / "step-2").verify() > 0  # the failing hook cost nothing
     with pytest.raises(ss.CheckpointError, match="on_commit must be a callable"):
         ss.Checkpointer(tmp_path / "other", on_commit="print")
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_close_gives_the_host_memory_back_while_the_checkpointer_is_still_referenced(tmp_path):
+    """A training script closes its Checkpointer and goes on (an evaluation, an export) with
+    ``ckpt`` still in scope: the arena, up to ``host_memory_gb``, used to stay mapped until the
+    object itself was collected."""
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.5)
+    ckpt.save(1, {"w": torch.randn(16, 1 << 20)}).wait()  # 64 MiB, copied into the arena
+    for thread in threading.enumerate():  # (the thread faulting the arena in holds it until done)
+        if thread.name == "statesnap-arena-populate":
+            thread.join()
+    before = _resident_mib()
+    ckpt.close()
+    assert before - _resident_mib() >= 48, "the arena's pages are still resident after close()"
+    assert os.path.isdir(tmp_path / "step-1")

@@ -114,8 +114,8 @@ def test_the_arena_is_allocated_once_within_the_budget(tmp_path):
     ckpt.save(1, {"model": model, "optim": optim})
     arena = ckpt._arena
     ckpt.save(2, {"model": model, "optim": optim})
-    ckpt.close()
     assert ckpt._arena is arena and arena.capacity <= budget
+    ckpt.close()
 
 
 def test_snapshots_between_persists_do_not_wait_for_a_slow_write(tmp_path, monkeypatch):

@@ -367,6 +367,9 @@ class Checkpointer:
             for group in (self._group, self._local_group, self._further_group):
                 if group is not None:
                     dist.destroy_process_group(group)
+            # The host memory goes back now, not once this object is collected: a closed
+            # Checkpointer left in scope (or in a cycle) held on to up to host_memory_gb.
+            self._arena = None
         self._raise_pending()
 
     def _finish_at_exit(self) -> None:
