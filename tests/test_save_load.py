@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import statesnap as ss
+from statesnap.format import plaindata
 from dist_utils import run_ranks
 
 
@@ -691,6 +692,42 @@ def test_plain_data_nested_past_the_recursion_limit_is_refused_saying_so(tmp_pat
     with pytest.raises(ss.CheckpointError, match="nests lists, tuples and dicts too deeply .* to be saved: store"):
         ss.save({"deep": deep, "t": torch.ones(2)}, tmp_path / "c")
     assert not (tmp_path / "c").exists()
+
+
+def _nested(levels: int):
+    value: object = 1.5
+    for level in range(levels):  # tuples, lists and dicts of keys JSON lacks, in turn
+        value = ((value,), [value], {level: value})[level % 3]
+    return value
+
+
+def _at_stack_depth(frames: int, call):
+    return call() if frames == 0 else _at_stack_depth(frames - 1, call)
+
+
+def test_plain_data_as_deep_as_a_save_takes_loads_from_however_deep_a_caller_is(tmp_path, monkeypatch):
+    """A save took whatever Python's recursion limit let it (a tuple 330 deep), and a load from
+    60 frames down could not read it back: the intact checkpoint was called damaged, and
+    ``load_latest`` restored an older step in its place. Now a save takes 100 levels at most,
+    and reading a value does not depend on the caller's depth."""
+    with pytest.raises(ss.UnsafeCheckpointError, match=r"v: it nests lists, tuples and dicts more than 100 levels"):
+        ss.save({"v": _nested(101)}, tmp_path / "refused")
+    ckpt = ss.Checkpointer(tmp_path / "root")
+    ckpt.save(1, {"v": 1, "t": torch.zeros(2)}).wait()
+    ckpt.save(2, {"v": _nested(100), "t": torch.ones(2)}).wait()
+    ckpt.close()
+    for frames in (0, 300, 800):
+        state = {"v": None, "t": torch.zeros(2)}
+        with ss.Checkpointer(tmp_path / "root") as again:
+            assert _at_stack_depth(frames, lambda: again.load_latest(state)) == 2
+        assert state["v"] == _nested(100) and torch.equal(state["t"], torch.ones(2))
+    # what an older statesnap wrote (it took more levels) reads from deep down too
+    monkeypatch.setattr(plaindata, "MAX_NESTING", 250)
+    ss.save({"v": _nested(250)}, tmp_path / "older")
+    state = {"v": None}
+    _at_stack_depth(700, lambda: ss.load(state, tmp_path / "older"))
+    assert state["v"] == _nested(250)
+    assert _at_stack_depth(700, lambda: ss.open(tmp_path / "older").read("v")) == _nested(250)
 
 
 Pair = collections.namedtuple("Pair", "n name")

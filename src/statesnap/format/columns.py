@@ -17,8 +17,9 @@ from __future__ import annotations
 import base64
 import json
 import math
+import threading
 import zlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -61,7 +62,37 @@ def parse_json(data: bytes | str) -> Any:
     non-finite number read from a manifest would make ``statesnap inspect --json`` print invalid JSON.
     A key given twice in one object is refused too: readers that keep the first and readers that
     keep the last would load different checkpoints from one file (docs/format.md §8)."""
+    return on_a_fresh_stack_if_deep(_parse_json, data)
+
+
+def _parse_json(data: bytes | str) -> Any:
     return json.loads(data, parse_constant=_refuse_literal, parse_float=_finite_float, object_pairs_hook=_unique_keys)
+
+
+def on_a_fresh_stack_if_deep(parse: Callable[..., Any], *args: Any) -> Any:
+    """``parse(*args)``, run again on a thread of its own where it ran out of Python's recursion
+    limit: JSON and plain data nest by recursion, and how deep a value can be read must not
+    depend on how deep in its own calls the caller is (an intact checkpoint read from 60 frames
+    down was called damaged, and an older one loaded in its place). A RecursionError there too
+    is the value's own depth, deeper than any statesnap writes (plaindata.MAX_NESTING)."""
+    try:
+        return parse(*args)
+    except RecursionError:
+        pass
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, parse(*args)))
+        except BaseException as exc:  # (handed to the caller's thread)
+            outcome.append((False, exc))
+    thread = threading.Thread(target=run, name="statesnap-deep-parse")
+    thread.start()
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _unique_keys(pairs: list) -> dict:

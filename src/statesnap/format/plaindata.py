@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import ManifestError
+from .columns import on_a_fresh_stack_if_deep
 from .dtypes import DTYPE_TO_NAME, dtype_from_name, dtype_name
 
 TAG = "__ss_"
@@ -50,8 +51,16 @@ def inlinable(t: torch.Tensor) -> bool:
             and t.dtype in DTYPE_TO_NAME and t.numel() * t.element_size() <= MAX_INLINE_TENSOR_BYTES)
 
 
-def encode(value: Any) -> Any:
-    """Encode ``value`` as JSON-compatible data; raise :class:`NotPlainData` if it is not plain."""
+# Lists, tuples and dicts inside one another, at most: a reader nests by recursion (JSON's parser,
+# then decode, three frames a level), and must be able to read whatever was written. Python's
+# recursion limit made the limit before: what a save deep in its caller's calls could still write,
+# which a reader from a deeper stack could not read back.
+MAX_NESTING = 100
+
+
+def encode(value: Any, depth: int = 0) -> Any:
+    """Encode ``value`` as JSON-compatible data; raise :class:`NotPlainData` if it is not plain.
+    ``depth``: the containers around it."""
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
@@ -60,14 +69,19 @@ def encode(value: Any) -> Any:
         raise NotPlainData(int_too_long(value))
     if isinstance(value, float):
         return value if math.isfinite(value) else {TAG + "float": _non_finite(value)}
+    if isinstance(value, (list, tuple, dict)):
+        if depth >= MAX_NESTING:
+            raise NotPlainData(f"it nests lists, tuples and dicts more than {MAX_NESTING} levels deep (store such "
+                               "a value flatter, e.g. as a JSON string)")
+        depth += 1
     if isinstance(value, list):
-        return [encode(v) for v in value]
+        return [encode(v, depth) for v in value]
     if isinstance(value, tuple):
-        return {TAG + "tuple": [encode(v) for v in value]}
+        return {TAG + "tuple": [encode(v, depth) for v in value]}
     if isinstance(value, dict):
         if all(isinstance(k, str) and not k.startswith(TAG) for k in value):
-            return {k: encode(v) for k, v in value.items()}
-        return {TAG + "dict": [[encode(k), encode(v)] for k, v in value.items()]}
+            return {k: encode(v, depth) for k, v in value.items()}
+        return {TAG + "dict": [[encode(k, depth), encode(v, depth)] for k, v in value.items()]}
     if isinstance(value, (bytes, bytearray)):
         return {TAG + "bytes": base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, torch.dtype):
@@ -83,7 +97,7 @@ def decode(data: Any, where: str = "") -> Any:
     """The value ``encode`` gave ``data`` for. Anything ``encode`` never writes is refused with a
     ManifestError saying where, never guessed at (docs/format.md §6)."""
     try:
-        return _decode(data, where)
+        return on_a_fresh_stack_if_deep(_decode, data, where)
     except RecursionError:
         raise ManifestError(f"plain data at {where or 'plain data'} is nested too deeply to read") from None
 
@@ -159,7 +173,7 @@ def _decode_tagged(tag: str, inner: Any, where: str) -> Any:
             return dtype_from_name(inner, where)
         if tag == "tensor":
             return _decode_tensor(inner, where, expect)
-    except ManifestError:
+    except (ManifestError, RecursionError):  # (the recursion: out of stack, no damage; decode says which)
         raise
     except Exception as exc:  # malformed tagged value: report where, never guess
         raise ManifestError(f"malformed {tag} value at {where or 'plain data'}: {exc}") from None
