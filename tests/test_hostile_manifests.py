@@ -255,3 +255,26 @@ def test_a_manifest_larger_than_memory_is_a_manifest_error(tmp_path):
     assert done.returncode == 0 and len(lines) == 2, done.stderr[-2000:]
     assert all(re.fullmatch(r"ManifestError the manifest .*manifest\.json is too large to read into this "
                             r"process's memory", line) for line in lines), lines
+
+
+def test_a_shape_edited_to_hold_no_elements_is_damage_not_an_empty_tensor(ckpt_dir):
+    """Nothing is read for a tensor of no elements, so a shape edited to [0, 4] (with its box and
+    byte count, and the manifest signed again) loaded the tensor empty without a word; the
+    checksum of its piece is still that of the 48 bytes written."""
+    _checkpoint(ckpt_dir)
+
+    def empty(doc):
+        entry = doc["tensors"]["w"]
+        entry.update(shape=[0, 4], size=[[0, 4]], nbytes=[0])
+    _rewrite(ckpt_dir, empty)
+    says = r"tensor 'w', piece 0, bytes \[\d+, \d+\) are damaged"
+    with pytest.raises(CorruptCheckpointError, match=says):
+        ss.open(ckpt_dir).read("w")
+    with pytest.raises(CorruptCheckpointError, match=says):
+        ss.load({"w": torch.zeros(0, 4)}, ckpt_dir)
+    with pytest.raises(CorruptCheckpointError, match="w in data-"):
+        ss.open(ckpt_dir).verify()
+    ss.save({"w": torch.zeros(0, 4)}, ckpt_dir.parent / "empty")  # a tensor saved empty loads
+    target = {"w": torch.ones(0, 4)}
+    ss.load(target, ckpt_dir.parent / "empty")
+    assert ss.open(ckpt_dir.parent / "empty").read("w").shape == (0, 4)

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from ..errors import CorruptCheckpointError, MissingFileError, ReadFailedError
-from ..format.checksum import checksum_blocks, checksum_whole
+from ..format.checksum import NO_BYTES_CHECKSUM, checksum_blocks, checksum_whole
 from ..format.manifest import FEW_PIECES, Manifest, TensorEntry
 from ..plan.load_plan import PieceRead, Segment, TargetPlan, row_major_strides
 from ..storage.base import FileReader, StorageBackend
@@ -97,6 +97,8 @@ class ReadExecutor:
             view: memoryview | None = None) -> None:
         """Read ``plan`` into ``target``; ``view``: its bytes, where the caller has made them."""
         view = byte_view(target) if view is None else view
+        if not len(view):
+            self._check_no_bytes(fqn, entry)
         for r in plan.reads:
             self.jobs.append(_Job(fqn, entry, target, view, r, int(entry.file[r.piece]), int(entry.offset[r.piece]),
                                   int(entry.nbytes[r.piece])))
@@ -107,6 +109,8 @@ class ReadExecutor:
         offset there (``plan.load_plan.piece_offsets``): what a load reads for most tensors,
         added without a plan of their own. (``target`` is only held: every byte goes through
         ``view``, which may not keep it alive.)"""
+        if not len(view):
+            self._check_no_bytes(fqn, entry)
         file, base, sizes = entry.file, entry.offset, entry.nbytes
         for piece, dst in enumerate(offsets):
             nbytes = int(sizes[piece])
@@ -116,6 +120,18 @@ class ReadExecutor:
                     read = self._whole_reads[piece][nbytes] = PieceRead(piece, 0, nbytes, [Segment(0, 0, nbytes)])
                 part = view if nbytes == len(view) else view[dst:dst + nbytes]
                 self.jobs.append(_Job(fqn, entry, target, part, read, int(file[piece]), int(base[piece]), nbytes))
+
+    def _check_no_bytes(self, fqn: str, entry: TensorEntry) -> None:
+        """Nothing is read into a target of no elements; where the whole tensor has none, its
+        pieces (all of no bytes: a box holds no more than the shape) must still have the checksum
+        of no bytes: a shape edited to hold a 0 (in a manifest without its own checksum, format.md
+        §5) loaded the tensor empty. (A rank's empty part of a tensor that has elements reads none.)"""
+        if not self.verify or entry.numel:
+            return
+        for piece, first in enumerate(entry.checksum_bounds[:-1].tolist()):
+            if int(entry.checksum[first]) != NO_BYTES_CHECKSUM:
+                start = int(entry.offset[piece])
+                raise self._damaged(fqn, int(entry.file[piece]), piece, start, start)
 
     def run(self) -> None:
         tasks = self._tasks()
@@ -337,12 +353,15 @@ class ReadExecutor:
         if actual != expected:
             bad = next(i for i, (a, e) in enumerate(zip(actual, expected)) if a != e) if len(actual) == len(expected) else 0
             start = job.base + lo + bad * block
-            error = CorruptCheckpointError(
-                f"checksum mismatch in data file {self.manifest.files[job.file]} of {self.directory}: "
-                f"tensor {job.fqn!r}, piece {job.read.piece}, bytes [{start}, {min(start + block, job.base + hi)}) "
-                "are damaged; restore this checkpoint from another copy or load an earlier one")
-            error.tensor = job.fqn
-            raise error
+            raise self._damaged(job.fqn, job.file, job.read.piece, start, min(start + block, job.base + hi))
+
+    def _damaged(self, fqn: str, file: int, piece: int, start: int, end: int) -> CorruptCheckpointError:
+        error = CorruptCheckpointError(
+            f"checksum mismatch in data file {self.manifest.files[file]} of {self.directory}: tensor {fqn!r}, "
+            f"piece {piece}, bytes [{start}, {end}) are damaged; restore this checkpoint from another copy or "
+            "load an earlier one")
+        error.tensor = fqn
+        return error
 
 
 def _part(job: _Job, lo: int, hi: int) -> _Job:

@@ -11,6 +11,7 @@ from typing import Sequence
 import xxhash
 
 DEFAULT_BLOCK_BYTES = 16 << 20
+NO_BYTES_CHECKSUM = xxhash.xxh3_64_intdigest(b"")  # an empty piece's one checksum
 
 
 def checksum_blocks(views: Sequence[memoryview], block_bytes: int) -> list[int]:
