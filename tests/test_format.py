@@ -2,6 +2,7 @@
 manifests with out-of-range integers or pieces that overlap or leave holes are refused (§8); the
 manifest's checksum of itself catches edits that still parse (§5)."""
 import base64
+import functools
 import json
 import math
 import os
@@ -232,6 +233,8 @@ def test_plain_data_nested_too_deeply_is_a_manifest_error():
     ({"n": np.int64(3)}, r"meta\['n'\] is of type numpy.int64"),
     ({"n": 10 ** 4300}, r"meta\['n'\] is an int of more than 4300 digits"),
     ("step 3", "meta must be a dict, not str"),
+    ({"deep": functools.reduce(lambda v, _: [v], range(100), 1)}, r"meta\['deep'\](\[0\]){99} nests lists and dicts "
+                                                                 "more than 100 levels deep"),
 ])
 def test_meta_json_cannot_hold_is_refused_before_writing(tmp_path, meta, words):
     """``meta`` is stored as JSON: NaN, bytes, a numpy int or an int of 4301 digits failed the

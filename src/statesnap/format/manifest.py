@@ -36,7 +36,7 @@ from .columns import (PACK_MIN_PIECES, PACK_ZLIB_MAX_DIMS, UINT64_MAX, Inflation
 from .dtypes import dtype_name, tensor_dtype
 from .plain_entries import BOX, FEW_PIECES, FLAT, read_plain_entries
 from .table import COLUMNS as TABLE_COLUMNS, read_table, table_rows, tables_json
-from .plaindata import int_too_long
+from .plaindata import MAX_NESTING, int_too_long
 from .split import (Fetch, SectionReader, TensorRow, pack_files, pack_json, parse_rows, region_problem, row_json,
                     unpack_files, unpack_json)
 
@@ -607,21 +607,23 @@ def meta_problem(meta: Any) -> str | None:
         return "meta is nested too deeply"
 
 
-def _json_problem(value: Any, where: str) -> str | None:
+def _json_problem(value: Any, where: str, depth: int = 0) -> str | None:
     if isinstance(value, int) and not isinstance(value, bool):
         problem = int_too_long(value)
         return f"{where} is {problem}" if problem else None
     if value is None or isinstance(value, (bool, str)) or (isinstance(value, float) and math.isfinite(value)):
         return None
+    if isinstance(value, (list, tuple, dict)) and depth >= MAX_NESTING:  # (as plain data: plaindata.py)
+        return f"{where} nests lists and dicts more than {MAX_NESTING} levels deep"
     if isinstance(value, (list, tuple)):
-        return next(filter(None, (_json_problem(v, f"{where}[{i}]") for i, v in enumerate(value))), None)
+        return next(filter(None, (_json_problem(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))), None)
     if isinstance(value, dict):
         for key, v in value.items():
             if not isinstance(key, str):
                 made = (f'would make it "{json.dumps(key)}"' if isinstance(key, (int, float)) or key is None
                         else "takes none")
                 return f"{where} has the key {key!r}, which is not a string (JSON {made})"
-            problem = _json_problem(v, f"{where}[{key!r}]")
+            problem = _json_problem(v, f"{where}[{key!r}]", depth + 1)
             if problem:
                 return problem
         return None
