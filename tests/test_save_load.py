@@ -4,6 +4,7 @@ import copy
 import enum
 import os
 import struct
+import warnings
 
 import fsspec
 import numpy as np
@@ -499,10 +500,20 @@ def test_strict_load_lists_every_mismatch(tmp_path):
         assert name in message
     assert torch.equal(target["a"], torch.ones(3))  # nothing was loaded
 
-    ss.load(target, tmp_path / "c", strict=False)
+    # strict=False loads what matches, says what it left (PyTorch's own refuses another shape),
+    # and warns of the names held with another shape or dtype, at the caller's line
+    with pytest.warns(UserWarning, match=r"strict=False left .* shape/dtype mismatch \(2\): b \(checkpoint float32\[2, 2\], "
+                      r"target float32\[3, 2\]\), c \(.*\)\. Pass cast=True") as w:
+        info = ss.load(target, tmp_path / "c", strict=False)
+    assert w[0].filename == __file__
+    assert sorted(info.missing) == ["new", "new_obj"] and info.mismatched == ["b", "c"]
     assert torch.equal(target["a"], torch.zeros(3)) and target["n"] == 1
     assert torch.equal(target["b"], torch.ones(3, 2)) and torch.equal(target["new"], torch.ones(1))
     assert target["new_obj"] == 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # names the checkpoint holds and the state lacks: no warning
+        info = ss.load({"a": torch.ones(3)}, tmp_path / "c", strict=False)
+    assert info.missing == [] and info.mismatched == [] and info.bytes == 12
 
 
 def test_a_partial_load_takes_a_part_but_refuses_what_does_not_match(tmp_path):

@@ -8,7 +8,8 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from typing import Any, Callable, Container
 
 import numpy as np
@@ -41,6 +42,10 @@ class LoadInfo:
     path: str
     bytes: int
     seconds: float
+    # What a load with strict=False left as it was (a strict load raises instead): the names the
+    # checkpoint lacks, and those it holds with another shape or dtype (also warned of).
+    missing: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
 
 
 def read_manifest(backend: StorageBackend, path: str) -> Manifest:
@@ -195,10 +200,13 @@ def parts_lacking(stored: list[str], parts: list[str]) -> list[str]:
 
 
 def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: str, cast: bool,
-           top: list[str], partial: bool) -> set[str]:
-    """Check the target against the checkpoint; return the names to skip (non-strict). ``top``:
-    the state's top-level names. ``partial``: what the checkpoint holds outside them is not
-    unexpected, but what it holds under them is (a model of fewer layers loads no part of a deeper one)."""
+           top: list[str], partial: bool) -> tuple[list[str], list[str]]:
+    """Check the target against the checkpoint; return the names to skip (non-strict): those it
+    lacks, and those it holds with another shape or dtype, which are warned of (PyTorch's and
+    DCP's own non-strict loads refuse them; skipped without a word, a model cast to bf16 loaded
+    nothing of an fp32 checkpoint and trained on from its random values). ``top``: the state's
+    top-level names. ``partial``: what the checkpoint holds outside them is not unexpected, but
+    what it holds under them is (a model of fewer layers loads no part of a deeper one)."""
     missing, mismatched, precision_only = mismatches(flat, manifest.header, manifest.objects, cast)
     unexpected = []
     if strict:
@@ -208,7 +216,11 @@ def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: 
         unexpected = [k for k, wanted in zip(keys, comm.any_of(loaded)) if not wanted]
     if strict and (missing or mismatched or unexpected):
         raise mismatch_error(f"checkpoint {path}", missing, unexpected, mismatched, precision_only, top, partial)
-    return set(missing) | {m.split(" ", 1)[0] for m in mismatched}
+    if mismatched:
+        warnings.warn(f"strict=False left what checkpoint {path} holds with another shape or dtype as it was: "
+                      + _format_list("shape/dtype mismatch", sorted(mismatched)) + "."
+                      + (CAST_HINT if precision_only else ""), stacklevel=6)  # (at ss.load's caller)
+    return missing, [m.split(" ", 1)[0] for m in mismatched]
 
 
 def mismatches(flat: Flattened, header: Callable[[str], Any], stored_objects: Container[str],
@@ -431,7 +443,9 @@ def load(state: dict, path, *, strict: bool = True, verify: bool = True, allow_p
     and dtype, and every name of the checkpoint in ``state``; ``partial=True`` loads a part of a
     checkpoint (the model alone, say): both rules hold for the names under the top-level keys of
     ``state`` (``model.*``), the checkpoint's other names are left unread. ``strict=False`` loads
-    only what matches and skips the rest.
+    only what matches and leaves the rest as it was: the returned ``LoadInfo`` lists the state's
+    names the checkpoint lacks (``missing``) and those it holds with another shape or dtype
+    (``mismatched``, also warned of: PyTorch's own non-strict load refuses them).
 
     ``progress``: a bar on stderr for the bytes this rank reads; by default only on a terminal and
     once the load has taken a few seconds (True: at once, False: never).
@@ -522,6 +536,8 @@ class Loading:
         self.created: list[torch.Tensor] = []  # a fresh optimizer's state, created unfilled (state/flatten.py)
         self.fresh: list[torch.optim.Optimizer] = []  # the optimizers without state before the load
         self.nbytes, self._error = 0, None
+        self.missing: list[str] = []  # what strict=False leaves as it was (LoadInfo)
+        self.mismatched: list[str] = []
         with self._reset_on_failure():
             self._begin(state, manifest, cast, shared_reads, partial, storage_options)
 
@@ -541,8 +557,9 @@ class Loading:
             error = exc
         self.comm.agree(error, f"loading {self.path}")
         try:
-            self.skip = _match(self.flat, self.manifest, self.comm, self.strict, self.path, cast,
-                               [str(key) for key in state], partial)
+            self.missing, self.mismatched = _match(self.flat, self.manifest, self.comm, self.strict, self.path, cast,
+                                                   [str(key) for key in state], partial)
+            self.skip = {*self.missing, *self.mismatched}
             self.sharing = overlapping_pairs(item for item in self.flat.tensors if item.fqn not in self.skip)
             tied_apart = _tied_apart(self.sharing, self.manifest, self.path)
             if tied_apart is not None:
@@ -586,7 +603,7 @@ class Loading:
             except Exception as exc:
                 error = exc
             self.comm.agree(error, f"loading {self.path}")
-        return LoadInfo(self.path, self.nbytes, time.perf_counter() - self.started)
+        return LoadInfo(self.path, self.nbytes, time.perf_counter() - self.started, self.missing, self.mismatched)
 
     def _overwritten(self) -> StateMismatchError | None:
         """Targets sharing memory whose writes overwrote one another (engine/overlaps.py): each
