@@ -311,7 +311,7 @@ def test_a_failed_load_leaves_the_made_state_behind_no_more(tmp_path):
     assert not fresh.state
 
 
-def test_an_optimizer_alone_in_the_state_takes_its_state_by_position(tmp_path):
+def test_an_optimizer_over_parameters_in_a_list_of_the_state_keys_them_by_their_names_there(tmp_path):
     params = [nn.Parameter(torch.randn(3, 40)), nn.Parameter(torch.randn(5))]
     optim = torch.optim.NAdam(params, lr=0.01)
     for s in range(2):
@@ -319,6 +319,7 @@ def test_an_optimizer_alone_in_the_state_takes_its_state_by_position(tmp_path):
         sum((p * s).square().sum() for p in params).backward()
         optim.step()
     ss.save({"optim": optim, "params": params}, tmp_path / "c")
+    assert "optim.state.params.1.exp_avg" in ss.open(tmp_path / "c").keys()
     fresh_params = [nn.Parameter(torch.zeros(3, 40)), nn.Parameter(torch.zeros(5))]
     fresh = torch.optim.NAdam(fresh_params, lr=0.01)
     ss.load({"optim": fresh, "params": fresh_params}, tmp_path / "c")

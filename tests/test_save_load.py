@@ -240,6 +240,51 @@ def test_a_positional_checkpoint_of_such_an_optimizer_still_loads(tmp_path, monk
     assert_same_optim(optim, optim2)
 
 
+def _with_temperature(seed: int, reverse: bool):
+    """A model and a learned temperature beside it, one optimizer over both (listed in reverse
+    where asked: another run's order)."""
+    torch.manual_seed(seed)
+    model, temperature = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Parameter(torch.full((4, 4), 0.5))
+    params = [*model.parameters(), temperature]
+    return model, temperature, torch.optim.Adam(params[::-1] if reverse else params, lr=0.1)
+
+
+def _step_with_temperature(model, temperature, optim) -> None:
+    optim.zero_grad()
+    (model(torch.ones(2, 4)) @ temperature).square().sum().backward()
+    optim.step()
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "stepped"])
+def test_parameters_held_beside_the_modules_name_the_optimizer_state_too(tmp_path, stepped, monkeypatch):
+    """One parameter of the optimizer in no module of the state (``extra.temperature``) made the
+    whole optimizer's state be kept by position: a run that listed the parameters in another
+    order loaded each one another's moments (shapes alike), without a word. The parameter is now
+    named as the state names it; a checkpoint kept by position still loads as before."""
+    model, temperature, optim = _with_temperature(0, reverse=False)
+    for _ in range(2):
+        _step_with_temperature(model, temperature, optim)
+    state = {"model": model, "extra": {"temperature": temperature}, "optim": optim}
+    ss.save(state, tmp_path / "c")
+    assert {"optim.state.extra.temperature.exp_avg", "optim.state.model.1.bias.exp_avg"} <= set(
+        ss.open(tmp_path / "c").keys())
+    model2, temperature2, optim2 = _with_temperature(1, reverse=True)
+    if stepped:
+        _step_with_temperature(model2, temperature2, optim2)
+    ss.load({"model": model2, "extra": {"temperature": temperature2}, "optim": optim2}, tmp_path / "c")
+    for a, b in zip([*model.parameters(), temperature], [*model2.parameters(), temperature2]):
+        assert all(torch.equal(optim.state[a][k], optim2.state[b][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    from statesnap.state import flatten
+
+    with monkeypatch.context() as m:
+        m.setattr(flatten._Walker, "_owner_of", lambda self, optim: None)  # what the old save did
+        ss.save(state, tmp_path / "old")
+    assert "optim.state.4.exp_avg" in ss.open(tmp_path / "old").keys()
+    model3, temperature3, optim3 = _with_temperature(2, reverse=False)
+    ss.load({"model": model3, "extra": {"temperature": temperature3}, "optim": optim3}, tmp_path / "old")
+    assert_same_optim(optim, optim3)
+
+
 @pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
                                   lambda ps: torch.optim.RMSprop(ps, lr=0.01),
                                   lambda ps: torch.optim.Adagrad(ps, lr=0.1)], ids=["sgd", "rmsprop", "adagrad"])

@@ -116,6 +116,7 @@ class _Walker:
         self.seen: set[str] = set()
         self.modules: list[nn.Module] = []
         self.named_modules: list[tuple[str, nn.Module]] = []  # (fqn in the state, module)
+        self.state: dict = {}
         # (the items' list, not a closure over the walker: that made a cycle, which kept every item,
         # entry and the manifest of a load alive until the collector next ran)
         self.filled = FilledPlaces(self.out.tensors)  # loads' plain values
@@ -131,6 +132,7 @@ class _Walker:
         if self.cache is not None:
             self.cache.begin()
         try:
+            self.state = state
             self.named_modules = list(_named_modules(state))
             self.modules = [module for _, module in self.named_modules]
             self.walk_dict("", state)
@@ -370,8 +372,18 @@ class _Walker:
                 return module
             if not wanted.isdisjoint(mine):
                 held.append((fqn, module))
-        if wanted <= {id(p) for _, module in held for p in module.parameters()}:
+        covered = {id(p) for _, module in held for p in module.parameters()}
+        if wanted <= covered:
             return _container(held)
+        # Parameters held in the state itself (a learned temperature beside the model, a list of
+        # tensors): named as the state names them, not by their positions in the optimizer, which
+        # a run that lists them in another order would have given each other's state.
+        loose = {}
+        for fqn, t in _named_modules(self.state, kind=torch.Tensor):
+            if id(t) in wanted and id(t) not in covered:
+                loose.setdefault(id(t), (fqn, t))
+        if wanted <= covered | loose.keys():
+            return _container(held, list(loose.values()))
         return None
 
 
@@ -684,37 +696,44 @@ def _load_optimizer(model: nn.Module, optim: torch.optim.Optimizer, sd: dict) ->
 _NOT_STRICT = StateDictOptions(strict=False)
 
 
-def _named_modules(state: dict | list | tuple, prefix: str = ""):
-    """The modules of the state under their names in it, in dicts, lists and tuples (a list of
-    modules is walked by index: ``models.0.weight``). Only containers and modules are named,
-    so a long list of plain values costs one type check per element at each save."""
+def _named_modules(state: dict | list | tuple, prefix: str = "", kind: type = nn.Module):
+    """The modules (or other values of ``kind``) of the state under their names in it, in dicts,
+    lists and tuples (a list of modules is walked by index: ``models.0.weight``), not inside
+    them. Only containers and such values are named, so a long list of plain values costs one
+    type check per element at each save."""
     items = state.items() if isinstance(state, dict) else enumerate(state)
     for key, value in items:
-        if isinstance(value, nn.Module):
+        if isinstance(value, kind):
             yield join(prefix, key), value
         elif isinstance(value, (dict, list, tuple)) and value:
-            yield from _named_modules(value, join(prefix, key))
+            yield from _named_modules(value, join(prefix, key), kind)
 
 
 class _Container(nn.Module):
     """Modules of the state, gathered under their names in it (``_container``)."""
 
 
-def _container(named: list[tuple[str, nn.Module]]) -> nn.Module | None:
-    """One module holding ``named`` modules under their names in the state (``enc``,
-    ``models.dec``), so that ``named_parameters`` names a parameter as the state does; None if a
-    name cannot be a module path (an empty part, or one that is an attribute of nn.Module)."""
+def _container(named: list[tuple[str, nn.Module]], tensors: list[tuple[str, torch.Tensor]] = ()) -> nn.Module | None:
+    """One module holding ``named`` modules and ``tensors`` under their names in the state
+    (``enc``, ``models.dec``, ``extra.temperature``), so that ``named_parameters`` names a
+    parameter as the state does; None if a name cannot be a module path (an empty part, one that
+    is an attribute of nn.Module, or one given twice)."""
     root = _Container()
     try:
-        for fqn, module in named:
+        for fqn, member in [*named, *tensors]:
             parent, (*path, last) = root, fqn.split(SEP)
             for part in path:
                 if part not in parent._modules:
                     parent.add_module(part, nn.Module())
                 parent = parent._modules[part]
-            if last in parent._modules:
+            if last in parent._modules or last in parent._parameters:
                 return None
-            parent.add_module(last, module)
+            if isinstance(member, nn.Module):
+                parent.add_module(last, member)
+            elif not last or hasattr(parent, last):
+                return None
+            else:  # (a tensor that requires grad, not only an nn.Parameter, as an optimizer takes it)
+                parent._parameters[last] = member
     except (KeyError, TypeError):  # add_module's refusals
         return None
     return root
