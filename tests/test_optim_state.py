@@ -566,3 +566,25 @@ def test_the_same_parameters_grouped_otherwise_are_refused_before_anything_is_re
     for p, q in zip(optim.param_groups, same.param_groups):
         assert all(torch.equal(optim.state[a]["momentum_buffer"], same.state[b]["momentum_buffer"])
                    for a, b in zip(p["params"], q["params"]))
+
+
+def test_state_kept_by_position_of_another_parameter_s_shape_is_refused_in_a_fresh_optimizer_too(tmp_path):
+    """An optimizer alone in the state keeps its state by position. Loaded into a fresh one whose
+    parameters come in another order, the state was made in the stored shapes and put on the
+    wrong parameters: the load passed and the next step failed ("output with shape [4] doesn't
+    match the broadcast shape [4, 4]"). It is refused as it is for an optimizer that has stepped."""
+    params = [nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4))]
+    optim = torch.optim.Adam(params, lr=0.1)
+    optim.zero_grad()
+    sum(p.sum() for p in params).backward()
+    optim.step()
+    ss.save({"optim": optim}, tmp_path / "c")
+    swapped = [nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(4, 4))]
+    fresh = torch.optim.Adam(swapped, lr=0.1)
+    with pytest.raises(ss.StateMismatchError, match=r"optim.state.0.exp_avg \(checkpoint float32\[4, 4\], "
+                                                    r"target float32\[4\]\)"):
+        ss.load({"optim": fresh}, tmp_path / "c")
+    assert not fresh.state  # left fresh
+    same = torch.optim.Adam([nn.Parameter(torch.zeros(4, 4)), nn.Parameter(torch.zeros(4))], lr=0.1)
+    ss.load({"optim": same}, tmp_path / "c")
+    assert_same_state(optim, same)

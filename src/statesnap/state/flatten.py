@@ -272,7 +272,7 @@ class _Walker:
         fresh = not optim.state and state_to_fill
         if model is None:
             # No module in the state owns these parameters: fall back to positional state.
-            sd = self._fresh_state(optim, fqn, optim.state_dict) if fresh else None
+            sd = self._fresh_state(optim, fqn, optim.state_dict, by_position=True) if fresh else None
             if sd is None:
                 if fresh and not optim.state:  # a kind whose state only its step makes
                     state_dict_by_a_step(positional_holder(optim), optim, fqn)
@@ -337,11 +337,13 @@ class _Walker:
             "weight decay, ...) would go to other parameters or to none.", mismatched=[join(fqn, "param_groups")],
             advice=_GROUPS_ADVICE)
 
-    def _fresh_state(self, optim: torch.optim.Optimizer, fqn: str, state_dict: Callable[[], dict]) -> dict | None:
+    def _fresh_state(self, optim: torch.optim.Optimizer, fqn: str, state_dict: Callable[[], dict],
+                     by_position: bool = False) -> dict | None:
         """Make a fresh optimizer's state for the load without a step, where its kind allows:
         what the checkpoint holds for it (its state dict is returned), else (Adam's of other
         keys: a mismatch the load then names) what its first step would make."""
-        sd = create_state_from_checkpoint(optim, state_dict, join(fqn, "state") + SEP, self.stored, self.created)
+        sd = create_state_from_checkpoint(optim, state_dict, join(fqn, "state") + SEP, self.stored, self.created,
+                                          by_position)
         if sd is None:
             create_adam_state(optim, self.created)
         return sd

@@ -227,8 +227,16 @@ def _state_keys_of(optim: torch.optim.Optimizer) -> Callable[[dict, torch.Tensor
     return None
 
 
+def _keeps_state_of_other_shapes(optim: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's kind keeps tensors neither of its parameter's shape nor scalars:
+    Adafactor's factored variances, LBFGS's flat history. PyTorch's others keep no such state."""
+    return any(cls.__name__ in ("Adafactor", "LBFGS") for cls in type(optim).__mro__
+               if cls.__module__.startswith("torch.optim"))
+
+
 def create_state_from_checkpoint(optim: torch.optim.Optimizer, state_dict: Callable[[], dict], prefix: str,
-                                 stored, created: list[torch.Tensor] | None = None) -> dict | None:
+                                 stored, created: list[torch.Tensor] | None = None,
+                                 by_position: bool = False) -> dict | None:
     """Give a fresh optimizer, without a step, the state the checkpoint holds for it, and return
     its state dict. For each parameter the checkpoint keeps state for (under ``<prefix><its
     name>.``), each stored key gets a tensor (``_new_state_tensor``: floating state in a floating
@@ -244,7 +252,7 @@ def create_state_from_checkpoint(optim: torch.optim.Optimizer, state_dict: Calla
     back as it was (a subclass's or a hook's that reads keys of its own, or casts the marks past
     what they hold) leaves the state to a step. ``stored``: the checkpoint's names and
     tensor headers (``StoredNames``). Tensors go to ``created`` for the load to fill, zeroed
-    without it.
+    without it. ``by_position``: the checkpoint keys the state by the parameters' positions.
 
     Returns None, leaving the optimizer as it was, where the kind is not one of PyTorch's, a
     stored key set is not the one this optimizer keeps, a stored shape cannot be placed (state
@@ -271,9 +279,14 @@ def create_state_from_checkpoint(optim: torch.optim.Optimizer, state_dict: Calla
         if listed is None or not _fits(set(listed), keys_of(groups[id(param)], param)):
             return None
         headers = {key: stored.header(where + key) for key in keys}
-        if is_dtensor(param) and any(h is not None and h[0] and tuple(h[0]) != tuple(param.shape)
-                                     for h in headers.values()):
-            return None  # its part on this rank: only the optimizer's step knows it (scalars are whole)
+        if any(h is not None and h[0] and tuple(h[0]) != tuple(param.shape) for h in headers.values()) and (
+                is_dtensor(param) or (by_position and not _keeps_state_of_other_shapes(optim))):
+            # A DTensor's part on this rank: only the optimizer's step knows it (scalars are
+            # whole). State kept by position of another shape than its parameter's, of a kind
+            # whose state has its parameter's, is another parameter's (listed otherwise now):
+            # the step's state then meets the load's check, which names it; made in the stored
+            # shape, it was loaded, and the next step failed on it.
+            return None
         made[name] = param, {key: _new_state_tensor(param, headers[key]) if elements is None else
                              [_new_state_tensor(param, headers[element]) for element in elements]
                              for key, elements in listed.items()}
