@@ -121,8 +121,8 @@ def test_a_failed_load_leaves_a_fresh_optimizer_fresh(tmp_path, monkeypatch):
     created = []
     real_create = flatten.create_state_from_checkpoint
 
-    def create(optim, named_state, prefix, stored, out):
-        made = real_create(optim, named_state, prefix, stored, out)
+    def create(optim, named_state, prefix, stored, out, *rest):
+        made = real_create(optim, named_state, prefix, stored, out, *rest)
         created.extend(out)
         return made
     monkeypatch.setattr(flatten, "create_state_from_checkpoint", create)
