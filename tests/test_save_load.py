@@ -285,6 +285,50 @@ def test_parameters_held_beside_the_modules_name_the_optimizer_state_too(tmp_pat
     assert_same_optim(optim, optim3)
 
 
+def test_a_parameter_named_through_a_module_of_the_state_leaves_the_module_as_it_was(tmp_path):
+    """A state key that runs into a module (``model.extra.temperature`` beside ``model``) cannot
+    name the parameter without a place inside the module: naming it so added a submodule to the
+    user's model, whose next forward failed. Such an optimizer keeps its state by position."""
+    model, temperature = nn.Sequential(nn.Linear(4, 4)), nn.Parameter(torch.ones(4))
+    optim = torch.optim.SGD([*model.parameters(), temperature], lr=0.1, momentum=0.9)
+    (model(torch.ones(1, 4)) * temperature).sum().backward()
+    optim.step()
+    state = {"model": model, "model.extra.temperature": temperature, "optim": optim}
+    for attempt in range(2):
+        ss.save(state, tmp_path / f"c{attempt}")
+        assert [n for n, _ in model.named_parameters()] == ["0.weight", "0.bias"]
+    assert "optim.state.2.momentum_buffer" in ss.open(tmp_path / "c0").keys()
+    model(torch.ones(1, 4))
+    model2, temperature2 = nn.Sequential(nn.Linear(4, 4)), nn.Parameter(torch.zeros(4))
+    optim2 = torch.optim.SGD([*model2.parameters(), temperature2], lr=0.1, momentum=0.9)
+    ss.load({"model": model2, "model.extra.temperature": temperature2, "optim": optim2}, tmp_path / "c0")
+    assert_same_optim(optim, optim2)
+
+
+def test_a_positional_checkpoint_of_parameters_under_digit_keys_still_loads_by_position(tmp_path, monkeypatch):
+    """``{0: p0, 1: p1}``: named now, a parameter is "0", which an older checkpoint kept by
+    position also writes (``optim.state.0``, meaning the optimizer's first parameter). The stored
+    param groups tell them apart: positions are integers there, names strings."""
+    from statesnap.state import flatten
+
+    torch.manual_seed(0)
+    p0, p1 = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4))
+    optim = torch.optim.Adam([p1, p0], lr=0.1)  # the first parameter is p1
+    for _ in range(2):
+        optim.zero_grad()
+        (p0.square().sum() + 10 * p1.sum()).backward()
+        optim.step()
+    with monkeypatch.context() as m:
+        m.setattr(flatten._Walker, "_owner_of", lambda self, optim: None)  # what the old save did
+        ss.save({0: p0, 1: p1, "optim": optim}, tmp_path / "old")
+    ss.save({0: p0, 1: p1, "optim": optim}, tmp_path / "new")
+    for name in ("old", "new"):
+        q0, q1 = nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(4))
+        fresh = torch.optim.Adam([q1, q0], lr=0.1)
+        ss.load({0: q0, 1: q1, "optim": fresh}, tmp_path / name)
+        assert_same_optim(optim, fresh)
+
+
 @pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
                                   lambda ps: torch.optim.RMSprop(ps, lr=0.01),
                                   lambda ps: torch.optim.Adagrad(ps, lr=0.1)], ids=["sgd", "rmsprop", "adagrad"])

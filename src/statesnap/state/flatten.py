@@ -350,7 +350,8 @@ class _Walker:
 
     def _saved_by_position(self, fqn: str, owner: nn.Module) -> bool:
         """Whether the checkpoint keys optimizer ``fqn``'s state by position: some under
-        ``<fqn>.state.0.``, none under a parameter name of ``owner`` (which may start with a
+        ``<fqn>.state.0.``, and its param groups list integers (names are strings), or, where
+        they list none, nothing under a parameter name of ``owner`` (which may start with a
         digit too: a Sequential, modules under digit keys). Names as PyTorch's helper gives
         them, without the wrappers' parts (DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``):
         those are looked up only when the plain names are not found, as building them costs a
@@ -358,6 +359,11 @@ class _Walker:
         state = join(fqn, "state")
         if not self.stored.has_prefix(join(state, 0) + SEP):
             return False
+        groups = self.stored.plain(join(fqn, "param_groups"))
+        listed = [p for g in groups for p in g.get("params", ())] if isinstance(groups, list) and all(
+            isinstance(g, dict) and isinstance(g.get("params", ()), list) for g in groups) else []
+        if listed:  # (a parameter named "0", {0: p, ...}, is stored under "0" either way)
+            return all(type(p) is int for p in listed)
         if any(self.stored.has_prefix(join(state, name) + SEP) for name, _ in owner.named_parameters()):
             return False
         return not any(self.stored.has_prefix(join(state, name) + SEP) for name in _model_state_dict(owner))
@@ -721,13 +727,17 @@ def _container(named: list[tuple[str, nn.Module]], tensors: list[tuple[str, torc
     parameter as the state does; None if a name cannot be a module path (an empty part, one that
     is an attribute of nn.Module, or one given twice)."""
     root = _Container()
+    made = {id(root)}  # the modules made here, the only ones a path may go through: the state's own are not changed
     try:
         for fqn, member in [*named, *tensors]:
             parent, (*path, last) = root, fqn.split(SEP)
             for part in path:
                 if part not in parent._modules:
                     parent.add_module(part, nn.Module())
+                    made.add(id(parent._modules[part]))
                 parent = parent._modules[part]
+                if id(parent) not in made:  # (a name that runs through a module of the state: "model.extra")
+                    return None
             if last in parent._modules or last in parent._parameters:
                 return None
             if isinstance(member, nn.Module):
