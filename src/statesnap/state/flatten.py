@@ -11,6 +11,7 @@ import enum
 import itertools
 import math
 import operator
+import sys
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -36,6 +37,13 @@ from .reuse import ProviderCache
 from .wrappers import PerRank, Replicated, Sharded
 
 SEP = "."
+
+
+def _stack_depth() -> int:
+    frame, depth = sys._getframe(1), 0
+    while frame is not None:
+        frame, depth = frame.f_back, depth + 1
+    return depth
 
 
 def join(prefix: str, key: Any) -> str:
@@ -136,10 +144,12 @@ class _Walker:
             self.named_modules = list(_named_modules(state))
             self.modules = [module for _, module in self.named_modules]
             self.walk_dict("", state)
-        except RecursionError:  # (Python's recursion limit: plain data of hundreds of levels)
+        except RecursionError:  # (Python's recursion limit: plain data of hundreds of levels, or a deep caller)
             raise CheckpointError(
                 "the state nests lists, tuples and dicts too deeply (hundreds of levels) to be "
-                f"{'loaded' if self.for_load else 'saved'}: store such a value flatter, e.g. as a JSON string") from None
+                f"{'loaded' if self.for_load else 'saved'} from {_stack_depth()} calls deep, within Python's "
+                f"recursion limit ({sys.getrecursionlimit()}): store such a value flatter, e.g. as a JSON string, "
+                "or call from a shallower stack") from None
         finally:
             if self.cache is not None:
                 self.cache.end()
