@@ -591,8 +591,8 @@ def test_strict_load_lists_every_mismatch(tmp_path):
 
     # strict=False loads what matches, says what it left (PyTorch's own refuses another shape),
     # and warns of the names held with another shape or dtype, at the caller's line
-    with pytest.warns(UserWarning, match=r"strict=False left .* shape/dtype mismatch \(2\): b \(checkpoint float32\[2, 2\], "
-                      r"target float32\[3, 2\]\), c \(.*\)\. Pass cast=True") as w:
+    with pytest.warns(UserWarning, match=r"strict=False left .* shape/dtype mismatch \(2\): b \(checkpoint "
+                                         r"float32\[2, 2\], target float32\[3, 2\]\), c \(.*\)\. Pass cast=True") as w:
         info = ss.load(target, tmp_path / "c", strict=False)
     assert w[0].filename == __file__
     assert sorted(info.missing) == ["new", "new_obj"] and info.mismatched == ["b", "c"]
