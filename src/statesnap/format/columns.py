@@ -17,8 +17,8 @@ from __future__ import annotations
 import base64
 import json
 import math
-import threading
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -79,20 +79,8 @@ def on_a_fresh_stack_if_deep(parse: Callable[..., Any], *args: Any) -> Any:
         return parse(*args)
     except RecursionError:
         pass
-    outcome: list = []
-
-    def run() -> None:
-        try:
-            outcome.append((True, parse(*args)))
-        except BaseException as exc:  # (handed to the caller's thread)
-            outcome.append((False, exc))
-    thread = threading.Thread(target=run, name="statesnap-deep-parse")
-    thread.start()
-    thread.join()
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return value
+    with ThreadPoolExecutor(1, thread_name_prefix="statesnap-deep-parse") as pool:
+        return pool.submit(parse, *args).result()
 
 
 def _unique_keys(pairs: list) -> dict:

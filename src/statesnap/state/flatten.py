@@ -12,6 +12,7 @@ import itertools
 import math
 import operator
 import sys
+import traceback
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -37,13 +38,6 @@ from .reuse import ProviderCache
 from .wrappers import PerRank, Replicated, Sharded
 
 SEP = "."
-
-
-def _stack_depth() -> int:
-    frame, depth = sys._getframe(1), 0
-    while frame is not None:
-        frame, depth = frame.f_back, depth + 1
-    return depth
 
 
 def join(prefix: str, key: Any) -> str:
@@ -141,15 +135,16 @@ class _Walker:
             self.cache.begin()
         try:
             self.state = state
-            self.named_modules = list(_named_modules(state))
+            self.named_modules = list(_named_in_state(state))
             self.modules = [module for _, module in self.named_modules]
             self.walk_dict("", state)
         except RecursionError:  # (Python's recursion limit: plain data of hundreds of levels, or a deep caller)
+            depth = sum(1 for _ in traceback.walk_stack(None))
             raise CheckpointError(
                 "the state nests lists, tuples and dicts too deeply (hundreds of levels) to be "
-                f"{'loaded' if self.for_load else 'saved'} from {_stack_depth()} calls deep, within Python's "
-                f"recursion limit ({sys.getrecursionlimit()}): store such a value flatter, e.g. as a JSON string, "
-                "or call from a shallower stack") from None
+                f"{'loaded' if self.for_load else 'saved'} from {depth} calls deep, within Python's recursion limit "
+                f"({sys.getrecursionlimit()}): store such a value flatter, e.g. as a JSON string, or call from a "
+                "shallower stack") from None
         finally:
             if self.cache is not None:
                 self.cache.end()
@@ -397,7 +392,7 @@ class _Walker:
         # tensors): named as the state names them, not by their positions in the optimizer, which
         # a run that lists them in another order would have given each other's state.
         loose = {}
-        for fqn, t in _named_modules(self.state, kind=torch.Tensor):
+        for fqn, t in _named_in_state(self.state, kind=torch.Tensor):
             if id(t) in wanted and id(t) not in covered:
                 loose.setdefault(id(t), (fqn, t))
         if wanted <= covered | loose.keys():
@@ -714,7 +709,7 @@ def _load_optimizer(model: nn.Module, optim: torch.optim.Optimizer, sd: dict) ->
 _NOT_STRICT = StateDictOptions(strict=False)
 
 
-def _named_modules(state: dict | list | tuple, prefix: str = "", kind: type = nn.Module):
+def _named_in_state(state: dict | list | tuple, prefix: str = "", kind: type = nn.Module):
     """The modules (or other values of ``kind``) of the state under their names in it, in dicts,
     lists and tuples (a list of modules is walked by index: ``models.0.weight``), not inside
     them. Only containers and such values are named, so a long list of plain values costs one
@@ -724,7 +719,7 @@ def _named_modules(state: dict | list | tuple, prefix: str = "", kind: type = nn
         if isinstance(value, kind):
             yield join(prefix, key), value
         elif isinstance(value, (dict, list, tuple)) and value:
-            yield from _named_modules(value, join(prefix, key), kind)
+            yield from _named_in_state(value, join(prefix, key), kind)
 
 
 class _Container(nn.Module):
