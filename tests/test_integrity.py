@@ -494,3 +494,50 @@ def test_row_blocks_of_several_ranks_load_whole_and_damage_names_the_piece(tmp_p
     with pytest.raises(ss.CorruptCheckpointError,
                        match=rf"tensor 'w', piece {second}, bytes \[{start}, {start + BLOCK}\) are damaged"):
         ss.load({"w": target}, tmp_path / "c")
+
+
+def _many_small(count: int = 600) -> dict:
+    """Small tensors read many to a request, and two of several checksum blocks among them."""
+    gen = torch.Generator().manual_seed(3)
+    state = {f"t{i:03d}": torch.randn(1 + i % 37, generator=gen) for i in range(count)}
+    state["t100"] = torch.randn(3 * BLOCK // 4 + 5, generator=gen)  # 3 blocks and a bit
+    state["t400"] = torch.randn(2, BLOCK // 4, generator=gen)  # two blocks exactly
+    return state
+
+
+def _in_file_order(path) -> tuple[list[str], dict]:
+    """The names of a one-rank checkpoint's tensors in the order of their bytes, and where each
+    lies: (data file, offset, nbytes). (Its manifest holds them in a table, not as entries.)"""
+    manifest = ss.open(path).manifest
+    places = {fqn: (path / manifest.files[int(e.file[0])], int(e.offset[0]), int(e.nbytes[0]))
+              for fqn, e in manifest.tensors.items()}
+    return sorted(places, key=lambda fqn: places[fqn][1]), places
+
+
+def test_many_small_tensors_load_exactly_and_damage_in_the_middle_names_its_tensor(tmp_path):
+    """A thousand-tensor state is read many pieces to a request: exact, and a flipped byte in a
+    tensor in the middle of a request names that tensor, its file and its bytes."""
+    state = _many_small()
+    ss.save(state, tmp_path / "c", block_bytes=BLOCK)
+    target = {k: torch.full_like(v, float("nan")) for k, v in state.items()}
+    ss.load(target, tmp_path / "c")
+    assert all(torch.equal(target[k].view(torch.int32), v.view(torch.int32)) for k, v in state.items())
+    order, places = _in_file_order(tmp_path / "c")
+    victim = order[len(order) // 2]
+    file, offset, nbytes = places[victim]
+    flip_byte(file, offset + nbytes - 1)
+    with pytest.raises(ss.CorruptCheckpointError,
+                       match=rf"{file.name} .*tensor '{victim}', piece 0, bytes \[{offset}, {offset + nbytes}\)"):
+        ss.load({k: torch.zeros_like(v) for k, v in state.items()}, tmp_path / "c")
+
+
+def test_many_small_tensors_truncated_in_the_middle_name_the_first_tensor_cut_short(tmp_path):
+    state = _many_small()
+    ss.save(state, tmp_path / "c", block_bytes=BLOCK)
+    order, places = _in_file_order(tmp_path / "c")
+    victim = order[len(order) // 3]
+    file, offset, nbytes = places[victim]
+    file.write_bytes(file.read_bytes()[:offset + nbytes // 2])
+    with pytest.raises(ss.CorruptCheckpointError,
+                       match=rf"{file.name} .* truncated: bytes \[{offset}, {offset + nbytes}\) of tensor '{victim}'"):
+        ss.load({k: torch.zeros_like(v) for k, v in state.items()}, tmp_path / "c")

@@ -20,18 +20,13 @@ import torch
 
 from ..errors import CorruptCheckpointError, MissingFileError, ReadFailedError
 from ..format.checksum import NO_BYTES_CHECKSUM, checksum_blocks, checksum_whole
-from ..format.manifest import FEW_PIECES, Manifest, TensorEntry
+from ..format.manifest import Manifest, TensorEntry
 from ..plan.load_plan import PieceRead, Segment, TargetPlan, row_major_strides
 from ..storage.base import FileReader, StorageBackend
 from .buffers import byte_view
+from .whole_pieces import GAP_BYTES, GROUP_BYTES, GROUP_JOBS, Columns, PieceRun, WholePieces
 from .write import default_threads
 
-GROUP_BYTES = 16 << 20  # about what stays in the CPU caches between the read and its checksum
-# Neighbouring pieces this close in a file are read in one request, the bytes between them into a
-# scratch buffer: pieces start on 64-byte boundaries, so a thousand small tensors would otherwise
-# be a thousand requests, each handed to a read thread (most of such a load's time).
-GAP_BYTES = 4096
-GROUP_JOBS = 256  # pieces per request at most: within one preadv's IOV_MAX, and spread over the threads
 
 
 def read_threads() -> int:
@@ -81,7 +76,8 @@ class ReadExecutor:
         self._files: dict[int, FileReader] = {}
         self._lock = threading.Lock()
         self._gap_sink = memoryview(bytearray(GAP_BYTES))  # what lies between coalesced pieces: discarded
-        self._whole_reads: list[dict[int, PieceRead]] = [{} for _ in range(FEW_PIECES)]  # [piece][nbytes]: it whole
+        self.pieces = WholePieces()  # most of a load's pieces: read without a job of their own
+        self._columns: Columns | None = None  # what pieces.plan() made of them
         self.bytes_read = 0
         self._counting = threading.Lock()
 
@@ -111,15 +107,7 @@ class ReadExecutor:
         ``view``, which may not keep it alive.)"""
         if not len(view):
             self._check_no_bytes(fqn, entry)
-        file, base, sizes = entry.file, entry.offset, entry.nbytes
-        for piece, dst in enumerate(offsets):
-            nbytes = int(sizes[piece])
-            if nbytes:
-                read = self._whole_reads[piece].get(nbytes)
-                if read is None:  # (shared by the pieces of one index and size: nothing changes a read once made)
-                    read = self._whole_reads[piece][nbytes] = PieceRead(piece, 0, nbytes, [Segment(0, 0, nbytes)])
-                part = view if nbytes == len(view) else view[dst:dst + nbytes]
-                self.jobs.append(_Job(fqn, entry, target, part, read, int(file[piece]), int(base[piece]), nbytes))
+        self.pieces.add(fqn, entry, target, view, offsets)
 
     def _check_no_bytes(self, fqn: str, entry: TensorEntry) -> None:
         """Nothing is read into a target of no elements; where the whole tensor has none, its
@@ -170,9 +158,24 @@ class ReadExecutor:
                     direct.extend(self._split(part))
                 else:
                     staged.append(part)
-        streams = _streams(self._coalesce(direct), self.threads)
+        runs: list[PieceRun] = []
+        if self.pieces:
+            self._columns, runs, larger = self.pieces.plan()
+            for owner, piece in larger:  # (pieces of many blocks: each block hashed as it lands)
+                direct.extend(self._split(self._whole_job(owner, piece)))
+        groups = sorted([*self._coalesce(direct), *runs], key=_place)
+        streams = _streams(groups, self.threads)
         return ([functools.partial(self._run_stream, groups, len(streams) > 1) for groups in streams]
                 + [functools.partial(self._run_staged, job) for job in staged])
+
+    def _whole_job(self, owner: int, piece: int) -> _Job:
+        """The job that reads piece ``piece`` of the ``owner``-th whole-piece tensor whole."""
+        pieces = self.pieces
+        entry, view = pieces.entries[owner], pieces.views[owner]
+        nbytes, dst = int(entry.nbytes[piece]), pieces.offsets[owner][piece]
+        return _Job(pieces.fqns[owner], entry, pieces.targets[owner], view[dst:dst + nbytes],
+                    PieceRead(piece, 0, nbytes, [Segment(0, 0, nbytes)]), int(entry.file[piece]),
+                    int(entry.offset[piece]), nbytes)
 
     # -- planning the I/O -------------------------------------------------------------------
     def _widened(self, job: _Job) -> tuple[int, int]:
@@ -236,57 +239,80 @@ class ReadExecutor:
         return groups
 
     # -- doing the I/O ----------------------------------------------------------------------
-    def _reader(self, job: _Job) -> FileReader:
+    def _reader(self, file: int, fqn: str) -> FileReader:
+        """The shared reader of data file ``file`` (``fqn``: a tensor it holds, named where it fails)."""
         with self._lock:
-            reader = self._files.get(job.file)
+            reader = self._files.get(file)
             if reader is None:
-                reader = open_data_file(self.backend, self.directory, self.manifest.files[job.file],
-                                        f"tensor {job.fqn!r}")
-                self._files[job.file] = reader
+                reader = open_data_file(self.backend, self.directory, self.manifest.files[file], f"tensor {fqn!r}")
+                self._files[file] = reader
             return reader
 
-    def _run_stream(self, groups: list[list[_Job]], own_readers: bool) -> None:
-        """Read ``groups`` in file order; with ``own_readers``, through a reader of this stream
-        alone where the backend has one (``FileReader.stream``), held only while the stream is
-        in its file: a load over a thousand files then needs four descriptors more, not four
-        thousand."""
+    def _run_stream(self, groups: list, own_readers: bool) -> None:
+        """Read ``groups`` (job groups and piece runs) in file order; with ``own_readers``, through
+        a reader of this stream alone where the backend has one (``FileReader.stream``), held
+        only while the stream is in its file: a load over a thousand files then needs four
+        descriptors more, not four thousand."""
         file, reader, own = None, None, False
         try:
             for group in groups:
-                first = group[0]
-                if first.file != file:
+                run = group if isinstance(group, PieceRun) else None
+                group_file = run.file if run else group[0].file
+                if group_file != file:
                     if own:
                         reader.close()
-                    shared = self._reader(first)
+                    shared = self._reader(group_file, self._first_fqn(group))
                     stream = shared.stream() if own_readers else None
-                    file, reader, own = first.file, stream or shared, stream is not None
-                self._run_direct(group, reader)
+                    file, reader, own = group_file, stream or shared, stream is not None
+                if run:
+                    self._run_pieces(run, reader)
+                else:
+                    self._run_direct(group, reader)
         finally:
             if own:
                 reader.close()
 
-    def _read(self, reader: FileReader, offset: int, views: list[memoryview], owners: list[_Job | None],
-              want: int, gaps: int = 0) -> None:
-        """Read ``views``, ``want`` bytes, from ``offset`` on; ``owners``: each view's job (None:
-        ``gaps`` bytes between pieces, discarded). A short read names the tensor whose bytes it
-        stopped in."""
-        first = owners[0]  # a request starts with a piece
+    def _first_fqn(self, group) -> str:
+        return self.pieces.fqns[self._columns.owner[group.members[0]]] if isinstance(group, PieceRun) else group[0].fqn
+
+    def _read(self, reader: FileReader, file: int, offset: int, views: list[memoryview], gaps: int, fqn: str) -> int:
+        """Read ``views`` from ``offset`` on and count what was read less the ``gaps`` bytes
+        between pieces; return the bytes read. ``fqn``: the first tensor's name, for errors."""
         try:
             got = reader.readinto(offset, views)
         except OSError as exc:  # an I/O error of the device, say
             raise ReadFailedError(
-                f"data file {self.manifest.files[first.file]} of {self.directory} could not be read at byte "
-                f"{offset} (tensor {first.fqn!r}): {type(exc).__name__}: {exc}") from None
+                f"data file {self.manifest.files[file]} of {self.directory} could not be read at byte "
+                f"{offset} (tensor {fqn!r}): {type(exc).__name__}: {exc}") from None
         self._count(max(got - gaps, 0))
-        if got == want:
-            return
-        # the first piece whose bytes the read fell short of (past a gap, the piece after it)
-        ends = itertools.accumulate(len(v) for v in views)
-        stopped = next(job for job, end in zip(owners, ends) if job is not None and end > got)
-        raise CorruptCheckpointError(
-            f"data file {self.manifest.files[first.file]} of {self.directory} is truncated: bytes "
-            f"[{stopped.base + stopped.read.lo}, {stopped.base + stopped.read.hi}) of tensor {stopped.fqn!r} "
-            f"are not all there (it ends at byte {offset + got})")
+        return got
+
+    def _truncated(self, file: int, fqn: str, start: int, end: int, ends_at: int) -> CorruptCheckpointError:
+        """The error of a read that fell short inside bytes ``[start, end)`` of tensor ``fqn``."""
+        return CorruptCheckpointError(
+            f"data file {self.manifest.files[file]} of {self.directory} is truncated: bytes [{start}, {end}) of "
+            f"tensor {fqn!r} are not all there (it ends at byte {ends_at})")
+
+    def _run_pieces(self, run: PieceRun, reader: FileReader) -> None:
+        """One request of whole pieces (engine/whole_pieces.py), then one hash per piece."""
+        columns, fqns, sink = self._columns, self.pieces.fqns, self._gap_sink
+        base, size, owner = columns.base, columns.size, columns.owner
+        views, end, gaps = [], run.start, 0
+        for k in run.members:  # (this loop is per piece: a request holds up to GROUP_JOBS)
+            gap = base[k] - end
+            if gap:
+                views.append(sink[:gap])
+                gaps += gap
+            views.append(columns.view[k])
+            end = base[k] + size[k]
+        got = self._read(reader, run.file, run.start, views, gaps, fqns[owner[run.members[0]]])
+        if got != run.end - run.start:  # (the first piece the read fell short of)
+            k = next(k for k in run.members if base[k] + size[k] > run.start + got)
+            raise self._truncated(run.file, fqns[owner[k]], base[k], base[k] + size[k], run.start + got)
+        if self.verify:
+            for k in run.members:
+                if checksum_whole(columns.view[k]) != columns.checksum[k]:
+                    raise self._damaged(fqns[owner[k]], run.file, columns.piece[k], base[k], base[k] + size[k])
 
     def _run_direct(self, group: list[_Job], reader: FileReader) -> None:
         first = group[0]
@@ -310,21 +336,30 @@ class ReadExecutor:
             parts_of.append(parts)
             views += parts
             end = job.base + read.hi
-        self._read(reader, start, views, owners, end - start, gaps)
+        got = self._read(reader, first.file, start, views, gaps, first.fqn)
+        if got != end - start:  # the first piece whose bytes the read fell short of (past a gap, the one after it)
+            ends = itertools.accumulate(len(v) for v in views)
+            stopped = next(job for job, view_end in zip(owners, ends) if job is not None and view_end > got)
+            raise self._truncated(stopped.file, stopped.fqn, stopped.base + stopped.read.lo,
+                                  stopped.base + stopped.read.hi, start + got)
         if self.verify:
             for job, parts in zip(group, parts_of):
                 self._check(job, job.read.lo, job.read.hi, parts)
 
     def _run_staged(self, job: _Job) -> None:
         lo, hi = self._widened(job)
-        raw = self._reader(job).map(job.base + lo, hi - lo)
+        reader = self._reader(job.file, job.fqn)
+        raw = reader.map(job.base + lo, hi - lo)
         if raw is not None:  # pick the parts straight out of the page cache: no copy of the span
             scratch = torch.frombuffer(raw, dtype=torch.uint8)
             self._count(hi - lo)
         else:
             scratch = torch.empty(hi - lo, dtype=torch.uint8)
             raw = byte_view(scratch)
-            self._read(self._reader(job), job.base + lo, [raw], [job], len(raw))
+            got = self._read(reader, job.file, job.base + lo, [raw], 0, job.fqn)
+            if got != len(raw):
+                raise self._truncated(job.file, job.fqn, job.base + job.read.lo, job.base + job.read.hi,
+                                      job.base + lo + got)
         if self.verify:
             self._check(job, lo, hi, [raw])
         read = job.read
@@ -372,15 +407,29 @@ def _part(job: _Job, lo: int, hi: int) -> _Job:
     return dataclasses.replace(job, read=PieceRead(job.read.piece, lo, hi, segments))
 
 
-def _streams(groups: list[list[_Job]], count: int) -> list[list[list[_Job]]]:
-    """Cut ``groups`` (in file order) into up to ``count`` runs of about equal bytes, each run
-    contiguous in the files. Each run is one thread's stream of reads in order, so the kernel
-    sees sequential reads and reads ahead of each; groups handed out one by one to whichever
-    thread is free would make every file's reads look random to it (measured on this project's
-    2-core VM, 0.83 GB cold: 0.38-0.42 s in four streams against 0.55-0.71 s handed out)."""
-    sizes = [sum(job.read.hi - job.read.lo for job in group) for group in groups]
+def _place(group) -> tuple[int, int]:
+    """Where a job group or piece run starts: (file, byte)."""
+    if isinstance(group, PieceRun):
+        return group.file, group.start
+    return group[0].file, group[0].base + group[0].read.lo
+
+
+def _group_bytes(group) -> int:
+    if isinstance(group, PieceRun):
+        return group.end - group.start
+    return sum(job.read.hi - job.read.lo for job in group)
+
+
+def _streams(groups: list, count: int) -> list[list]:
+    """Cut ``groups`` (job groups and piece runs, in file order) into up to ``count`` runs of about
+    equal bytes, each run contiguous in the files. Each run is one thread's stream of reads in
+    order, so the kernel sees sequential reads and reads ahead of each; groups handed out one by
+    one to whichever thread is free would make every file's reads look random to it (measured on
+    this project's 2-core VM, 0.83 GB cold: 0.38-0.42 s in four streams against 0.55-0.71 s
+    handed out)."""
+    sizes = [_group_bytes(group) for group in groups]
     share = max(1, -(-sum(sizes) // max(count, 1)))
-    streams: list[list[list[_Job]]] = []
+    streams: list[list] = []
     filled = share  # bytes of the last stream: start a new one at once
     for group, size in zip(groups, sizes):
         if filled >= share and len(streams) < count:

@@ -1,0 +1,119 @@
+"""Whole pieces of one checksum block each, read column by column.
+
+Loading a state of many small tensors (a thousand of a few KiB, as one rank of a large model
+holds) is mostly bookkeeping: planned, grouped and checked as an object each, their reads took
+longer than the bytes did. Here such pieces stay columns: their places in the files and their
+checksums are gathered from the entries' arrays in a few numpy calls, sorted and cut into
+requests at once, and each request is one vectored read followed by one hash per piece. Pieces
+of more than one block are handed back to be read as jobs (engine/read.py), which split them
+at block boundaries to hash each block while it is still in the CPU caches.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import torch
+
+from ..format.manifest import TensorEntry
+
+GROUP_BYTES = 16 << 20  # about what stays in the CPU caches between the read and its checksum
+# Neighbouring pieces this close in a file are read in one request, the bytes between them into a
+# scratch buffer: pieces start on 64-byte boundaries, so a thousand small tensors would otherwise
+# be a thousand requests, each handed to a read thread (most of such a load's time).
+GAP_BYTES = 4096
+GROUP_JOBS = 256  # pieces per request at most: within one preadv's IOV_MAX, and spread over the threads
+
+
+@dataclasses.dataclass(slots=True)
+class PieceRun:
+    """One request: the pieces ``members`` (indices into ``Columns``), in file order, that lie
+    within ``GAP_BYTES`` of each other in the file ``file`` from byte ``start`` to ``end``."""
+    file: int
+    start: int
+    end: int
+    members: list[int]
+
+
+@dataclasses.dataclass(slots=True)
+class Columns:
+    """Per piece: its tensor's name and entry index, piece number, place in the files, checksum
+    and where in its tensor's bytes it lands (``view``: the piece's own bytes)."""
+    owner: list[int]
+    piece: list[int]
+    base: list[int]
+    size: list[int]
+    checksum: list[int]
+    view: list[memoryview]
+
+
+class WholePieces:
+    """The pieces a load reads whole into contiguous byte ranges of its targets."""
+
+    def __init__(self):
+        self.fqns: list[str] = []
+        self.entries: list[TensorEntry] = []
+        self.views: list[memoryview] = []
+        self.offsets: list[list[int]] = []  # per tensor, where each of its pieces lands in its view
+        self.targets: list[torch.Tensor] = []  # held for as long as their views are used
+
+    def add(self, fqn: str, entry: TensorEntry, target: torch.Tensor, view: memoryview, offsets: list[int]) -> None:
+        self.fqns.append(fqn)
+        self.entries.append(entry)
+        self.targets.append(target)
+        self.views.append(view)
+        self.offsets.append(offsets)
+
+    def __len__(self) -> int:
+        return len(self.fqns)
+
+    def plan(self) -> tuple[Columns, list[PieceRun], list[tuple[int, int]]]:
+        """(the pieces of one block as columns, their requests, (tensor, piece) of the others).
+        Empty pieces are neither: nothing is read into them."""
+        entries = self.entries
+        counts = np.fromiter(map(len, (e.file for e in entries)), np.int64, len(entries))
+        owner = np.repeat(np.arange(len(entries)), counts)
+        piece = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
+        file = np.concatenate([e.file for e in entries]).astype(np.int64, copy=False)
+        base = np.concatenate([e.offset for e in entries]).astype(np.int64, copy=False)
+        size = np.concatenate([e.nbytes for e in entries]).astype(np.int64, copy=False)
+        # each tensor's checksum bounds back to back, less its end: where each piece's checksums start
+        bounds = np.concatenate([e.checksum_bounds for e in entries]).astype(np.int64, copy=False)
+        ends = np.cumsum(counts + 1) - 1
+        blocks = np.delete(np.diff(bounds), ends[:-1])  # (less the differences across two tensors)
+        sums_of = np.fromiter(map(len, (e.checksum for e in entries)), np.int64, len(entries))
+        first_sum = np.delete(bounds, ends) + np.repeat(np.cumsum(sums_of) - sums_of, counts)
+        sums = np.concatenate([e.checksum for e in entries])
+        one_block, larger = (size > 0) & (blocks == 1), (size > 0) & (blocks != 1)
+        keep = np.flatnonzero(one_block)
+        order = keep[np.lexsort((base[keep], file[keep]))]
+        columns = Columns(owner.tolist(), piece.tolist(), base.tolist(), size.tolist(),
+                          sums[np.minimum(first_sum, len(sums) - 1)].tolist(), [])
+        # a piece's own bytes: its tensor's whole view where it is the only piece, else a slice
+        views = self.views
+        dst = itertools.chain.from_iterable(self.offsets)
+        columns.view = [views[o] if n == len(views[o]) else views[o][d:d + n] if one else None
+                        for o, d, n, one in zip(columns.owner, dst, columns.size, one_block.tolist())]
+        return (columns, _runs(file[order], base[order], size[order], order),
+                list(zip(owner[larger].tolist(), piece[larger].tolist())))
+
+def _runs(file: np.ndarray, base: np.ndarray, size: np.ndarray, index: np.ndarray) -> list[PieceRun]:
+    """The pieces at ``index`` (sorted by file and offset) cut into requests: a new one where the
+    file changes, the next piece lies more than ``GAP_BYTES`` on (or overlaps the last), or the
+    request would pass ``GROUP_JOBS`` pieces or ``GROUP_BYTES`` bytes."""
+    if not len(index):
+        return []
+    end = base + size
+    gap = base[1:] - end[:-1]
+    apart = np.concatenate([[True], (file[1:] != file[:-1]) | (gap < 0) | (gap > GAP_BYTES)])
+    stretch = np.cumsum(apart) - 1  # which run of near pieces each one is in
+    first = np.flatnonzero(apart)
+    within = np.arange(len(index)) - first[stretch]
+    filled = np.cumsum(size) - np.cumsum(size)[first][stretch] + size[first][stretch] - size  # bytes before it
+    # a run of near pieces is cut every GROUP_JOBS pieces and every GROUP_BYTES bytes
+    cut = apart | np.concatenate([[False], (within[1:] // GROUP_JOBS != within[:-1] // GROUP_JOBS)
+                                  | (filled[1:] // GROUP_BYTES != filled[:-1] // GROUP_BYTES)])
+    starts = np.flatnonzero(cut).tolist()
+    index, file, base, end = index.tolist(), file.tolist(), base.tolist(), end.tolist()
+    return [PieceRun(file[a], base[a], end[b - 1], index[a:b]) for a, b in zip(starts, [*starts[1:], len(index)])]
