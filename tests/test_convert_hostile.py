@@ -715,6 +715,53 @@ def test_a_torch_save_archive_with_a_compressed_member_is_refused_by_name(tmp_pa
     assert torch.equal(ss.open(str(tmp_path / "out")).read("w"), torch.arange(10.0))
 
 
+# --- damaged bytes in torch.save archives and DCP chunks ---------------------------------------
+
+def _flip_in_member(path, member_suffix: str, at: int = 40) -> None:
+    """Flip one bit ``at`` bytes into the first zip member of ``path`` named ``...member_suffix``."""
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith(member_suffix))
+    raw = bytearray(path.read_bytes())
+    name_len, extra_len = np.frombuffer(bytes(raw[info.header_offset + 26:info.header_offset + 30]), "<u2")
+    raw[info.header_offset + 30 + int(name_len) + int(extra_len) + at] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def test_a_torch_save_file_with_a_damaged_tensor_is_refused_naming_the_file_member_and_tensor(tmp_path):
+    """torch.load checks no CRC-32: a flipped bit in a tensor's bytes converted into a checkpoint
+    with fresh checksums of its own, which then verified as good."""
+    state = {"w": torch.arange(256.0), "b": torch.ones(64)}
+    torch.save(state, tmp_path / "bad.pt")
+    with zipfile.ZipFile(tmp_path / "bad.pt") as archive:
+        first = sorted(i.filename for i in archive.infolist() if "/data/" in i.filename)[0].rsplit("/", 1)[1]
+    _flip_in_member(tmp_path / "bad.pt", f"data/{first}")
+    says = r"bad.pt is damaged: the bytes of its archive member '.*/data/\d+' \(the bytes of '[wb]'\) differ"
+    with pytest.raises(ss.CorruptCheckpointError, match=says):
+        _convert(tmp_path / "bad.pt", tmp_path)
+    with pytest.raises(ss.CorruptCheckpointError, match="bad.pt is damaged"):  # DeepSpeed's and Megatron's files
+        unpickler.load(str(tmp_path / "bad.pt"))
+    assert not os.path.exists(tmp_path / "out")
+    torch.save(state, tmp_path / "good.pt")
+    _convert(tmp_path / "good.pt", tmp_path)
+    assert torch.equal(ss.open(str(tmp_path / "out")).read("w"), state["w"])
+
+
+@pytest.mark.parametrize("numel", [4096, (1 << 20) // 4 + 1024], ids=["small", "read in place"])
+def test_a_dcp_chunk_with_a_damaged_tensor_is_refused_naming_the_file_and_tensor(tmp_path, numel):
+    """Small tensors come through dcp.load, larger ones are read in place (convert/dcp_chunks.py):
+    both check each chunk's CRC-32, which neither dcp.load nor torch.load does."""
+    import torch.distributed.checkpoint as dcp
+
+    with pytest.warns(UserWarning):
+        dcp.save({"w": torch.full((numel,), 1.0)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    chunk = next((tmp_path / "dcp").glob("*.distcp"))
+    _flip_in_member(chunk, "data/0", at=100)
+    with pytest.raises(ss.CorruptCheckpointError,
+                       match=rf"{chunk.name}: the chunk of 'w' at offsets \[0\] .*damaged.*CRC-32"):
+        _convert(tmp_path / "dcp", tmp_path, source="dcp")
+    assert not os.path.exists(tmp_path / "out")
+
+
 # --- safetensors indexes ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("index, says", [

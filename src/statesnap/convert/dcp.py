@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ..errors import CheckpointError
 from ..format.dtypes import itemsize
 from ..format.plaindata import MAX_INLINE_TENSOR_BYTES
-from .dcp_chunks import read_tensor
+from .dcp_chunks import check_chunks, read_tensor
 from .transform import Lazy, materialize
 from .dcp_pickles import METADATA_NAME, PlainValuesPlanner, read_metadata
 from .torch_save import write_failed
@@ -71,6 +71,10 @@ def read(src: str) -> dict[str, Any]:
                 raise
             except DCP_FAILURES as exc:
                 raise CheckpointError(_small_values_failure(metadata, now, src, exc)) from None
+            for key in now:
+                md = metadata.state_dict_metadata[key]
+                if isinstance(md, TensorStorageMetadata):
+                    check_chunks(src, key, md, metadata.storage_data)
             flat.update(now)
         nested = nest_paths(flat, metadata.planner_data or {})
     except CheckpointError:
@@ -144,6 +148,7 @@ def _load_one(reader: FileSystemReader, src: str, key: str, md: TensorStorageMet
                         if index.fqn == key})
         raise CheckpointError(f"reading {key!r} from {', '.join(files)} of DCP checkpoint {src} failed: "
                               f"{_cause(exc)}") from None
+    check_chunks(src, key, md, reader.read_metadata().storage_data)
     return state[key]
 
 

@@ -19,18 +19,18 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import struct
 import zipfile
+import zlib
 from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..storage.local import open_source
+from .zip_members import check_member_crcs, member_data_start
 
 # Bytes a non-contiguous chunk is moved through at a time (whole leading-dimension rows).
 BOUNCE_BYTES = 8 << 20
-_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # the zip local file header before the name
 _STORAGE_DTYPES = {
     "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
     "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
@@ -41,6 +41,10 @@ _STORAGE_DTYPES = {
 
 class _NotDirect(Exception):
     """The chunk is not in the one shape this module reads; the caller falls back to dcp.load."""
+
+
+class _Damaged(Exception):
+    """The chunk's bytes differ from the CRC-32 its archive records (its member's name)."""
 
 
 def read_tensor(src: str, key: str, md: Any, storage: dict) -> torch.Tensor | None:
@@ -66,10 +70,31 @@ def read_tensor(src: str, key: str, md: Any, storage: dict) -> torch.Tensor | No
                 _read_chunk(f, info.offset, info.length, view)
         except _NotDirect:
             return None
+        except _Damaged as exc:
+            raise CorruptCheckpointError(
+                f"{path}: the chunk of {key!r} at offsets {list(chunk.offsets)} is damaged: the bytes of its archive "
+                f"member {str(exc)!r} differ from the CRC-32 the archive records for them; restore the file from "
+                "another copy") from None
         except (OSError, zipfile.BadZipFile, EOFError) as exc:
             raise CheckpointError(f"{path}: reading the chunk of {key!r} at offsets {list(chunk.offsets)} failed: "
                                   f"{type(exc).__name__}: {exc}") from None
     return target
+
+
+def check_chunks(src: str, key: str, md: Any, storage: dict) -> None:
+    """Raise :class:`CorruptCheckpointError` where a chunk of tensor ``key`` (read by ``dcp.load``,
+    which checks no CRC-32) differs from the CRC-32 its archive records. Chunks of another
+    format than a ``torch.save`` archive are not checked."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    for chunk in md.chunks:
+        info = storage.get(MetadataIndex(key, chunk.offsets))
+        if info is None or getattr(info, "transform_descriptors", None):
+            continue
+        path = os.path.join(src, info.relative_path)
+        with open_source(path) as f:
+            check_member_crcs(_Window(f, info.offset, info.length),
+                              f"{path}: the chunk of {key!r} at offsets {list(chunk.offsets)}", None)
 
 
 def _read_chunk(f, offset: int, length: int, view: torch.Tensor) -> None:
@@ -89,40 +114,40 @@ def _read_chunk(f, offset: int, length: int, view: torch.Tensor) -> None:
     nbytes = view.numel() * view.element_size()
     if entry.compress_type != zipfile.ZIP_STORED or entry.file_size != nbytes:
         raise _NotDirect
-    f.seek(offset + entry.header_offset)
-    header = f.read(_LOCAL_HEADER.size)
-    if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
-        raise zipfile.BadZipFile(f"no local file header for {entry.filename}")
-    name_len, extra_len = _LOCAL_HEADER.unpack(header)[-2:]
-    start = offset + entry.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    start = member_data_start(f, offset, entry)
     if start + nbytes > offset + length:
         raise zipfile.BadZipFile(f"{entry.filename} runs past the end of its chunk")
     f.seek(start)
-    _read_rows(f, view, nbytes)
+    if _read_rows(f, view, nbytes) != entry.CRC:
+        raise _Damaged(entry.filename)
 
 
-def _read_rows(f, view: torch.Tensor, nbytes: int) -> None:
+def _read_rows(f, view: torch.Tensor, nbytes: int) -> int:
     """Fill ``view`` from the next ``nbytes`` row-major bytes of ``f``: straight into it when it
-    is contiguous, else a bounded number of leading-dimension rows at a time."""
+    is contiguous, else a bounded number of leading-dimension rows at a time. Returns the
+    bytes' CRC-32, computed as they come."""
     if view.is_contiguous():
-        _read_exact(f, view.reshape(-1).view(torch.uint8))
-        return
+        return _read_exact(f, view.reshape(-1).view(torch.uint8), 0)
     row_bytes = nbytes // view.shape[0]
-    rows = max(1, BOUNCE_BYTES // max(row_bytes, 1))
+    rows, crc = max(1, BOUNCE_BYTES // max(row_bytes, 1)), 0
     for first in range(0, view.shape[0], rows):
         part = view[first:first + rows]
         bounce = torch.empty(part.shape, dtype=view.dtype)
-        _read_exact(f, bounce.reshape(-1).view(torch.uint8))
+        crc = _read_exact(f, bounce.reshape(-1).view(torch.uint8), crc)
         part.copy_(bounce)
+    return crc
 
 
-def _read_exact(f, out: torch.Tensor) -> None:
+def _read_exact(f, out: torch.Tensor, crc: int) -> int:
+    """Fill ``out`` from ``f``; return ``crc`` continued over its bytes."""
     buffer, done = memoryview(out.numpy()), 0
     while done < len(buffer):
         got = f.readinto(buffer[done:])
         if not got:
             raise EOFError(f"file ends {len(buffer) - done} bytes early")
+        crc = zlib.crc32(buffer[done:done + got], crc)
         done += got
+    return crc
 
 
 def _row_major(size) -> tuple:

@@ -22,7 +22,8 @@ from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointEr
 from ..storage.local import open_source
 from .transform import materialize
 from .tree import flatten_tree
-from .unpickler import nesting_problem_of, refuse_compressed_members
+from .unpickler import nesting_problem_of
+from .zip_members import check_member_crcs, refuse_compressed_members
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -71,7 +72,7 @@ def load_file(path: str) -> Any:
         raise UnsafeCheckpointError(f"{path}: refused to unpickle: {problem}")
     refuse_compressed_members(path, path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=archive)
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=archive)
     except pickle.UnpicklingError as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
         reason = next((line for line in lines if "unsupported" in line.lower()), lines[0])
@@ -81,6 +82,8 @@ def load_file(path: str) -> Any:
             "admit it with torch.serialization.add_safe_globals([...]) and convert again") from None
     except Exception as exc:
         raise CheckpointError(f"{path} is not a readable torch.save file: {type(exc).__name__}: {exc}") from None
+    check_member_crcs(path, path, loaded)
+    return loaded
 
 
 def _pickle_head(head: bytes) -> bool:

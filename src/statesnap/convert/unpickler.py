@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import CheckpointError, UnsafeCheckpointError
 from ..storage.local import open_source
 from .tree import check_graph
+from .zip_members import check_member_crcs, refuse_compressed_members
 
 FragmentAddress = namedtuple("FragmentAddress", ["numel", "start"])
 FragmentAddress.__doc__ = ("DeepSpeed's ``fragment_address``: a parameter's ``numel`` elements at ``start`` "
@@ -185,6 +186,7 @@ def load_from(source, where: str, mmap: bool = False) -> Any:
     try:
         with _LOCK, torch.serialization.safe_globals(_ALLOWED):
             obj = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+        check_member_crcs(source, where, obj)
         check_graph(obj, where)  # before _plain walks it as a tree
         return _plain(obj)
     except CheckpointError:
@@ -264,32 +266,6 @@ def nesting_problem_of(source) -> str | None:
             return nesting_problem(stack.enter_context(archive.open(names[0]))) if names else None
         source.seek(start)
         return nesting_problem(source)
-
-
-def refuse_compressed_members(source, where: str) -> None:
-    """Raise :class:`CorruptCheckpointError` naming the first compressed member of a
-    ``torch.save`` archive (a path or a file object; anything else passes). ``torch.save``
-    stores every member as it is, and ``torch.load(mmap=True)`` reads a tensor's bytes straight
-    from the member's place in the file: a compressed one (an archive repacked by ``zip``, or
-    made so) loaded as its compressed bytes, wrong values without a word. Without ``mmap`` it
-    would be inflated to whatever size it declares: 1 MB of zlib'd zeros is 1 GB."""
-    with contextlib.ExitStack() as stack:
-        if isinstance(source, (str, os.PathLike)):
-            source = stack.enter_context(open_source(source))
-        start = source.tell()
-        stack.callback(source.seek, start)
-        try:
-            if not zipfile.is_zipfile(source):
-                return
-            members = zipfile.ZipFile(source).infolist()
-        except (zipfile.BadZipFile, ValueError, OSError):  # left to torch.load, which names what is wrong
-            return
-    packed = next((info for info in members if info.compress_type != zipfile.ZIP_STORED), None)
-    if packed is not None:
-        raise CorruptCheckpointError(
-            f"{where}: its archive member {packed.filename!r} is compressed (zip method {packed.compress_type}), "
-            "which torch.save never writes and torch.load would read as raw tensor bytes; re-save the "
-            "file with torch.save")
 
 
 def refusal_reason(exc: Exception) -> str:
