@@ -333,10 +333,12 @@ def test_streams_hold_one_descriptor_each_besides_one_per_file(tmp_path, monkeyp
     and one more per stream, not one per file and stream."""
     import types
 
+    from statesnap.engine import read
     from statesnap.engine.read import ReadExecutor
     from statesnap.plan.load_plan import PieceRead, Segment, TargetPlan
     from statesnap.storage import local
 
+    monkeypatch.setattr(read, "STREAM_MIN_BYTES", 1)  # four streams of so few bytes
     names = [f"f{i}" for i in range(64)]
     for i, name in enumerate(names):
         (tmp_path / name).write_bytes(bytes([i]) * 8192)
