@@ -64,7 +64,9 @@ def test_an_error_reported_by_wait_is_not_raised_again(tmp_path):
                                  dict(persist_every=3, further_root="x", further_every=4),
                                  dict(host_memory_gb=1e-9), dict(max_in_flight=0), dict(keep_last=None),
                                  dict(keep_last=2.5), dict(persist_every=True), dict(host_memory_gb="1"),
-                                 dict(threads=1.0), dict(eager_copy_mb=None)])
+                                 dict(threads=1.0), dict(eager_copy_mb=None), dict(host_memory_gb=float("inf")),
+                                 dict(eager_copy_mb=float("inf")), dict(replica_check_mb=float("inf")),
+                                 dict(commit_timeout_s=float("inf")), dict(lease_s=float("nan"))])
 def test_invalid_settings_fail_at_construction(tmp_path, bad):
     with pytest.raises(ss.CheckpointError, match="invalid Checkpointer setting"):
         CheckpointerConfig(root=str(tmp_path), **bad)
@@ -79,6 +81,56 @@ def test_two_levels_in_one_directory_are_refused_at_construction(tmp_path, roots
                                                  "its own: .* are both"):
         ss.Checkpointer(tmp_path, host_memory_gb=0.02, **{k: v.format(d=tmp_path) for k, v in roots.items()})
     assert os.listdir(tmp_path) == []  # nothing claimed
+
+
+def test_a_construction_that_fails_once_the_roots_are_claimed_gives_them_back(tmp_path, monkeypatch):
+    """A failure after the claim (an infinite replica_check_mb made one, in limit_bytes) left the
+    root claimed: every later Checkpointer on it in the process was refused as busy."""
+    from statesnap.checkpointer import manager
+
+    def failing(*args, **kwargs):
+        raise OSError("no room for the pipeline")
+    monkeypatch.setattr(manager, "FlushTarget", failing)
+    with pytest.raises(OSError, match="no room"):
+        ss.Checkpointer(tmp_path, host_memory_gb=0.02)
+    monkeypatch.undo()
+    with ss.Checkpointer(tmp_path, host_memory_gb=0.02) as ckpt:
+        ckpt.save(1, {"w": torch.ones(3)}).wait()
+    assert torch.equal(ss.open(tmp_path / "step-1").read("w"), torch.ones(3))
+
+
+@pytest.mark.parametrize("cycle", ["dict", "dicts", "list", "state"])
+def test_a_state_holding_itself_is_refused_by_name_not_a_hang(tmp_path, cycle):
+    """Checkpointer.save spun forever in the search for optimizers over a dict that held itself;
+    ss.save called it nesting too deep."""
+    state = {"w": torch.ones(3)}
+    if cycle == "dict":
+        state["cfg"] = {"lr": 0.1}
+        state["cfg"]["self"] = state["cfg"]
+    elif cycle == "dicts":
+        a, b = {}, {}
+        a["b"], b["a"] = b, a
+        state["cfg"] = a
+    elif cycle == "list":
+        state["cfg"] = [1]
+        state["cfg"].append(state["cfg"])
+    else:
+        state["state"] = state
+    says = r"the state holds itself: '(cfg\.self|cfg\.b\.a|cfg\.1|state)' is a dict, list or tuple that lies inside"
+    with pytest.raises(ss.CheckpointError, match=says):
+        ss.save(state, tmp_path / "c")
+    outcome = []
+
+    def save():
+        try:
+            with ss.Checkpointer(tmp_path / "root", host_memory_gb=0.02) as ckpt:
+                ckpt.save(1, state)
+        except ss.CheckpointError as exc:
+            outcome.append(exc)
+    saving = threading.Thread(target=save, daemon=True)
+    saving.start()
+    saving.join(60)
+    assert not saving.is_alive() and len(outcome) == 1 and re.search(says, str(outcome[0]))
 
 
 def test_a_misspelled_setting_is_a_checkpoint_error_naming_the_close_ones(tmp_path):

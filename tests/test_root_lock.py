@@ -65,6 +65,31 @@ def test_second_job_is_refused_and_touches_nothing(tmp_path):
     assert sorted(n for n in os.listdir(root) if "step" in n) == ["step-1", "step-2", "step-3"]
 
 
+def test_a_root_inside_a_step_of_another_job_s_root_is_refused(tmp_path):
+    """A root inside another live job's step-1 was claimed: that job's retention then deleted it,
+    checkpoints and lock included. A root beside the steps (a sub-directory of its own) is not
+    deleted by retention, and is still allowed."""
+    root = tmp_path / "ckpt"
+    holder = _holder(root, tmp_path / "ready")  # another process: its flock is found in /proc/locks
+    try:
+        for inner in (root / "step-2" / "nested", root / ".step-9.tmp-abcdef" / "x"):
+            with pytest.raises(ss.CheckpointError, match=rf"lies inside {inner.parent.name} of {root}, the root of a "
+                                                         "running Checkpointer"):
+                ss.Checkpointer(inner, host_memory_gb=0.05)
+        assert not (root / "step-2" / "nested").exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with ss.Checkpointer(root, keep_last=1, host_memory_gb=0.05) as outer:  # this process: its registry
+        outer.save(4, _state(4)).wait()
+        with pytest.raises(ss.CheckpointError, match="lies inside step-4"):
+            ss.Checkpointer(root / "step-4" / "inner", host_memory_gb=0.05)
+        with ss.Checkpointer(root / "other-run", host_memory_gb=0.05) as beside:
+            beside.save(1, _state(2)).wait()
+        outer.save(5, _state(5)).wait()
+    assert torch.equal(ss.open(root / "other-run" / "step-1").read("t"), _state(2)["t"])
+
+
 def test_second_checkpointer_in_one_process_is_refused_until_the_first_closes(tmp_path):
     first = ss.Checkpointer(tmp_path, host_memory_gb=0.05)
     with pytest.raises(RootBusyError, match="another Checkpointer in this process"):

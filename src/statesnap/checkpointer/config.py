@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import numbers
 import os
 from dataclasses import dataclass
@@ -191,9 +192,10 @@ class CheckpointerConfig:
         for name in (*whole, *real, "threads"):
             value = getattr(self, name)
             kinds = numbers.Integral if name in whole or name == "threads" else numbers.Real
-            if (value is None and name == "threads") or (isinstance(value, kinds) and not isinstance(value, bool)):
+            if (value is None and name == "threads") or (isinstance(value, kinds) and not isinstance(value, bool)
+                                                         and math.isfinite(value)):
                 continue
-            wanted = "an integer" if name in whole or name == "threads" else "a number"
+            wanted = "an integer" if name in whole or name == "threads" else "a finite number"
             raise CheckpointError(f"invalid Checkpointer setting: {name} must be {wanted} (got {value!r})")
 
     @property

@@ -119,12 +119,14 @@ def find_writers(state) -> tuple[list[torch.optim.Optimizer], list]:
     dicts) and, for each, the chain of ``.optimizer``s it wraps. Inner ones come first, so that a
     tensor two optimizers claim is owned by the one whose step writes it, whichever step the
     training loop calls."""
-    optimizers, wrappers, seen = [], [], set()
+    optimizers, wrappers, seen, walked = [], [], set(), set()
     stack = [state]
     while stack:
         value = stack.pop()
         if isinstance(value, dict):
-            stack.extend(value.values())
+            if id(value) not in walked:  # (a dict holding itself is refused by the flattening after)
+                walked.add(id(value))
+                stack.extend(value.values())
             continue
         chain = []
         while (isinstance(value, torch.optim.Optimizer) or is_optimizer_like(value)) and id(value) not in seen:

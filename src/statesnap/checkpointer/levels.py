@@ -31,8 +31,8 @@ from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import MANIFEST_NAME
 from ..state.flatten import StoredNames, flatten_for_load, same_bits
 from ..storage.base import StorageBackend
-from ..storage.local import RETIRED_MARK
-from ..storage.lock import ClaimedBackend, claim_root
+from ..storage.local import RETIRED_MARK, LocalBackend
+from ..storage.lock import ClaimedBackend, claim_root, held_root_above
 from .staging import item_bytes_view
 
 STEP_PREFIX = "step-"
@@ -63,8 +63,19 @@ class StorageLevel:
 
     def claim_root(self, take_over: bool, lease_s: float) -> None:
         """Own the root for this job; from then on every commit and deletion checks the claim."""
+        self._refuse_a_root_inside_a_held_step()
         self.claim = claim_root(self.root, self.backend, take_over, lease_s, self._lease_token)
         self.backend = ClaimedBackend(self.backend, self.claim)
+
+    def _refuse_a_root_inside_a_held_step(self) -> None:
+        """A root inside a checkpoint (or a save in flight) of another live Checkpointer's root is
+        deleted with it by that job's retention, this job's checkpoints and claim included."""
+        above = held_root_above(self.root) if isinstance(self.backend, LocalBackend) else None
+        if above is not None and (parse_step(above[1]) is not None or above[1].startswith(f".{STEP_PREFIX}")):
+            raise CheckpointError(
+                f"{self.root} lies inside {above[1]} of {above[0]}, the root of a running Checkpointer, whose "
+                "retention would delete it with this job's checkpoints: give this job a root outside that one's "
+                "step directories")
 
     def release(self) -> None:
         if self.claim is not None:

@@ -122,9 +122,21 @@ class Checkpointer:
             if self.local is not None:
                 self._roots.claim_local(self._local_leader, self._recovery.comm)
         except BaseException:
-            if self._group is not None:
-                dist.destroy_process_group(self._group)
+            self._destroy_side_group()
             raise
+        try:
+            self._start(cfg, root, flush_comm)
+        except BaseException:  # (the roots stay claimed otherwise: the next Checkpointer on them is refused)
+            self._roots.release()
+            self._destroy_side_group()
+            raise
+
+    def _destroy_side_group(self) -> None:
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+
+    def _start(self, cfg: CheckpointerConfig, root: str, flush_comm: Comm) -> None:
+        """The event log and the background stages, once the roots are claimed."""
         # the event log lives in the root; while that is out, in the node-local one
         events_level = self.persistent if self.persistent.unreachable is None else self.local
         events_path = None
@@ -133,7 +145,6 @@ class Checkpointer:
         try:
             self.events = EventLog(self.rank, events_path)
         except OSError as exc:
-            self._roots.release()
             raise CheckpointError(f"cannot keep checkpoints under {events_level.root}: {explained(exc)}") from exc
         self._arena: Arena | None = None
         self._segment_bytes = MAX_SEGMENT_BYTES

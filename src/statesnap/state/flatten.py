@@ -139,6 +139,10 @@ class _Walker:
             self.modules = [module for _, module in self.named_modules]
             self.walk_dict("", state)
         except RecursionError:  # (Python's recursion limit: plain data of hundreds of levels, or a deep caller)
+            inside_itself = _cycle_in(state)
+            if inside_itself is not None:
+                raise CheckpointError(f"the state holds itself: {inside_itself!r} is a dict, list or tuple that "
+                                      "lies inside itself, which no checkpoint can store; break the cycle") from None
             depth = sum(1 for _ in traceback.walk_stack(None))
             raise CheckpointError(
                 "the state nests lists, tuples and dicts too deeply (hundreds of levels) to be "
@@ -401,6 +405,29 @@ class _Walker:
 
 
 _SCALARS = {int, float, str, bool, type(None)}
+
+
+def _cycle_in(state: dict) -> str | None:
+    """The name at which a dict, list or tuple of ``state`` is met again inside itself, or None.
+    (A depth-first walk that never enters a container twice: one shared by many is looked at once.)"""
+    on_path, done = set(), set()
+    stack: list[tuple[Any, str, bool]] = [(state, "", False)]
+    while stack:
+        value, fqn, leaving = stack.pop()
+        if leaving:
+            on_path.discard(id(value))
+            done.add(id(value))
+            continue
+        if id(value) in on_path:
+            return fqn
+        if id(value) in done:
+            continue
+        on_path.add(id(value))
+        stack.append((value, fqn, True))
+        for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+            if isinstance(item, (dict, list, tuple)):
+                stack.append((item, join(fqn, key), False))
+    return None
 
 
 def _needs_walk(value: Any) -> bool:

@@ -408,6 +408,35 @@ def claim_root(root: str, backend: StorageBackend, take_over: bool = False, leas
     return LeaseClaim(root, backend, take_over, lease_s, token)
 
 
+def held_root_above(path: str) -> tuple[str, str] | None:
+    """(the nearest directory above ``path`` on a local file system that a live Checkpointer holds,
+    the name of its entry that ``path`` lies in), or None. A lock held in this process is known
+    from the registry; one held by another is looked for among the kernel's ``flock``s
+    (``/proc/locks``; where that cannot be read, only this process's are found), never by
+    taking it, which would make that job's own claim fail meanwhile."""
+    child = os.path.realpath(path)
+    parent = os.path.dirname(child)
+    while parent != child:
+        lock = os.path.join(parent, LOCK_NAME)
+        if os.path.isfile(lock) and _flock_held(lock):
+            return parent, os.path.relpath(os.path.realpath(path), parent).split(os.sep)[0]
+        child, parent = parent, os.path.dirname(parent)
+    return None
+
+
+def _flock_held(lock: str) -> bool:
+    with _held_lock:
+        if lock in _held_here:
+            return True
+    try:
+        st = os.stat(lock)
+        device_inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks") as f:
+            return any("FLOCK" in line and device_inode in line.split() for line in f)
+    except OSError:
+        return False
+
+
 # what link() answers on a file system without hard links (FUSE mounts of object stores, some)
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV}
 
