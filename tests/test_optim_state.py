@@ -568,6 +568,38 @@ def test_the_same_parameters_grouped_otherwise_are_refused_before_anything_is_re
                    for a, b in zip(p["params"], q["params"]))
 
 
+def test_a_regrouping_is_refused_when_the_optimizer_also_holds_a_parameter_the_checkpoint_s_did_not(tmp_path):
+    """The check for regrouped parameters was skipped when the optimizer held one parameter more
+    than the checkpoint's (unfrozen since): the layers' weights then took the biases' lr and
+    weight decay, and the new parameter's group got none (a KeyError at the next step)."""
+    def built(seed: int):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        model.register_parameter("extra", nn.Parameter(torch.zeros(3)))
+        return model
+    model = built(0)
+    weights, biases = [model[0].weight, model[1].weight], [model[0].bias, model[1].bias]
+    optim = torch.optim.AdamW([dict(params=weights, lr=1e-2, weight_decay=0.1),
+                               dict(params=biases, lr=1e-3, weight_decay=0.0)])
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    ss.save({"model": model, "optim": optim}, tmp_path / "c")
+    fresh_model = built(1)
+    merged = [*fresh_model[0].parameters(), *fresh_model[1].parameters()]
+    fresh = torch.optim.AdamW([dict(params=merged, lr=1e-2, weight_decay=0.1),
+                               dict(params=[fresh_model.extra], lr=1e-3, weight_decay=0.0)])
+    with pytest.raises(ss.StateMismatchError, match=r"groups its parameters otherwise than this one "
+                                                    r"\(0.bias, 1.bias lie in another param group\)"):
+        ss.load({"model": fresh_model, "optim": fresh}, tmp_path / "c")
+    assert [(g["lr"], g["weight_decay"]) for g in fresh.param_groups] == [(1e-2, 0.1), (1e-3, 0.0)]
+    kept = built(2)  # grouped as saved, the new parameter in a group of its own: loads
+    same = torch.optim.AdamW([dict(params=[kept[0].weight, kept[1].weight, kept.extra], lr=1e-2, weight_decay=0.1),
+                              dict(params=[kept[0].bias, kept[1].bias], lr=1e-3, weight_decay=0.0)])
+    ss.load({"model": kept, "optim": same}, tmp_path / "c")
+    assert [(g["lr"], g["weight_decay"]) for g in same.param_groups] == [(1e-2, 0.1), (1e-3, 0.0)]
+    assert torch.equal(same.state[kept[0].weight]["exp_avg"], optim.state[model[0].weight]["exp_avg"])
+
+
 def test_state_kept_by_position_of_another_parameter_s_shape_is_refused_in_a_fresh_optimizer_too(tmp_path):
     """An optimizer alone in the state keeps its state by position. Loaded into a fresh one whose
     parameters come in another order, the state was made in the stored shapes and put on the

@@ -326,9 +326,10 @@ class _Walker:
         """The same parameters grouped otherwise (as many groups, other members) cannot be loaded
         either: each group's hyperparameters would go to the parameters of another (the weight
         decay of the layers to the biases), or a group would get none. Compared by the names (or
-        positions) in the groups of ``sd``, the optimizer's state dict as this load fills it, only
-        where both hold the same parameters: a pipeline stage's groups list its own parameters,
-        while the checkpoint keeps rank 0's (docs/resharding.md)."""
+        positions) in the groups of ``sd``, the optimizer's state dict as this load fills it, over
+        the parameters both hold: a pipeline stage's groups list its own parameters, while the
+        checkpoint keeps rank 0's (docs/resharding.md), and an optimizer may hold a parameter the
+        checkpoint's did not (one unfrozen since), which must not hide a regrouping of the others."""
         if not self.for_load:
             return
         stored = self.stored.plain(join(fqn, "param_groups"))
@@ -337,9 +338,10 @@ class _Walker:
             kept = [set(group["params"]) for group in stored]
         except (TypeError, KeyError):  # (malformed groups: the load names them when it fills them)
             return
-        if len(kept) != len(held) or kept == held or set().union(*kept) != set().union(*held):
+        shared = set().union(*kept) & set().union(*held)  # (a pipeline stage may share none with rank 0)
+        if len(kept) != len(held) or not shared or all(k & shared == h & shared for k, h in zip(kept, held)):
             return
-        moved = sorted(str(p) for k, h in zip(kept, held) for p in k ^ h)
+        moved = sorted({str(p) for k, h in zip(kept, held) for p in (k ^ h) & shared})
         raise StateMismatchError(
             f"{fqn}: the checkpoint's optimizer groups its parameters otherwise than this one ({', '.join(moved[:4])}"
             f"{' and more' if len(moved) > 4 else ''} lie in another param group); their hyperparameters (lr, "
