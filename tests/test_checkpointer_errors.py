@@ -66,7 +66,8 @@ def test_an_error_reported_by_wait_is_not_raised_again(tmp_path):
                                  dict(keep_last=2.5), dict(persist_every=True), dict(host_memory_gb="1"),
                                  dict(threads=1.0), dict(eager_copy_mb=None), dict(host_memory_gb=float("inf")),
                                  dict(eager_copy_mb=float("inf")), dict(replica_check_mb=float("inf")),
-                                 dict(commit_timeout_s=float("inf")), dict(lease_s=float("nan"))])
+                                 dict(commit_timeout_s=float("inf")), dict(lease_s=float("nan")),
+                                 dict(host_memory_gb=10**400)])
 def test_invalid_settings_fail_at_construction(tmp_path, bad):
     with pytest.raises(ss.CheckpointError, match="invalid Checkpointer setting"):
         CheckpointerConfig(root=str(tmp_path), **bad)
@@ -145,6 +146,7 @@ def test_settings_take_numpy_numbers(tmp_path):
 
     config = CheckpointerConfig(root=str(tmp_path), keep_last=np.int64(2), host_memory_gb=np.float32(0.5))
     assert config.keep_last == 2
+    assert CheckpointerConfig(root=str(tmp_path), keep_last=10**400).keep_last == 10**400  # (no float's range)
 
 
 @pytest.mark.parametrize("step", [-1, "7", 8.9, True, None])

@@ -746,6 +746,37 @@ def test_a_torch_save_file_with_a_damaged_tensor_is_refused_naming_the_file_memb
     assert torch.equal(ss.open(str(tmp_path / "out")).read("w"), state["w"])
 
 
+@pytest.mark.parametrize("member", ["data.pkl", "byteorder"])
+def test_damage_to_a_torch_save_file_s_pickle_or_records_is_a_corrupt_checkpoint_error(tmp_path, member):
+    """A damaged data.pkl escaped as zipfile's BadZipFile from the nesting check, and a damaged
+    byte order record as a generic 'not a readable torch.save file'."""
+    torch.save({"w": torch.arange(256.0), "s": torch.randn(4, 4).to_sparse()}, tmp_path / "bad.pt")
+    _flip_in_member(tmp_path / "bad.pt", member, at=1)
+    with pytest.raises(ss.CorruptCheckpointError, match=rf"bad.pt is damaged: .*{member}"):
+        _convert(tmp_path / "bad.pt", tmp_path)
+    with pytest.raises(ss.CorruptCheckpointError, match=rf"bad.pt is damaged: .*{member}"):
+        unpickler.load(str(tmp_path / "bad.pt"))
+
+
+def test_files_written_without_crc32s_convert_exactly(tmp_path):
+    """torch.serialization.set_crc32_options(False) writes 0 for every member's CRC-32: nothing
+    to check, and not damage (torch.load reads such files)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.arange(256.0), "big": torch.randn((1 << 20) // 4 + 8)}
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(state, tmp_path / "a.pt")
+        with pytest.warns(UserWarning):
+            dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    for src, kind in ((tmp_path / "a.pt", "torch"), (tmp_path / "dcp", "dcp")):
+        ss.convert(str(src), str(tmp_path / f"from-{kind}"), source=kind)
+        reader = ss.open(str(tmp_path / f"from-{kind}"))
+        assert all(torch.equal(reader.read(name), value) for name, value in state.items())
+
+
 @pytest.mark.parametrize("numel", [4096, (1 << 20) // 4 + 1024], ids=["small", "read in place"])
 def test_a_dcp_chunk_with_a_damaged_tensor_is_refused_naming_the_file_and_tensor(tmp_path, numel):
     """Small tensors come through dcp.load, larger ones are read in place (convert/dcp_chunks.py):

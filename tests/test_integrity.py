@@ -541,3 +541,19 @@ def test_many_small_tensors_truncated_in_the_middle_name_the_first_tensor_cut_sh
     with pytest.raises(ss.CorruptCheckpointError,
                        match=rf"{file.name} .* truncated: bytes \[{offset}, {offset + nbytes}\) of tensor '{victim}'"):
         ss.load({k: torch.zeros_like(v) for k, v in state.items()}, tmp_path / "c")
+
+
+def test_a_file_cut_short_in_a_small_tensor_between_two_large_ones_names_the_small_one(tmp_path):
+    """The requests of large pieces were joined across the small piece between them, read as a
+    gap: a file cut short inside it blamed the large tensor after it."""
+    gen = torch.Generator().manual_seed(4)
+    state = {"a_big": torch.randn(2048, generator=gen), "b_small": torch.randn(16, generator=gen),
+             "c_big": torch.randn(2048, generator=gen)}
+    ss.save(state, tmp_path / "c", block_bytes=BLOCK)
+    order, places = _in_file_order(tmp_path / "c")
+    assert order == ["a_big", "b_small", "c_big"]
+    file, offset, nbytes = places["b_small"]
+    file.write_bytes(file.read_bytes()[:offset + 8])
+    with pytest.raises(ss.CorruptCheckpointError,
+                       match=rf"truncated: bytes \[{offset}, {offset + nbytes}\) of tensor 'b_small'"):
+        ss.load({k: torch.zeros_like(v) for k, v in state.items()}, tmp_path / "c")

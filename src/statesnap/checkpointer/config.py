@@ -193,7 +193,7 @@ class CheckpointerConfig:
             value = getattr(self, name)
             kinds = numbers.Integral if name in whole or name == "threads" else numbers.Real
             if (value is None and name == "threads") or (isinstance(value, kinds) and not isinstance(value, bool)
-                                                         and math.isfinite(value)):
+                                                         and (kinds is numbers.Integral or _finite(value))):
                 continue
             wanted = "an integer" if name in whole or name == "threads" else "a finite number"
             raise CheckpointError(f"invalid Checkpointer setting: {name} must be {wanted} (got {value!r})")
@@ -207,3 +207,12 @@ class CheckpointerConfig:
         """Eager copies per snapshot; they come out of the host budget, at most a quarter of it
         over all snapshots in flight."""
         return min(int(self.eager_copy_mb * (1 << 20)), self.host_memory_bytes // (4 * self.max_in_flight))
+
+
+def _finite(value: numbers.Real) -> bool:
+    """Whether ``value`` is a finite float (an integer past float's range is not: the settings
+    that take any number are used as floats)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False

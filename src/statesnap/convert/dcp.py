@@ -71,10 +71,9 @@ def read(src: str) -> dict[str, Any]:
                 raise
             except DCP_FAILURES as exc:
                 raise CheckpointError(_small_values_failure(metadata, now, src, exc)) from None
-            for key in now:
-                md = metadata.state_dict_metadata[key]
-                if isinstance(md, TensorStorageMetadata):
-                    check_chunks(src, key, md, metadata.storage_data)
+            check_chunks(src, {key: md for key in now if isinstance(md := metadata.state_dict_metadata[key],
+                                                                       TensorStorageMetadata)},
+                         metadata.storage_data)
             flat.update(now)
         nested = nest_paths(flat, metadata.planner_data or {})
     except CheckpointError:
@@ -148,7 +147,7 @@ def _load_one(reader: FileSystemReader, src: str, key: str, md: TensorStorageMet
                         if index.fqn == key})
         raise CheckpointError(f"reading {key!r} from {', '.join(files)} of DCP checkpoint {src} failed: "
                               f"{_cause(exc)}") from None
-    check_chunks(src, key, md, reader.read_metadata().storage_data)
+    check_chunks(src, {key: md}, reader.read_metadata().storage_data)
     return state[key]
 
 

@@ -67,10 +67,10 @@ def load_file(path: str) -> Any:
     if not archive and not legacy:
         raise CorruptCheckpointError(f"{path} is not a torch.save file (neither a zip archive nor a pickle of "
                                      "protocol 2 or later): it is damaged or of another format")
-    problem = nesting_problem_of(path)
+    refuse_compressed_members(path, path)
+    problem = nesting_problem_of(path, path)
     if problem is not None:
         raise UnsafeCheckpointError(f"{path}: refused to unpickle: {problem}")
-    refuse_compressed_members(path, path)
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=archive)
     except pickle.UnpicklingError as exc:
@@ -81,6 +81,7 @@ def load_file(path: str) -> Any:
             "statesnap never runs code from a checkpoint; if you trust the file and the type is harmless, "
             "admit it with torch.serialization.add_safe_globals([...]) and convert again") from None
     except Exception as exc:
+        check_member_crcs(path, path, None)  # (damage, where that is why)
         raise CheckpointError(f"{path} is not a readable torch.save file: {type(exc).__name__}: {exc}") from None
     check_member_crcs(path, path, loaded)
     return loaded

@@ -14,6 +14,7 @@ the global. After loading, the stand-ins are replaced by plain data (see :func:`
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import os
 import pickle
@@ -26,10 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CheckpointError, UnsafeCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from ..storage.local import open_source
 from .tree import check_graph
-from .zip_members import check_member_crcs, refuse_compressed_members
+from .zip_members import check_member_crcs, crcs_recorded, read_member, refuse_compressed_members
 
 FragmentAddress = namedtuple("FragmentAddress", ["numel", "start"])
 FragmentAddress.__doc__ = ("DeepSpeed's ``fragment_address``: a parameter's ``numel`` elements at ``start`` "
@@ -179,10 +180,10 @@ def load(path: str) -> Any:
 
 def load_from(source, where: str, mmap: bool = False) -> Any:
     """As :func:`load`, from ``source`` (a path or a file object); errors name ``where``."""
-    problem = nesting_problem_of(source)
+    refuse_compressed_members(source, where)
+    problem = nesting_problem_of(source, where)
     if problem is not None:
         raise UnsafeCheckpointError(f"{where}: refused to unpickle: {problem}")
-    refuse_compressed_members(source, where)
     try:
         with _LOCK, torch.serialization.safe_globals(_ALLOWED):
             obj = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
@@ -197,6 +198,7 @@ def load_from(source, where: str, mmap: bool = False) -> Any:
             f"arrays and the records {', '.join(STAND_INS)} (as inert data), and never runs code from a "
             "checkpoint") from None
     except Exception as exc:
+        check_member_crcs(source, where, None)  # (damage, where that is why)
         raise CheckpointError(f"{where} is not a readable torch.save file (truncated or damaged?): "
                               f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
 
@@ -252,18 +254,26 @@ def _pop(stack: list, before: list) -> list:
     return popped[::-1]
 
 
-def nesting_problem_of(source) -> str | None:
-    """:func:`nesting_problem` of a ``torch.save`` file or stream: its archive's ``data.pkl``,
-    or the pickles a legacy file starts with."""
+def nesting_problem_of(source, where: str) -> str | None:
+    """:func:`nesting_problem` of a ``torch.save`` file or stream (its members stored, as
+    ``refuse_compressed_members`` checks first): its archive's ``data.pkl``, or the pickles a
+    legacy file starts with. A ``data.pkl`` whose bytes differ from its CRC-32 is a
+    :class:`CorruptCheckpointError` naming ``where``."""
     with contextlib.ExitStack() as stack:
         if isinstance(source, (str, os.PathLike)):
             source = stack.enter_context(open(source, "rb"))
         start = source.tell()
         stack.callback(source.seek, start)
         if zipfile.is_zipfile(source):
-            archive = stack.enter_context(zipfile.ZipFile(source))
-            names = [name for name in archive.namelist() if name.endswith("/data.pkl") or name == "data.pkl"]
-            return nesting_problem(stack.enter_context(archive.open(names[0]))) if names else None
+            members = zipfile.ZipFile(source).infolist()
+            pickled = [i for i in members if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+            if not pickled:
+                return None
+            try:
+                data = read_member(source, 0, pickled[0], crcs_recorded(members))
+            except zipfile.BadZipFile as exc:
+                raise CorruptCheckpointError(f"{where} is damaged: {exc}; restore the file from another copy") from None
+            return nesting_problem(io.BytesIO(data))
         source.seek(start)
         return nesting_problem(source)
 

@@ -77,6 +77,8 @@ def check_member_crcs(source, where: str, loaded: Any) -> None:
         if not found:
             return
         f, members = found
+        if not crcs_recorded(members):
+            return
         buffer = bytearray(CHECK_CHUNK_BYTES)
         for info in members:
             try:
@@ -89,6 +91,26 @@ def check_member_crcs(source, where: str, loaded: Any) -> None:
                 raise CorruptCheckpointError(
                     f"{where} is damaged: the bytes of its archive member {info.filename!r}{held} differ from the "
                     "CRC-32 the archive records for them; restore the file from another copy")
+
+
+def crcs_recorded(members: list[zipfile.ZipInfo]) -> bool:
+    """Whether an archive records its members' CRC-32s: one written after
+    ``torch.serialization.set_crc32_options(False)`` records 0 for each, and has none to check."""
+    return any(info.CRC for info in members if info.file_size)
+
+
+def read_member(f, archive_start: int, info: zipfile.ZipInfo, check: bool) -> bytes:
+    """The bytes of the stored member ``info`` of the archive at ``archive_start`` of ``f``, read
+    as they lie (zipfile's own reader refuses a member whose CRC-32 the archive did not record),
+    and compared with its CRC-32 where ``check``: a ``zipfile.BadZipFile`` where they differ or
+    the file ends first."""
+    f.seek(member_data_start(f, archive_start, info))
+    data = f.read(info.file_size)
+    if len(data) != info.file_size:
+        raise zipfile.BadZipFile(f"{info.filename} runs past the end of the file")
+    if check and zlib.crc32(data) != info.CRC:
+        raise zipfile.BadZipFile(f"the bytes of {info.filename} differ from the CRC-32 the archive records")
+    return data
 
 
 def running_crc(f, start: int, nbytes: int, buffer: bytearray) -> int:
@@ -114,7 +136,7 @@ def _tensors_at(loaded: Any, starts: dict[str, int], start: int) -> list[str]:
     byte ``start`` of the file. Loaded with ``mmap``, every storage lies in one mapping of the
     file at the distance its member lies from the file's start; the mapping's address is found
     from the lowest of both. Without ``mmap`` (or where they do not line up): none."""
-    tensors = list(_tensors_in(loaded, ""))
+    tensors = [(name, t) for name, t in _tensors_in(loaded, "") if t.layout == torch.strided]  # (storage or none)
     storage_starts = list(starts.values())
     if not tensors or not storage_starts:
         return []

@@ -9,6 +9,7 @@ tensor and the byte range.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import itertools
@@ -169,7 +170,7 @@ class ReadExecutor:
             self._columns, runs, larger = self.pieces.plan()
             for owner, piece in larger:  # (pieces of many blocks: each block hashed as it lands)
                 direct.extend(self._split(self._whole_job(owner, piece)))
-        groups = sorted([*self._coalesce(direct), *runs], key=_place)
+        groups = sorted([*self._coalesce(direct, [(run.file, run.start) for run in runs]), *runs], key=_place)
         streams = _streams(groups, self.threads)
         return ([functools.partial(self._run_stream, groups, len(streams) > 1) for groups in streams]
                 + [functools.partial(self._run_staged, job) for job in staged])
@@ -227,16 +228,20 @@ class ReadExecutor:
             return [job]
         return [_part(job, lo, min(lo + step, read.hi)) for lo in range(read.lo, read.hi, step)]
 
-    def _coalesce(self, jobs: list[_Job]) -> list[list[_Job]]:
+    def _coalesce(self, jobs: list[_Job], runs: list[tuple[int, int]]) -> list[list[_Job]]:
+        """``jobs`` in requests of neighbours in a file. ``runs``: where the requests of whole
+        pieces start, (file, byte) in order: a gap holding one is not read across (its bytes
+        would be read twice, and a file cut short there blamed on the job after it)."""
         jobs = sorted(jobs, key=lambda j: (j.file, j.base + j.read.lo))
         groups: list[list[_Job]] = []
         size = 0  # bytes of the last group
         for job in jobs:
             if groups:
                 last = groups[-1][-1]
-                gap = job.base + job.read.lo - (last.base + last.read.hi)
+                end, start = last.base + last.read.hi, job.base + job.read.lo
+                gap = start - end
                 if (last.file == job.file and 0 <= gap <= GAP_BYTES and size < GROUP_BYTES
-                        and len(groups[-1]) < GROUP_JOBS):
+                        and len(groups[-1]) < GROUP_JOBS and not _holds_a_run(runs, job.file, end, start)):
                     groups[-1].append(job)
                     size += job.read.hi - job.read.lo
                     continue
@@ -411,6 +416,12 @@ def _part(job: _Job, lo: int, hi: int) -> _Job:
     segments = [Segment(max(s.src, lo), s.dst + max(s.src, lo) - s.src, min(s.src + s.nbytes, hi) - max(s.src, lo))
                 for s in job.read.segments if s.src < hi and s.src + s.nbytes > lo]
     return dataclasses.replace(job, read=PieceRead(job.read.piece, lo, hi, segments))
+
+
+def _holds_a_run(runs: list[tuple[int, int]], file: int, lo: int, hi: int) -> bool:
+    """Whether a request of whole pieces starts in bytes ``[lo, hi)`` of ``file`` (``runs`` sorted)."""
+    at = bisect.bisect_left(runs, (file, lo))
+    return at < len(runs) and runs[at] < (file, hi)
 
 
 def _place(group) -> tuple[int, int]:
