@@ -72,31 +72,31 @@ class WholePieces:
         """(the pieces of one block as columns, their requests, (tensor, piece) of the others).
         Empty pieces are neither: nothing is read into them."""
         entries = self.entries
-        counts = np.fromiter(map(len, (e.file for e in entries)), np.int64, len(entries))
+        files, offsets, sizes, all_bounds, all_sums = zip(*[(e.file, e.offset, e.nbytes, e.checksum_bounds, e.checksum)
+                                                            for e in entries])
+        counts = np.fromiter(map(len, files), np.int64, len(entries))
         owner = np.repeat(np.arange(len(entries)), counts)
         piece = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
-        file = np.concatenate([e.file for e in entries]).astype(np.int64, copy=False)
-        base = np.concatenate([e.offset for e in entries]).astype(np.int64, copy=False)
-        size = np.concatenate([e.nbytes for e in entries]).astype(np.int64, copy=False)
+        file, base, size, bounds = (np.concatenate(arrays).astype(np.int64, copy=False)
+                                    for arrays in (files, offsets, sizes, all_bounds))
         # each tensor's checksum bounds back to back, less its end: where each piece's checksums start
-        bounds = np.concatenate([e.checksum_bounds for e in entries]).astype(np.int64, copy=False)
         ends = np.cumsum(counts + 1) - 1
         blocks = np.delete(np.diff(bounds), ends[:-1])  # (less the differences across two tensors)
-        sums_of = np.fromiter(map(len, (e.checksum for e in entries)), np.int64, len(entries))
+        sums_of = np.fromiter(map(len, all_sums), np.int64, len(entries))
         first_sum = np.delete(bounds, ends) + np.repeat(np.cumsum(sums_of) - sums_of, counts)
-        sums = np.concatenate([e.checksum for e in entries])
+        sums = np.concatenate(all_sums)
         one_block, larger = (size > 0) & (blocks == 1), (size > 0) & (blocks != 1)
         keep = np.flatnonzero(one_block)
         order = keep[np.lexsort((base[keep], file[keep]))]
         columns = Columns(owner.tolist(), piece.tolist(), base.tolist(), size.tolist(),
-                          sums[np.minimum(first_sum, len(sums) - 1)].tolist(), [])
-        # a piece's own bytes: its tensor's whole view where it is the only piece, else a slice
-        views = self.views
-        dst = itertools.chain.from_iterable(self.offsets)
-        columns.view = [views[o] if n == len(views[o]) else views[o][d:d + n] if one else None
-                        for o, d, n, one in zip(columns.owner, dst, columns.size, one_block.tolist())]
+                          sums[np.minimum(first_sum, len(sums) - 1)].tolist(), self.views)
+        if len(owner) != len(entries):  # a piece's own bytes: its tensor's where it is the only piece, else a slice
+            views, dst = self.views, itertools.chain.from_iterable(self.offsets)
+            columns.view = [views[o] if n == len(views[o]) else views[o][d:d + n] if one else None
+                            for o, d, n, one in zip(columns.owner, dst, columns.size, one_block.tolist())]
         return (columns, _runs(file[order], base[order], size[order], order),
                 list(zip(owner[larger].tolist(), piece[larger].tolist())))
+
 
 def _runs(file: np.ndarray, base: np.ndarray, size: np.ndarray, index: np.ndarray) -> list[PieceRun]:
     """The pieces at ``index`` (sorted by file and offset) cut into requests: a new one where the
