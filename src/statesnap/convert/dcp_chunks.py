@@ -98,8 +98,12 @@ def check_chunks(src: str, tensors: dict[str, Any], storage: dict) -> None:
         path = os.path.join(src, name)
         with open_source(path) as f:
             for key, chunk, info in chunks:
-                check_member_crcs(_Window(f, info.offset, info.length),
-                                  f"{path}: the chunk of {key!r} at offsets {list(chunk.offsets)}", None)
+                if info.length <= BOUNCE_BYTES:  # (a small chunk read at once: zipfile's many small reads of it cost more)
+                    f.seek(info.offset)
+                    archive = io.BytesIO(f.read(info.length))
+                else:
+                    archive = _Window(f, info.offset, info.length)
+                check_member_crcs(archive, f"{path}: the chunk of {key!r} at offsets {list(chunk.offsets)}", None)
 
 
 def _read_chunk(f, offset: int, length: int, view: torch.Tensor) -> None:

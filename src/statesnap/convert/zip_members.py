@@ -79,7 +79,7 @@ def check_member_crcs(source, where: str, loaded: Any) -> None:
         f, members = found
         if not crcs_recorded(members):
             return
-        buffer = bytearray(CHECK_CHUNK_BYTES)
+        buffer = bytearray(min(CHECK_CHUNK_BYTES, max(info.file_size for info in members)))
         for info in members:
             try:
                 start = member_data_start(f, 0, info)
