@@ -90,6 +90,23 @@ def test_a_root_inside_a_step_of_another_job_s_root_is_refused(tmp_path):
     assert torch.equal(ss.open(root / "other-run" / "step-1").read("t"), _state(2)["t"])
 
 
+def test_retention_keeps_a_step_that_holds_a_live_root_started_while_its_job_was_not_running(tmp_path):
+    """A root claimed inside a step of a job that was not running was deleted with that step by the
+    job's retention once it ran again: the inner job's checkpoints and lock gone."""
+    with ss.Checkpointer(tmp_path / "run", keep_last=1, host_memory_gb=0.05) as first:
+        first.save(5, _state(5)).wait()
+    with ss.Checkpointer(tmp_path / "run" / "step-5" / "inner", host_memory_gb=0.05) as inner:
+        inner.save(1, _state(1)).wait()
+        with ss.Checkpointer(tmp_path / "run", keep_last=1, host_memory_gb=0.05) as again:
+            with pytest.warns(RuntimeWarning, match="step 5 at .* is not deleted by retention: it holds .*inner"):
+                again.save(6, _state(6)).wait()
+        inner.save(2, _state(2)).wait()
+    assert torch.equal(ss.open(tmp_path / "run" / "step-5" / "inner" / "step-2").read("t"), _state(2)["t"])
+    with ss.Checkpointer(tmp_path / "run", keep_last=1, host_memory_gb=0.05) as last:  # no job holds it now
+        last.save(7, _state(7)).wait()
+    assert sorted(n for n in os.listdir(tmp_path / "run") if n.startswith("step-")) == ["step-7"]
+
+
 def test_second_checkpointer_in_one_process_is_refused_until_the_first_closes(tmp_path):
     first = ss.Checkpointer(tmp_path, host_memory_gb=0.05)
     with pytest.raises(RootBusyError, match="another Checkpointer in this process"):

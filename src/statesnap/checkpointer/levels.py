@@ -32,7 +32,7 @@ from ..format.manifest import MANIFEST_NAME
 from ..state.flatten import StoredNames, flatten_for_load, same_bits
 from ..storage.base import StorageBackend
 from ..storage.local import RETIRED_MARK, LocalBackend
-from ..storage.lock import ClaimedBackend, claim_root, held_root_above
+from ..storage.lock import ClaimedBackend, claim_root, held_root_above, held_root_within
 from .staging import item_bytes_view
 
 STEP_PREFIX = "step-"
@@ -60,6 +60,7 @@ class StorageLevel:
         # (they would take the places of good ones) nor deletes them, until one is saved again
         self.damaged: set[int] = set()
         self._warned_newer: set[int] = set()  # steps past a rollback already warned about
+        self._warned_holding: set[int] = set()  # steps kept for a live root inside, already warned about
 
     def claim_root(self, take_over: bool, lease_s: float) -> None:
         """Own the root for this job; from then on every commit and deletion checks the claim."""
@@ -67,10 +68,15 @@ class StorageLevel:
         self.claim = claim_root(self.root, self.backend, take_over, lease_s, self._lease_token)
         self.backend = ClaimedBackend(self.backend, self.claim)
 
+    @property
+    def _on_local_disk(self) -> bool:
+        backend = self.backend._backend if isinstance(self.backend, ClaimedBackend) else self.backend
+        return isinstance(backend, LocalBackend)
+
     def _refuse_a_root_inside_a_held_step(self) -> None:
         """A root inside a checkpoint (or a save in flight) of another live Checkpointer's root is
         deleted with it by that job's retention, this job's checkpoints and claim included."""
-        above = held_root_above(self.root) if isinstance(self.backend, LocalBackend) else None
+        above = held_root_above(self.root) if self._on_local_disk else None
         if above is not None and (parse_step(above[1]) is not None or above[1].startswith(f".{STEP_PREFIX}")):
             raise CheckpointError(
                 f"{self.root} lies inside {above[1]} of {above[0]}, the root of a running Checkpointer, whose "
@@ -98,10 +104,23 @@ class StorageLevel:
         self.damaged.discard(committed)
         steps = [step for step in self.committed_steps() if step not in self.damaged]
         self._warn_of_newer(committed, steps)
-        doomed = [s for s in steps[:-self.keep_last] if s not in protected]
+        doomed = [s for s in steps[:-self.keep_last] if s not in protected and not self._holds_a_live_root(s)]
         for step in doomed:
             self.backend.retire(self.path(step), MANIFEST_NAME)
         return doomed
+
+    def _holds_a_live_root(self, step: int) -> bool:
+        """Whether ``step``'s directory holds the root of a running Checkpointer (one started
+        there while this job was not running): it is kept, and the holder warned of, rather than
+        deleted with that job's checkpoints and lock."""
+        inner = held_root_within(self.path(step)) if self._on_local_disk else None
+        if inner is not None and step not in self._warned_holding:
+            self._warned_holding.add(step)
+            message = (f"statesnap: step {step} at {self.root} is not deleted by retention: it holds {inner}, the root "
+                       "of a running Checkpointer; give that job a root outside this one's step directories")
+            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return inner is not None
 
     def _warn_of_newer(self, committed: int | None, steps: list[int]) -> None:
         """Warn (once for each later step) of committed steps past the one just committed: a run that

@@ -424,6 +424,15 @@ def held_root_above(path: str) -> tuple[str, str] | None:
     return None
 
 
+def held_root_within(path: str) -> str | None:
+    """A directory under ``path`` (a local directory) that a live Checkpointer holds as its root,
+    or None: found as :func:`held_root_above` finds one."""
+    for top, _, names in os.walk(path):
+        if LOCK_NAME in names and _flock_held(os.path.join(os.path.realpath(top), LOCK_NAME)):
+            return top
+    return None
+
+
 def _flock_held(lock: str) -> bool:
     with _held_lock:
         if lock in _held_here:
