@@ -27,7 +27,7 @@ import torch
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..storage.local import open_source
-from .zip_members import check_member_crcs, crcs_recorded, member_data_start, read_member
+from .zip_members import MemberDamaged, check_member_crcs, crcs_recorded, member_data_start, read_member
 
 # Bytes a non-contiguous chunk is moved through at a time (whole leading-dimension rows).
 BOUNCE_BYTES = 8 << 20
@@ -75,6 +75,9 @@ def read_tensor(src: str, key: str, md: Any, storage: dict) -> torch.Tensor | No
                 f"{path}: the chunk of {key!r} at offsets {list(chunk.offsets)} is damaged: the bytes of its archive "
                 f"member {str(exc)!r} differ from the CRC-32 the archive records for them; restore the file from "
                 "another copy") from None
+        except MemberDamaged as exc:  # (its pickle or byte order record)
+            raise CorruptCheckpointError(f"{path}: the chunk of {key!r} at offsets {list(chunk.offsets)} is damaged: "
+                                         f"{exc}; restore the file from another copy") from None
         except (OSError, zipfile.BadZipFile, EOFError) as exc:
             raise CheckpointError(f"{path}: reading the chunk of {key!r} at offsets {list(chunk.offsets)} failed: "
                                   f"{type(exc).__name__}: {exc}") from None
@@ -98,7 +101,7 @@ def check_chunks(src: str, tensors: dict[str, Any], storage: dict) -> None:
         path = os.path.join(src, name)
         with open_source(path) as f:
             for key, chunk, info in chunks:
-                if info.length <= BOUNCE_BYTES:  # (a small chunk read at once: zipfile's many small reads of it cost more)
+                if info.length <= BOUNCE_BYTES:  # (read at once: zipfile's many small reads of it cost more)
                     f.seek(info.offset)
                     archive = io.BytesIO(f.read(info.length))
                 else:

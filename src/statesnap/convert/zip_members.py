@@ -99,17 +99,21 @@ def crcs_recorded(members: list[zipfile.ZipInfo]) -> bool:
     return any(info.CRC for info in members if info.file_size)
 
 
+class MemberDamaged(zipfile.BadZipFile):
+    """A member's bytes differ from the CRC-32 its archive records."""
+
+
 def read_member(f, archive_start: int, info: zipfile.ZipInfo, check: bool) -> bytes:
     """The bytes of the stored member ``info`` of the archive at ``archive_start`` of ``f``, read
     as they lie (zipfile's own reader refuses a member whose CRC-32 the archive did not record),
-    and compared with its CRC-32 where ``check``: a ``zipfile.BadZipFile`` where they differ or
-    the file ends first."""
+    and compared with its CRC-32 where ``check``: :class:`MemberDamaged` where they differ, a
+    ``zipfile.BadZipFile`` where the file ends first."""
     f.seek(member_data_start(f, archive_start, info))
     data = f.read(info.file_size)
     if len(data) != info.file_size:
         raise zipfile.BadZipFile(f"{info.filename} runs past the end of the file")
     if check and zlib.crc32(data) != info.CRC:
-        raise zipfile.BadZipFile(f"the bytes of {info.filename} differ from the CRC-32 the archive records")
+        raise MemberDamaged(f"the bytes of {info.filename} differ from the CRC-32 the archive records")
     return data
 
 
@@ -128,7 +132,8 @@ def running_crc(f, start: int, nbytes: int, buffer: bytearray) -> int:
 
 def _data_starts(f, members: list[zipfile.ZipInfo]) -> dict[str, int]:
     """Where each storage's bytes begin in the file."""
-    return {info.filename: member_data_start(f, 0, info) for info in members if _STORAGE_MEMBER.fullmatch(info.filename)}
+    return {info.filename: member_data_start(f, 0, info) for info in members
+            if _STORAGE_MEMBER.fullmatch(info.filename)}
 
 
 def _tensors_at(loaded: Any, starts: dict[str, int], start: int) -> list[str]:

@@ -29,7 +29,6 @@ from .whole_pieces import GAP_BYTES, GROUP_BYTES, GROUP_JOBS, Columns, PieceRun,
 from .write import default_threads
 
 
-
 # Bytes of reads per stream at least: a stream is a thread, and below this, starting threads and
 # handing the GIL between their per-piece work cost more than hashing in parallel saves (1,000
 # tensors, 9 MB, warm: 15.5-15.8 ms in 2 or 4 streams, 14.0 ms in one).
@@ -432,6 +431,7 @@ def _place(group) -> tuple[int, int]:
 
 
 def _group_bytes(group) -> int:
+    """The bytes a job group or piece run reads (a run's gaps between pieces too)."""
     if isinstance(group, PieceRun):
         return group.end - group.start
     return sum(job.read.hi - job.read.lo for job in group)
@@ -440,11 +440,10 @@ def _group_bytes(group) -> int:
 def _streams(groups: list, count: int) -> list[list]:
     """Cut ``groups`` (job groups and piece runs, in file order) into up to ``count`` runs of about
     equal bytes (``STREAM_MIN_BYTES`` at least, where there are more), each run contiguous in the
-    files. Each run is one thread's stream of reads in
-    order, so the kernel sees sequential reads and reads ahead of each; groups handed out one by
-    one to whichever thread is free would make every file's reads look random to it (measured on
-    this project's 2-core VM, 0.83 GB cold: 0.38-0.42 s in four streams against 0.55-0.71 s
-    handed out)."""
+    files. Each run is one thread's stream of reads in order, so the kernel sees sequential reads
+    and reads ahead of each; groups handed out one by one to whichever thread is free would make
+    every file's reads look random to it (measured on this project's 2-core VM, 0.83 GB cold:
+    0.38-0.42 s in four streams against 0.55-0.71 s handed out)."""
     sizes = [_group_bytes(group) for group in groups]
     share = max(STREAM_MIN_BYTES, -(-sum(sizes) // max(count, 1)))
     streams: list[list] = []

@@ -38,8 +38,8 @@ class PieceRun:
 
 @dataclasses.dataclass(slots=True)
 class Columns:
-    """Per piece: its tensor's name and entry index, piece number, place in the files, checksum
-    and where in its tensor's bytes it lands (``view``: the piece's own bytes)."""
+    """Per piece: its tensor (``owner``, an index into ``WholePieces``), its number among the
+    tensor's pieces, its place in its file, its checksum and its own bytes in the tensor (``view``)."""
     owner: list[int]
     piece: list[int]
     base: list[int]
