@@ -758,6 +758,30 @@ def test_damage_to_a_torch_save_file_s_pickle_or_records_is_a_corrupt_checkpoint
         unpickler.load(str(tmp_path / "bad.pt"))
 
 
+def test_a_torch_save_file_with_a_garbled_zip_directory_is_a_checkpoint_error(tmp_path):
+    """Flipped bytes of the archive's directory escaped as zipfile's own errors (an end record
+    claiming several disks), or loaded nothing into a tensor (a member marked as a directory,
+    which PyTorch's reader skips: its tensor held whatever memory it was given)."""
+    torch.save({"w": torch.arange(15.0).reshape(5, 3)}, tmp_path / "good.pt")
+    raw = (tmp_path / "good.pt").read_bytes()
+    locator = raw.rindex(b"PK\x06\x07")  # the zip64 end of central directory locator torch.save writes
+    with zipfile.ZipFile(tmp_path / "good.pt") as archive:
+        data = next(i for i in archive.infolist() if i.filename.endswith("data/0"))
+    entries = [i for i in range(len(raw)) if raw.startswith(b"PK\x01\x02", i)]  # the directory's records
+    name_of = {i: raw[i + 46:i + 46 + int.from_bytes(raw[i + 28:i + 30], "little")].decode() for i in entries}
+    entry = next(i for i in entries if name_of[i] == data.filename)
+    cases = {"several disks": (locator + 4, 0x01, "bad.pt"),
+             "a directory": (entry + 38, 0x10, f"bad.pt is damaged: its archive member '{data.filename}' is marked as a "
+                                               "directory")}
+    for what, (at, bit, says) in cases.items():
+        damaged = bytearray(raw)
+        damaged[at] ^= bit
+        (tmp_path / "bad.pt").write_bytes(bytes(damaged))
+        with pytest.raises(ss.CheckpointError, match=says):
+            _convert(tmp_path / "bad.pt", tmp_path)
+        assert not os.path.exists(tmp_path / "out"), what
+
+
 def test_files_written_without_crc32s_convert_exactly(tmp_path):
     """torch.serialization.set_crc32_options(False) writes 0 for every member's CRC-32: nothing
     to check, and not damage (torch.load reads such files)."""

@@ -600,6 +600,36 @@ def test_a_regrouping_is_refused_when_the_optimizer_also_holds_a_parameter_the_c
     assert torch.equal(same.state[kept[0].weight]["exp_avg"], optim.state[model[0].weight]["exp_avg"])
 
 
+def _pipeline_stage_groups(rank, world, path):
+    """Stage ``rank`` of a pipeline holding layers of its own, with two param groups."""
+    def stage(seed):
+        torch.manual_seed(seed + rank)
+        model = nn.ModuleDict({"layers": nn.ModuleDict({str(2 * rank + i): nn.Linear(4, 4) for i in range(2)})})
+        weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+        return model, torch.optim.AdamW([dict(params=weights, lr=1e-2, weight_decay=0.1),
+                                         dict(params=biases, lr=1e-3, weight_decay=0.0)])
+    model, optim = stage(0)
+    sum(p.sum() for p in model.parameters()).backward()
+    optim.step()
+    ss.save({"model": model, "optim": optim}, path)
+    fresh_model, fresh = stage(50)
+    ss.load({"model": fresh_model, "optim": fresh}, path)
+    groups = [(g["lr"], g["weight_decay"], g["betas"]) for g in fresh.param_groups]
+    moments = all(torch.equal(optim.state[p]["exp_avg"], fresh.state[q]["exp_avg"])
+                  for p, q in zip(model.parameters(), fresh_model.parameters()))
+    sum(p.sum() for p in fresh_model.parameters()).backward()
+    fresh.step()
+    return groups, moments
+
+
+def test_pipeline_stages_keep_their_param_groups_hyperparameters(tmp_path):
+    """The stored groups are rank 0's, naming its parameters: the second stage's groups matched
+    none of them and were left without lr or betas (a KeyError at the next step)."""
+    results = run_ranks(2, _pipeline_stage_groups, str(tmp_path / "c"))
+    assert results == [([(1e-2, 0.1, (0.9, 0.999)), (1e-3, 0.0, (0.9, 0.999))], True)] * 2
+
+
 def test_state_kept_by_position_of_another_parameter_s_shape_is_refused_in_a_fresh_optimizer_too(tmp_path):
     """An optimizer alone in the state keeps its state by position. Loaded into a fresh one whose
     parameters come in another order, the state was made in the stored shapes and put on the

@@ -101,6 +101,29 @@ def _load_latest_resharded(rank, world, root):
     return step, torch.equal(state["mp"]["w"].local, _values_at(3)[lo:lo + n]), state["extra"]["step"]
 
 
+def _save_empty_and_sharded(rank, world, path):
+    save_module.SPLIT_MIN_RANKS = 1
+    full = _full()
+    lo, n = _rows(rank, world)
+    ss.save({"e1": torch.zeros(0, 3), "e2": torch.zeros(0, 3),
+             "v": ss.Sharded(full[lo:lo + n].clone(), full.shape, [lo, 0]),
+             "w": ss.Sharded(full[lo:lo + n].clone() * 2, full.shape, [lo, 0])}, path)
+    return True
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_empty_tensors_beside_sharded_ones_of_a_split_manifest_load_exactly(tmp_path, verify):
+    """An empty tensor's part of a split manifest holds no piece: with two of them beside two
+    tensors of two pieces each, as many pieces as tensors made the load read each piece into its
+    whole tensor's bytes (wrong values with verify=False, a good checkpoint called damaged)."""
+    path = str(tmp_path / "c")
+    assert run_ranks(2, _save_empty_and_sharded, path) == [True] * 2
+    target = {"e1": torch.zeros(0, 3), "e2": torch.zeros(0, 3), "v": torch.zeros(ROWS, COLS),
+              "w": torch.zeros(ROWS, COLS)}
+    ss.load(target, path, verify=verify)
+    assert torch.equal(target["v"], _full()) and torch.equal(target["w"], _full() * 2)
+
+
 def test_the_checkpointer_commits_through_the_tensor_owners(tmp_path):
     root, local_root = str(tmp_path / "run"), str(tmp_path / "local")
     assert run_ranks(3, _checkpointer_writes_split_manifests, root, local_root) == [True] * 3

@@ -13,7 +13,6 @@ import errno
 import io
 import os
 import pickle
-import zipfile
 from typing import Any
 
 import torch
@@ -23,7 +22,7 @@ from ..storage.local import open_source
 from .transform import materialize
 from .tree import flatten_tree
 from .unpickler import nesting_problem_of
-from .zip_members import check_member_crcs, refuse_compressed_members
+from .zip_members import check_member_crcs, looks_like_zip, refuse_compressed_members
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -59,7 +58,7 @@ def load_file(path: str) -> Any:
         raise CheckpointError(f"no torch.save file at {path}")
     try:
         with open_source(path) as f:  # a FIFO or device in its place is refused, not waited on
-            archive = zipfile.is_zipfile(f)
+            archive = looks_like_zip(f)
             f.seek(0)
             legacy = _pickle_head(f.read(2))
     except OSError as exc:
@@ -93,7 +92,7 @@ def _pickle_head(head: bytes) -> bool:
 
 def is_torch_save_bytes(raw: bytes) -> bool:
     """Whether ``raw`` (a whole file) is what torch.save writes: a zip archive, or a legacy pickle."""
-    return zipfile.is_zipfile(io.BytesIO(raw)) or _pickle_head(raw[:2])
+    return looks_like_zip(io.BytesIO(raw)) or _pickle_head(raw[:2])
 
 
 def write(values: dict[str, Any], target: str) -> list[str]:

@@ -30,7 +30,7 @@ import torch
 from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from ..storage.local import open_source
 from .tree import check_graph
-from .zip_members import check_member_crcs, crcs_recorded, read_member, refuse_compressed_members
+from .zip_members import check_member_crcs, crcs_recorded, looks_like_zip, read_member, refuse_compressed_members
 
 FragmentAddress = namedtuple("FragmentAddress", ["numel", "start"])
 FragmentAddress.__doc__ = ("DeepSpeed's ``fragment_address``: a parameter's ``numel`` elements at ``start`` "
@@ -172,7 +172,7 @@ def load(path: str) -> Any:
     for any other global and :class:`CheckpointError` for a missing, truncated or garbled file."""
     try:
         with open_source(path) as f:  # a FIFO would block torch.load: refused here
-            mmap = zipfile.is_zipfile(f)
+            mmap = looks_like_zip(f)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
     return load_from(path, path, mmap)
@@ -264,16 +264,15 @@ def nesting_problem_of(source, where: str) -> str | None:
             source = stack.enter_context(open(source, "rb"))
         start = source.tell()
         stack.callback(source.seek, start)
-        if zipfile.is_zipfile(source):
-            members = zipfile.ZipFile(source).infolist()
-            pickled = [i for i in members if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
-            if not pickled:
-                return None
+        if looks_like_zip(source):
             try:
-                data = read_member(source, 0, pickled[0], crcs_recorded(members))
-            except zipfile.BadZipFile as exc:
-                raise CorruptCheckpointError(f"{where} is damaged: {exc}; restore the file from another copy") from None
-            return nesting_problem(io.BytesIO(data))
+                members = zipfile.ZipFile(source).infolist()
+                pickled = [i for i in members if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+                data = read_member(source, 0, pickled[0], crcs_recorded(members)) if pickled else None
+            except (zipfile.BadZipFile, OSError, ValueError) as exc:  # (a directory garbled: names not UTF-8, ...)
+                raise CorruptCheckpointError(f"{where} is damaged: {type(exc).__name__}: {exc}; restore the file from "
+                                             "another copy") from None
+            return nesting_problem(io.BytesIO(data)) if data is not None else None
         source.seek(start)
         return nesting_problem(source)
 

@@ -25,10 +25,24 @@ from ..storage.local import open_source
 LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # the zip local file header before the name
 CHECK_CHUNK_BYTES = 8 << 20  # read at a time while a member's CRC-32 is computed
 _STORAGE_MEMBER = re.compile(r"(?:.*/)?data/\d+")  # where torch.save keeps each storage's bytes
+_MS_DOS_DIRECTORY = 0x10  # the external attribute bit that marks a directory entry
+
+
+def looks_like_zip(source) -> bool:
+    """``zipfile.is_zipfile`` of a path or file object, except that an end record it raises on (a
+    flipped byte can make one claim several disks) counts as an archive: a damaged one, which
+    the reads after it name."""
+    try:
+        return zipfile.is_zipfile(source)
+    except zipfile.BadZipFile:
+        return True
 
 
 def member_data_start(f, archive_start: int, info: zipfile.ZipInfo) -> int:
-    """Where the bytes of member ``info`` of the archive at ``archive_start`` of ``f`` begin."""
+    """Where the bytes of member ``info`` of the archive at ``archive_start`` of ``f`` begin (a
+    ``zipfile.BadZipFile`` where its local header is not where the directory says)."""
+    if archive_start + info.header_offset < 0:
+        raise zipfile.BadZipFile(f"the local file header of {info.filename} would lie before the archive")
     f.seek(archive_start + info.header_offset)
     header = f.read(LOCAL_HEADER.size)
     if len(header) != LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
@@ -77,14 +91,18 @@ def check_member_crcs(source, where: str, loaded: Any) -> None:
         if not found:
             return
         f, members = found
+        folder = next((info for info in members if info.external_attr & _MS_DOS_DIRECTORY), None)
+        if folder is not None:  # (PyTorch's zip reader reads nothing into such a member's tensor)
+            raise CorruptCheckpointError(f"{where} is damaged: its archive member {folder.filename!r} is marked as a "
+                                         "directory, which torch.save never writes; restore the file from another copy")
         if not crcs_recorded(members):
             return
         buffer = bytearray(min(CHECK_CHUNK_BYTES, max(info.file_size for info in members)))
         for info in members:
             try:
                 start = member_data_start(f, 0, info)
-            except zipfile.BadZipFile as exc:
-                raise CorruptCheckpointError(f"{where}: {exc}") from None
+            except (zipfile.BadZipFile, OSError, ValueError) as exc:
+                raise CorruptCheckpointError(f"{where} is damaged: {exc}") from None
             if running_crc(f, start, info.file_size, buffer) != info.CRC:
                 holders = _tensors_at(loaded, _data_starts(f, members), start)
                 held = f" (the bytes of {', '.join(map(repr, holders))})" if holders else ""

@@ -90,7 +90,7 @@ class WholePieces:
         order = keep[np.lexsort((base[keep], file[keep]))]
         columns = Columns(owner.tolist(), piece.tolist(), base.tolist(), size.tolist(),
                           sums[np.minimum(first_sum, len(sums) - 1)].tolist(), self.views)
-        if len(owner) != len(entries):  # a piece's own bytes: its tensor's where it is the only piece, else a slice
+        if (counts != 1).any():  # a piece's own bytes: its tensor's where it is the only piece, else a slice
             views, dst = self.views, itertools.chain.from_iterable(self.offsets)
             columns.view = [views[o] if n == len(views[o]) else views[o][d:d + n] if one else None
                             for o, d, n, one in zip(columns.owner, dst, columns.size, one_block.tolist())]

@@ -287,9 +287,10 @@ class _Walker:
                     state_dict_by_a_step(positional_holder(optim), optim, fqn)
                 sd = optim.state_dict()
             self._refuse_regrouped(fqn, sd)
+            held = _group_members(sd)
             self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
             if self.for_load:
-                self.out.finalizers.append(lambda: optim.load_state_dict(sd))
+                self.out.finalizers.append(lambda: optim.load_state_dict(_with_members(sd, held)))
             return
         sd = self._fresh_state(optim, fqn, lambda: get_optimizer_state_dict(model, optim)) if fresh else None
         if sd is None:
@@ -300,10 +301,11 @@ class _Walker:
             else:
                 sd = state_dict_without_step(model, optim)
         self._refuse_regrouped(fqn, sd)
+        held = _group_members(sd)
         first_tensor, first_object = len(self.out.tensors), len(self.out.objects)
         self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
         if self.for_load:
-            self.out.finalizers.append(lambda: _load_optimizer(model, optim, sd))
+            self.out.finalizers.append(lambda: _load_optimizer(model, optim, _with_members(sd, held)))
         elif self.cache is not None:
             self.cache.store_optimizer(fqn, optim, model, sd, self.out.tensors[first_tensor:],
                                        self.out.objects[first_object:], join, tuple(map(id, self.modules)))
@@ -720,6 +722,23 @@ def _same_layout(value: torch.Tensor, own: torch.Tensor | None) -> bool:
 
 def _customised(module: nn.Module, method: str) -> bool:
     return getattr(type(module), method) is not getattr(nn.Module, method) or method in vars(module)
+
+
+def _group_members(sd: dict) -> list[list]:
+    """The parameters (names or positions) of each param group of the optimizer state dict ``sd``
+    as this rank holds them, before a load puts the stored groups in their place."""
+    return [list(group.get("params", ())) for group in sd.get("param_groups", ()) if isinstance(group, dict)]
+
+
+def _with_members(sd: dict, held: list[list]) -> dict:
+    """``sd`` with each stored param group given the parameters this rank's group ``held``: the
+    stored groups are rank 0's, whose names a pipeline stage's parameters do not have (each group
+    was left without hyperparameters, a KeyError at the next step), and the checks before the
+    load (``_refuse_other_groups``, ``_refuse_regrouped``) made the groups correspond by position."""
+    groups = sd.get("param_groups")
+    if isinstance(groups, list) and len(groups) == len(held) and all(isinstance(g, dict) for g in groups):
+        sd["param_groups"] = [{**group, "params": params} for group, params in zip(groups, held)]
+    return sd
 
 
 def _load_optimizer(model: nn.Module, optim: torch.optim.Optimizer, sd: dict) -> None:
