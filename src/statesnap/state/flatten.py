@@ -20,10 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict
 
 from ..errors import CheckpointError, StateMismatchError
 from ..format import plaindata
@@ -31,7 +28,8 @@ from ..format.plaindata import QUIET_NAN_BITS, float_bits, inlinable
 from ..format.manifest import BOX
 from .items import Flattened, ObjectItem, TensorItem, refuse_unwritable
 from .optim_state import (
-    create_adam_state, create_state_from_checkpoint, positional_holder, state_dict_by_a_step, state_dict_without_step,
+    create_adam_state, create_state_from_checkpoint, group_members, load_optimizer_state, positional_holder,
+    state_dict_by_a_step, state_dict_without_step, with_members,
 )
 from .placement import dtensor_box, has_replicate, is_dtensor
 from .reuse import ProviderCache
@@ -287,10 +285,10 @@ class _Walker:
                     state_dict_by_a_step(positional_holder(optim), optim, fqn)
                 sd = optim.state_dict()
             self._refuse_regrouped(fqn, sd)
-            held = _group_members(sd)
+            held = group_members(sd)
             self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
             if self.for_load:
-                self.out.finalizers.append(lambda: optim.load_state_dict(_with_members(sd, held)))
+                self.out.finalizers.append(lambda: optim.load_state_dict(with_members(sd, held)))
             return
         sd = self._fresh_state(optim, fqn, lambda: get_optimizer_state_dict(model, optim)) if fresh else None
         if sd is None:
@@ -301,11 +299,11 @@ class _Walker:
             else:
                 sd = state_dict_without_step(model, optim)
         self._refuse_regrouped(fqn, sd)
-        held = _group_members(sd)
+        held = group_members(sd)
         first_tensor, first_object = len(self.out.tensors), len(self.out.objects)
         self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
         if self.for_load:
-            self.out.finalizers.append(lambda: _load_optimizer(model, optim, _with_members(sd, held)))
+            self.out.finalizers.append(lambda: load_optimizer_state(model, optim, with_members(sd, held)))
         elif self.cache is not None:
             self.cache.store_optimizer(fqn, optim, model, sd, self.out.tensors[first_tensor:],
                                        self.out.objects[first_object:], join, tuple(map(id, self.modules)))
@@ -724,37 +722,6 @@ def _customised(module: nn.Module, method: str) -> bool:
     return getattr(type(module), method) is not getattr(nn.Module, method) or method in vars(module)
 
 
-def _group_members(sd: dict) -> list[list]:
-    """The parameters (names or positions) of each param group of the optimizer state dict ``sd``
-    as this rank holds them, before a load puts the stored groups in their place."""
-    return [list(group.get("params", ())) for group in sd.get("param_groups", ()) if isinstance(group, dict)]
-
-
-def _with_members(sd: dict, held: list[list]) -> dict:
-    """``sd`` with each stored param group given the parameters this rank's group ``held``: the
-    stored groups are rank 0's, whose names a pipeline stage's parameters do not have (each group
-    was left without hyperparameters, a KeyError at the next step), and the checks before the
-    load (``_refuse_other_groups``, ``_refuse_regrouped``) made the groups correspond by position."""
-    groups = sd.get("param_groups")
-    if isinstance(groups, list) and len(groups) == len(held) and all(isinstance(g, dict) for g in groups):
-        sd["param_groups"] = [{**group, "params": params} for group, params in zip(groups, held)]
-    return sd
-
-
-def _load_optimizer(model: nn.Module, optim: torch.optim.Optimizer, sd: dict) -> None:
-    if sd["state"]:
-        # Not PyTorch's strict check: it refuses a parameter that requires a gradient and has no
-        # state, which is every parameter that had no gradient in the saved run (a layer it did
-        # not use), in the checkpoint and in the optimizer alike. The load matched the state's
-        # names against the checkpoint's already, as strict as it was asked to (engine/load.py).
-        set_optimizer_state_dict(model, optim, sd, options=_NOT_STRICT)
-        return
-    # Nothing to restore but hyperparameters: leave the optimizer fresh (no state, no steps).
-    for group, loaded in zip(optim.param_groups, sd["param_groups"]):
-        group.update({k: v for k, v in loaded.items() if k != "params"})
-
-
-_NOT_STRICT = StateDictOptions(strict=False)
 
 
 def _named_in_state(state: dict | list | tuple, prefix: str = "", kind: type = nn.Module):

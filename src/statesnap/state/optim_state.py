@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from ..errors import CheckpointError
 from .placement import is_dtensor
@@ -343,3 +343,37 @@ def _marked(optim: torch.optim.Optimizer, indexed: bool = True):
         yield params
     finally:
         optim.state.clear()
+
+
+NOT_STRICT = StateDictOptions(strict=False)
+
+
+def group_members(sd: dict) -> list[list]:
+    """The parameters (names or positions) of each param group of the optimizer state dict ``sd``
+    as this rank holds them, before a load puts the stored groups in their place."""
+    return [list(group.get("params", ())) for group in sd.get("param_groups", ()) if isinstance(group, dict)]
+
+
+def with_members(sd: dict, held: list[list]) -> dict:
+    """``sd`` with each stored param group given the parameters this rank's group ``held``: the
+    stored groups are rank 0's, whose names a pipeline stage's parameters do not have (each group
+    was left without hyperparameters, a KeyError at the next step), and the checks before the
+    load (state/flatten.py: ``_refuse_other_groups``, ``_refuse_regrouped``) made the groups correspond by position."""
+    groups = sd.get("param_groups")
+    if isinstance(groups, list) and len(groups) == len(held) and all(isinstance(g, dict) for g in groups):
+        sd["param_groups"] = [{**group, "params": params} for group, params in zip(groups, held)]
+    return sd
+
+
+def load_optimizer_state(model: nn.Module, optim: torch.optim.Optimizer, sd: dict) -> None:
+    """Put ``sd`` (a named optimizer state dict, filled by a load) into ``optim``."""
+    if sd["state"]:
+        # Not PyTorch's strict check: it refuses a parameter that requires a gradient and has no
+        # state, which is every parameter that had no gradient in the saved run (a layer it did
+        # not use), in the checkpoint and in the optimizer alike. The load matched the state's
+        # names against the checkpoint's already, as strict as it was asked to (engine/load.py).
+        set_optimizer_state_dict(model, optim, sd, options=NOT_STRICT)
+        return
+    # Nothing to restore but hyperparameters: leave the optimizer fresh (no state, no steps).
+    for group, loaded in zip(optim.param_groups, sd["param_groups"]):
+        group.update({k: v for k, v in loaded.items() if k != "params"})
