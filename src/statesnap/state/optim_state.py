@@ -348,20 +348,25 @@ def _marked(optim: torch.optim.Optimizer, indexed: bool = True):
 NOT_STRICT = StateDictOptions(strict=False)
 
 
-def group_members(sd: dict) -> list[list]:
+_MEMBERS = ("params", "param_names")  # what says which parameters a group holds (names: given named ones)
+
+
+def group_members(sd: dict) -> list[dict]:
     """The parameters (names or positions) of each param group of the optimizer state dict ``sd``
     as this rank holds them, before a load puts the stored groups in their place."""
-    return [list(group.get("params", ())) for group in sd.get("param_groups", ()) if isinstance(group, dict)]
+    return [{key: list(group[key]) for key in _MEMBERS if key in group}
+            for group in sd.get("param_groups", ()) if isinstance(group, dict)]
 
 
-def with_members(sd: dict, held: list[list]) -> dict:
-    """``sd`` with each stored param group given the parameters this rank's group ``held``: the
-    stored groups are rank 0's, whose names a pipeline stage's parameters do not have (each group
-    was left without hyperparameters, a KeyError at the next step), and the checks before the
-    load (state/flatten.py: ``_refuse_other_groups``, ``_refuse_regrouped``) made the groups correspond by position."""
+def with_members(sd: dict, held: list[dict]) -> dict:
+    """``sd`` with each stored param group given the parameters of this rank's group ``held``:
+    the stored groups are rank 0's, whose names a pipeline stage's parameters do not have (each
+    group was left without hyperparameters, a KeyError at the next step), and the checks before
+    the load (state/flatten.py: ``_refuse_other_groups``, ``_refuse_regrouped``) made the groups
+    correspond by position."""
     groups = sd.get("param_groups")
     if isinstance(groups, list) and len(groups) == len(held) and all(isinstance(g, dict) for g in groups):
-        sd["param_groups"] = [{**group, "params": params} for group, params in zip(groups, held)]
+        sd["param_groups"] = [{**group, **members} for group, members in zip(groups, held)]
     return sd
 
 
