@@ -630,6 +630,29 @@ def test_pipeline_stages_keep_their_param_groups_hyperparameters(tmp_path):
     assert results == [([(1e-2, 0.1, (0.9, 0.999)), (1e-3, 0.0, (0.9, 0.999))], True)] * 2
 
 
+def test_an_optimizer_built_from_named_parameters_loads_its_groups_and_state(tmp_path):
+    """Groups that list param_names beside their params keep both this rank's, with the
+    stored hyperparameters."""
+    def built(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        cuts = [[(n, p) for n, p in model.named_parameters() if n.endswith(end)] for end in ("weight", "bias")]
+        return model, torch.optim.AdamW([dict(params=[p for _, p in cut], param_names=[n for n, _ in cut], lr=lr)
+                                         for cut, lr in zip(cuts, (1e-2, 1e-3))])
+    model, optim = built(0)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    ss.save({"model": model, "optim": optim}, tmp_path / "c")
+    fresh_model, fresh = built(1)
+    for group in fresh.param_groups:
+        group["lr"] = 5.0
+    ss.load({"model": fresh_model, "optim": fresh}, tmp_path / "c")
+    assert [(g["lr"], g["param_names"]) for g in fresh.param_groups] == [(1e-2, ["0.weight", "1.weight"]),
+                                                                        (1e-3, ["0.bias", "1.bias"])]
+    assert all(torch.equal(optim.state[a]["exp_avg"], fresh.state[b]["exp_avg"])
+               for a, b in zip(model.parameters(), fresh_model.parameters()))
+
+
 def test_state_kept_by_position_of_another_parameter_s_shape_is_refused_in_a_fresh_optimizer_too(tmp_path):
     """An optimizer alone in the state keeps its state by position. Loaded into a fresh one whose
     parameters come in another order, the state was made in the stored shapes and put on the
