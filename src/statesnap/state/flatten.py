@@ -722,8 +722,6 @@ def _customised(module: nn.Module, method: str) -> bool:
     return getattr(type(module), method) is not getattr(nn.Module, method) or method in vars(module)
 
 
-
-
 def _named_in_state(state: dict | list | tuple, prefix: str = "", kind: type = nn.Module):
     """The modules (or other values of ``kind``) of the state under their names in it, in dicts,
     lists and tuples (a list of modules is walked by index: ``models.0.weight``), not inside
