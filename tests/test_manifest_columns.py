@@ -302,7 +302,7 @@ def _agrees_with_the_general_path(variants: list, files, sizes, block, monkeypat
     assert quick == _read(mixed, files, sizes, block, world_size, True, monkeypatch)
     assert isinstance(quick, str) == (not all(accepted))
     taken = read_plain_entries(json.loads(json.dumps(together)), files, np.asarray(sizes, dtype=np.int64), block,
-                               world_size, TensorEntry)
+                               world_size, TensorEntry.in_rows)
     assert set(taken) <= set(good)
     return accepted, [key in taken for key in together]
 

@@ -369,3 +369,55 @@ def test_a_negative_checksum_in_a_row_of_pieces_is_refused_by_name(split_checkpo
     _sign(tmp_path / "c", doc)
     with pytest.raises(ManifestError, match=f"tensor '{doc['pieces']['name'][0]}'.*'checksum'"):
         Manifest.from_bytes((tmp_path / "c" / MANIFEST_NAME).read_bytes())
+
+
+def _save_column_split(rank: int, world: int, path: str) -> None:
+    """Tensors of two dimensions split in column blocks, and of one in ranges, over the ranks."""
+    state = {}
+    for i in range(TABLE_MIN_TENSORS + 4):
+        value = torch.arange(24.0 + i).reshape(-1) if i % 2 else torch.arange(4.0 * (6 + i)).reshape(4, 6 + i)
+        cut = value.shape[-1] // world
+        part = value[..., rank * cut:(rank + 1) * cut if rank < world - 1 else None]
+        state[f"c{i:03d}"] = ss.Sharded(part.clone(), value.shape, (0,) * (value.ndim - 1) + (rank * cut,))
+    ss.save(state, path, block_bytes=BLOCK)
+
+
+def _alone(entry):
+    """``entry`` with its arrays of its own, as the general reader makes it."""
+    from statesnap.format.manifest import TensorEntry
+
+    return TensorEntry(entry.dtype, entry.shape, entry.layout, *(getattr(entry, c) for c in (
+        "file", "offset", "nbytes", "start", "size", "checksum", "checksum_bounds")))
+
+
+def test_entries_read_in_rows_plan_as_entries_read_alone(split_checkpoint, tmp_path):
+    """Entries read all together keep their arrays as rows of their group's columns. What a load
+    plans from those columns (where each piece lies, its checksum, where it lands in a whole
+    target, whether the tensor is one whole piece) is what it plans from each entry's own arrays,
+    for whole tensors, pieces of whole rows and pieces of columns, in any order of the entries."""
+    from dist_utils import run_ranks
+    from statesnap.engine.whole_pieces import _pieces_of, _pieces_one_by_one
+    from statesnap.plan.load_plan import piece_offsets
+
+    run_ranks(2, _save_column_split, str(tmp_path / "cols"))
+    for path in (split_checkpoint, tmp_path / "cols"):
+        entries = list(ss.open(path).manifest.tensors.values())
+        assert all(entry.rows is not None for entry in entries)
+        random.Random(0).shuffle(entries)
+        for got, want in zip(_pieces_of(entries), _pieces_one_by_one([_alone(e) for e in entries])):
+            assert got.tolist() == want.tolist()
+        for entry in entries:
+            alone = _alone(entry)
+            assert entry.whole_in_one_piece == alone.whole_in_one_piece
+            origin = (0,) * len(entry.shape)
+            for start, size in ((origin, entry.shape), (origin, (1,) * len(entry.shape))):
+                assert piece_offsets(entry, "box", start, size) == piece_offsets(alone, "box", start, size)
+    columns = ss.open(tmp_path / "cols").manifest.tensors.values()
+    apart = [piece_offsets(e, "box", (0,) * len(e.shape), e.shape) for e in columns]
+    assert None in apart and [0, 48] in apart  # columns are planned; a range of 1-D: each half at its place
+    target = {name: torch.zeros(shape) for name, shape in
+              ((n, e.shape) for n, e in ss.open(tmp_path / "cols").manifest.tensors.items())}
+    ss.load(target, tmp_path / "cols")
+    for i in range(TABLE_MIN_TENSORS + 4):
+        value = torch.arange(24.0 + i).reshape(-1) if i % 2 else torch.arange(4.0 * (6 + i)).reshape(4, 6 + i)
+        assert torch.equal(target[f"c{i:03d}"], value)

@@ -71,31 +71,63 @@ class WholePieces:
     def plan(self) -> tuple[Columns, list[PieceRun], list[tuple[int, int]]]:
         """(the pieces of one block as columns, their requests, (tensor, piece) of the others).
         Empty pieces are neither: nothing is read into them."""
-        entries = self.entries
-        files, offsets, sizes, all_bounds, all_sums = zip(*[(e.file, e.offset, e.nbytes, e.checksum_bounds, e.checksum)
-                                                            for e in entries])
-        counts = np.fromiter(map(len, files), np.int64, len(entries))
-        owner = np.repeat(np.arange(len(entries)), counts)
-        piece = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
-        file, base, size, bounds = (np.concatenate(arrays).astype(np.int64, copy=False)
-                                    for arrays in (files, offsets, sizes, all_bounds))
-        # each tensor's checksum bounds back to back, less its end: where each piece's checksums start
-        ends = np.cumsum(counts + 1) - 1
-        blocks = np.delete(np.diff(bounds), ends[:-1])  # (less the differences across two tensors)
-        sums_of = np.fromiter(map(len, all_sums), np.int64, len(entries))
-        first_sum = np.delete(bounds, ends) + np.repeat(np.cumsum(sums_of) - sums_of, counts)
-        sums = np.concatenate(all_sums)
+        counts, owner, piece, file, base, size, blocks, sums = _pieces_of(self.entries)
         one_block, larger = (size > 0) & (blocks == 1), (size > 0) & (blocks != 1)
         keep = np.flatnonzero(one_block)
         order = keep[np.lexsort((base[keep], file[keep]))]
-        columns = Columns(owner.tolist(), piece.tolist(), base.tolist(), size.tolist(),
-                          sums[np.minimum(first_sum, len(sums) - 1)].tolist(), self.views)
+        columns = Columns(owner.tolist(), piece.tolist(), base.tolist(), size.tolist(), sums.tolist(), self.views)
         if (counts != 1).any():  # a piece's own bytes: its tensor's where it is the only piece, else a slice
             views, dst = self.views, itertools.chain.from_iterable(self.offsets)
             columns.view = [views[o] if n == len(views[o]) else views[o][d:d + n] if one else None
                             for o, d, n, one in zip(columns.owner, dst, columns.size, one_block.tolist())]
         return (columns, _runs(file[order], base[order], size[order], order),
                 list(zip(owner[larger].tolist(), piece[larger].tolist())))
+
+
+def _pieces_of(entries: list[TensorEntry]) -> tuple[np.ndarray, ...]:
+    """Pieces per entry, then per piece in the entries' order: its entry (an index into
+    ``entries``), its number there, its file, offset and bytes, its checksum blocks and its first
+    block's checksum."""
+    groups: dict[int, tuple] = {}
+    for i, entry in enumerate(entries):
+        rows = entry.rows
+        if rows is None:
+            return _pieces_one_by_one(entries)
+        group = groups.get(id(rows)) or groups.setdefault(id(rows), (rows, [], []))
+        group[1].append(i)
+        group[2].append(entry.row)
+    counts = np.empty(len(entries), np.int64)
+    parts = []
+    for rows, owners, of in groups.values():
+        owners, of = np.asarray(owners, np.int64), np.asarray(of, np.int64)
+        n = rows.file.shape[1]
+        counts[owners] = n
+        parts.append((np.repeat(owners, n), np.tile(np.arange(n), len(of)), rows.file[of].ravel(),
+                      rows.offset[of].ravel(), rows.nbytes[of].ravel(), np.diff(rows.bounds[of], axis=1).ravel(),
+                      rows.first_checksums(of).ravel()))
+    columns = [np.concatenate(column) for column in zip(*parts)]
+    if len(parts) > 1:  # (back in the entries' order)
+        order = np.argsort(columns[0], kind="stable")
+        columns = [column[order] for column in columns]
+    return (counts, *columns)
+
+
+def _pieces_one_by_one(entries: list[TensorEntry]) -> tuple[np.ndarray, ...]:
+    """``_pieces_of`` gathered from each entry's own arrays (some were not read in rows)."""
+    files, offsets, sizes, all_bounds, all_sums = zip(*[(e.file, e.offset, e.nbytes, e.checksum_bounds, e.checksum)
+                                                        for e in entries])
+    counts = np.fromiter(map(len, files), np.int64, len(entries))
+    owner = np.repeat(np.arange(len(entries)), counts)
+    piece = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
+    file, base, size, bounds = (np.concatenate(arrays).astype(np.int64, copy=False)
+                                for arrays in (files, offsets, sizes, all_bounds))
+    # each tensor's checksum bounds back to back, less its end: where each piece's checksums start
+    ends = np.cumsum(counts + 1) - 1
+    blocks = np.delete(np.diff(bounds), ends[:-1])  # (less the differences across two tensors)
+    sums_of = np.fromiter(map(len, all_sums), np.int64, len(entries))
+    first_sum = np.delete(bounds, ends) + np.repeat(np.cumsum(sums_of) - sums_of, counts)
+    sums = np.concatenate(all_sums)
+    return counts, owner, piece, file, base, size, blocks, sums[np.minimum(first_sum, len(sums) - 1)]
 
 
 def _runs(file: np.ndarray, base: np.ndarray, size: np.ndarray, index: np.ndarray) -> list[PieceRun]:

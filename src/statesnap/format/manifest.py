@@ -34,7 +34,7 @@ from .boxes import few_boxes_tile, first_outside, region, tiling_problem
 from .columns import (PACK_MIN_PIECES, PACK_ZLIB_MAX_DIMS, UINT64_MAX, InflationBudget, integer, pack,
                       parse_json, shape_problem, shape_text, unpack)
 from .dtypes import dtype_name, tensor_dtype
-from .plain_entries import BOX, FEW_PIECES, FLAT, read_plain_entries
+from .plain_entries import BOX, FEW_PIECES, FLAT, EntryRows, read_plain_entries
 from .table import COLUMNS as TABLE_COLUMNS, read_table, table_rows, tables_json
 from .plaindata import MAX_NESTING, int_too_long
 from .split import (Fetch, SectionReader, TensorRow, pack_files, pack_json, parse_rows, region_problem, row_json,
@@ -45,6 +45,7 @@ FORMAT_NAME = "statesnap"
 # where it has tables (format/table.py); a split one as version 2.
 FORMAT_VERSION = 3
 MANIFEST_NAME = "manifest.json"
+_ROW_ARRAYS = frozenset(("file", "offset", "nbytes", "start", "size", "checksum", "checksum_bounds"))
 _SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
 # The manifest's checksum of itself: its last member, written exactly as `,"manifest_xxh3":<int>}`
 # at the end of the file, the xxh3-64 of the manifest's bytes without it (ending in `}`).
@@ -72,6 +73,24 @@ class TensorEntry:
     # Block checksums of all pieces back to back; piece i owns checksum[bounds[i]:bounds[i + 1]].
     checksum: np.ndarray
     checksum_bounds: np.ndarray
+    # An entry read in a group of its kind (format/plain_entries.py): its row of their columns,
+    # from which its arrays above are made when first asked for (``__getattr__``).
+    rows: EntryRows | None = field(default=None, repr=False, compare=False)
+    row: int = field(default=0, repr=False, compare=False)
+
+    @classmethod
+    def in_rows(cls, dtype: torch.dtype, shape: tuple, layout: str, rows: EntryRows, row: int) -> "TensorEntry":
+        entry = cls.__new__(cls)
+        entry.__dict__.update(dtype=dtype, shape=shape, layout=layout, rows=rows, row=row)
+        return entry
+
+    def __getattr__(self, name: str):
+        # (called only for what the instance lacks: an entry in rows, whose arrays are not made yet)
+        rows = self.__dict__.get("rows")
+        if rows is None or name not in _ROW_ARRAYS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        self.__dict__.update(rows.arrays_of(self.row))
+        return self.__dict__[name]
 
     @staticmethod
     def pack_checksums(per_piece: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -104,6 +123,8 @@ class TensorEntry:
         Not an entry of one piece that is a part: a split manifest's entry holds only the pieces
         a target reaches. (A box as large as the shape starts at 0: every entry's boxes lie inside
         its shape, as read or as saved.)"""
+        if self.rows is not None:
+            return self.rows.whole[self.row]
         return self.layout == BOX and len(self.file) == 1 and self.size[0].tolist() == list(self.shape)
 
     def checksums_json(self) -> list:
@@ -140,7 +161,7 @@ class TensorEntry:
         ones of a few pieces all together (format/plain_entries.py), the others one by one
         (:meth:`from_json`, which also names what is wrong with any entry)."""
         file_sizes = np.asarray(file_sizes, dtype=np.int64)
-        plain = read_plain_entries(docs, files, file_sizes, block_bytes, world_size or FEW_PIECES, cls)
+        plain = read_plain_entries(docs, files, file_sizes, block_bytes, world_size or FEW_PIECES, cls.in_rows)
         return {fqn: plain[fqn] if fqn in plain else
                 cls.from_json(fqn, data, files, file_sizes, block_bytes, where, world_size, budget)
                 for fqn, data in docs.items()}
@@ -526,7 +547,8 @@ class Manifest:
                                                 budget)
         for member, rows in tables.items():
             manifest.tensors.update(read_table(
-                rows, member, files, np.asarray(file_sizes, dtype=np.int64), block_bytes, world_size, TensorEntry,
+                rows, member, files, np.asarray(file_sizes, dtype=np.int64), block_bytes, world_size,
+                TensorEntry.in_rows,
                 lambda fqn, data: TensorEntry.from_json(fqn, data, files, file_sizes, block_bytes, where, world_size,
                                                         budget)))
         return manifest

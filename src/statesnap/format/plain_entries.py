@@ -36,8 +36,8 @@ class _Group:
 
 def read_plain_entries(docs: dict, files: list[str], file_sizes: np.ndarray, block_bytes: int,
                        world_size: int, make: Callable) -> dict:
-    """fqn -> ``make(dtype, shape, layout, file, offset, nbytes, start, size, checksum,
-    checksum_bounds)`` for each entry of ``docs`` that is plain and valid; the rest are absent."""
+    """fqn -> ``make(dtype, shape, layout, rows, i)`` (``valid_entries``) for each entry of
+    ``docs`` that is plain and valid; the rest are absent."""
     groups: dict[tuple[int, int], _Group] = {}
     most = min(FEW_PIECES, world_size)
     for fqn, data in docs.items():
@@ -62,19 +62,48 @@ def read_plain_entries(docs: dict, files: list[str], file_sizes: np.ndarray, blo
 
 def valid_entries(matrix: np.ndarray, names: list, heads: list, flat: np.ndarray, ends: list[int], n: int, dims: int,
                   files: list[str], file_sizes: np.ndarray, block_bytes: int, make: Callable) -> dict:
-    """fqn -> ``make(*head, file, offset, ...)`` for each row of ``matrix`` (entries of ``n``
-    pieces of ``dims`` dimensions, laid out as ``_unpacked`` makes a row) that keeps every rule,
-    as views of its arrays; row i's checksums are ``flat[ends[i]:ends[i + 1]]``."""
+    """fqn -> ``make(*head, rows, i)`` for each row i of ``matrix`` (entries of ``n`` pieces of
+    ``dims`` dimensions, laid out as ``_unpacked`` makes a row) that keeps every rule, ``rows``
+    the ``EntryRows`` of them all; row i's checksums are ``flat[ends[i]:ends[i + 1]]``."""
     valid = _valid(matrix, n, dims, len(files), file_sizes, block_bytes).tolist()
-    file, offset, nbytes, start, size, counts, _, _ = _columns(matrix, n, dims)
-    bounds = np.zeros((len(matrix), n + 1), dtype=np.int64)
-    np.cumsum(counts, axis=1, out=bounds[:, 1:])
-    k = len(matrix)
-    # (a row of an array, iterated, is a view made in C: indexing one made each twice as slowly)
-    sums = (flat.reshape(k, n) if ends == list(range(0, k * n + 1, n)) else
-            [flat[a:b] for a, b in zip(ends, ends[1:])])
-    return {name: make(*head, *row) for name, head, ok, *row in zip(names, heads, valid, file, offset, nbytes, start,
-                                                                     size, sums, bounds) if ok}
+    rows = EntryRows(matrix, n, dims, flat, ends, [head[2] for head in heads])
+    return {name: make(*head, rows, i) for i, (name, head, ok) in enumerate(zip(names, heads, valid)) if ok}
+
+
+class EntryRows:
+    """The arrays of entries read together (as many pieces and dimensions each), as columns of
+    one row per entry. Each entry's own arrays are views of a row, made only when asked for
+    (``TensorEntry.in_rows``): a load of a thousand small tensors reads the columns of all of
+    them at once (engine/whole_pieces.py), where making seven views of each took longer than the
+    reads."""
+
+    def __init__(self, matrix: np.ndarray, n: int, dims: int, flat: np.ndarray, ends: list[int], layouts: list[str]):
+        self.file, self.offset, self.nbytes, self.start, self.size, counts, limit, _ = _columns(matrix, n, dims)
+        self.bounds = np.zeros((len(matrix), n + 1), dtype=np.int64)
+        np.cumsum(counts, axis=1, out=self.bounds[:, 1:])
+        self.flat, self.ends = flat, np.asarray(ends, dtype=np.int64)
+        # stored whole in one box piece (TensorEntry.whole_in_one_piece), asked of every entry a load reads
+        whole = (self.size[:, 0, :] == limit).all(axis=1) if n == 1 else np.zeros(len(matrix), dtype=bool)
+        self.whole = [w and layout == BOX for w, layout in zip(whole.tolist(), layouts)]
+        self.in_whole = [None] * len(matrix) if n == 1 or not dims else self._rows_apart(limit, layouts, matrix[:, -1])
+
+    def _rows_apart(self, shape: np.ndarray, layouts: list[str], itemsize: np.ndarray) -> list:
+        """Per entry, where each piece lands in the whole tensor, in bytes, if the pieces are runs
+        of whole rows that together cover it (``plan.load_plan.piece_offsets``), else None."""
+        runs = ((self.size[:, :, 1:] == shape[:, None, 1:]).all(axis=(1, 2))
+                & (self.size[:, :, 0].sum(axis=1) == shape[:, 0]))
+        at = (self.start[:, :, 0] * (shape[:, 1:].prod(axis=1) * itemsize)[:, None]).tolist()
+        return [offsets if ok and layout == BOX else None for offsets, ok, layout in zip(at, runs.tolist(), layouts)]
+
+    def arrays_of(self, i: int) -> dict[str, np.ndarray]:
+        """Entry ``i``'s arrays, by ``TensorEntry``'s field names."""
+        return {"file": self.file[i], "offset": self.offset[i], "nbytes": self.nbytes[i], "start": self.start[i],
+                "size": self.size[i], "checksum": self.flat[self.ends[i]:self.ends[i + 1]],
+                "checksum_bounds": self.bounds[i]}
+
+    def first_checksums(self, rows: np.ndarray) -> np.ndarray:
+        """The checksum of each piece's first block, of the entries ``rows`` (entries x pieces)."""
+        return self.flat[self.ends[rows][:, None] + self.bounds[rows, :-1]]
 
 
 def _unpacked(data, most: int) -> tuple | None:
