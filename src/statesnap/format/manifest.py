@@ -79,10 +79,16 @@ class TensorEntry:
     row: int = field(default=0, repr=False, compare=False)
 
     @classmethod
-    def in_rows(cls, dtype: torch.dtype, shape: tuple, layout: str, rows: EntryRows, row: int) -> "TensorEntry":
-        entry = cls.__new__(cls)
-        entry.__dict__.update(dtype=dtype, shape=shape, layout=layout, rows=rows, row=row)
-        return entry
+    def in_rows(cls, rows: EntryRows, names: list[str], heads: list[tuple], valid: list[bool]) -> dict:
+        """fqn -> entry of each valid row of ``rows``, whose ``(dtype, shape, layout)`` is in
+        ``heads``. (Made without ``__init__``, which took twice as long for a thousand entries.)"""
+        new, out = object.__new__, {}
+        for row, (name, (dtype, shape, layout), ok) in enumerate(zip(names, heads, valid)):
+            if ok:
+                entry = new(cls)
+                entry.__dict__ = {"dtype": dtype, "shape": shape, "layout": layout, "rows": rows, "row": row}
+                out[name] = entry
+        return out
 
     def __getattr__(self, name: str):
         # (called only for what the instance lacks: an entry in rows, whose arrays are not made yet)

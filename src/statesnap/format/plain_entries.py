@@ -36,8 +36,8 @@ class _Group:
 
 def read_plain_entries(docs: dict, files: list[str], file_sizes: np.ndarray, block_bytes: int,
                        world_size: int, make: Callable) -> dict:
-    """fqn -> ``make(dtype, shape, layout, rows, i)`` (``valid_entries``) for each entry of
-    ``docs`` that is plain and valid; the rest are absent."""
+    """fqn -> entry (made by ``make``: ``valid_entries``) of each entry of ``docs`` that is plain
+    and valid; the rest are absent."""
     groups: dict[tuple[int, int], _Group] = {}
     most = min(FEW_PIECES, world_size)
     for fqn, data in docs.items():
@@ -62,12 +62,12 @@ def read_plain_entries(docs: dict, files: list[str], file_sizes: np.ndarray, blo
 
 def valid_entries(matrix: np.ndarray, names: list, heads: list, flat: np.ndarray, ends: list[int], n: int, dims: int,
                   files: list[str], file_sizes: np.ndarray, block_bytes: int, make: Callable) -> dict:
-    """fqn -> ``make(*head, rows, i)`` for each row i of ``matrix`` (entries of ``n`` pieces of
-    ``dims`` dimensions, laid out as ``_unpacked`` makes a row) that keeps every rule, ``rows``
-    the ``EntryRows`` of them all; row i's checksums are ``flat[ends[i]:ends[i + 1]]``."""
+    """``make(rows, names, heads, valid)``: fqn -> entry of each row of ``matrix`` (entries of
+    ``n`` pieces of ``dims`` dimensions, laid out as ``_unpacked`` makes a row) that keeps every
+    rule (``valid``), ``rows`` the ``EntryRows`` of them all; row i's checksums are
+    ``flat[ends[i]:ends[i + 1]]``."""
     valid = _valid(matrix, n, dims, len(files), file_sizes, block_bytes).tolist()
-    rows = EntryRows(matrix, n, dims, flat, ends, [head[2] for head in heads])
-    return {name: make(*head, rows, i) for i, (name, head, ok) in enumerate(zip(names, heads, valid)) if ok}
+    return make(EntryRows(matrix, n, dims, flat, ends, [head[2] for head in heads]), names, heads, valid)
 
 
 class EntryRows:

@@ -145,17 +145,14 @@ def _all_together(rows: dict[str, tuple], whole: bool, files: list[str], file_si
     except OverflowError:
         return None
     per_piece = [*itertools.accumulate(counts, initial=0)]
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, shape in enumerate(shapes):
-        groups.setdefault((1 if whole else len(file[i]), len(shape)), []).append(i)
     out = {}
-    for (n, dims), rows_of in groups.items():
+    for (n, dims), rows_of in _groups(shapes, None if whole else file).items():
         matrix = _matrix(rows_of, n, dims, dtypes, shapes, file, offset, start, size, sums,
                          counts, first_piece)
         if matrix is None:
             return None
         checksums, ends = _checksums_of(rows_of, n, flat_arr, per_piece, first_piece)
-        entries = valid_entries(matrix, [names[i] for i in rows_of],
+        entries = valid_entries(matrix, _pick(names, rows_of),
                                 [(dtypes[i], tuple(shapes[i]), BOX) for i in rows_of], checksums, ends, n, dims,
                                 files, file_sizes, block_bytes, make)
         if len(entries) != len(rows_of):
@@ -164,18 +161,35 @@ def _all_together(rows: dict[str, tuple], whole: bool, files: list[str], file_si
     return {fqn: out[fqn] for fqn in names}  # (in the table's order)
 
 
-def _checksums_of(rows_of: list[int], n: int, flat: np.ndarray, per_piece: list[int],
+def _groups(shapes: tuple, file: tuple | None) -> dict[tuple[int, int], range | list[int]]:
+    """The rows by their (pieces, dimensions): ``range(rows)`` where all are alike (the commonest).
+    ``file``: each row's files, or None for rows of one piece."""
+    pieces, dims = {1} if file is None else {*map(len, file)}, {*map(len, shapes)}
+    if len(pieces) == len(dims) == 1:
+        return {(pieces.pop(), dims.pop()): range(len(shapes))}
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, shape in enumerate(shapes):
+        groups.setdefault((1 if file is None else len(file[i]), len(shape)), []).append(i)
+    return groups
+
+
+def _pick(column: list | tuple, rows_of: range | list[int]) -> list | tuple:
+    """The values of ``column`` at ``rows_of`` (``_groups``' rows)."""
+    return column[:len(rows_of)] if type(rows_of) is range else [column[i] for i in rows_of]
+
+
+def _checksums_of(rows_of: range | list[int], n: int, flat: np.ndarray, per_piece: list[int],
                   first_piece: list[int]) -> tuple[np.ndarray, list[int]]:
     """The checksums of the rows ``rows_of`` (of ``n`` pieces each) back to back, and where each
     row's begin (``valid_entries``' ``flat`` and ``ends``)."""
-    firsts = np.array([first_piece[i] for i in rows_of], np.int64)
+    firsts = np.array(_pick(first_piece, rows_of), np.int64)
     if per_piece[-1] == len(per_piece) - 1:  # one checksum per piece (the commonest): at once
         return flat[(firsts[:, None] + np.arange(n)).reshape(-1)], list(range(0, len(rows_of) * n + 1, n))
     own = [np.arange(per_piece[first], per_piece[first + n]) for first in firsts.tolist()]
     return flat[np.concatenate(own)], [*itertools.accumulate(map(len, own), initial=0)]
 
 
-def _matrix(rows_of: list[int], n: int, dims: int, dtypes: list, shapes: tuple, file: tuple, offset: tuple,
+def _matrix(rows_of: range | list[int], n: int, dims: int, dtypes: list, shapes: tuple, file: tuple, offset: tuple,
             start: tuple | None, size: tuple, sums: tuple, counts: list[int],
             first_piece: list[int]) -> np.ndarray | None:
     """The rows ``rows_of`` (tensors of ``n`` pieces of ``dims`` dimensions) laid out as
@@ -184,21 +198,21 @@ def _matrix(rows_of: list[int], n: int, dims: int, dtypes: list, shapes: tuple, 
     negative or past 64 bits, or a shape too large for a tensor (``shape_problem``)."""
     k = len(rows_of)
     try:
-        shape = _stacked([shapes[i] for i in rows_of], dims)
+        shape = _stacked(_pick(shapes, rows_of), dims)
         if start is None:
-            pieces = _stacked([(file[i], offset[i]) for i in rows_of], 2)
+            pieces = np.column_stack([np.array(_pick(column, rows_of), np.int64) for column in (file, offset)])
             lo, extent = np.zeros((k, n, dims), np.int64), shape[:, None, :]
         else:
-            pieces = np.hstack([_stacked([file[i] for i in rows_of], n), _stacked([offset[i] for i in rows_of], n)])
-            lo, extent = (_stacked([*itertools.chain.from_iterable(_of_length([boxes[i] for i in rows_of], n))],
+            pieces = np.hstack([_stacked(_pick(file, rows_of), n), _stacked(_pick(offset, rows_of), n)])
+            lo, extent = (_stacked([*itertools.chain.from_iterable(_of_length(_pick(boxes, rows_of), n))],
                                    dims).reshape(k, n, dims) for boxes in (start, size))
         if sums is not None:
-            _of_length([sums[i] for i in rows_of], n)
+            _of_length(_pick(sums, rows_of), n)
     except (OverflowError, ValueError):  # (ValueError: lists of several lengths)
         return None
     if dims and (shape < 0).any():
         return None
-    isz = np.array([dtypes[i].itemsize for i in rows_of], np.int64)
+    isz = np.array([dtype.itemsize for dtype in _pick(dtypes, rows_of)], np.int64)
     # a product that may pass 2**62 is checked exactly, as the general reader checks it (one
     # past float64's range is inf, or nan times a zero extent: no warning, the strides catch it)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -209,7 +223,7 @@ def _matrix(rows_of: list[int], n: int, dims: int, dtypes: list, shapes: tuple, 
         return None
     # (an extent past its shape gives a product that may wrap: its row breaks a rule checked beside it)
     nbytes = extent.prod(axis=2) * isz[:, None] if start is not None else (shape.prod(axis=1) * isz)[:, None]
-    firsts = np.array([first_piece[i] for i in rows_of], np.int64)
+    firsts = np.array(_pick(first_piece, rows_of), np.int64)
     piece_counts = np.asarray(counts, np.int64)[firsts[:, None] + np.arange(n)]
     return np.column_stack([pieces, nbytes, lo.reshape(k, n * dims), np.broadcast_to(extent, (k, n, dims)).reshape(
         k, n * dims), piece_counts, shape, isz])
