@@ -4,6 +4,7 @@ tables a hostile writer made: each must be refused by name, exactly as the same 
 as JSON objects are, or read as they are."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import warnings
@@ -406,6 +407,8 @@ def test_entries_read_in_rows_plan_as_entries_read_alone(split_checkpoint, tmp_p
         random.Random(0).shuffle(entries)
         for got, want in zip(_pieces_of(entries), _pieces_one_by_one([_alone(e) for e in entries])):
             assert got.tolist() == want.tolist()
+        moved = dataclasses.replace(entries[0], offset=entries[0].offset + 64)  # a copy with arrays of its own
+        assert moved.rows is None and (_pieces_of([moved])[4] == entries[0].offset + 64).all()
         for entry in entries:
             alone = _alone(entry)
             assert entry.whole_in_one_piece == alone.whole_in_one_piece

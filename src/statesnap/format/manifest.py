@@ -74,9 +74,11 @@ class TensorEntry:
     checksum: np.ndarray
     checksum_bounds: np.ndarray
     # An entry read in a group of its kind (format/plain_entries.py): its row of their columns,
-    # from which its arrays above are made when first asked for (``__getattr__``).
-    rows: EntryRows | None = field(default=None, repr=False, compare=False)
-    row: int = field(default=0, repr=False, compare=False)
+    # from which its arrays above are made when first asked for (``__getattr__``), and which loads
+    # read in their place. Not arguments: a copy made with other arrays (``dataclasses.replace``)
+    # must not take the columns of the entry it was made from.
+    rows: EntryRows | None = field(default=None, init=False, repr=False, compare=False)
+    row: int = field(default=0, init=False, repr=False, compare=False)
 
     @classmethod
     def in_rows(cls, rows: EntryRows, names: list[str], heads: list[tuple], valid: list[bool]) -> dict:
