@@ -4,8 +4,10 @@ tables a hostile writer made: each must be refused by name, exactly as the same 
 as JSON objects are, or read as they are."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import pickle
 import random
 import warnings
 
@@ -407,8 +409,17 @@ def test_entries_read_in_rows_plan_as_entries_read_alone(split_checkpoint, tmp_p
         random.Random(0).shuffle(entries)
         for got, want in zip(_pieces_of(entries), _pieces_one_by_one([_alone(e) for e in entries])):
             assert got.tolist() == want.tolist()
-        moved = dataclasses.replace(entries[0], offset=entries[0].offset + 64)  # a copy with arrays of its own
+        # a copy, or an entry given an array, plans from its own arrays, not its group's columns
+        moved = dataclasses.replace(entries[0], offset=entries[0].offset + 64)
         assert moved.rows is None and (_pieces_of([moved])[4] == entries[0].offset + 64).all()
+        narrowed = copy.copy(entries[1])
+        narrowed.size = narrowed.size * 0
+        assert narrowed.group is None and not narrowed.whole_in_one_piece
+        fresh = next(iter(ss.open(path).manifest.tensors.values()))  # (none of its arrays made yet)
+        pieces = len(fresh.group.file[fresh.row])
+        fresh.offset = np.full(pieces, 7)
+        assert fresh.group is None and fresh.offset.tolist() == [7] * pieces and len(fresh.file) == pieces
+        assert len(pickle.dumps(fresh)) < 2000  # (its own arrays, not its group's)
         for entry in entries:
             alone = _alone(entry)
             assert entry.whole_in_one_piece == alone.whole_in_one_piece

@@ -90,7 +90,7 @@ def _pieces_of(entries: list[TensorEntry]) -> tuple[np.ndarray, ...]:
     block's checksum."""
     groups: dict[int, tuple] = {}
     for i, entry in enumerate(entries):
-        rows = entry.rows
+        rows = entry.group
         if rows is None:
             return _pieces_one_by_one(entries)
         group = groups.get(id(rows)) or groups.setdefault(id(rows), (rows, [], []))

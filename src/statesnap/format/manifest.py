@@ -73,12 +73,12 @@ class TensorEntry:
     # Block checksums of all pieces back to back; piece i owns checksum[bounds[i]:bounds[i + 1]].
     checksum: np.ndarray
     checksum_bounds: np.ndarray
-    # An entry read in a group of its kind (format/plain_entries.py): its row of their columns,
-    # from which its arrays above are made when first asked for (``__getattr__``), and which loads
-    # read in their place. Not arguments: a copy made with other arrays (``dataclasses.replace``)
-    # must not take the columns of the entry it was made from.
-    rows: EntryRows | None = field(default=None, init=False, repr=False, compare=False)
-    row: int = field(default=0, init=False, repr=False, compare=False)
+    # An entry read in a group of its kind (format/plain_entries.py) is made holding only the
+    # group's columns and its row in them (not fields: neither copied nor compared). Its arrays
+    # above are made when first asked for (``__getattr__``); until then loads read the columns
+    # in their place (``group``).
+    rows = None
+    row = 0
 
     @classmethod
     def in_rows(cls, rows: EntryRows, names: list[str], heads: list[tuple], valid: list[bool]) -> dict:
@@ -92,13 +92,26 @@ class TensorEntry:
                 out[name] = entry
         return out
 
+    @property
+    def group(self) -> EntryRows | None:
+        """The columns of the entries read with this one (its values at ``row``), while it has
+        none of its arrays of its own, made or set: then they hold its values."""
+        state = self.__dict__
+        rows = state.get("rows")
+        return rows if rows is not None and _ROW_ARRAYS.isdisjoint(state) else None
+
     def __getattr__(self, name: str):
         # (called only for what the instance lacks: an entry in rows, whose arrays are not made yet)
         rows = self.__dict__.get("rows")
         if rows is None or name not in _ROW_ARRAYS:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        self.__dict__.update(rows.arrays_of(self.row))
+        for key, value in rows.arrays_of(self.row).items():
+            self.__dict__.setdefault(key, value)  # (not over an array set before any was made)
         return self.__dict__[name]
+
+    def __getstate__(self) -> dict:
+        """A copy or a pickle of the entry holds its own arrays, not its group's columns."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
     @staticmethod
     def pack_checksums(per_piece: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -131,8 +144,9 @@ class TensorEntry:
         Not an entry of one piece that is a part: a split manifest's entry holds only the pieces
         a target reaches. (A box as large as the shape starts at 0: every entry's boxes lie inside
         its shape, as read or as saved.)"""
-        if self.rows is not None:
-            return self.rows.whole[self.row]
+        group = self.group
+        if group is not None:
+            return group.whole[self.row]
         return self.layout == BOX and len(self.file) == 1 and self.size[0].tolist() == list(self.shape)
 
     def checksums_json(self) -> list:

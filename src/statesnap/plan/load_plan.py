@@ -159,8 +159,9 @@ def piece_offsets(entry: TensorEntry, layout: str, start: Sequence[int], size: S
         return None
     if entry.whole_in_one_piece:
         return [0]
-    if entry.rows is not None:  # (worked out for all the entries read with it)
-        return entry.rows.in_whole[entry.row]
+    group = entry.group
+    if group is not None:  # (worked out for all the entries read with it)
+        return group.in_whole[entry.row]
     if entry.layout != BOX or entry.num_pieces > FEW_PIECES:
         return None
     rows, starts, sizes = list(shape[1:]), entry.start.tolist(), entry.size.tolist()
