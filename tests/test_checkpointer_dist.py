@@ -414,6 +414,9 @@ def test_ranks_out_of_step_after_a_save_raised_on_one_commit_nothing_torn(tmp_pa
     run_ranks(2, _out_of_step, str(root))
     committed = sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
     assert committed == ["step-1"]  # every later pairing mixed two steps: refused
+    # rank 0's last step found no rank to pair with: its staging directory, opened before it
+    # heard of none, is removed too
+    assert [p.name for p in root.iterdir() if ".tmp-" in p.name] == []
     for name in committed:
         whole = ss.open(root / name).read("w")
         step = int(name.split("-")[1])

@@ -28,12 +28,13 @@ def test_disk_full_mid_flush_surfaces_at_the_next_call(tmp_path):
     with pytest.raises(ss.CheckpointError, match="step 3"):
         handle.durable.result()
     with pytest.raises(ss.CheckpointError, match="No space left"):
-        ckpt.save(4, state)
+        ckpt.save(4, state)  # (step 4 is taken before step 3's failure is raised)
     ckpt.close()
     names = os.listdir(tmp_path)
-    assert sorted(n for n in names if n.startswith("step-")) == ["step-1", "step-2"]
+    assert sorted(n for n in names if n.startswith("step-")) == ["step-1", "step-2", "step-4"]
     assert [n for n in names if n.startswith(".")] == [".statesnap-lock"]  # the failed staging directory is gone
-    for step in (1, 2):
+    refs[4] = refs[3]  # (no training step between the saves of steps 3 and 4)
+    for step in (1, 2, 4):
         assert_checkpoint_equals(tmp_path / f"step-{step}", refs[step])
 
 
@@ -293,3 +294,55 @@ def test_a_step_committed_below_later_ones_warns_that_load_latest_prefers_them(t
     assert len(messages) == 1, messages  # steps 4 and 5 again, then past them: nothing more to say
     assert re.search(r"step 3 was committed .* later steps 4, 5: .* go on from step 5.*Checkpointer.remove",
                      messages[0])
+
+
+@pytest.mark.parametrize("step", ["3", 2.9, -1, None, [3]])
+def test_remove_takes_a_step_as_save_does(tmp_path, step):
+    """``remove("3")`` deleted step 3 from disk but, matching no step in memory, left its host
+    copy there for load_latest to bring back; ``remove(2.9)`` did nothing without a word."""
+    with ss.Checkpointer(tmp_path, keep_last=5) as ckpt:
+        for n in (1, 2, 3):
+            ckpt.save(n, {"t": torch.full((2,), float(n))}).wait()
+        with pytest.raises(ss.CheckpointError, match="step must be a non-negative integer"):
+            ckpt.remove(step)
+        target = {"t": torch.zeros(2)}
+        assert ckpt.load_latest(target) == 3 and target["t"].tolist() == [3.0, 3.0]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step")) == ["step-1", "step-2", "step-3"]
+
+
+@pytest.mark.parametrize("path", [None, 5, 2.5, ["ckpt"]])
+def test_a_path_that_is_no_path_is_refused(tmp_path, monkeypatch, path):
+    """An unset environment variable (None) or a number as the root used to become a directory
+    of that name in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    state = {"t": torch.ones(2)}
+    for attempt in (lambda: ss.Checkpointer(path), lambda: ss.save(state, path), lambda: ss.load(state, path)):
+        with pytest.raises(ss.CheckpointError, match="a checkpoint path is a str, an os.PathLike or bytes"):
+            attempt()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_save_that_reports_an_earlier_failure_takes_its_own_step(tmp_path, monkeypatch):
+    """The failure of step 2 reaches the loop at save(3): step 3 is taken before it is raised (a
+    loop that logged the error and went on lost step 3 without a word), and the error says so."""
+    from statesnap.checkpointer.pipeline import Flusher
+
+    real = Flusher._write
+
+    def fail_step_2(self, snap, staging, token):
+        if snap.step == 2:
+            raise OSError(27, "File too large")
+        return real(self, snap, staging, token)
+
+    monkeypatch.setattr(Flusher, "_write", fail_step_2)
+    state = {"t": torch.ones(2)}
+    ckpt = ss.Checkpointer(tmp_path, keep_last=5)
+    ckpt.save(1, state).wait()
+    assert isinstance(ckpt.save(2, state).durable.exception(timeout=30), Exception)
+    state["t"].fill_(3)
+    with pytest.raises(ss.CheckpointError, match="step 2") as raised:
+        ckpt.save(3, state)
+    assert "(step 3 was taken, and is being saved)" in raised.value.__notes__
+    ckpt.close()
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step")) == ["step-1", "step-3"]
+    assert ss.open(tmp_path / "step-3").read("t").tolist() == [3.0, 3.0]

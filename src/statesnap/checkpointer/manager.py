@@ -84,6 +84,14 @@ class SaveHandle:
                 "or close() the Checkpointer, which waits for it") from None
 
 
+def _step_number(step) -> int:
+    """``step`` as the integer of its ``step-N``; a CheckpointError for anything else ("-1" or 8.9
+    would be saved where no restart looks, and removed from no level)."""
+    if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"step must be a non-negative integer, not {step!r}")
+    return int(step)  # a numpy integer would reach the events file and the manifest's meta as itself
+
+
 class Checkpointer:
     """``Checkpointer(root, keep_last=3, host_memory_gb=..., persist_every=1, ...)``; the settings
     are the fields of :class:`CheckpointerConfig`. Use one per training run; ``close`` it (or use
@@ -200,12 +208,21 @@ class Checkpointer:
             return self._save(step, state)
 
     def _save(self, step: int, state: dict) -> SaveHandle:
-        if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
-            # (step-N is its name: "-1" or 8.9 would be saved where no restart looks)
-            raise CheckpointError(f"step must be a non-negative integer, not {step!r}")
-        step = int(step)  # a numpy integer would reach the events file and the manifest's meta as itself
+        step = _step_number(step)
         self._check_open()
-        self._raise_pending()
+        # An earlier step's failure is reported once this step is taken: raised before it, it left
+        # a loop that logs the error and goes on without this step, and without a word about it.
+        failure, taken = self._take_failures(), False
+        try:
+            handle = self._take(step, state)
+            taken = True
+            return handle
+        finally:
+            if failure is not None:
+                failure.add_note(f"(step {step} was {'taken, and is being saved' if taken else 'not taken'})")
+                self._report(failure)
+
+    def _take(self, step: int, state: dict) -> SaveHandle:
         started = now()
         self._wait_for_slot(step)
         optimizers, wrappers = find_writers(state)
@@ -254,6 +271,7 @@ class Checkpointer:
         run rolled back past weights gone bad): ``load_latest`` must not bring it back from
         memory or a node's disk. For trainers that choose what to keep themselves (Lightning's
         top-k by a metric): give such a Checkpointer a ``keep_last`` no run reaches."""
+        step = _step_number(step)  # ("3" or 2.9 would match no copy in memory, and remove none there)
         self._check_open()
         self._refuse_in_on_commit(f"remove({step})", step)
         with self._lock:
@@ -712,6 +730,12 @@ class Checkpointer:
             self._failed.append((snap, error))
 
     def _raise_pending(self) -> None:
+        failure = self._take_failures()
+        if failure is not None:
+            self._report(failure)
+
+    def _take_failures(self) -> CheckpointError | None:
+        """The background failures not reported yet, as one error, which they then count as."""
         with self._lock:
             failing = [(s, s.error) for s in self._inflight if s.error is not None]  # known before it ends
             failed = [(s, e) for s, e in [*self._failed, *failing] if s is None or not s.reported]
@@ -720,14 +744,17 @@ class Checkpointer:
                 if snap is not None:
                     snap.reported = True
         if not failed:
-            return
+            return None
         error = failed[0][1]
         if len(failed) > 1:
             error = CheckpointError(f"{len(failed)} checkpoints failed in the background; the first: {error}")
             error.__cause__ = failed[0][1]
+        return error
+
+    def _report(self, failure: CheckpointError) -> None:
         if self.config.on_error == "raise":
-            raise error
-        warnings.warn(str(error), RuntimeWarning, stacklevel=3)
+            raise failure
+        warnings.warn(str(failure), RuntimeWarning, stacklevel=4)
 
     def _refuse_in_on_commit(self, what: str, step: int | None = None) -> None:
         """``on_commit`` runs on the thread committing a step: a call that waits for that commit

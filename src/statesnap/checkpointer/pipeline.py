@@ -375,10 +375,12 @@ class Flusher(_Stage):
             raise CheckpointError(f"checkpoint of step {snap.step} skipped: an earlier commit could not reach "
                                   f"the other ranks ({self.broken}); restart the job from the last checkpoint")
         comm, backend = self.target.comm, self.target.backend
+        opened = open_staging(backend, snap.path, True) if comm.rank == 0 else None
         try:
-            staging, token, problem, first_step = comm.broadcast(
-                (*open_staging(self.target.backend, snap.path, True), snap.step) if comm.rank == 0 else None)
+            staging, token, problem, first_step = comm.broadcast(None if opened is None else (*opened, snap.step))
         except BaseException as exc:
+            if opened is not None and opened[0] is not None:  # no other rank heard of it: none wrote into it
+                backend.abort(opened[0], snap.path)
             self.broken = exc
             self._drain(snap)
             raise

@@ -40,9 +40,15 @@ def place_of(path) -> str:
 
 def path_text(path) -> str:
     """A path given as text, a ``PathLike`` or bytes, as text (``str`` of bytes made a name of
-    their repr, ``b'...'``)."""
+    their repr, ``b'...'``). Anything else is refused: ``str`` of it made ``None`` (an unset
+    environment variable) or ``5`` a directory in the working directory, without a word."""
     path = os.fspath(path) if isinstance(path, os.PathLike) else path
-    return os.fsdecode(path) if isinstance(path, bytes) else str(path)
+    if isinstance(path, bytes):
+        return os.fsdecode(path)
+    if not isinstance(path, str):
+        raise CheckpointError(f"a checkpoint path is a str, an os.PathLike or bytes, not {type(path).__name__} "
+                              f"({path!r})")
+    return path
 
 
 def normalize(path) -> str:
