@@ -346,3 +346,26 @@ def test_a_save_that_reports_an_earlier_failure_takes_its_own_step(tmp_path, mon
     ckpt.close()
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step")) == ["step-1", "step-3"]
     assert ss.open(tmp_path / "step-3").read("t").tolist() == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("setting", [{"durable": "false"}, {"allow_pickle": "no"}, {"take_over": "yes"},
+                                     {"events": None}, {"storage_options": "x"}, {"node_id": -1}])
+def test_switches_and_options_of_another_kind_are_refused(tmp_path, setting):
+    """``durable="false"`` is true to Python: it synced, ``allow_pickle="no"`` unpickled."""
+    name = next(iter(setting))
+    with pytest.raises(ss.CheckpointError, match=f"{name} must"):
+        ss.Checkpointer(tmp_path / "r", **setting)
+
+
+def test_the_one_shot_api_refuses_switches_of_another_kind(tmp_path):
+    state = {"t": torch.ones(2)}
+    with pytest.raises(ss.CheckpointError, match="ss.save: allow_pickle must be True or False, not 'no'"):
+        ss.save(state, tmp_path / "c", allow_pickle="no")
+    ss.save(state, tmp_path / "c", durable=0)  # (0 and 1 are what they look like)
+    for options in ({"cast": "no"}, {"strict": "false"}, {"partial": None}, {"allow_pickle": "no"}):
+        with pytest.raises(ss.CheckpointError, match=f"ss.load: {next(iter(options))} must be True or False"):
+            ss.load(state, tmp_path / "c", **options)
+    with pytest.raises(ss.CheckpointError, match="ss.open: verify must be True or False"):
+        ss.open(tmp_path / "c", verify="no")
+    with pytest.raises(ss.CheckpointError, match="storage_options must be a dict"):
+        ss.load(state, tmp_path / "c", storage_options="anon=True")

@@ -36,6 +36,15 @@ def described(error: BaseException | None) -> str | None:
     return f"{type(error).__name__}: {explained(error)}"
 
 
+def refuse_non_switches(where: str, **switches) -> None:
+    """Refuse a setting that is on or off given as anything but True or False (or 1, 0): "no"
+    and "false" are true to Python, so ``allow_pickle="no"`` unpickled and ``durable="false"``
+    synced, without a word."""
+    for name, value in switches.items():
+        if not (isinstance(value, int) and value in (0, 1)):
+            raise CheckpointError(f"{where}: {name} must be True or False, not {value!r}")
+
+
 def printable(text: str) -> str:
     """``text`` for a terminal, each non-printable character as its Python escape (``\\n``,
     ``\\x1b``): names come from manifests, which anyone may write, and a newline or an escape

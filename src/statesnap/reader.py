@@ -15,6 +15,7 @@ from .engine.read import ReadExecutor
 from .engine.write import default_threads
 from .errors import (
     CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, NotInCheckpointError, RegionOutOfRangeError,
+    refuse_non_switches,
 )
 from .format.checksum import checksum_blocks
 from .format.manifest import BOX, MANIFEST_NAME, Manifest, SplitTensors, TensorEntry
@@ -48,6 +49,7 @@ class Reader:
 
     def __init__(self, path, *, storage_options: dict | None = None, allow_pickle: bool = False,
                  verify: bool = True):
+        refuse_non_switches("ss.open", allow_pickle=allow_pickle, verify=verify)
         self.path = normalize(path)
         self.backend = backend_for(self.path, storage_options)
         self.manifest: Manifest = read_manifest(self.backend, self.path)

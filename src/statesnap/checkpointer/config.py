@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..engine.replicas import REPLICA_CHECK_MB
-from ..errors import CheckpointError
+from ..errors import CheckpointError, refuse_non_switches
 from ..format.checksum import DEFAULT_BLOCK_BYTES
 from ..monitor.events import CommitRecord
 from ..storage import path_text, place_of
@@ -113,6 +113,8 @@ class CheckpointerConfig:
         if self.host_memory_gb is None:
             self.host_memory_gb = default_host_memory_gb()
         self._check_types()
+        refuse_non_switches("invalid Checkpointer setting", durable=self.durable, allow_pickle=self.allow_pickle,
+                            events=self.events, take_over=self.take_over)
         shared_root = self._shared_root()
         checks = [
             (self.keep_last >= 1, f"keep_last must be at least 1 (got {self.keep_last}): the newest "
@@ -138,6 +140,7 @@ class CheckpointerConfig:
             (self.on_commit is None or callable(self.on_commit),
              f"on_commit must be a callable taking a CommitRecord (got {type(self.on_commit).__name__})"),
             (self.peer_replicas in (0, 1), f"peer_replicas must be 0 or 1 (got {self.peer_replicas})"),
+            (self.node_id >= 0, f"node_id must not be negative (got {self.node_id})"),
             (self.peer_replicas == 0 or self.local_root is not None,
              "peer_replicas needs local_root: the partner writes the replica into its node-local level"),
             (shared_root is None,

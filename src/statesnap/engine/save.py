@@ -18,7 +18,7 @@ from typing import Any, Callable, ContextManager
 
 import numpy as np
 
-from ..errors import CheckpointError, CheckpointExistsError, described, explained
+from ..errors import CheckpointError, CheckpointExistsError, described, explained, refuse_non_switches
 from ..format.checksum import DEFAULT_BLOCK_BYTES, checksum_whole
 from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry, meta_problem
@@ -230,6 +230,7 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
     Replicated pieces of at most ``replica_check_mb`` MiB, and shared plain values, are compared
     across the ranks holding them (0: nothing is compared); if they differ nothing is committed
     (see ``engine/replicas.py``)."""
+    refuse_non_switches("ss.save", overwrite=overwrite, durable=durable, allow_pickle=allow_pickle)
     started = time.perf_counter()
     comm = Comm(process_group, f"saving {path_text(path)}", timeout_s)
     error = None

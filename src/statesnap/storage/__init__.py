@@ -8,6 +8,7 @@ load from), or fsspec URLs (``s3://``, ``gs://``, ``memory://``, ...).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from ..errors import CheckpointError
 from .base import FileReader, FileWriter, StorageBackend
@@ -24,6 +25,9 @@ def is_url(path: str) -> bool:
 
 
 def backend_for(path, storage_options: dict | None = None) -> StorageBackend:
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise CheckpointError(f"storage_options must be a dict of the file system's options (fsspec's), not "
+                              f"{type(storage_options).__name__}")
     path = str(path)
     if is_url(path):
         from .fsspec_backend import FsspecBackend
