@@ -170,8 +170,8 @@ def _meta(fqn, start, size, nbytes=16):
 
 def test_replicas_to_check_finds_the_writer_of_each_replica():
     """HSDP-like: two row blocks of ``w``, each held by two ranks; ``b`` on all four; ``big``
-    over the limit. Every rank hashes the pieces it holds but does not write, naming the writer,
-    from what the tensor owners told it (plan/owners.py, run here for the four ranks at once)."""
+    over the limit, sampled. Every rank hashes the pieces it holds but does not write, naming the
+    writer, from what the tensor owners told it (plan/owners.py, run here for the four ranks at once)."""
     metas = [[_meta("w", (2 * (r // 2), 0), (2, 4)), _meta("b", (0, 0), (4, 4)),
               _meta("big", (0, 0), (4, 4), nbytes=1 << 30)] for r in range(4)]
     inboxes = {}
@@ -183,10 +183,10 @@ def test_replicas_to_check_finds_the_writer_of_each_replica():
     writes = [{index for index, _ in writes} for writes, _, _ in placed]
     for rank, (_, _, elsewhere) in enumerate(placed):
         found = replicas_to_check(elsewhere, metas[rank], [False] * 3, 1 << 20)
-        assert {index for index, *_ in found} == {0, 1} - writes[rank]
-        for index, fqn, writer, item in found:
+        assert {index for index, *_ in found} == {0, 1, 2} - writes[rank]
+        for index, fqn, writer, item, sampled in found:
             assert writer != rank and item in writes[writer] and fqn == metas[rank][index].fqn
-            assert metas[writer][item] == metas[rank][index]
+            assert metas[writer][item] == metas[rank][index] and sampled == (fqn == "big")
         assert replicas_to_check(elsewhere, metas[rank], [True] * 3, 1 << 20) == []
         assert replicas_to_check(elsewhere, metas[rank], [False] * 3, 0) == []
     assert sum(len(w) for w in writes) == 2 + 1 + 1  # each distinct piece written once
@@ -195,16 +195,18 @@ def test_replicas_to_check_finds_the_writer_of_each_replica():
 def test_mismatch_names_each_tensor_with_the_ranks_that_agree():
     """The owner of ``rng`` and ``ok`` got rank 0's checksums of them and the other ranks' hashes."""
     written = {0: [1], 1: [3]}  # rank 0's item index -> block checksums
-    same = ("ok", 0, 1, [3])
-    hashes = [(1, ("rng", 0, 0, [2])), (1, same), (2, ("rng", 0, 0, [1])), (2, same), (3, ("rng", 0, 0, [2])),
-              (3, same)]
-    pieces = differing_pieces(lambda writer, item: written[item], hashes)
+    same = ("ok", 0, 1, [3], False)
+    hashes = [(1, ("rng", 0, 0, [2], False)), (1, same), (2, ("rng", 0, 0, [1], False)), (2, same),
+              (3, ("rng", 0, 0, [2], False)), (3, same)]
+    pieces = differing_pieces(lambda writer, item, sampled: written[item], hashes)
     assert pieces == {"rng": ["ranks 0, 2 vs ranks 1, 3"]}
     outputs = [RankOutput(None, 0, {}, {}, set()) for _ in range(4)]
     message = mismatches(outputs, pieces)
     assert message.startswith("1 replicated value(s)") and "rng (ranks 0, 2 vs ranks 1, 3)" in message
     assert "ok (" not in message
-    assert differing_pieces(lambda writer, item: written[item], [(1, same)]) == {}
+    assert differing_pieces(lambda writer, item, sampled: written[item], [(1, same)]) == {}
+    # a sample the writer took none of (another limit on its side) is compared with nothing
+    assert differing_pieces(lambda writer, item, sampled: None, [(1, ("big", 0, 0, [5], True))]) == {}
     assert mismatches(outputs, {}) is None
 
 
@@ -231,3 +233,39 @@ def test_a_missing_report_fails_the_commit_unless_a_writer_failed():
     assert report_errors([fine, missing]) == [None, "a tensor owner got no report of an item (3)"]
     failed = OwnerReport(None, "OSError: disk full", None, {})
     assert report_errors([failed, missing, fine]) == ["OSError: disk full", None, None]
+
+
+def _large(rank, world, tmp):
+    torch.set_num_threads(1)
+    same = torch.arange(600_000, dtype=torch.float32)  # 2.3 MiB, over the 1 MiB compared whole
+    torch.manual_seed(100 + rank)
+    own = torch.randn(600_000)  # each rank's own values, as a per-rank buffer holds
+    second_block = same.clone()
+    if rank == 1:
+        second_block[(1 << 20) // 4] += 1  # the first element of the second 1 MiB block
+    out = {}
+    for name, state in (("same", {"w": same}), ("own", {"w": same, "buf": own}),
+                        ("declared", {"w": same, "buf": ss.Replicated(own)}), ("second", {"w": second_block})):
+        out[name] = _error(lambda: ss.save(state, os.path.join(tmp, name), block_bytes=1 << 20))
+    ckpt = ss.Checkpointer(os.path.join(tmp, "root"), host_memory_gb=0.1, block_bytes=1 << 20)
+    out["ckpt_same"] = _error(ckpt.save(1, {"w": same, "buf": ss.Replicated(own)}).wait)
+    out["ckpt_own"] = _error(ckpt.save(2, {"w": same, "buf": own}).wait)
+    ckpt.close()
+    out["steps"] = sorted(n for n in os.listdir(os.path.join(tmp, "root")) if n.startswith("step-"))
+    return out
+
+
+def test_large_replicas_are_compared_by_a_sample_of_each_block(tmp_path):
+    """A per-rank tensor over ``replica_check_mb`` that is not wrapped in ``ss.PerRank`` was
+    stored from one rank and the other ranks' values lost without a word: it is now compared by
+    the first 4 KiB of each checksum block, in a blocking save and at a Checkpointer's commit."""
+    r0, r1 = run_ranks(2, _large, str(tmp_path))
+    for key in ("same", "declared", "ckpt_same"):
+        assert r0[key] is None and r1[key] is None, key
+    for key in ("own", "second", "ckpt_own"):
+        assert r0[key] is not None and r0[key] == r1[key], key
+    assert "buf (rank 0 vs rank 1)" in r0["own"] and "w (" not in r0["own"] and "ss.PerRank" in r0["own"]
+    assert "w (rank 0 vs rank 1)" in r0["second"]
+    assert "buf (rank 0 vs rank 1)" in r0["ckpt_own"] and r0["steps"] == ["step-1"]
+    assert not (tmp_path / "own").exists() and not (tmp_path / "second").exists()
+    assert torch.equal(ss.open(str(tmp_path / "same")).read("w"), torch.arange(600_000, dtype=torch.float32))

@@ -66,7 +66,8 @@ class CheckpointerConfig:
     inject slow or failing storage). ``take_over``: claim the roots even if another job holds
     them (see docs/checkpointer.md, "One job per root"); ``lease_s``: how long a claim on an
     object store lasts without renewal. ``replica_check_mb``: replicated pieces up to this size are
-    compared across their holders before a commit (0: none; see docs/resharding.md).
+    compared whole across their holders before a commit, larger ones by a sample of each block
+    (0: none; see docs/resharding.md).
     ``local_root``/``local_every``/``local_keep_last``: the node-local level (an NVMe path or
     ``shm://NAME``, per node) that receives every ``local_every``-th step; ``node_id`` says which
     node this rank is on (default: torchrun's ``GROUP_RANK``). ``peer_replicas=1`` also sends each

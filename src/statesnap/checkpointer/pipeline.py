@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.dist import Comm
-from ..engine.replicas import REPLICA_CHECK_MB, hash_tensors, limit_bytes, replicas_to_check
+from ..engine.replicas import REPLICA_CHECK_MB, hash_tensors, limit_bytes, replicas_to_check, sampled_items
 from ..engine.save import RankOutput, commit_by_owners, committed_bytes, data_file_name, open_staging, own_objects
 from ..errors import CheckpointError, described
-from ..format.checksum import checksum_blocks, checksum_whole
+from ..format.checksum import block_heads, checksum_blocks, checksum_whole
 from ..format.manifest import BOX, ObjectEntry
 from ..monitor.events import EventLog, now
 from ..plan.save_plan import SavePlan, align_up
@@ -450,12 +450,15 @@ class Flusher(_Stage):
         name = data_file_name(token, rank)
         writer = backend.open_write(backend.join(staging, name), self.target.durable)
         sums: dict[tuple[int, int], list[int]] = {}
+        heads: dict[tuple[int, int], list[int]] = {}  # of the items a holder of a copy samples
+        sampled = sampled_items(snap.metas, [item.replicated for item in snap.flat.tensors],
+                                self.target.replica_check_bytes)
         pending = []
         try:
             for batch, copied in iter(snap.batches.get, None):
                 copied.result()
                 if snap.error is None and any(seg.file is not None for seg in batch.segments):
-                    pending.append(self._pool.submit(self._write_batch, snap, batch, writer, sums))
+                    pending.append(self._pool.submit(self._write_batch, snap, batch, writer, sums, heads, sampled))
                 elif batch.region is not None:
                     self._arena_of().release(batch.region)
             snap.batches.put(None)
@@ -470,10 +473,9 @@ class Flusher(_Stage):
             raise
         with self._events.timed("fsync", snap.step):
             writer.close(self.target.durable)
-        checksums = {}
-        for (item, _offset), block_sums in sorted(sums.items()):
-            checksums.setdefault(item, []).extend(block_sums)
-        return RankOutput(name, end, checksums, entries, snap.per_rank)
+        output = RankOutput(name, end, _by_item(sums), entries, snap.per_rank)
+        output.heads = _by_item(heads)
+        return output
 
     def _write_blobs(self, writer, blobs: list, entries: dict, end: int) -> int:
         """Pickled values (``allow_pickle``) go after the tensor data, as in a blocking save."""
@@ -484,7 +486,7 @@ class Flusher(_Stage):
             end = start + len(blob)
         return end
 
-    def _write_batch(self, snap: Snapshot, batch: Batch, writer, sums: dict) -> None:
+    def _write_batch(self, snap: Snapshot, batch: Batch, writer, sums: dict, heads: dict, sampled: set[int]) -> None:
         arena = self._arena_of()
         base = (snap.region or batch.region).start
         try:
@@ -495,9 +497,19 @@ class Flusher(_Stage):
                 block = self.target.block_bytes_of()
                 for seg, view in zip(segments, views):
                     sums[(seg.item, seg.offset)] = checksum_blocks([view], block)
+                    if seg.item in sampled:
+                        heads[(seg.item, seg.offset)] = block_heads(view, block)
             with self._events.timed("write", snap.step, nbytes):
                 for seg, view in zip(segments, views):
                     writer.pwrite_bulk(seg.file, view)
         finally:
             if batch.region is not None:
                 arena.release(batch.region)
+
+
+def _by_item(parts: dict[tuple[int, int], list[int]]) -> dict[int, list[int]]:
+    """Per item, the values of its segments ((item, offset) -> values) in the order of their offsets."""
+    out: dict[int, list[int]] = {}
+    for (item, _offset), values in sorted(parts.items()):
+        out.setdefault(item, []).extend(values)
+    return out

@@ -18,25 +18,33 @@ Shared plain values (numbers, strings, lists, small tensors inside them) are sto
 (the lowest holding each), so they are compared too: every holder sends a hash of its JSON form. Pickled values
 are not compared (equal values may pickle to different bytes, e.g. sets in another hash order).
 
-Only pieces up to a size limit are compared: per-rank state is small, and hashing every large
-replica (a whole DDP model on every rank) would cost a pass over memory per checkpoint. Pieces
-the state declares replicated (``ss.Replicated``, DTensor ``Replicate``, the buffers of a DDP
-module that broadcasts them) are not compared: their holders may differ on purpose.
+Pieces up to a size limit are compared whole. Hashing every large replica whole (a whole DDP
+model on every rank) would cost a pass over memory per checkpoint, so a larger one is compared
+by a sample: the first 4 KiB of each checksum block (``block_heads``), which its writer hashes
+beside the block's checksum and each holder of its copy. Per-rank values differ all through and
+are caught so; replicas that drifted apart in a few elements may not be. (Before the sample, a
+per-rank tensor of more than the limit, not wrapped in ``ss.PerRank``, was stored from one rank
+and the others' values lost without a word.) Pieces the state declares replicated
+(``ss.Replicated``, DTensor ``Replicate``, the buffers of a DDP module that broadcasts them) are
+not compared: their holders may differ on purpose.
 """
 from __future__ import annotations
 
 import json
 from typing import Callable, Iterable, Mapping, Sequence
 
-from ..format.checksum import checksum_blocks, checksum_whole
+import torch
+
+from ..format.checksum import HEAD_BYTES, block_heads, checksum_blocks, checksum_whole
 from ..format.manifest import ObjectEntry
 from ..state.items import Flattened, ItemMeta
 from .buffers import byte_view, host_contiguous
 
-REPLICA_CHECK_MB = 1.0  # default size limit of a compared piece, in MiB
+REPLICA_CHECK_MB = 1.0  # default size limit of a piece compared whole, in MiB
 
-# (fqn, writer rank, writer's item index, block checksums of this rank's copy)
-ReplicaHash = tuple[str, int, int, list[int]]
+# (fqn, writer rank, writer's item index, block checksums of this rank's copy, or its
+# ``block_heads`` where ``sampled``, sampled)
+ReplicaHash = tuple[str, int, int, list[int], bool]
 
 
 def limit_bytes(check_mb: float) -> int:
@@ -44,21 +52,45 @@ def limit_bytes(check_mb: float) -> int:
 
 
 def replicas_to_check(elsewhere: Mapping[int, tuple[int, int]], metas: Sequence[ItemMeta],
-                      declared: Sequence[bool], limit: int) -> list[tuple[int, str, int, int]]:
-    """(item index, fqn, writer rank, writer's item index) for each piece this rank holds but
-    another rank writes (``elsewhere``: item index -> (writer, writer's item index), from the
-    save plan), of at most ``limit`` bytes and not declared replicated (``limit <= 0``: none)."""
+                      declared: Sequence[bool], limit: int) -> list[tuple[int, str, int, int, bool]]:
+    """(item index, fqn, writer rank, writer's item index, sampled) for each piece this rank
+    holds but another rank writes (``elsewhere``: item index -> (writer, writer's item index),
+    from the save plan) and that is not declared replicated; sampled: larger than ``limit``
+    bytes (``limit <= 0``: none is compared)."""
     if limit <= 0:
         return []
-    return [(index, metas[index].fqn, *writer) for index, writer in sorted(elsewhere.items())
-            if not declared[index] and metas[index].nbytes <= limit]
+    return [(index, metas[index].fqn, *writer, metas[index].nbytes > limit)
+            for index, writer in sorted(elsewhere.items()) if not declared[index]]
 
 
-def hash_tensors(targets: list[tuple[int, str, int, int]], tensors, block_bytes: int) -> list[ReplicaHash]:
+def sampled_items(metas: Sequence[ItemMeta], declared: Sequence[bool], limit: int) -> set[int]:
+    """The items whose writer hashes ``block_heads`` too: those a holder of a copy samples."""
+    if limit <= 0:
+        return set()
+    return {index for index, meta in enumerate(metas) if meta.nbytes > limit and not declared[index]}
+
+
+def hash_tensors(targets: list[tuple[int, str, int, int, bool]], tensors, block_bytes: int) -> list[ReplicaHash]:
     """This rank's hashes of ``targets`` (from :func:`replicas_to_check`); ``tensors[index]`` is
     the item's value (a blocking save) or its staged bytes (the Checkpointer)."""
-    return [(fqn, writer, item, checksum_blocks([byte_view(host_contiguous(tensors[index]))], block_bytes))
-            for index, fqn, writer, item in targets]
+    return [(fqn, writer, item, heads_of(tensors[index], block_bytes) if sampled else
+             checksum_blocks([byte_view(host_contiguous(tensors[index]))], block_bytes), sampled)
+            for index, fqn, writer, item, sampled in targets]
+
+
+def heads_of(tensor: torch.Tensor, block_bytes: int) -> list[int]:
+    """``block_heads`` of a tensor's bytes; of one on a device, its samples alone are copied."""
+    if tensor.is_cpu:
+        return block_heads(byte_view(host_contiguous(tensor)), block_bytes)
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    starts = range(0, max(flat.numel(), 1), block_bytes)
+    host = torch.cat([flat[pos:pos + HEAD_BYTES] for pos in starts]).cpu()
+    ends = [min(pos + HEAD_BYTES, flat.numel()) - pos for pos in starts]
+    view, out, at = byte_view(host), [], 0
+    for length in ends:
+        out.append(checksum_whole(view[at:at + length]))
+        at += length
+    return out
 
 
 def object_digests(flat: Flattened, entries: dict[str, ObjectEntry]) -> dict[str, int]:
@@ -85,18 +117,22 @@ def mismatches(outputs: Sequence, pieces: dict[str, list[str]]) -> str | None:
             "Parameters that should be replicas (DDP) but differ point to a bug in the training loop.")
 
 
-def differing_pieces(checksums_of: Callable[[int, int], list[int]],
+def differing_pieces(checksums_of: Callable[[int, int, bool], list[int] | None],
                      hashes: Iterable[tuple[int, ReplicaHash]]) -> dict[str, list[str]]:
     """fqn -> for each differing piece, which ranks agree with which (``rank 0 vs rank 1``).
     ``hashes``: (holder rank, its hash of a piece another rank writes); ``checksums_of(writer,
-    item)``: the writer's checksums of that piece. Run by each tensor's owner, which receives
-    both for its tensors only, so no rank sees every rank's checksums."""
+    item, sampled)``: the writer's checksums of that piece, or its ``block_heads`` (None where it
+    took none). Run by each tensor's owner, which receives both for its tensors only, so no rank
+    sees every rank's checksums."""
     groups: dict[tuple[int, int], dict[tuple, list[int]]] = {}
     names: dict[tuple[int, int], str] = {}
-    for rank, (fqn, writer, item, sums) in hashes:
+    for rank, (fqn, writer, item, sums, sampled) in hashes:
         key = (writer, item)
         if key not in groups:
-            groups[key], names[key] = {tuple(checksums_of(writer, item)): [writer]}, fqn
+            written = checksums_of(writer, item, sampled)
+            if written is None:
+                continue
+            groups[key], names[key] = {tuple(written): [writer]}, fqn
         groups[key].setdefault(tuple(sums), []).append(rank)
     by_tensor: dict[str, list[str]] = {}  # a sharded tensor may have several differing pieces
     for key, found in groups.items():

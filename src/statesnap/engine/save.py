@@ -37,8 +37,8 @@ from .dist import DEFAULT_TIMEOUT_S, Comm, PeerLostError
 from .load import read_manifest
 from .exchange import all_to_all
 from .objects import encode_value
-from .replicas import (REPLICA_CHECK_MB, differing_pieces, hash_tensors, limit_bytes, mismatches, object_digests,
-                       replicas_to_check)
+from .replicas import (REPLICA_CHECK_MB, differing_pieces, hash_tensors, heads_of, limit_bytes, mismatches,
+                       object_digests, replicas_to_check, sampled_items)
 from .write import write_file
 
 log = logging.getLogger("statesnap")
@@ -82,6 +82,7 @@ class RankOutput:
     objects: dict[str, ObjectEntry]  # this rank's object entries (shared ones only from rank 0)
     per_rank: set[str]  # which of ``objects`` are per-rank values
     replicas: list = field(default_factory=list)  # hashes of replicas other ranks write (engine.replicas)
+    heads: dict[int, list[int]] = field(default_factory=dict)  # item index -> block_heads, of large written items
     object_digests: dict = field(default_factory=dict)  # fqn -> hash of each compared shared value
     # a split manifest's section this rank wrote for the tensors it owns: (file name, size, index rows)
     section: tuple[str, int, dict[str, TensorRow]] | None = None
@@ -228,8 +229,8 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
     Every collective waits at most ``timeout_s`` for the other ranks; a rank that vanishes or
     hangs makes the save raise a ``CheckpointError`` on the others, and nothing is committed.
     Replicated pieces of at most ``replica_check_mb`` MiB, and shared plain values, are compared
-    across the ranks holding them (0: nothing is compared); if they differ nothing is committed
-    (see ``engine/replicas.py``)."""
+    across the ranks holding them, larger pieces by a sample of each checksum block (0: nothing
+    is compared); if they differ nothing is committed (see ``engine/replicas.py``)."""
     refuse_non_switches("ss.save", overwrite=overwrite, durable=durable, allow_pickle=allow_pickle)
     started = time.perf_counter()
     comm = Comm(process_group, f"saving {path_text(path)}", timeout_s)
@@ -276,9 +277,11 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
         with bar(total, f"save -> {os.path.basename(path.rstrip('/'))}", progress) as advance:
             output = write_rank(backend, staging, token, comm.rank, plan, tensors, entries, blobs,
                                 per_rank_names(flat), durable, threads, block_bytes, advance)
-        targets = replicas_to_check(elsewhere, metas, [item.replicated for item in flat.tensors],
-                                    limit_bytes(replica_check_mb) if replica_check_mb > 0 else -1)
-        output.replicas = hash_tensors(targets, [item.local for item in flat.tensors], block_bytes)
+        declared, limit = [item.replicated for item in flat.tensors], limit_bytes(replica_check_mb)
+        output.replicas = hash_tensors(replicas_to_check(elsewhere, metas, declared, limit),
+                                       [item.local for item in flat.tensors], block_bytes)
+        output.heads = {index: heads_of(tensors[index], block_bytes)
+                        for index in sampled_items(metas, declared, limit) if index in tensors}
         output.object_digests = digests
     except Exception as exc:
         error = exc
@@ -402,7 +405,8 @@ def gather_reports(comm: Comm, metas: list, plan: SavePlan, owned: OwnedTensors 
     outgoing = [({}, []) for _ in range(comm.world_size)]
     if output is not None:
         for index, offset in plan.writes[comm.rank]:
-            outgoing[owner_of(metas[index].fqn, comm.world_size)][0][index] = (offset, output.checksums[index])
+            outgoing[owner_of(metas[index].fqn, comm.world_size)][0][index] = (
+                offset, output.checksums[index], output.heads.get(index))
         for hashed in output.replicas:
             outgoing[owner_of(hashed[0], comm.world_size)][1].append(hashed)
     received = all_to_all(comm, outgoing)
@@ -410,7 +414,7 @@ def gather_reports(comm: Comm, metas: list, plan: SavePlan, owned: OwnedTensors 
     entries, differing, unreported = None, {}, None
     try:
         entries = owned.entries(written, file_of_rank)
-        differing = differing_pieces(lambda writer, item: written[writer][item][1],
+        differing = differing_pieces(lambda writer, item, sampled: written[writer][item][2 if sampled else 1],
                                      ((rank, hashed) for rank, (_, hashes) in enumerate(received) for hashed in hashes))
     except KeyError as exc:  # a writer failed (and says so), or the commit must not go through
         unreported = f"a tensor owner got no report of an item written by another rank ({exc})"
@@ -420,7 +424,7 @@ def gather_reports(comm: Comm, metas: list, plan: SavePlan, owned: OwnedTensors 
         except Exception as exc:
             error = exc
     text = described(error)
-    sent = None if output is None else dataclasses.replace(output, checksums={}, replicas=[])
+    sent = None if output is None else dataclasses.replace(output, checksums={}, replicas=[], heads={})
     gathered = comm.gather(OwnerReport(sent, text, None if write_own_section is not None else entries, differing,
                                        unreported))
     return gathered, error

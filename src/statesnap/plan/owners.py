@@ -80,17 +80,17 @@ class OwnedTensors:
     def entries(self, reports: Mapping[int, dict[int, tuple[int, list[int]]]], file_of_rank: Sequence[int]
                 ) -> dict[str, TensorEntry]:
         """Phase 4: the manifest entries of the owned tensors. ``reports[r]``: writer ``r``'s
-        item index -> (byte offset, block checksums) of the pieces it wrote for this owner;
+        item index -> (byte offset, block checksums, ...) of the pieces it wrote for this owner;
         ``file_of_rank[r]``: the index of rank ``r``'s data file in the file table."""
         out = {}
         files = np.asarray(file_of_rank, np.int64)
         for fqn, pieces in self.tensors.items():
             placed = [reports[r][i] for r, i in zip(pieces.rank.tolist(), pieces.item.tolist())]
-            checksum, bounds = TensorEntry.pack_checksums([sums for _, sums in placed])
+            checksum, bounds = TensorEntry.pack_checksums([sums for _, sums, *_ in placed])
             out[fqn] = TensorEntry(
                 dtype=dtype_from_name(pieces.dtype), shape=pieces.shape, layout=pieces.layout,
                 file=files[pieces.rank] if len(pieces.rank) else pieces.rank,
-                offset=np.array([offset for offset, _ in placed], np.int64),
+                offset=np.array([offset for offset, *_ in placed], np.int64),
                 nbytes=pieces.nbytes, start=pieces.start, size=pieces.size, checksum=checksum,
                 checksum_bounds=bounds)
         return out
