@@ -188,13 +188,14 @@ def test_optimizer_state_resized_in_place_is_refused_then_described_again(tmp_pa
         handle = ckpt.save(2, state)
         with pytest.raises(ss.CheckpointError, match=r"step 2.*exp_avg.*shape or dtype"):
             handle.staged.result()
-        with pytest.raises(ss.CheckpointError, match="exp_avg"):
-            ckpt.save(3, state)  # the failure surfaces at the next call
         expected = snapshot_now(state)
+        with pytest.raises(ss.CheckpointError, match="exp_avg"):
+            ckpt.save(3, state)  # the failure surfaces at the next call, which takes its step first
         handle = ckpt.save(4, state)
         handle.wait()
         assert_holds(handle.durable.result(), expected)
-    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-1", "step-4"]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-1", "step-3", "step-4"]
+    assert_holds(str(tmp_path / "step-3"), expected)
 
 
 def test_optimizer_state_created_after_a_save_at_step_0(tmp_path):
