@@ -269,3 +269,27 @@ def test_large_replicas_are_compared_by_a_sample_of_each_block(tmp_path):
     assert "buf (rank 0 vs rank 1)" in r0["ckpt_own"] and r0["steps"] == ["step-1"]
     assert not (tmp_path / "own").exists() and not (tmp_path / "second").exists()
     assert torch.equal(ss.open(str(tmp_path / "same")).read("w"), torch.arange(600_000, dtype=torch.float32))
+
+
+def _uneven(rank, world, tmp, check_mb):
+    torch.set_num_threads(1)
+    state = {"w": torch.arange(2 << 20, dtype=torch.float32)}  # 8 MiB on both ranks
+    if rank == 1:  # a larger state of its own: its arena, and the blocks it allowed, were larger
+        state["mine"] = torch.arange(16 << 20, dtype=torch.float32)  # 64 MiB
+    ckpt = ss.Checkpointer(os.path.join(tmp, "root"), host_memory_gb=1, replica_check_mb=check_mb)
+    error = _error(ckpt.save(1, state).wait)
+    ckpt.close()
+    return error
+
+
+@pytest.mark.parametrize("check_mb", [0, 1])
+def test_ranks_of_uneven_states_checksum_in_blocks_of_one_size(tmp_path, check_mb):
+    """Each rank sized its checksum blocks by its own arena, the manifest recorded rank 0's: the
+    step committed and every read of the larger rank's tensor failed ('the wrong number of
+    checksums'), and identical large replicas, sampled by blocks of two sizes, were called
+    different."""
+    assert run_ranks(2, _uneven, str(tmp_path), check_mb) == [None, None]
+    reader = ss.open(str(tmp_path / "root" / "step-1"))
+    assert torch.equal(reader.read("w"), torch.arange(2 << 20, dtype=torch.float32))
+    assert torch.equal(reader.read("mine"), torch.arange(16 << 20, dtype=torch.float32))
+    assert reader.verify()

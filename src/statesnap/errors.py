@@ -6,6 +6,9 @@ reading them is usually looking at a failed job at 3 a.m. and needs the next act
 from __future__ import annotations
 
 import errno
+import numbers
+
+import numpy as np
 
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # the writes' errors a person fixes by making room
 
@@ -41,7 +44,7 @@ def refuse_non_switches(where: str, **switches) -> None:
     and "false" are true to Python, so ``allow_pickle="no"`` unpickled and ``durable="false"``
     synced, without a word."""
     for name, value in switches.items():
-        if not (isinstance(value, int) and value in (0, 1)):
+        if not (isinstance(value, (numbers.Integral, np.bool_)) and value in (0, 1)):
             raise CheckpointError(f"{where}: {name} must be True or False, not {value!r}")
 
 

@@ -84,6 +84,11 @@ class SaveHandle:
                 "or close() the Checkpointer, which waits for it") from None
 
 
+def _segment_of(arena_bytes: int) -> int:
+    """The staging segment of an arena: a power of two, a quarter of it at most."""
+    return min(MAX_SEGMENT_BYTES, 1 << max(12, (arena_bytes // 4).bit_length() - 1))
+
+
 def _step_number(step) -> int:
     """``step`` as the integer of its ``step-N``; a CheckpointError for anything else ("-1" or 8.9
     would be saved where no restart looks, and removed from no level)."""
@@ -212,15 +217,21 @@ class Checkpointer:
         self._check_open()
         # An earlier step's failure is reported once this step is taken: raised before it, it left
         # a loop that logs the error and goes on without this step, and without a word about it.
-        failure, taken = self._take_failures(), False
+        failure = self._take_failures()
         try:
             handle = self._take(step, state)
-            taken = True
-            return handle
-        finally:
+        except Exception:
             if failure is not None:
-                failure.add_note(f"(step {step} was {'taken, and is being saved' if taken else 'not taken'})")
-                self._report(failure)
+                self._report(failure)  # (the failure to take this step is its context)
+            raise
+        except BaseException:  # Ctrl-C, SystemExit: they stop the loop; the failure waits for the next call
+            if failure is not None:
+                with self._lock:
+                    self._failed.append((None, failure))
+            raise
+        if failure is not None:
+            self._report(failure)
+        return handle
 
     def _take(self, step: int, state: dict) -> SaveHandle:
         started = now()
@@ -494,8 +505,8 @@ class Checkpointer:
         layout = self._state_cache.layout(flat, optimizers)
         metas = layout.metas
         objects, blobs = encode_objects(flat, self.config.allow_pickle)  # every object: memory restores all
-        plan, elsewhere, owned = self._plan_for(metas, shared_names(flat))
         snapshot_bytes = layout.snapshot_bytes
+        plan, elsewhere, owned = self._plan_for(metas, shared_names(flat), snapshot_bytes)
         self._ensure_arena(snapshot_bytes, layout.on_cuda)
         resident = align_up(snapshot_bytes, REGION_ALIGN) <= self._arena.capacity
         persist = step % self.config.persist_every == 0 and self._reachable(self.persistent, step)
@@ -541,14 +552,16 @@ class Checkpointer:
             flat.tensors[index] = dataclasses.replace(item, local=item.local.detach().clone())
         return True
 
-    def _plan_for(self, metas: list, objects: list) -> tuple:
+    def _plan_for(self, metas: list, objects: list, snapshot_bytes: int) -> tuple:
         """The save plan (``engine.save.plan_by_owners``: no rank plans more than about its own
         items' share), reused while this rank's layout is unchanged. Ranks change layout together:
-        a new layout is planned by two all-to-alls on the trainer's group, here on its thread."""
+        a new layout is planned by two all-to-alls on the trainer's group, here on its thread, and
+        its checksum block size agreed on (``_agree_on_blocks``)."""
         key = (tuple(metas), tuple(objects))
         if key != self._plan_key:
             try:
                 self._plan = plan_by_owners(self._comm, metas, objects)
+                self._agree_on_blocks(snapshot_bytes)
             except PeerLostError as exc:
                 raise CheckpointError(
                     f"{exc}. This rank's state changed layout since its last save and waited for the other ranks "
@@ -562,23 +575,38 @@ class Checkpointer:
             self._plan_key = key
         return self._plan
 
-    def _ensure_arena(self, snapshot_bytes: int, pin: bool) -> None:
-        """Allocate the arena once: room for two snapshots (one written while the next is copied)
-        within the budget. Only a layout that outgrows it makes a new one, after the work in flight."""
+    def _arena_bytes(self, snapshot_bytes: int) -> int:
+        """The arena a layout wants: room for two snapshots (one written while the next is
+        copied) within the budget."""
         reserved = self.config.max_in_flight * self.config.eager_copy_bytes  # see _copy_unguarded_now
         if self.config.peer_replicas:  # the replica receiver's bounce buffer (local.py)
             reserved += peer_buffer_bytes(self.config.host_memory_bytes)
         limit = (self.config.host_memory_bytes - reserved) // REGION_ALIGN * REGION_ALIGN
-        want = max(min(limit, 2 * align_up(snapshot_bytes, REGION_ALIGN)), REGION_ALIGN)
-        if self._arena is not None and self._arena.capacity >= want:
-            return
-        if self._arena is not None:
+        return max(min(limit, 2 * align_up(snapshot_bytes, REGION_ALIGN)), REGION_ALIGN)
+
+    def _agree_on_blocks(self, snapshot_bytes: int) -> None:
+        """Every rank checksums in blocks of one size, the smallest any rank's arena allows: the
+        manifest records one size for all. Each rank chose its own from its arena, sized by its
+        own state, and a rank holding little wrote checksums of smaller blocks than rank 0
+        recorded (the checkpoint committed, and failed every read: 'the wrong number of
+        checksums'). A change waits for the checkpoints in flight, written in the old size."""
+        own = min(self.config.block_bytes, _segment_of(self._arena_bytes(snapshot_bytes)))
+        agreed = min(self._comm.all_gather(own)) if self._comm.world_size > 1 else own
+        if agreed != self._block_bytes:
             self._wait_all()
-            self._arena.evict_all()
-            self.memory.clear()
-        self._arena = Arena(want, pin and torch.cuda.is_available())
-        segment = min(MAX_SEGMENT_BYTES, 1 << max(12, (self._arena.capacity // 4).bit_length() - 1))
-        self._block_bytes = min(self.config.block_bytes, segment)
+            self._block_bytes = agreed
+
+    def _ensure_arena(self, snapshot_bytes: int, pin: bool) -> None:
+        """Allocate the arena once. Only a layout that outgrows it makes a new one, after the work
+        in flight. Its segments are whole checksum blocks (of the size the ranks agreed on)."""
+        want = self._arena_bytes(snapshot_bytes)
+        if self._arena is None or self._arena.capacity < want:
+            if self._arena is not None:
+                self._wait_all()
+                self._arena.evict_all()
+                self.memory.clear()
+            self._arena = Arena(want, pin and torch.cuda.is_available())
+        segment = _segment_of(self._arena.capacity)  # (at least the block: see _agree_on_blocks)
         self._segment_bytes = segment // self._block_bytes * self._block_bytes
 
     # ----------------------------------------------------------------- bookkeeping

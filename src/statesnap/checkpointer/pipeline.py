@@ -380,7 +380,7 @@ class Flusher(_Stage):
             staging, token, problem, first_step = comm.broadcast(None if opened is None else (*opened, snap.step))
         except BaseException as exc:
             if opened is not None and opened[0] is not None:  # no other rank heard of it: none wrote into it
-                backend.abort(opened[0], snap.path)
+                _remove_quietly(backend, opened[0], snap.path)
             self.broken = exc
             self._drain(snap)
             raise
@@ -513,3 +513,13 @@ def _by_item(parts: dict[tuple[int, int], list[int]]) -> dict[int, list[int]]:
     for (item, _offset), values in sorted(parts.items()):
         out.setdefault(item, []).extend(values)
     return out
+
+
+def _remove_quietly(backend, staging: str, final: str) -> None:
+    """Remove a staging location on the way out of a failure, which stays the error raised: one
+    left behind (storage unreachable) is removed by the next Checkpointer on the root."""
+    try:
+        backend.abort(staging, final)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("statesnap: could not remove %s after a failed commit (%s); the next Checkpointer on the "
+                    "root removes it", staging, described(exc))

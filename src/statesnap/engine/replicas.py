@@ -79,17 +79,21 @@ def hash_tensors(targets: list[tuple[int, str, int, int, bool]], tensors, block_
 
 
 def heads_of(tensor: torch.Tensor, block_bytes: int) -> list[int]:
-    """``block_heads`` of a tensor's bytes; of one on a device, its samples alone are copied."""
-    if tensor.is_cpu:
-        return block_heads(byte_view(host_contiguous(tensor)), block_bytes)
-    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    starts = range(0, max(flat.numel(), 1), block_bytes)
-    host = torch.cat([flat[pos:pos + HEAD_BYTES] for pos in starts]).cpu()
-    ends = [min(pos + HEAD_BYTES, flat.numel()) - pos for pos in starts]
-    view, out, at = byte_view(host), [], 0
-    for length in ends:
-        out.append(checksum_whole(view[at:at + length]))
-        at += length
+    """``block_heads`` of a tensor's bytes in row-major order. Of one on a device or laid out
+    otherwise, only the sampled elements are gathered (``torch.take`` reads any layout as
+    row-major), not a copy of it all: sampling is to cost no pass over the replica's memory."""
+    tensor = tensor.detach()
+    if tensor.is_cpu and tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()):
+        return block_heads(byte_view(tensor), block_bytes)
+    size = tensor.element_size()  # (divides HEAD_BYTES and a block, both multiples of 4096)
+    nbytes = tensor.numel() * size
+    starts = range(0, max(nbytes, 1), block_bytes)
+    lengths = [min(HEAD_BYTES, nbytes - pos) for pos in starts]
+    index = torch.cat([torch.arange(pos // size, (pos + n) // size) for pos, n in zip(starts, lengths)])
+    view, out, at = byte_view(host_contiguous(torch.take(tensor, index.to(tensor.device)))), [], 0
+    for n in lengths:
+        out.append(checksum_whole(view[at:at + n]))
+        at += n
     return out
 
 
