@@ -402,3 +402,40 @@ def test_numpy_switches_are_switches(tmp_path):
     with ss.Checkpointer(tmp_path / "r", durable=np.bool_(False)) as ckpt:
         ckpt.save(1, {"t": torch.ones(2)}).wait()
     assert ss.open(tmp_path / "r" / "step-1", verify=np.True_).read("t").tolist() == [1.0, 1.0]
+
+
+def test_a_staging_directory_that_cannot_be_removed_does_not_hang_the_checkpointer(tmp_path, monkeypatch):
+    """The broadcast of step 2's staging directory fails and removing the directory fails too
+    (storage unreachable): the removal's error used to escape before the flusher marked itself
+    broken and freed the snapshot's arena regions, so the next save and close() hung."""
+    from statesnap.engine import dist as ss_dist
+    from statesnap.storage.local import LocalBackend
+
+    class Unreachable(LocalBackend):
+        def abort(self, staging, final, written=()):
+            raise OSError(110, "Connection timed out")
+
+    real = ss_dist.Comm.broadcast
+
+    def lose_step_2(self, obj, src=0):
+        if isinstance(obj, tuple) and obj and obj[-1] == 2:
+            raise ss_dist.PeerLostError("rank 1 stopped answering")
+        return real(self, obj, src)
+
+    monkeypatch.setattr(ss_dist.Comm, "broadcast", lose_step_2)
+    state = {"w": torch.randn(3_000_000)}  # 12 MB: streams through a 4 MB arena
+    ckpt = ss.Checkpointer(tmp_path, backend=Unreachable(), host_memory_gb=0.004, keep_last=5, max_in_flight=1)
+    ckpt.save(1, state).wait()
+    assert isinstance(ckpt.save(2, state).durable.exception(timeout=30), ss_dist.PeerLostError)
+    finished = threading.Event()
+
+    def go_on():
+        for call in (lambda: ckpt.save(3, state), ckpt.close):
+            try:
+                call()
+            except ss.CheckpointError:
+                pass
+        finished.set()
+
+    threading.Thread(target=go_on, daemon=True).start()
+    assert finished.wait(60), "save() or close() hung after the failed removal"

@@ -452,7 +452,7 @@ class Flusher(_Stage):
         sums: dict[tuple[int, int], list[int]] = {}
         heads: dict[tuple[int, int], list[int]] = {}  # of the items a holder of a copy samples
         sampled = sampled_items(snap.metas, [item.replicated for item in snap.flat.tensors],
-                                self.target.replica_check_bytes)
+                                self.target.replica_check_bytes if self.target.comm.world_size > 1 else 0)
         pending = []
         try:
             for batch, copied in iter(snap.batches.get, None):

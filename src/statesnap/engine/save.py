@@ -281,7 +281,8 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
         output.replicas = hash_tensors(replicas_to_check(elsewhere, metas, declared, limit),
                                        [item.local for item in flat.tensors], block_bytes)
         output.heads = {index: heads_of(tensors[index], block_bytes)
-                        for index in sampled_items(metas, declared, limit) if index in tensors}
+                        for index in sampled_items(metas, declared, limit if comm.world_size > 1 else 0)
+                        if index in tensors}
         output.object_digests = digests
     except Exception as exc:
         error = exc
