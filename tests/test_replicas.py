@@ -293,3 +293,22 @@ def test_ranks_of_uneven_states_checksum_in_blocks_of_one_size(tmp_path, check_m
     assert torch.equal(reader.read("w"), torch.arange(2 << 20, dtype=torch.float32))
     assert torch.equal(reader.read("mine"), torch.arange(16 << 20, dtype=torch.float32))
     assert reader.verify()
+
+
+def _one_rank_holds_little(rank, world, tmp):
+    torch.set_num_threads(1)
+    state = {"w": torch.arange(10 << 20, dtype=torch.float32)} if rank == 0 else {"tiny": torch.ones(3), "n": 1}
+    ckpt = ss.Checkpointer(os.path.join(tmp, "root"), host_memory_gb=1)
+    error = _error(ckpt.save(1, state).wait)
+    ckpt.close()
+    return error
+
+
+def test_a_rank_holding_little_leaves_the_blocks_their_size(tmp_path):
+    """A rank whose items each fit one staging segment needs no smaller blocks: agreeing on the
+    smallest block any arena allows made a rank holding a few bytes shrink every rank's blocks to
+    a page, and the manifest of 40 MiB to 10,000 checksums."""
+    assert run_ranks(2, _one_rank_holds_little, str(tmp_path)) == [None, None]
+    reader = ss.open(str(tmp_path / "root" / "step-1"))
+    assert reader.manifest.block_bytes == 16 << 20 and reader.verify()
+    assert torch.equal(reader.read("w"), torch.arange(10 << 20, dtype=torch.float32))

@@ -561,7 +561,7 @@ class Checkpointer:
         if key != self._plan_key:
             try:
                 self._plan = plan_by_owners(self._comm, metas, objects)
-                self._agree_on_blocks(snapshot_bytes)
+                self._agree_on_blocks(snapshot_bytes, max((meta.nbytes for meta in metas), default=0))
             except PeerLostError as exc:
                 raise CheckpointError(
                     f"{exc}. This rank's state changed layout since its last save and waited for the other ranks "
@@ -584,13 +584,16 @@ class Checkpointer:
         limit = (self.config.host_memory_bytes - reserved) // REGION_ALIGN * REGION_ALIGN
         return max(min(limit, 2 * align_up(snapshot_bytes, REGION_ALIGN)), REGION_ALIGN)
 
-    def _agree_on_blocks(self, snapshot_bytes: int) -> None:
-        """Every rank checksums in blocks of one size, the smallest any rank's arena allows: the
-        manifest records one size for all. Each rank chose its own from its arena, sized by its
-        own state, and a rank holding little wrote checksums of smaller blocks than rank 0
-        recorded (the checkpoint committed, and failed every read: 'the wrong number of
-        checksums'). A change waits for the checkpoints in flight, written in the old size."""
-        own = min(self.config.block_bytes, _segment_of(self._arena_bytes(snapshot_bytes)))
+    def _agree_on_blocks(self, snapshot_bytes: int, largest: int) -> None:
+        """Every rank checksums in blocks of one size: the manifest records one size for all. Each
+        rank chose its own from its arena, sized by its own state, and the checkpoint of uneven
+        states committed and failed every read ('the wrong number of checksums'). The size is
+        the smallest any rank needs: a rank copying an item (of ``largest`` bytes at most) in
+        several segments needs blocks no larger than its segment, which its arena bounds; a rank
+        whose items each fit one segment needs none smaller than the setting (one holding little
+        made every rank's blocks a page). A change waits for the checkpoints in flight."""
+        segment = _segment_of(self._arena_bytes(snapshot_bytes))
+        own = self.config.block_bytes if largest <= segment else min(self.config.block_bytes, segment)
         agreed = min(self._comm.all_gather(own)) if self._comm.world_size > 1 else own
         if agreed != self._block_bytes:
             self._wait_all()
@@ -606,8 +609,9 @@ class Checkpointer:
                 self._arena.evict_all()
                 self.memory.clear()
             self._arena = Arena(want, pin and torch.cuda.is_available())
-        segment = _segment_of(self._arena.capacity)  # (at least the block: see _agree_on_blocks)
-        self._segment_bytes = segment // self._block_bytes * self._block_bytes
+        segment = _segment_of(self._arena.capacity)
+        # whole blocks; a segment smaller than a block holds every item whole (_agree_on_blocks)
+        self._segment_bytes = segment // self._block_bytes * self._block_bytes or segment
 
     # ----------------------------------------------------------------- bookkeeping
 
