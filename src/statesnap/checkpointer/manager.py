@@ -42,7 +42,7 @@ from .recovery import LocalRecovery
 from .restore import load_newest
 from .roots import RootClaims
 from .pipeline import UNGUARDED, Flusher, FlushTarget, Snapshot, Stager, as_checkpoint_error
-from .staging import MAX_SEGMENT_BYTES, REGION_ALIGN, Arena, align_up
+from .staging import MAX_SEGMENT_BYTES, REGION_ALIGN, Arena, align_up, segment_of
 from .state_cache import StateCache
 
 log = logging.getLogger("statesnap")
@@ -82,11 +82,6 @@ class SaveHandle:
             raise NotDurableYetError(
                 f"step {self.step} is not durable after {timeout} s: it is still being written; call wait() again, "
                 "or close() the Checkpointer, which waits for it") from None
-
-
-def _segment_of(arena_bytes: int) -> int:
-    """The staging segment of an arena: a power of two, a quarter of it at most."""
-    return min(MAX_SEGMENT_BYTES, 1 << max(12, (arena_bytes // 4).bit_length() - 1))
 
 
 def _step_number(step) -> int:
@@ -592,7 +587,7 @@ class Checkpointer:
         several segments needs blocks no larger than its segment, which its arena bounds; a rank
         whose items each fit one segment needs none smaller than the setting (one holding little
         made every rank's blocks a page). A change waits for the checkpoints in flight."""
-        segment = _segment_of(self._arena_bytes(snapshot_bytes))
+        segment = segment_of(self._arena_bytes(snapshot_bytes))
         own = self.config.block_bytes if largest <= segment else min(self.config.block_bytes, segment)
         agreed = min(self._comm.all_gather(own)) if self._comm.world_size > 1 else own
         if agreed != self._block_bytes:
@@ -609,7 +604,7 @@ class Checkpointer:
                 self._arena.evict_all()
                 self.memory.clear()
             self._arena = Arena(want, pin and torch.cuda.is_available())
-        segment = _segment_of(self._arena.capacity)
+        segment = segment_of(self._arena.capacity)
         # whole blocks; a segment smaller than a block holds every item whole (_agree_on_blocks)
         self._segment_bytes = segment // self._block_bytes * self._block_bytes or segment
 

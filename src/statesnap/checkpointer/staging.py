@@ -26,6 +26,11 @@ from ..storage.base import DIRECT_ALIGN
 REGION_ALIGN = DIRECT_ALIGN  # regions start on page boundaries, as direct I/O needs
 MAX_SEGMENT_BYTES = 64 << 20  # a large tensor is copied and written in chunks of this size
 
+
+def segment_of(arena_bytes: int) -> int:
+    """The staging segment of an arena: a power of two, a quarter of it at most."""
+    return min(MAX_SEGMENT_BYTES, 1 << max(12, (arena_bytes // 4).bit_length() - 1))
+
 BUSY, HELD, FREE = "busy", "held", "free"
 
 

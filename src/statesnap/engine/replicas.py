@@ -87,14 +87,10 @@ def heads_of(tensor: torch.Tensor, block_bytes: int) -> list[int]:
         return block_heads(byte_view(tensor), block_bytes)
     size = tensor.element_size()  # (divides HEAD_BYTES and a block, both multiples of 4096)
     nbytes = tensor.numel() * size
-    starts = range(0, max(nbytes, 1), block_bytes)
-    lengths = [min(HEAD_BYTES, nbytes - pos) for pos in starts]
-    index = torch.cat([torch.arange(pos // size, (pos + n) // size) for pos, n in zip(starts, lengths)])
-    view, out, at = byte_view(host_contiguous(torch.take(tensor, index.to(tensor.device)))), [], 0
-    for n in lengths:
-        out.append(checksum_whole(view[at:at + n]))
-        at += n
-    return out
+    index = torch.cat([torch.arange(pos // size, min(pos + HEAD_BYTES, nbytes) // size)
+                       for pos in range(0, max(nbytes, 1), block_bytes)])
+    # the samples back to back: each HEAD_BYTES long but the last, so they are the heads of that size
+    return block_heads(byte_view(host_contiguous(torch.take(tensor, index.to(tensor.device)))), HEAD_BYTES)
 
 
 def object_digests(flat: Flattened, entries: dict[str, ObjectEntry]) -> dict[str, int]:
