@@ -35,15 +35,15 @@ from .columns import (PACK_MIN_PIECES, PACK_ZLIB_MAX_DIMS, UINT64_MAX, Inflation
                       parse_json, shape_problem, shape_text, unpack)
 from .dtypes import dtype_name, tensor_dtype
 from .plain_entries import BOX, FEW_PIECES, FLAT, EntryRows, read_plain_entries
-from .table import COLUMNS as TABLE_COLUMNS, read_table, table_rows, tables_json
+from .table import COLUMNS as TABLE_COLUMNS, FLAT_PIECES_VERSION, PIECES, parse_table, read_table, tables_json
 from .plaindata import MAX_NESTING, int_too_long
 from .split import (Fetch, SectionReader, TensorRow, pack_files, pack_json, parse_rows, region_problem, row_json,
                     unpack_files, unpack_json)
 
 FORMAT_NAME = "statesnap"
 # The newest version this reads. A one-document manifest is written as version 1, or as version 3
-# where it has tables (format/table.py); a split one as version 2.
-FORMAT_VERSION = 3
+# where it has tables (format/table.py), 4 where one of them is ``pieces``; a split one as version 2.
+FORMAT_VERSION = FLAT_PIECES_VERSION
 MANIFEST_NAME = "manifest.json"
 _ROW_ARRAYS = frozenset(("file", "offset", "nbytes", "start", "size", "checksum", "checksum_bounds"))
 _SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
@@ -446,11 +446,12 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         """The manifest as one document, compact, ending in its checksum of itself: version 3
-        where enough tensors are stored in one piece or a few to make a table of them, else 1."""
+        where enough tensors are stored in one piece to make a table of them, 4 where enough are
+        stored in a few (an older statesnap reads the first), else 1."""
         tables = tables_json(self.tensors)
         tabled = {name for table in tables.values() for name in table["name"]}
         doc = {
-            **self._head(3 if tables else 1), "files": self.files, "file_sizes": self.file_sizes,
+            **self._head(FLAT_PIECES_VERSION if PIECES in tables else 3 if tables else 1), "files": self.files, "file_sizes": self.file_sizes,
             "tensors": {k: v.to_json() for k, v in self.tensors.items() if k not in tabled}, **tables,
             "objects": {k: v.to_json() for k, v in self.objects.items()},
         }
@@ -530,11 +531,11 @@ class Manifest:
         if len(file_sizes) != len(files):
             raise ManifestError(f"{where} has an inconsistent file table ({len(files)} files, "
                                 f"{len(file_sizes)} sizes)")
-        tables = {member: _field(doc, member, where, lambda v, member=member: table_rows(v, member))
-                  for member in TABLE_COLUMNS if version == 3 and member in doc}
-        table = {name: member for member, rows in tables.items() for name in rows}
-        if len(table) != sum(map(len, tables.values())):
-            twice = sorted(set(tables["table"]) & set(tables["pieces"]))[0]
+        tables = {member: _field(doc, member, where, lambda v, member=member: parse_table(v, member, version))
+                  for member in TABLE_COLUMNS if version >= 3 and member in doc}
+        table = {name: member for member, rows in tables.items() for name in rows.names}
+        if len(table) != sum(len(rows.names) for rows in tables.values()):
+            twice = sorted(set(tables["table"].names) & set(tables["pieces"].names))[0]
             raise ManifestError(f"{where} has two entries of tensor {twice!r}: one in 'table', one in 'pieces'")
         if version == 2:
             count = _field(doc, "sections", where, lambda v: integer(v, high=len(files)))
@@ -567,9 +568,9 @@ class Manifest:
             return manifest
         manifest.tensors = TensorEntry.read_all(tensors_doc, files, file_sizes, block_bytes, where, world_size,
                                                 budget)
-        for member, rows in tables.items():
+        for rows in tables.values():
             manifest.tensors.update(read_table(
-                rows, member, files, np.asarray(file_sizes, dtype=np.int64), block_bytes, world_size,
+                rows, files, np.asarray(file_sizes, dtype=np.int64), block_bytes, world_size,
                 TensorEntry.in_rows,
                 lambda fqn, data: TensorEntry.from_json(fqn, data, files, file_sizes, block_bytes, where, world_size,
                                                         budget)))
