@@ -517,3 +517,51 @@ def test_entries_read_in_rows_plan_as_entries_read_alone(split_checkpoint, tmp_p
     for i in range(TABLE_MIN_TENSORS + 4):
         value = torch.arange(24.0 + i).reshape(-1) if i % 2 else torch.arange(4.0 * (6 + i)).reshape(4, 6 + i)
         assert torch.equal(target[f"c{i:03d}"], value)
+
+
+def _signed(doc: dict) -> bytes:
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    return b'%s,"manifest_xxh3":%d}' % (body[:-1], xxhash.xxh3_64_intdigest(body))
+
+
+def _pieces_doc(pieces: dict, world_size: int, file_sizes: list[int]) -> dict:
+    return {"format": "statesnap", "version": 4, "world_size": world_size, "block_bytes": 1 << 24, "meta": {},
+            "files": [f"r{i}.bin" for i in range(len(file_sizes))], "file_sizes": file_sizes, "tensors": {},
+            "pieces": pieces, "objects": {}}
+
+
+def test_rows_of_a_0d_tensor_in_a_flat_table_read_as_in_version_3():
+    """A 0-d tensor's pieces have no values in ``start`` and ``size``. Rows read one by one (here
+    because one row has more pieces than the table's fast path takes) read as version 3's, and
+    a 0-d tensor of two pieces is refused by name."""
+    valid = {"name": ["s", "v"], "dtype": ["float32"] * 2, "shape": [[], [9]], "pieces": [1, 9], "file": [0] * 10,
+             "offset": list(range(0, 40, 4)), "start": list(range(9)), "size": [1] * 9,
+             "checksum": [xxhash.xxh3_64_intdigest(b"\0" * 4)] * 10}
+    for doc in (_pieces_doc(valid, 16, [40]), _as_version3(_pieces_doc(valid, 16, [40]))):
+        manifest = Manifest.from_bytes(_signed(doc))
+        assert (manifest.tensors["s"].shape, manifest.tensors["v"].shape) == ((), (9,))
+        assert manifest.tensors["v"].offset.tolist() == list(range(4, 40, 4))
+    two = {"name": ["s"], "dtype": ["float32"], "shape": [[]], "pieces": [2], "file": [0, 1], "offset": [0, 0],
+           "start": [], "size": [], "checksum": [0, 0]}
+    for doc in (_pieces_doc(two, 2, [16, 16]), _as_version3(_pieces_doc(two, 2, [16, 16]))):
+        with pytest.raises(ManifestError, match="tensor 's'"):
+            Manifest.from_bytes(_signed(doc))
+
+
+def test_a_flat_row_of_many_pieces_is_read_by_the_general_reader(split_checkpoint, tmp_path):
+    """A row of more pieces than the fast path takes (and than a writer writes) that keeps the
+    rules reads, its pieces in place, in version 4 as in version 3."""
+    doc = _doc(split_checkpoint)
+    doc["world_size"] = 1 << 20
+    count, row = 20_000, 0
+    table = doc["pieces"]
+    doc["file_sizes"][0] += count
+    piece_values = {"file": [0] * count, "offset": [doc["file_sizes"][0] - count + i for i in range(count)],
+                    "checksum": [0] * count, "start": list(range(count)), "size": [1] * count}
+    for column, values in piece_values.items():  # (the first row's values come first)
+        table[column][:table["pieces"][row] * (len(table["shape"][row]) if column in ("start", "size") else 1)] = values
+    table["shape"][row], table["dtype"][row], table["pieces"][row] = [count], "uint8", count
+    (tmp_path / "c").mkdir()
+    _sign(tmp_path / "c", doc)
+    entry = Manifest.from_bytes((tmp_path / "c" / MANIFEST_NAME).read_bytes()).tensors[table["name"][row]]
+    assert entry.num_pieces == count and entry.offset.tolist() == piece_values["offset"]

@@ -160,7 +160,7 @@ def build_manifest(plan: SavePlan, outputs: list[RankOutput], world_size: int, b
 
 def whole_manifest(tensors: dict[str, TensorEntry], outputs: list[RankOutput], world_size: int, block_bytes: int,
                    meta: dict | None) -> tuple[Manifest, bytes]:
-    """The one-document manifest (version 1, or 3 with tables) of a save planned by tensor
+    """The one-document manifest (version 1, or 3 or 4 with tables) of a save planned by tensor
     owners, from their entries gathered on rank 0: for jobs under ``SPLIT_MIN_RANKS`` ranks,
     whose manifest is small."""
     files, sizes, index_of = _file_table(outputs)

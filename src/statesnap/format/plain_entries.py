@@ -8,7 +8,7 @@ dimensions are checked together against the rules of docs/format.md §8, one num
 and the entries handed out as views of their group's arrays. An entry that is not plain, or
 breaks a rule, is left out: the general reader (``TensorEntry.from_json``) reads it and names
 what is wrong.
-The tables of a version 3 manifest (format/table.py) are checked by the same rules
+The tables of a version 3 or 4 manifest (format/table.py) are checked by the same rules
 (``valid_entries``).
 """
 from __future__ import annotations

@@ -84,7 +84,7 @@ class Table:
     counts: list | None  # the pieces of each row; None for ``table`` (one each)
     file: list
     offset: list
-    start: list | None  # None for ``table`` (the whole tensor)
+    start: list | None  # None for ``table`` (the whole tensor), and where not ``aligned``
     size: list | None
     sums: list  # each piece's checksum, or list of its blocks' checksums
     written: Callable[[], Iterable[tuple]]  # each row as a version 3 row of ``pieces``, but its name
@@ -163,8 +163,8 @@ def _flat_rows(dtypes, shapes, counts, file, offset, start, size, sums) -> Itera
     piece = coordinate = 0
     for dtype, shape, n in zip(dtypes, shapes, counts):
         dims, end = len(shape), piece + n
-        ats = range(coordinate, coordinate + n * dims, dims)
-        boxes = ([values[at:at + dims] for at in ats] for values in (start, size))
+        boxes = ([values[coordinate + k * dims:coordinate + (k + 1) * dims] for k in range(n)]
+                 for values in (start, size))  # (a 0-d tensor's boxes are empty)
         yield dtype, shape, file[piece:end], offset[piece:end], *boxes, sums[piece:end]
         piece, coordinate = end, coordinate + n * dims
 
