@@ -88,6 +88,16 @@ def test_converted_checkpoint_loads_into_a_model_with_ss_load(tmp_path):
         assert same_bits(a, b), name
 
 
+def test_converting_a_statesnap_checkpoint_says_what_it_is(tmp_path):
+    """Its data files are no torch.save files: the error says the source is a statesnap
+    checkpoint already, and what to do with it, before anything is written."""
+    ss.save({"model": make_model(0)}, tmp_path / "ck")
+    with pytest.raises(ss.CheckpointError, match="is a statesnap checkpoint already .*ss.load, or ss.export"):
+        ss.convert(tmp_path / "ck", tmp_path / "again")
+    assert not (tmp_path / "again").exists()
+    assert cli.main(["convert", str(tmp_path / "ck"), str(tmp_path / "again")]) != 0
+
+
 def test_export_and_convert_refuse_to_overwrite_and_spec_applies_on_export(tmp_path):
     torch.save({"model": {"w": torch.ones(2, 2)}, "optim": {"m": torch.zeros(2)}}, tmp_path / "a.pt")
     ss.convert(tmp_path / "a.pt", tmp_path / "ck")

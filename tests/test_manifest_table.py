@@ -216,8 +216,8 @@ def test_a_table_with_another_entry_of_its_name_is_refused(tmp_path):
 @pytest.mark.parametrize("change, message", [
     (lambda t: t.pop("offset"), "columns .* are not the table's"),
     (lambda t: t.update(extra=[]), "columns .* are not the table's"),
-    (lambda t: t["file"].pop(), "all of one length"),
-    (lambda t: t.update(shape={}), "must be a list"),
+    (lambda t: t["file"].pop(), "must all be of one length"),
+    (lambda t: t.update(shape={}), "column 'shape' is not a list"),
     (lambda t: t["name"].__setitem__(3, 3), "names must be strings"),
     (lambda t: t["name"].__setitem__(3, t["name"][2]), "has two rows"),
 ])
@@ -441,8 +441,8 @@ def test_a_piece_counted_in_the_next_row_is_refused_naming_the_tensor(split_chec
     (lambda t: t["pieces"].__setitem__(3, True), "tensor '.*' needs a count of pieces"),
     (lambda t: t["pieces"].__setitem__(3, [2]), "tensor '.*' needs a count of pieces"),
     (lambda t: t["shape"].__setitem__(3, "6x3"), "tensor '.*' needs a count of pieces .* and a shape"),
-    (lambda t: t["pieces"].pop(), "all of one length"),
-    (lambda t: t.update(pieces={}), "must be a list"),
+    (lambda t: t["pieces"].pop(), "columns of one value per row must all be of one length"),
+    (lambda t: t.update(pieces={}), "column 'pieces' is not a list"),
     (lambda t: t.pop("pieces"), "columns .* are not the table's"),
 ])
 def test_a_flat_table_of_pieces_that_does_not_add_up_is_refused(split_checkpoint, tmp_path, change, message):

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 
 from ..engine.save import SaveInfo
 from ..errors import CheckpointError, CheckpointExistsError, explained, remedy
+from ..format.manifest import MANIFEST_NAME
 from ..progress import bar
 from ..reader import Reader, TensorInfo
 from ..storage import is_url, normalize, place_of
@@ -63,6 +64,9 @@ def detect_source(src: str) -> str:
             return "dcp"
         if any(n.endswith(safetensors_io.SUFFIX) or n == safetensors_io.INDEX_NAME for n in names):
             return "safetensors"
+        if MANIFEST_NAME in names:  # (read as torch.save files, its data files were "not a torch.save file")
+            raise CheckpointError(f"{src} is a statesnap checkpoint already (it holds {MANIFEST_NAME}): load it with "
+                                  "ss.load, or ss.export it to another format")
         return "torch"
     return "safetensors" if src.endswith((safetensors_io.SUFFIX, ".json")) else "torch"
 

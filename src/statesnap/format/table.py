@@ -101,8 +101,12 @@ def parse_table(table, member: str, version: int) -> Table:
     if table.keys() != set(layout):
         raise ValueError(f"its columns {sorted(table)} are not the table's {list(layout)}")
     columns = [table[name] for name in layout]
-    if {*map(type, columns)} != {list} or len({*map(len, columns[:4] if flat else columns)}) != 1:
-        raise ValueError("every column must be a list, all of one length" + (" but the pieces'" if flat else ""))
+    not_list = next((name for name, column in zip(layout, columns) if type(column) is not list), None)
+    if not_list is not None:
+        raise TypeError(f"its column {not_list!r} is not a list")
+    if len({*map(len, columns[:4] if flat else columns)}) != 1:
+        raise ValueError("its columns of one value per row must all be of one length" if flat else
+                         "its columns must all be of one length")
     names = columns[0]
     if {*map(type, names)} - {str}:
         raise TypeError("the names must be strings")
