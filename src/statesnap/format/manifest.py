@@ -450,8 +450,9 @@ class Manifest:
         stored in a few (an older statesnap reads the first), else 1."""
         tables = tables_json(self.tensors)
         tabled = {name for table in tables.values() for name in table["name"]}
+        version = FLAT_PIECES_VERSION if PIECES in tables else 3 if tables else 1
         doc = {
-            **self._head(FLAT_PIECES_VERSION if PIECES in tables else 3 if tables else 1), "files": self.files, "file_sizes": self.file_sizes,
+            **self._head(version), "files": self.files, "file_sizes": self.file_sizes,
             "tensors": {k: v.to_json() for k, v in self.tensors.items() if k not in tabled}, **tables,
             "objects": {k: v.to_json() for k, v in self.objects.items()},
         }
