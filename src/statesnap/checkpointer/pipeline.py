@@ -473,9 +473,7 @@ class Flusher(_Stage):
             raise
         with self._events.timed("fsync", snap.step):
             writer.close(self.target.durable)
-        output = RankOutput(name, end, _by_item(sums), entries, snap.per_rank)
-        output.heads = _by_item(heads)
-        return output
+        return RankOutput(name, end, _by_item(sums), entries, snap.per_rank, heads=_by_item(heads))
 
     def _write_blobs(self, writer, blobs: list, entries: dict, end: int) -> int:
         """Pickled values (``allow_pickle``) go after the tensor data, as in a blocking save."""

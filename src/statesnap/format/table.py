@@ -221,18 +221,19 @@ def _all_together(table: Table, files: list[str], file_sizes: np.ndarray, block_
     first_piece = np.array([*itertools.accumulate(pieces_of, initial=0)], np.int64)
     first_coordinate = np.array([*itertools.accumulate(map(operator.mul, pieces_of, dims_of), initial=0)], np.int64)
     sums_before = np.array([*itertools.accumulate(per_piece, initial=0)], np.int64)
+    sums_per_piece = np.asarray(per_piece, np.int64)
     out = {}
     for (n, dims), rows_of in _groups(pieces_of, dims_of).items():
         at = np.asarray(rows_of, np.int64)
         pieces = first_piece[at, None] + np.arange(n)
         matrix = _matrix(rows_of, n, dims, dtypes, shapes, columns, pieces,
                          None if counts is None else first_coordinate[at, None] + np.arange(n * dims),
-                         np.asarray(per_piece, np.int64)[pieces])
+                         sums_per_piece[pieces])
         if matrix is None:
             return None
         entries = valid_entries(matrix, _pick(names, rows_of),
                                 [(dtypes[i], tuple(shapes[i]), BOX) for i in rows_of], *_checksums_of(
-                                    pieces, sums, sums_before, len(per_piece)), n, dims,
+                                    pieces, sums, sums_before, len(sums_per_piece)), n, dims,
                                 files, file_sizes, block_bytes, make)
         if len(entries) != len(rows_of):
             return None
