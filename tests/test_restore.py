@@ -2,6 +2,7 @@
 created in place, unfilled, instead of by a zero-lr step; the load fills it bit for bit, what it
 does not fill (strict=False) is zero, never leftover memory, and a failed load leaves it fresh.
 Files that are not in the page cache come back bit for bit and still verified."""
+import functools
 import importlib
 import json
 import os
@@ -505,6 +506,49 @@ def test_a_plain_module_is_filled_in_place_without_load_state_dict(tmp_path, mon
     assert not calls
     for a, b in zip(source.state_dict().values(), target.state_dict().values()):
         assert same_bits(a, b)
+
+
+class CopiesOnSave(nn.Linear):
+    """A module whose state dict holds copies of its weights, not the weights themselves."""
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = destination[prefix + "weight"].clone()
+
+
+def _cloned_state_dict(module, destination=None, prefix="", keep_vars=False):
+    out = nn.Linear.state_dict(module, destination=destination, prefix=prefix, keep_vars=keep_vars)
+    for name in [name for name in out if name.startswith(prefix)]:
+        out[name] = out[name].clone()
+    return out
+
+
+def _clone_bias(module, state_dict, prefix, local_metadata):
+    state_dict[prefix + "bias"] = state_dict[prefix + "bias"].clone()
+
+
+@pytest.mark.parametrize("how", ["post_hook", "pre_hook", "save_to_state_dict", "state_dict"])
+def test_a_module_whose_state_dict_holds_copies_gets_its_values_put_back(tmp_path, how):
+    """Filled in place is taken on trust only for a state dict the module made as PyTorch does
+    (each value a parameter or buffer detached): one whose hooks or overrides hand out copies
+    gets what the load read into them put back, in every layer, nested ones too."""
+    def build(seed):
+        torch.manual_seed(seed)
+        inner = CopiesOnSave(4, 3) if how == "save_to_state_dict" else nn.Linear(4, 3)
+        model = nn.Sequential(nn.Sequential(inner), nn.Linear(3, 2))
+        if how == "post_hook":
+            inner.register_state_dict_post_hook(lambda m, sd, prefix, meta: _clone_bias(m, sd, prefix, meta))
+        elif how == "pre_hook":  # a pre-hook alone hands out no copies: what matters is that it may act
+            inner.register_state_dict_pre_hook(lambda m, prefix, keep_vars: None)
+        elif how == "state_dict":
+            inner.state_dict = functools.partial(_cloned_state_dict, inner)
+        return model
+    source = build(0)
+    ss.save({"model": source}, tmp_path / "c")
+    target = build(1)
+    ss.load({"model": target}, tmp_path / "c")
+    for (name, a), b in zip(source.named_parameters(), target.parameters()):
+        assert same_bits(a.detach(), b.detach()), name
 
 
 @pytest.mark.parametrize("view", ["conj", "neg"])

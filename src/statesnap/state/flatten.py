@@ -706,12 +706,19 @@ def _filled_in_place(module: nn.Module, sd: dict) -> bool:
     counts its writes as in-place changes itself: engine/load.py.)"""
     if _customised(module, "load_state_dict"):
         return False
+    as_is = not _renamed_by_helper(module)  # (sd is then the module's own state_dict())
     for m in module.modules():
         if (m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks or _customised(m, "_load_from_state_dict")
                 or _customised(m, "set_extra_state")):
             return False
+        as_is = as_is and not (m._state_dict_pre_hooks or m._state_dict_hooks or _customised(m, "state_dict")
+                               or _customised(m, "_save_to_state_dict"))
+    if not all(type(v) is torch.Tensor for v in sd.values()):
+        return False
+    if as_is:  # each value is a parameter or buffer detached (Module._save_to_state_dict): no need to look
+        return True
     own = {t.data_ptr(): t for t in (*module.parameters(), *module.buffers())}  # (two at one address: a miss)
-    return all(type(v) is torch.Tensor and _same_layout(v, own.get(v.data_ptr())) for v in sd.values())
+    return all(_same_layout(v, own.get(v.data_ptr())) for v in sd.values())
 
 
 def _same_layout(value: torch.Tensor, own: torch.Tensor | None) -> bool:
