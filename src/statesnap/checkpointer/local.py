@@ -14,7 +14,11 @@ snapshot itself until this stage is done with it, as it does for the persistent 
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
+import socket
 import uuid
+import warnings
 from collections import deque
 from dataclasses import dataclass
 
@@ -27,8 +31,11 @@ from ..engine.save import (RankOutput, data_file_name, gather_reports, own_objec
 from ..errors import CheckpointError, described
 from ..format.manifest import MANIFEST_NAME
 from ..monitor.events import EventLog, now
+from .config import CheckpointerConfig
 from .levels import StorageLevel
 from .pipeline import Snapshot, _Stage
+
+log = logging.getLogger("statesnap")
 
 PEER_CHUNK_BYTES = 8 << 20  # transfers go in pieces of this size,
 IN_FLIGHT = 2  # this many at a time: one is written (or read) while the next is on the wire
@@ -67,6 +74,25 @@ class Topology:
             following = members[distinct[(distinct.index(node) + 1) % len(distinct)]]
             out.append(following[members[node].index(rank) % len(following)])
         return out
+
+
+def without_peer_replicas(cfg: CheckpointerConfig, comm: Comm) -> CheckpointerConfig:
+    """``cfg`` without peer replicas, for ``peer_replicas=1`` on ranks that all say they are on one
+    node. On one host that is a restart on the node a lost one left (the configuration unchanged,
+    as at 3 a.m. it is): refusing it kept the job from restoring the replicas this node holds.
+    So it runs without replicas and says so. Ranks on several hosts that report one node are
+    misconfigured: their node-local levels would be taken for one, so that is refused."""
+    hosts = set(comm.all_gather(socket.gethostname()))
+    if len(hosts) > 1:
+        raise CheckpointError(f"peer_replicas={cfg.peer_replicas} needs ranks on at least two nodes, but every "
+                              f"rank says it is on node {cfg.node_id}, on {len(hosts)} hosts: set GROUP_RANK "
+                              "or node_id= to each rank's node")
+    message = (f"statesnap: peer_replicas={cfg.peer_replicas}, but every rank is on node {cfg.node_id}: no other "
+               "node can keep replicas, so this run keeps none (a node-local checkpoint is then lost with its "
+               "node; the persistent level keeps its own copies). Restores still read the replicas kept here.")
+    log.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    return dataclasses.replace(cfg, peer_replicas=0)
 
 
 # ----------------------------------------------------------------- byte streams between two ranks

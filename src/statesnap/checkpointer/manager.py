@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import numbers
 import os
-import socket
 import threading
 import warnings
 from collections import deque
@@ -37,7 +36,7 @@ from .gpu import CudaCopier, mark_devices
 from .hooks import StepGuard, find_writers
 from .further import FurtherCopier
 from .levels import MemoryLevel, StorageLevel
-from .local import LocalFlusher, Topology, peer_buffer_bytes
+from .local import LocalFlusher, Topology, peer_buffer_bytes, without_peer_replicas
 from .recovery import LocalRecovery
 from .restore import load_newest
 from .roots import RootClaims
@@ -159,6 +158,7 @@ class Checkpointer:
         self._block_bytes = cfg.block_bytes
         self._cuda: CudaCopier | None = None
         self._plan_key, self._plan = None, None
+        self._fits_key, self._all_fit = None, False  # _fits_everywhere's answer, and the layout it is for
         self._state_cache = StateCache()  # the flattened state, reused while its layout stays
         self._inflight: deque[Snapshot] = deque()
         self._failed: list[tuple[Snapshot | None, CheckpointError]] = []
@@ -457,29 +457,10 @@ class Checkpointer:
         cfg = self.config
         topology = Topology(self._comm.all_gather(cfg.node_id), self.rank)
         if cfg.peer_replicas and len(set(topology.nodes)) < 2:
-            self._keep_no_peer_replicas()
+            self.config = without_peer_replicas(cfg, self._comm)
         self._local_group, comm = self._side_comm(f"node-local checkpoints under {self.local.root}")
         self._recovery = LocalRecovery(self.local, comm, topology, cfg.durable)
         self._local_leader = topology.is_leader
-
-    def _keep_no_peer_replicas(self) -> None:
-        """``peer_replicas=1`` on ranks that all say they are on one node. On one host that is a
-        restart on the node a lost one left (the configuration unchanged, as at 3 a.m. it is):
-        refusing it kept the job from restoring the replicas this node holds. So it runs without
-        replicas and says so. Ranks on several hosts that report one node are misconfigured:
-        their node-local levels would be taken for one, so that is refused as before."""
-        cfg = self.config
-        hosts = set(self._comm.all_gather(socket.gethostname()))
-        if len(hosts) > 1:
-            raise CheckpointError(f"peer_replicas={cfg.peer_replicas} needs ranks on at least two nodes, but every "
-                                  f"rank says it is on node {cfg.node_id}, on {len(hosts)} hosts: set GROUP_RANK "
-                                  "or node_id= to each rank's node")
-        message = (f"statesnap: peer_replicas={cfg.peer_replicas}, but every rank is on node {cfg.node_id}: no other "
-                   "node can keep replicas, so this run keeps none (a node-local checkpoint is then lost with its "
-                   "node; the persistent level keeps its own copies). Restores still read the replicas kept here.")
-        log.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
-        self.config = dataclasses.replace(cfg, peer_replicas=0)
 
     def _side_comm(self, what: str) -> tuple:
         """A group of the Checkpointer's ranks for one background stage alone (None on one rank)
@@ -503,12 +484,14 @@ class Checkpointer:
         snapshot_bytes = layout.snapshot_bytes
         plan, elsewhere, owned = self._plan_for(metas, shared_names(flat), snapshot_bytes)
         self._ensure_arena(snapshot_bytes, layout.on_cuda)
-        resident = align_up(snapshot_bytes, REGION_ALIGN) <= self._arena.capacity
+        fits = align_up(snapshot_bytes, REGION_ALIGN) <= self._arena.capacity
+        resident = self._fits_everywhere(fits)
         persist = step % self.config.persist_every == 0 and self._reachable(self.persistent, step)
         if not resident and not persist:
             if not self._warned_streaming:
-                warnings.warn(f"the state ({snapshot_bytes / 1e9:.2f} GB on this rank) does not fit "
-                              f"host_memory_gb={self.config.host_memory_gb:g}: steps that are not persisted "
+                whose = "another rank's state does not fit its" if fits else "the state does not fit"
+                warnings.warn(f"{whose} host_memory_gb (this rank's: {snapshot_bytes / 1e9:.2f} GB, "
+                              f"host_memory_gb={self.config.host_memory_gb:g}): steps that are not persisted "
                               "cannot be kept in memory and are skipped", RuntimeWarning, stacklevel=3)
                 self._warned_streaming = True
             return None
@@ -530,6 +513,16 @@ class Checkpointer:
             object_digests=object_digests(flat, objects) if persist and self._compares_objects else {},
             rank=self.rank, path=self.persistent.path(step),
             local=self.local is not None and step % self.config.local_every == 0)
+
+    def _fits_everywhere(self, fits: bool) -> bool:
+        """Whether every rank's snapshot fits its arena (``fits``: this rank's). Where one does not,
+        the steps that are not persisted are skipped by every rank together: a rank skipping alone
+        put the node-local level's collectives out of step for good. Agreed when the layout
+        changes, when the ranks plan together (``_plan_for``); a layout keeps its size and arena."""
+        if self._fits_key is not self._plan_key:
+            self._all_fit = all(self._comm.all_gather(fits)) if self._comm.world_size > 1 else fits
+            self._fits_key = self._plan_key
+        return self._all_fit and fits
 
     def _copy_unguarded_now(self, flat, layout) -> bool:
         """No optimizer hook holds back a change to a tensor no optimizer writes, and some change
