@@ -967,6 +967,20 @@ def test_shm_scheme_saves_into_node_shared_memory():
         shutil.rmtree(f"/dev/shm/{name}", ignore_errors=True)
 
 
+@pytest.mark.parametrize("name", ["", "/", ".", "..", "run/../..", "to tmp_path"])
+def test_an_shm_name_that_leaves_no_directory_below_dev_shm_is_refused(tmp_path, name):
+    """``shm://NAME`` promises memory: ``..`` put a root on the disk, and an empty name made
+    /dev/shm itself a Checkpointer's root (its clean-up and retention among other programs'
+    files). Nothing is written or claimed."""
+    if name == "to tmp_path":
+        name = os.path.relpath(tmp_path / "escaped", "/dev/shm")
+    with pytest.raises(ss.CheckpointError, match="names no directory below /dev/shm"):
+        ss.save({"w": torch.ones(2)}, f"shm://{name}")
+    with pytest.raises(ss.CheckpointError, match="names no directory below /dev/shm"):
+        ss.Checkpointer(tmp_path / "root", local_root=f"shm://{name}")
+    assert not os.listdir(tmp_path) and not os.path.exists("/dev/shm/.statesnap-lock")
+
+
 @pytest.mark.parametrize("saver", ["save", "checkpointer"])
 def test_empty_tensors_neither_pad_nor_lengthen_the_data_file(tmp_path, saver):
     """docs/format.md §1: a file's size is exactly the size the manifest records. An empty tensor

@@ -71,10 +71,22 @@ def normalize(path) -> str:
     if path.startswith("file:/"):
         path = _file_url_path(path)
     elif path.startswith(SHM_SCHEME):
-        path = os.path.join(SHM_ROOT, path[len(SHM_SCHEME):].lstrip("/"))
+        path = _shm_path(path)
     elif is_url(path):
         return path
     return os.path.normpath(path) if ".." in path.split(os.sep) else path
+
+
+def _shm_path(url: str) -> str:
+    """The directory below /dev/shm that ``shm://NAME`` names. A NAME with ``..`` in it left /dev/shm
+    (a root on the disk, under a scheme that promises memory), and an empty one made /dev/shm
+    itself the root, where a Checkpointer's start-up cleanup and retention then worked among every
+    other program's files: both are refused."""
+    name = os.path.normpath(url[len(SHM_SCHEME):].lstrip("/") or ".")
+    if name == "." or name.split(os.sep)[0] == "..":
+        raise CheckpointError(f"{url} names no directory below {SHM_ROOT}: give shm://NAME, a directory of its own "
+                              "there (e.g. shm://my-run)")
+    return os.path.join(SHM_ROOT, name)
 
 
 def _file_url_path(url: str) -> str:
