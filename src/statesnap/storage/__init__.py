@@ -78,8 +78,8 @@ def normalize(path) -> str:
 
 
 def _shm_path(url: str) -> str:
-    """The directory below /dev/shm that ``shm://NAME`` names. A NAME with ``..`` in it left /dev/shm
-    (a root on the disk, under a scheme that promises memory), and an empty one made /dev/shm
+    """The directory below /dev/shm that ``shm://NAME`` names. A NAME that climbs out with ``..`` left
+    /dev/shm (a root on the disk, under a scheme that promises memory), and an empty one made /dev/shm
     itself the root, where a Checkpointer's start-up cleanup and retention then worked among every
     other program's files: both are refused."""
     name = os.path.normpath(url[len(SHM_SCHEME):].lstrip("/") or ".")
