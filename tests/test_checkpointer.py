@@ -835,3 +835,22 @@ def test_close_gives_the_host_memory_back_while_the_checkpointer_is_still_refere
     ckpt.close()
     assert before - _resident_mib() >= 48, "the arena's pages are still resident after close()"
     assert os.path.isdir(tmp_path / "step-1")
+
+
+def test_a_restore_from_memory_fits_small_tensors_held_in_lists_as_a_load_does(tmp_path):
+    """A small tensor held in a list (an optimizer's parameter) whose stored value has another
+    dtype is a mismatch from host memory too, not replaced behind the optimizer's back; cast=True
+    converts it in place, and one that fits is filled in place."""
+    params = [torch.full((4,), 1.5, requires_grad=True)]
+    with ss.Checkpointer(tmp_path, persist_every=1000) as ckpt:
+        ckpt.save(1, {"params": params}).wait()
+        held = [torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)]
+        with pytest.raises(ss.StateMismatchError, match=r"host memory.*params.0 \(checkpoint float32\[4\], "
+                                                        r"target bfloat16\[4\]\)"):
+            ckpt.load_latest({"params": held})
+        assert float(held[0].detach().abs().sum()) == 0
+        for dtype in (torch.bfloat16, torch.float32):
+            target = [torch.zeros(4, dtype=dtype, requires_grad=True)]
+            first = target[0]
+            assert ckpt.load_latest({"params": target}, cast=True) == 1 and ckpt.loaded_from == "memory"
+            assert target[0] is first and torch.equal(first.detach(), torch.full((4,), 1.5, dtype=dtype))

@@ -869,7 +869,7 @@ def test_a_tuple_keeps_no_small_tensor_of_another_dtype_than_the_stored_one(tmp_
     """The same for a small tensor in a tuple stored whole: == of one-element tensors of two
     dtypes is True, so a float32 1.0 stayed where the checkpoint holds a float64 1.0."""
     ss.save({"pair": (nn.Linear(2, 2), (torch.tensor(1.0, dtype=torch.float64), 1))}, tmp_path / "c")
-    with pytest.raises(ss.CheckpointError, match=r"pair.1 lies in a tuple"):
+    with pytest.raises(ss.StateMismatchError, match=r"pair.1.0 \(checkpoint float64\[\], target float32\[\]\)"):
         ss.load({"pair": (nn.Linear(2, 2), (torch.tensor(1.0), 1))}, tmp_path / "c")
     target = {"pair": (nn.Linear(2, 2), (torch.tensor(0.0, dtype=torch.float64), 1))}
     ss.load(target, tmp_path / "c")  # the same dtype: filled in place
@@ -1011,21 +1011,61 @@ def test_small_tensors_inside_plain_values_are_loaded_in_place(tmp_path):
     """Small tensors in lists, dicts of lists and tuples are stored inline with plain data; a
     load used to put new tensor objects (and a new list) in their place, so whoever else held
     them (an optimizer over a list of plain tensors) kept the old values. They are filled in
-    place now; a value of another shape or dtype, or a new element, is put in its place."""
+    place now; a new element, or a value where an empty tensor holds the place, is put there."""
     saved = {"l": [torch.arange(3.), 7, [torch.ones(2, dtype=torch.int64)]], "t": (torch.full((2,), 5.),),
-             "d": {"grown": [torch.arange(2.)], "other": [torch.zeros(4)]}}
+             "d": {"grown": [torch.arange(2.)], "other": [torch.arange(4.)]}}
     ss.save(saved, tmp_path / "c")
     held_list, held = [torch.zeros(3), 0, [torch.zeros(2, dtype=torch.int64)]], torch.zeros(3)
     held_list[0] = held
-    inner, in_tuple, mismatched = held_list[2], torch.zeros(2), torch.zeros(4, dtype=torch.float64)
-    target = {"l": held_list, "t": (in_tuple,), "d": {"grown": [], "other": [mismatched]}}
+    inner, in_tuple, placeholder = held_list[2], torch.zeros(2), torch.empty(0, dtype=torch.float64)
+    target = {"l": held_list, "t": (in_tuple,), "d": {"grown": [], "other": [placeholder]}}
     ss.load(target, tmp_path / "c")
     assert target["l"] is held_list and held_list[0] is held and held_list[2] is inner
     assert torch.equal(held, torch.arange(3.)) and held_list[1] == 7 and torch.equal(inner[0], torch.ones(2, dtype=torch.int64))
     assert torch.equal(in_tuple, torch.full((2,), 5.))
     assert torch.equal(target["d"]["grown"][0], torch.arange(2.))
     other = target["d"]["other"][0]
-    assert other is not mismatched and other.dtype == torch.float32 and torch.equal(other, torch.zeros(4))
+    assert other is not placeholder and other.dtype == torch.float32 and torch.equal(other, torch.arange(4.))
+
+
+def test_a_small_tensor_held_in_a_list_that_the_stored_one_does_not_fit_is_a_mismatch(tmp_path):
+    """An optimizer over a list of small tensors trains the list's tensors: one of another dtype
+    or shape than the stored one was replaced in the list without a word, and the optimizer went
+    on training the old one. Now it is a mismatch like any tensor's: refused (naming each, by its
+    place), left as it was with strict=False (warned of, in LoadInfo.mismatched), converted in
+    place with cast=True where both are floating."""
+    params = [torch.full((4,), 1.5, requires_grad=True), torch.full((3,), -2.0, requires_grad=True)]
+    ss.save({"params": params, "opt": torch.optim.SGD(params, lr=0.1), "extra": {"ids": [torch.arange(2)]}},
+            tmp_path / "c")
+
+    def target(first_dtype=torch.bfloat16, second=5, ids=torch.zeros(2)):
+        new = [torch.zeros(4, dtype=first_dtype, requires_grad=True), torch.zeros(second, requires_grad=True)]
+        return {"params": new, "opt": torch.optim.SGD(new, lr=0.1), "extra": {"ids": [ids]}}
+
+    state = target()
+    with pytest.raises(ss.StateMismatchError) as caught:
+        ss.load(state, tmp_path / "c")
+    message = str(caught.value)
+    assert "params.0 (checkpoint float32[4], target bfloat16[4])" in message
+    assert "params.1 (checkpoint float32[3], target float32[5])" in message
+    assert "extra.ids.0 (checkpoint int64[2], target float32[2])" in message and "cast=True" in message
+    assert all(float(t.detach().abs().sum()) == 0 for t in state["params"])  # nothing written
+
+    state = target()
+    held = list(state["params"])
+    with pytest.warns(UserWarning, match=r"strict=False left .*params.0 \(checkpoint float32"):
+        info = ss.load(state, tmp_path / "c", strict=False)
+    assert sorted(info.mismatched) == ["extra.ids.0", "params.0", "params.1"]
+    assert all(a is b and float(a.detach().abs().sum()) == 0 for a, b in zip(state["params"], held))
+
+    state = target(second=3, ids=torch.zeros(2, dtype=torch.int64))
+    held = list(state["params"]) + [state["extra"]["ids"][0]]
+    ss.load(state, tmp_path / "c", cast=True)
+    assert [a is b for a, b in zip(state["params"] + state["extra"]["ids"], held)] == [True] * 3
+    first = state["params"][0]
+    assert first.dtype == torch.bfloat16 and torch.equal(first, torch.full((4,), 1.5, dtype=torch.bfloat16))
+    assert torch.equal(state["opt"].param_groups[0]["params"][1], torch.full((3,), -2.0))
+    assert torch.equal(state["extra"]["ids"][0], torch.arange(2))
 
 
 def test_a_list_holding_one_tensor_several_times_loads_every_stored_value(tmp_path):

@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..engine.load import mismatch_error, mismatches
-from ..engine.objects import decode_value
+from ..engine.objects import decode_value, fitted_to_held
 from ..engine.overlaps import overlapping_pairs, overwritten, same_view, tie_error
 from ..engine.save import foreign_entries
 from ..errors import CheckpointError
@@ -274,14 +274,21 @@ def leave_fresh(optimizers: list[torch.optim.Optimizer]) -> None:
     optimizers.clear()
 
 
-def restore_from_memory(snap, flat, buffer: torch.Tensor, allow_pickle: bool) -> int:
+def restore_from_memory(snap, flat, buffer: torch.Tensor, allow_pickle: bool, cast: bool = False) -> int:
     """Copy a resident snapshot back into the flattened target; return the bytes restored."""
     pairs, staged = _pairs_to_check(snap, flat, buffer)
     read_blob = lambda fqn, _ref: snap.blobs[fqn]  # noqa: E731 (pickled values kept in memory)
-    objects = [(item, decode_value(item.fqn, snap.objects[item.fqn], allow_pickle, read_blob)) for item in flat.objects]
-    for item, value in objects:  # before any copy: a value the state cannot take leaves it as it was
+    objects, mismatched, precision_only = [], [], False
+    for item in flat.objects:  # before any copy: a value the state cannot take leaves it as it was
+        value = decode_value(item.fqn, snap.objects[item.fqn], allow_pickle, read_blob)
+        if item.per_rank is None:  # (tensors the state holds among plain values, as a load fits them)
+            value, unfit, precision = fitted_to_held(item.fqn, item.value, value, cast)
+            mismatched, precision_only = mismatched + unfit, precision_only or precision
         if item.check is not None:
             item.check(value)
+        objects.append((item, value))
+    if mismatched:
+        raise mismatch_error(_memory_of(snap), [], [], mismatched, precision_only, [], False)
     base = snap.region.start
     nbytes = 0
     devices = set()

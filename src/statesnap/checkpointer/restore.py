@@ -101,8 +101,8 @@ def load_newest(state: dict, cast: bool, comm: Comm, memory: MemoryLevel, arena:
         for index, (step, _, name) in enumerate(choices):
             try:
                 if name == "memory":
-                    nbytes = _restore_memory(comm, arena, snap, flat, step, config.allow_pickle,
-                                             (state, made) if emptied else None)
+                    nbytes = _restore_memory(comm, arena, snap, flat, step, config.allow_pickle, cast,
+                                             (state, made, cast) if emptied else None)
                     from_memory = True
                 else:
                     emptied = emptied or bool(made)
@@ -165,7 +165,7 @@ def _stored_steps(levels: list[StorageLevel]) -> list[list[int] | str]:
     return steps
 
 
-def _restore_memory(comm: Comm, arena: Arena, snap, flat, step: int, allow_pickle: bool,
+def _restore_memory(comm: Comm, arena: Arena, snap, flat, step: int, allow_pickle: bool, cast: bool,
                     remake: tuple | None = None) -> int:
     """Restore ``snap`` from the arena into ``flat``, on every rank or (raised) on none.
     ``remake``: (state, made) whose fresh optimizers lost the state made for the snapshot to
@@ -178,7 +178,7 @@ def _restore_memory(comm: Comm, arena: Arena, snap, flat, step: int, allow_pickl
             flat = matching_target(snap, *remake)
             if flat is None:
                 raise CheckpointError(f"the snapshot of step {step} in host memory no longer matches the state")
-        nbytes = restore_from_memory(snap, flat, arena.buffer, allow_pickle)
+        nbytes = restore_from_memory(snap, flat, arena.buffer, allow_pickle, cast)
     except Exception as exc:  # noqa: BLE001 (all ranks raise together below)
         error = exc
     comm.agree(error, f"restoring step {step} from host memory")

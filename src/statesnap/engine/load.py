@@ -29,7 +29,7 @@ from ..storage.base import StorageBackend
 from .buffers import borrowed_byte_view, host_contiguous
 from .device_load import fill_device_targets, wave_parts
 from .dist import DEFAULT_TIMEOUT_S, Comm
-from .objects import decode_value
+from .objects import castable, decode_value, fitted_to_held
 from .overlaps import overlapping_pairs, overwritten, same_view, tie_error
 from .read import ReadExecutor, open_data_file
 from .shared import plan_shared_reads, should_share
@@ -178,13 +178,6 @@ def _format_list(title: str, names: list[str]) -> str:
     return f"{title} ({len(names)}): {shown}{more}"
 
 
-def _castable(stored: torch.dtype, target: torch.dtype) -> bool:
-    """Whether ``cast=True`` may convert ``stored`` values into a ``target`` tensor: between
-    floating dtypes only. Integer and bool tensors hold counts, indices and masks; turning them
-    into floats or back would round or truncate them without anyone having asked for that."""
-    return stored.is_floating_point and target.is_floating_point
-
-
 CAST_HINT = " Pass cast=True to convert between floating dtypes."
 
 
@@ -214,13 +207,21 @@ def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: 
         keys, mine = list(manifest.keys()), {i.fqn for i in flat.tensors} | {o.fqn for o in flat.objects}
         loaded = [k in mine or (partial and not any(in_part(k, p) for p in top)) for k in keys]
         unexpected = [k for k, wanted in zip(keys, comm.any_of(loaded)) if not wanted]
+    return missing, settle_mismatches(path, strict, missing, unexpected, mismatched, precision_only, top, partial,
+                                      stacklevel=7)  # (at ss.load's caller)
+
+
+def settle_mismatches(path: str, strict: bool, missing: list[str], unexpected: list[str], mismatched: list[str],
+                      precision_only: bool, top: list[str], partial: bool, stacklevel: int) -> list[str]:
+    """Raise a strict load's mismatches; warn of a non-strict one's ``mismatched`` (each name with
+    what it holds and what is stored), whose names are returned: they are left as they were."""
     if strict and (missing or mismatched or unexpected):
         raise mismatch_error(f"checkpoint {path}", missing, unexpected, mismatched, precision_only, top, partial)
     if mismatched:
         warnings.warn(f"strict=False left what checkpoint {path} holds with another shape or dtype as it was: "
                       + _format_list("shape/dtype mismatch", sorted(mismatched)) + "."
-                      + (CAST_HINT if precision_only else ""), stacklevel=6)  # (at ss.load's caller)
-    return missing, [m.split(" ", 1)[0] for m in mismatched]
+                      + (CAST_HINT if precision_only else ""), stacklevel=stacklevel)
+    return [m.split(" ", 1)[0] for m in mismatched]
 
 
 def mismatches(flat: Flattened, header: Callable[[str], Any], stored_objects: Container[str],
@@ -241,7 +242,7 @@ def mismatches(flat: Flattened, header: Callable[[str], Any], stored_objects: Co
                 missing.append(item.fqn)
             continue
         same_shape, same_dtype = entry.shape == item.global_shape, entry.dtype == item.dtype
-        convertible = not same_dtype and _castable(entry.dtype, item.dtype)
+        convertible = not same_dtype and castable(entry.dtype, item.dtype)
         precision_only = precision_only or (same_shape and convertible and not cast)
         if not same_shape or not (same_dtype or (cast and convertible)):
             why = (" (cast=True converts between floating dtypes only)"
@@ -401,8 +402,11 @@ class PlainValues:
     after the tensors, then puts every value in place."""
 
     def __init__(self, flat: Flattened, manifest: Manifest, backend: StorageBackend, path: str, skip: set[str],
-                 allow_pickle: bool, comm: Comm):
-        self.manifest, self.allow_pickle, self.comm = manifest, allow_pickle, comm
+                 allow_pickle: bool, comm: Comm, cast: bool = False):
+        self.manifest, self.allow_pickle, self.comm, self.cast = manifest, allow_pickle, comm, cast
+        # the tensors held among the values whose stored values do not fit them (``fitted_to_held``)
+        self.mismatched: list[str] = []
+        self.precision_only = False
         self.where = backend.join(path, MANIFEST_NAME)
         self._values = []  # (item, its entry, (found, value) or None where its bytes are read by put)
         for item in flat.objects:
@@ -420,6 +424,9 @@ class PlainValues:
         if item.per_rank is not None:
             return item.per_rank.choose(value if entry.kind == "per_rank" else [value], self.comm.rank,
                                         self.comm.world_size, item.fqn)
+        value, mismatched, precision_only = fitted_to_held(item.fqn, item.value, value, self.cast)
+        self.mismatched += mismatched
+        self.precision_only = self.precision_only or precision_only
         if item.check is not None:
             item.check(value)
         return True, value
@@ -559,15 +566,17 @@ class Loading:
             error = exc
         self.comm.agree(error, f"loading {self.path}")
         try:
+            self.top, self.partial = [str(key) for key in state], partial
             self.missing, self.mismatched = _match(self.flat, self.manifest, self.comm, self.strict, self.path, cast,
-                                                   [str(key) for key in state], partial)
+                                                   self.top, partial)
             self.skip = {*self.missing, *self.mismatched}
             self.sharing = overlapping_pairs(item for item in self.flat.tensors if item.fqn not in self.skip)
             tied_apart = _tied_apart(self.sharing, self.manifest, self.path)
             if tied_apart is not None:
                 raise tied_apart
             self.plain = PlainValues(self.flat, self.manifest, self.backend, self.path, self.skip, self.allow_pickle,
-                                     self.comm)
+                                     self.comm, cast)
+            self.mismatched += self._settle_plain(0, stacklevel=7)
             zero_unfilled(self.created, [item.local for item in self.flat.tensors if item.fqn in self.skip])
         except Exception as exc:
             error = exc
@@ -599,13 +608,21 @@ class Loading:
                 clash = self._overwritten()
                 if clash is not None:
                     raise clash
-                self.plain.put(self.backend, self.path)
+                decoded_before = len(self.plain.mismatched)
+                self.plain.put(self.backend, self.path)  # (pickled values are decoded here)
+                self.mismatched += self._settle_plain(decoded_before, stacklevel=6)
                 for finalize in self.flat.finalizers:
                     finalize()
             except Exception as exc:
                 error = exc
             self.comm.agree(error, f"loading {self.path}")
         return LoadInfo(self.path, self.nbytes, time.perf_counter() - self.started, self.missing, self.mismatched)
+
+    def _settle_plain(self, first: int, stacklevel: int) -> list[str]:
+        """``settle_mismatches`` of the tensors held among plain values that the values stored do
+        not fit, from the ``first`` found on (``PlainValues.mismatched``)."""
+        return settle_mismatches(self.path, self.strict, [], [], self.plain.mismatched[first:],
+                                 self.plain.precision_only, self.top, self.partial, stacklevel)
 
     def _overwritten(self) -> StateMismatchError | None:
         """Targets sharing memory whose writes overwrote one another (engine/overlaps.py): each

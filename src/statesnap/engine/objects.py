@@ -5,9 +5,12 @@ import io
 import pickle
 from typing import Any
 
+import torch
+
 from ..errors import ManifestError, UnsafeCheckpointError
 from ..format import plaindata
 from ..format.manifest import ObjectEntry
+from ..state.flatten import join
 
 
 def encode_value(fqn: str, value: Any, allow_pickle: bool) -> tuple[ObjectEntry, bytes | None]:
@@ -41,3 +44,51 @@ def decode_value(fqn: str, entry: ObjectEntry, allow_pickle: bool, read_blob, wh
             f"{fqn} is stored with pickle, which can run arbitrary code when loaded; pass "
             "allow_pickle=True only if you trust where this checkpoint came from")
     return pickle.loads(read_blob(fqn, entry.value))
+
+
+def castable(stored: torch.dtype, target: torch.dtype) -> bool:
+    """Whether ``cast=True`` may convert ``stored`` values into a ``target`` tensor: between
+    floating dtypes only. Integer and bool tensors hold counts, indices and masks; turning them
+    into floats or back would round or truncate them without anyone having asked for that."""
+    return stored.is_floating_point and target.is_floating_point
+
+
+def fitted_to_held(fqn: str, held: Any, value: Any, cast: bool) -> tuple[Any, list[str], bool]:
+    """``value``, a stored plain value, made ready to go where the state holds ``held``; the
+    tensors the state holds in it (named under ``fqn``) whose stored value has another shape or
+    dtype, or is no tensor, each with both; and whether some differ in floating precision alone.
+    Those are mismatches like any other, not plain data to replace: a small tensor held in a
+    list, as an optimizer's parameters may be, is also the one the optimizer trains, and the
+    list's element replaced by the stored one left the optimizer training the old one without a
+    word. So the held tensor stays in the value given back (a load with strict=False leaves it as
+    it was), and with ``cast`` one of another floating dtype is converted to the held one's. An
+    empty tensor holds nothing to keep: a placeholder, it takes whatever is stored (an RNG state
+    loaded into ``[torch.empty(0, dtype=torch.uint8)]``). Containers are followed as the load
+    fills them (``state/flatten.py``'s ``_merged``)."""
+    if isinstance(held, torch.Tensor) and held.numel():
+        if isinstance(value, torch.Tensor) and value.shape == held.shape:
+            if value.dtype == held.dtype:
+                return value, [], False
+            if cast and castable(value.dtype, held.dtype):
+                return value.to(held.dtype), [], False
+        stored = (f"{str(value.dtype)[6:]}{list(value.shape)}" if isinstance(value, torch.Tensor)
+                  else f"a {type(value).__name__}")
+        precision_only = isinstance(value, torch.Tensor) and value.shape == held.shape and castable(value.dtype,
+                                                                                                   held.dtype)
+        return held, [f"{fqn} (checkpoint {stored}, target {str(held.dtype)[6:]}{list(held.shape)})"], precision_only
+    if isinstance(held, dict) and isinstance(value, dict):
+        pairs = [(key, held[key]) if key in held else (key, None) for key in value]
+    elif (isinstance(held, list) and isinstance(value, list)) or (
+            isinstance(held, tuple) and isinstance(value, tuple) and len(held) == len(value)):
+        pairs = list(enumerate(held[:len(value)]))
+    else:
+        return value, [], False
+    fitted, names, precision_only = [], [], False
+    for key, element in pairs:
+        one, bad, precision = fitted_to_held(join(fqn, key), element, value[key], cast)
+        fitted.append(one)
+        names += bad
+        precision_only = precision_only or precision
+    if isinstance(value, dict):
+        return dict(zip(value, fitted)), names, precision_only
+    return type(value)(fitted + list(value[len(fitted):])), names, precision_only
