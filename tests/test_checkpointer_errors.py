@@ -7,6 +7,7 @@ import re
 import threading
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -370,6 +371,29 @@ def test_the_one_shot_api_refuses_switches_of_another_kind(tmp_path):
         ss.open(tmp_path / "c", verify="no")
     with pytest.raises(ss.CheckpointError, match="storage_options must be a dict"):
         ss.load(state, tmp_path / "c", storage_options="anon=True")
+
+
+@pytest.mark.parametrize("call, setting, value", [
+    ("save", "block_bytes", -1), ("save", "block_bytes", 0), ("save", "block_bytes", 2 ** 63),
+    ("save", "block_bytes", True), ("save", "threads", -1), ("save", "timeout_s", float("nan")),
+    ("save", "replica_check_mb", -1.0), ("save", "progress", "yes"), ("load", "threads", 0),
+    ("load", "timeout_s", -5), ("load", "timeout_s", float("inf")), ("load", "shared_reads", "no"),
+    ("verify", "threads", -2)])
+def test_numbers_out_of_their_range_are_refused_by_name_before_anything_is_written(tmp_path, call, setting, value):
+    """A negative block_bytes made the save's checksums loop forever (its staging directory left
+    behind), 2**63 committed a checkpoint no reader takes, 0 failed in range(); threads=-2 and
+    timeout_s=nan raised bare ValueErrors from deep inside."""
+    state = {"t": torch.ones(2)}
+    ss.save(state, tmp_path / "c")
+    before = sorted(os.listdir(tmp_path))
+    run = {"save": lambda: ss.save(state, tmp_path / "d", **{setting: value}),
+           "load": lambda: ss.load(state, tmp_path / "c", **{setting: value}),
+           "verify": lambda: ss.open(tmp_path / "c").verify(**{setting: value})}[call]
+    with pytest.raises(ss.CheckpointError, match=f"{setting} must be .*, not {re.escape(repr(value))}"):
+        run()
+    assert sorted(os.listdir(tmp_path)) == before
+    ss.save(state, tmp_path / "e", block_bytes=np.int64(1000), threads=np.int64(2))  # (numpy integers are numbers)
+    assert ss.open(tmp_path / "e").verify() == 8
 
 
 def test_ctrl_c_in_a_save_that_reports_an_earlier_failure_stops_the_loop(tmp_path, monkeypatch):

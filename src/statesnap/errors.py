@@ -48,6 +48,35 @@ def refuse_non_switches(where: str, **switches) -> None:
             raise CheckpointError(f"{where}: {name} must be True or False, not {value!r}")
 
 
+def _whole(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _real(value) -> bool:  # (NaN fails every comparison below)
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+# setting -> (whether a value is one, what it must be)
+_NUMBERS = {
+    "threads": (lambda v: v is None or (_whole(v) and v >= 1), "None or a whole number of at least 1"),
+    "timeout_s": (lambda v: _real(v) and 0 < v <= 1e9, "a number of seconds above 0 (at most 1e9)"),
+    "block_bytes": (lambda v: _whole(v) and 1 <= v < 2 ** 63, "a whole number of bytes from 1 to 2**63 - 1"),
+    "replica_check_mb": (lambda v: _real(v) and v >= 0, "a number of MiB, 0 or more"),
+    "progress": (lambda v: v is None or v is True or v is False, "None, True or False"),
+    "shared_reads": (lambda v: v is None or v is True or v is False, "None, True or False"),
+}
+
+
+def refuse_bad_settings(where: str, **settings) -> None:
+    """Refuse a numeric or three-way setting (``_NUMBERS``) out of its range, named: a negative
+    ``block_bytes`` made a save's checksums loop forever, one of 2**63 committed a checkpoint no
+    reader takes, ``threads=-2`` or ``timeout_s=nan`` raised bare errors from deep inside."""
+    for name, value in settings.items():
+        fits, wanted = _NUMBERS[name]
+        if not fits(value):
+            raise CheckpointError(f"{where}: {name} must be {wanted}, not {value!r}")
+
+
 def printable(text: str) -> str:
     """``text`` for a terminal, each non-printable character as its Python escape (``\\n``,
     ``\\x1b``): names come from manifests, which anyone may write, and a newline or an escape

@@ -15,7 +15,7 @@ from .engine.read import ReadExecutor
 from .engine.write import default_threads
 from .errors import (
     CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, NotInCheckpointError, RegionOutOfRangeError,
-    refuse_non_switches,
+    refuse_bad_settings, refuse_non_switches,
 )
 from .format.checksum import checksum_blocks
 from .format.manifest import BOX, MANIFEST_NAME, Manifest, SplitTensors, TensorEntry
@@ -114,6 +114,7 @@ class Reader:
         Raises one :class:`CorruptCheckpointError` (or :class:`MissingFileError`) listing every
         damaged piece by tensor and file, so one run shows the whole extent of the damage.
         ``progress``: a bar on stderr (default: only when stderr is a terminal)."""
+        refuse_bad_settings("Reader.verify", threads=threads, progress=progress)
         problems, missing, resized = [], [], []
         for name, recorded in zip(self.manifest.files, self.manifest.file_sizes):
             try:

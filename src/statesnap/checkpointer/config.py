@@ -133,7 +133,7 @@ class CheckpointerConfig:
             (self.eager_copy_mb >= 0, f"eager_copy_mb must not be negative (got {self.eager_copy_mb})"),
             (self.copy_threads >= 1, f"copy_threads must be at least 1 (got {self.copy_threads})"),
             (self.threads is None or self.threads >= 1, f"threads must be at least 1 (got {self.threads})"),
-            (self.commit_timeout_s > 0, "commit_timeout_s must be positive"),
+            (0 < self.commit_timeout_s <= 1e9, "commit_timeout_s must be positive (at most 1e9 seconds)"),
             (self.lease_s >= 3, f"lease_s must be at least 3 seconds (got {self.lease_s})"),
             (self.replica_check_mb >= 0, f"replica_check_mb must not be negative (got {self.replica_check_mb})"),
             (self.local_every >= 1, f"local_every must be at least 1 (got {self.local_every})"),

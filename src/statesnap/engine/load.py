@@ -17,7 +17,7 @@ import torch
 
 from ..collector import collector_paused
 from ..errors import (CheckpointError, CorruptCheckpointError, ManifestError, MissingFileError, NotACheckpointError,
-                      ReadFailedError, StateMismatchError, refuse_non_switches)
+                      ReadFailedError, StateMismatchError, refuse_bad_settings, refuse_non_switches)
 from ..format.checksum import checksum_whole
 from ..format.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry
 from ..plan.load_plan import TargetPlan, piece_offsets, plan_target
@@ -536,6 +536,8 @@ class Loading:
                  partial: bool = False, step: int | None = None):
         refuse_non_switches("ss.load", strict=strict, verify=verify, allow_pickle=allow_pickle, cast=cast,
                             partial=partial)
+        refuse_bad_settings("ss.load", threads=threads, timeout_s=timeout_s, progress=progress,
+                            shared_reads=shared_reads)
         self.started = time.perf_counter()
         self.step = step  # the Checkpointer's step-N: a checkpoint that records another is no step N
         self.path = path_text(path)

@@ -18,7 +18,8 @@ from typing import Any, Callable, ContextManager
 
 import numpy as np
 
-from ..errors import CheckpointError, CheckpointExistsError, described, explained, refuse_non_switches
+from ..errors import (CheckpointError, CheckpointExistsError, described, explained, refuse_bad_settings,
+                      refuse_non_switches)
 from ..format.checksum import DEFAULT_BLOCK_BYTES, checksum_whole
 from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import MANIFEST_NAME, Manifest, ObjectEntry, TensorEntry, meta_problem
@@ -232,6 +233,9 @@ def save(state: dict, path, *, overwrite: bool = False, durable: bool = True, al
     across the ranks holding them, larger pieces by a sample of each checksum block (0: nothing
     is compared); if they differ nothing is committed (see ``engine/replicas.py``)."""
     refuse_non_switches("ss.save", overwrite=overwrite, durable=durable, allow_pickle=allow_pickle)
+    refuse_bad_settings("ss.save", threads=threads, block_bytes=block_bytes, replica_check_mb=replica_check_mb,
+                        timeout_s=timeout_s, progress=progress)
+    block_bytes = int(block_bytes)  # (a numpy integer is no JSON number)
     started = time.perf_counter()
     comm = Comm(process_group, f"saving {path_text(path)}", timeout_s)
     error = None
