@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from statesnap.integrations.lightning import STORE_DIR, load_from_checkpoint, read_checkpoint
+from statesnap import CheckpointError
+from statesnap.integrations.lightning import POINTER_FORMAT, STORE_DIR, load_from_checkpoint, read_checkpoint
+from statesnap.integrations.pointers import pointer_bytes
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "integrations", "lightning_train.py")
 
@@ -280,10 +282,10 @@ def test_a_pointer_that_cannot_be_written_is_raised_and_the_others_are_written(t
 
     written = lightning_io.write_atomically
 
-    def failing(fs, path, data):
+    def failing(fs, path, data, durable=True):
         if path.endswith("top.ckpt"):
             raise OSError(28, "No space left on device")
-        written(fs, path, data)
+        written(fs, path, data, durable)
     monkeypatch.setattr(lightning_io, "write_atomically", failing)
     weight = torch.arange(4.0)
     io = lightning_io.StatesnapCheckpointIO()
@@ -621,3 +623,67 @@ def test_stochastic_weight_averaging_waits_for_the_checkpoint_in_flight(tmp_path
         theirs = torch.load(tmp_path / "theirs" / name, weights_only=False)
         for key, value in theirs["state_dict"].items():
             assert torch.equal(ours["state_dict"][key], value), (name, key)
+
+
+def test_a_name_whose_save_is_in_flight_is_taken_as_lightnings_own_files_are(tmp_path, monkeypatch):
+    """ModelCheckpoint picks a name by whether a file is there (``epoch=0.ckpt``, then
+    ``epoch=0-v1.ckpt``...). The pointer was written only at the commit, so a name still in flight
+    looked free: the next save took it and replaced the first (5 of 8 checkpoints lost, top-k scores
+    kept for steps no file held). Each name is now taken when its save starts, as Lightning's own
+    files are, and a name that exists keeps naming its committed step until the commit."""
+    import time
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from statesnap.integrations.lightning import StatesnapCheckpointIO
+    from statesnap.storage.local import LocalBackend
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, index):
+            loss = self.layer(batch[0]).square().mean()
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(io, out):
+        torch.manual_seed(0)
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(48, 8)), batch_size=8)
+        callback = ModelCheckpoint(dirpath=out, filename="{epoch}", every_n_train_steps=1, monitor="loss",
+                                   save_top_k=-1)
+        pl.Trainer(max_epochs=1, plugins=[io], enable_progress_bar=False, logger=False, enable_model_summary=False,
+                   callbacks=[callback]).fit(Net(), data)
+        return {os.path.basename(path): float(score) for path, score in callback.best_k_models.items()}
+
+    commit = LocalBackend.commit
+
+    def slow_commit(self, *args, **kwargs):  # every save still in flight when the next name is picked
+        time.sleep(0.3)
+        return commit(self, *args, **kwargs)
+    monkeypatch.setattr(LocalBackend, "commit", slow_commit)
+    ours, theirs = fit(StatesnapCheckpointIO(), tmp_path / "ours"), fit(TorchCheckpointIO(), tmp_path / "theirs")
+    assert ours == theirs and len(ours) == 6
+    for name in ours:
+        step = StatesnapCheckpointIO().load_checkpoint(str(tmp_path / "ours" / name))["global_step"]
+        assert step == torch.load(tmp_path / "theirs" / name, weights_only=False)["global_step"], name
+
+    # an existing name is not taken over before the commit; a name left taken by a crash is said to be
+    io, last = StatesnapCheckpointIO(), str(tmp_path / "last.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(2)}, "global_step": 1}, last)
+    io.load_checkpoint(last)
+    before = open(last, "rb").read()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 2}, last)
+    assert open(last, "rb").read() == before
+    io.teardown()
+    assert StatesnapCheckpointIO().load_checkpoint(last)["global_step"] == 2
+    with open(last, "wb") as f:
+        f.write(pointer_bytes(POINTER_FORMAT, f"{STORE_DIR}/step-99"))
+    with pytest.raises(CheckpointError, match="step-99 is not there: the job stopped while saving it"):
+        StatesnapCheckpointIO().load_checkpoint(last)

@@ -10,9 +10,10 @@ checkpoints in a store beside them, ``<dirpath>/statesnap/step-N``, written by o
 planned, the tensors (the live parameters and optimizer state Lightning hands over, not copies)
 are copied while the next forward and backward run, and the optimizer's update waits for that
 copy (its step runs the forward and backward inside its closure, which keeps them overlapped).
-The path Lightning named becomes a small pointer file, written only once the checkpoint is
-committed: a crash at any moment leaves every pointer naming a whole checkpoint, so
-``ckpt_path="last"`` resumes from the newest one committed. ``remove_checkpoint`` deletes the
+The path Lightning named becomes a small pointer file, written once the checkpoint is
+committed: a crash at any moment leaves every ``last`` pointer naming a whole checkpoint, so
+``ckpt_path="last"`` resumes from the newest one committed. (Other new names are taken when
+their save begins: ``_Store._reserve``.) ``remove_checkpoint`` deletes the
 pointer and, once no pointer names it, the checkpoint; while a save is in flight, only once that
 save has committed (with ``save_top_k=1`` Lightning removes the one good checkpoint right after
 starting the save of its successor). A save whose tensors did not change since
@@ -75,6 +76,7 @@ STORE_DIR = "statesnap"
 KEEP_ALL = 1 << 30  # Lightning chooses what to delete, through remove_checkpoint
 _SHARDED = ("state_dict.", "optimizer_states.")  # the rest of the checkpoint is one rank's
 _TEMPORARY = re.compile(r"\.tmp-[0-9a-f]{8}$")
+_LAST = re.compile(r"^last")  # ModelCheckpoint's names for its last checkpoints (CHECKPOINT_NAME_LAST)
 _FIXED = ("keep_last", "persist_every", "on_commit", "process_group")
 _OWN_STATE_MAX = 256 << 10  # a pointer carries at most this much of a checkpoint's own state
 log = logging.getLogger("statesnap")
@@ -354,6 +356,7 @@ class _Store:
                 self._waiting.pop(step, None)
             raise
         self._track(path, handle)
+        self._reserve(path, step)
         handle.durable.add_done_callback(lambda done: done.exception() is not None and self._failed(step))
         # The tensors are kept referenced so that no new tensor can take their addresses, which
         # the next save's fingerprint compares.
@@ -382,14 +385,45 @@ class _Store:
                 waiting.append((path, own_state))  # pointed at once it commits
         if waiting is None:
             self._point(path, step, own_state)
+        else:
+            self._reserve(path, step, own_state)
         self._track(path, handle)
         return True
 
+    def _reserve(self, path: str, step: int, own_state: str | None = None) -> None:
+        """Write now, where ``path`` is new, the pointer the commit of ``step`` writes there (not
+        durably: the commit does). Lightning picks each name by whether a file is there
+        (``epoch=0.ckpt``, then ``epoch=0-v1.ckpt``), and a name whose save was still in flight
+        looked free: the next save took it, and its commit replaced the first (five of eight
+        checkpoints lost, top-k scores kept for steps no file held). Until the commit it names a
+        step not yet stored, which a load waits for, or, after a crash, says never completed. A
+        path that exists names what it named until the commit, and a ``last`` one is never taken
+        early: ``ckpt_path="last"`` picks the newest of those, and a run killed during its first
+        save must start afresh, as Lightning's own (atomic) saves leave it. One that cannot be
+        written is logged: the commit's own write of it reports what stands in its way."""
+        if _LAST.match(os.path.basename(path)):
+            return
+        try:
+            if self.rank == 0 and not self.fs.exists(path):
+                write_atomically(self.fs, path, pointer_bytes(POINTER_FORMAT, f"{STORE_DIR}/step-{step}", own_state),
+                                 durable=False)
+        except OSError as exc:
+            log.warning("statesnap: %s could not be taken for the save of step %d before it commits: %s", path, step,
+                        described(exc))
+
     def _failed(self, step: int) -> None:
         """A save that failed is in flight no more: nothing waits for its commit (a removal
-        deferred behind it waits for the next commit)."""
+        deferred behind it waits for the next commit), and the new paths reserved for it go."""
         with self._lock:
-            self._waiting.pop(step, None)
+            reserved = [path for path, _ in self._waiting.pop(step, []) if path not in self._named]
+        for path in reserved:
+            try:
+                pointer = _read_pointer(path, self._storage_options, verify=False) if self.rank == 0 else None
+                if pointer is not None and step_of(pointer[0]) == step:
+                    self.fs.rm(path)
+            except Exception as exc:  # noqa: BLE001 (raised on the training thread)
+                self._failures.add(CheckpointError(f"{path}, reserved for step {step} whose save failed, could not "
+                                                   f"be removed: {described(exc)}"))
 
     def _track(self, path: str, handle) -> None:
         """Remember the newest save to ``path``; forget those that committed (a run that keeps
@@ -503,7 +537,14 @@ def read_checkpoint(path: str, allow_pickle: bool = False, storage_options: dict
     checkpoint-shaped dict whose tensors (DTensors: this rank's shards) receive the stored ones
     in place, resharded; the others are read whole. ``own_state``: a pointer's own structure,
     in place of the stored one."""
-    reader = open_checkpoint(path, storage_options=storage_options, allow_pickle=allow_pickle)
+    try:
+        reader = open_checkpoint(path, storage_options=storage_options, allow_pickle=allow_pickle)
+    except CheckpointError:
+        fs, _ = fsspec.core.url_to_fs(path, **(storage_options or {}))
+        if fs.exists(path):
+            raise
+        raise CheckpointError(f"{path} is not there: the job stopped while saving it (a pointer is written when its "
+                              "save begins), or it was deleted; resume from another checkpoint") from None
     if "lightning.skeleton" not in reader:
         raise CheckpointError(f"{path} is a statesnap checkpoint, but not one of a Lightning Trainer")
     given = skeleton.split(into)[1] if into is not None else {}

@@ -99,19 +99,21 @@ def read_pointer_file(path: str) -> bytes:
     return raw
 
 
-def write_atomically(fs, path: str, data: bytes) -> None:
-    """Replace the file at ``path``: a local file by rename after fsync (a reader sees the old
-    content or the new), an object by one PUT."""
+def write_atomically(fs, path: str, data: bytes, durable: bool = True) -> None:
+    """Replace the file at ``path``: a local file by rename (after fsync, where ``durable``: a
+    reader sees the old content or the new), an object by one PUT."""
     if not isinstance(fs, fsspec.implementations.local.LocalFileSystem):
         fs.pipe_file(path, data)
         return
     temporary = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     with open(temporary, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(temporary, path)
-    fsync_directory(os.path.dirname(os.path.abspath(path)))
+    if durable:
+        fsync_directory(os.path.dirname(os.path.abspath(path)))
 
 
 def fsync_directory(path: str) -> None:
