@@ -692,3 +692,41 @@ def test_ranks_skip_the_steps_one_cannot_keep_in_memory_together(tmp_path):
         # the node-local level copies from a whole snapshot in memory: persisted steps fail there, named
         assert any("does not fit in host memory whole" in w for w in warned), warned
     assert sorted(n for n in os.listdir(tmp_path / "root") if n.startswith("step-")) == ["step-2", "step-4"]
+
+
+def _per_rank_values_unwrapped(rank, world, root, local_root, wrapped, sampled):
+    os.environ["GROUP_RANK"] = str(rank)  # two nodes
+    rng = torch.full((1024,), float(rank))  # 4 KiB: sampled where replica_check_mb is below that
+    state = {"w": torch.ones(4), "rng": ss.PerRank(rng) if wrapped else rng,
+             "pos": ss.PerRank(10 + rank) if wrapped else 10 + rank}
+    settings = dict(local_root=f"{local_root}/n{rank}", local_every=1, persist_every=1000, host_memory_gb=0.02,
+                    on_error="warn", commit_timeout_s=30, replica_check_mb=0.001 if sampled else 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ss.Checkpointer(root, **settings) as ckpt:
+            ckpt.save(1, state).wait()
+    fresh = torch.zeros(1024)
+    target = {"w": torch.zeros(4), "rng": ss.PerRank(fresh) if wrapped else fresh,
+              "pos": ss.PerRank(-1) if wrapped else -1}
+    with ss.Checkpointer(root, **settings) as ckpt:
+        step = ckpt.load_latest(target)
+    rng, pos = (target["rng"].value, target["pos"].value) if wrapped else (fresh, target["pos"])
+    return [str(w.message) for w in caught], step, bool((rng == rank).all()), pos
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_node_local_level_refuses_per_rank_values_stored_as_one_as_the_persistent_level_does(tmp_path, sampled):
+    """The node-local level stores one copy of a replicated tensor or shared value and restores
+    it to every rank, as the persistent level does, but it compared nothing: a per-rank RNG
+    state and position not wrapped in ss.PerRank came back on every rank as one rank's, without a
+    word. Its commit now compares them (large ones by samples), and refuses what differs."""
+    for wrapped in (False, True):
+        results = run_ranks(2, _per_rank_values_unwrapped, str(tmp_path / f"root{wrapped}"),
+                            str(tmp_path / f"local{wrapped}"), wrapped, sampled)
+        for rank, (warned, step, own_rng, pos) in enumerate(results):
+            if wrapped:
+                assert not warned and step == 1 and own_rng and pos == 10 + rank, (warned, step)
+            else:
+                assert step is None, step
+                assert any("node-local checkpoint of step 1" in w and "replicated value(s) differ" in w
+                           and "rng" in w and "pos" in w for w in warned), warned

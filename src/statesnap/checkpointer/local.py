@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine.dist import Comm
+from ..engine.replicas import heads_of, mismatches, sampled_items
 from ..engine.save import (RankOutput, data_file_name, gather_reports, own_objects, report_errors, whole_manifest,
                            write_rank)
 from ..errors import CheckpointError, described
@@ -33,7 +34,7 @@ from ..format.manifest import MANIFEST_NAME
 from ..monitor.events import EventLog, now
 from .config import CheckpointerConfig
 from .levels import StorageLevel
-from .pipeline import Snapshot, _Stage
+from .pipeline import Snapshot, _Stage, hash_staged_replicas
 
 log = logging.getLogger("statesnap")
 
@@ -198,8 +199,13 @@ class LocalFlusher(_Stage):
     """Writes node-local snapshots in order: own file, replica exchange, manifest, per-node commit."""
 
     def __init__(self, level: StorageLevel, comm: Comm, topology: Topology, peers: bool, arena_of,
-                 block_bytes_of, durable: bool, threads: int, buffer_bytes: int, events: EventLog, on_done):
+                 block_bytes_of, durable: bool, threads: int, buffer_bytes: int, events: EventLog, on_done,
+                 replica_check_bytes: int = 0):
         self.level, self.comm, self.topology = level, comm, topology
+        # Replicas and shared values are compared here as for the persistent level: this level too
+        # stores one copy and restores it to every rank, so a per-rank value not wrapped in
+        # ss.PerRank gave every rank one rank's value after a restart, without a word.
+        self._replica_check_bytes = replica_check_bytes if comm.world_size > 1 else 0
         self._partners = topology.partners() if peers else [None] * len(topology.nodes)
         self._arena_of, self._block_bytes_of = arena_of, block_bytes_of
         self._durable, self._threads, self._events, self._on_done = durable, threads, events, on_done
@@ -247,6 +253,9 @@ class LocalFlusher(_Stage):
             failed = snap.release()  # (the last look at the counters, before this level commits)
             if failed is not None:
                 raise failed
+            output.replicas = hash_staged_replicas(snap, self._arena_of(), self._replica_check_bytes,
+                                                   self._block_bytes_of(), self._events)
+            output.object_digests = snap.object_digests
         except BaseException as exc:  # noqa: BLE001 (every rank must reach the exchange and the gather)
             error = exc
         try:
@@ -275,6 +284,10 @@ class LocalFlusher(_Stage):
         if failures:
             return (f"node-local checkpoint of step {snap.step} under {self.level.root} failed and was not "
                     "committed: " + "; ".join(failures))
+        differ = mismatches([report.output for report in gathered],
+                            {fqn: parts for report in gathered for fqn, parts in report.differing.items()})
+        if differ is not None:
+            return f"node-local checkpoint of step {snap.step} under {self.level.root} was not committed: {differ}"
         tables = {fqn: entry for report in gathered for fqn, entry in report.entries.items()}
         return whole_manifest(tables, [report.output for report in gathered], self.comm.world_size,
                               self._block_bytes_of(), {"step": snap.step})[1]
@@ -284,8 +297,13 @@ class LocalFlusher(_Stage):
         arena, base, rank = self._arena_of(), snap.region.start, self.comm.rank
         tensors = [arena.view(base + offset, meta.nbytes) for offset, meta in zip(snap.item_offsets, snap.metas)]
         entries, blobs = own_objects(snap.objects, snap.blobs, snap.per_rank, rank, snap.plan.object_writers)
-        return write_rank(self.level.backend, staging, token, rank, snap.plan, tensors, entries, blobs,
-                          snap.per_rank, self._durable, self._threads, self._block_bytes_of())
+        output = write_rank(self.level.backend, staging, token, rank, snap.plan, tensors, entries, blobs,
+                            snap.per_rank, self._durable, self._threads, self._block_bytes_of())
+        # the samples of large pieces that holders of copies compare (as the persistent flush takes them)
+        sampled = sampled_items(snap.metas, [item.replicated for item in snap.flat.tensors], self._replica_check_bytes)
+        output.heads = {index: heads_of(tensors[index], self._block_bytes_of())
+                        for index, _ in snap.plan.writes[rank] if index in sampled}
+        return output
 
     def _exchange(self, snap: Snapshot, staging: str, token: str, output: RankOutput | None) -> None:
         """Every rank sends its file to its partner, transfer after transfer in rank order: a

@@ -190,7 +190,8 @@ class Checkpointer:
             self._local_flusher = LocalFlusher(
                 self.local, self._recovery.comm, self._recovery.topology, self.config.peer_replicas > 0,
                 lambda: self._arena, lambda: self._block_bytes, cfg.durable, cfg.threads or default_threads(),
-                peer_buffer_bytes(cfg.host_memory_bytes), self.events, self._local_done)
+                peer_buffer_bytes(cfg.host_memory_bytes), self.events, self._local_done,
+                limit_bytes(cfg.replica_check_mb))
         for stage in (self._stager, self._flusher, self._local_flusher):
             if stage is not None:
                 stage.on_crash = self._abandon
@@ -487,6 +488,7 @@ class Checkpointer:
         fits = align_up(snapshot_bytes, REGION_ALIGN) <= self._arena.capacity
         resident = self._fits_everywhere(fits)
         persist = step % self.config.persist_every == 0 and self._reachable(self.persistent, step)
+        local = self.local is not None and step % self.config.local_every == 0
         if not resident and not persist:
             if not self._warned_streaming:
                 whose = "another rank's state does not fit its" if fits else "the state does not fit"
@@ -510,9 +512,8 @@ class Checkpointer:
             writers=layout.writers, hot=hot, late_checks=layout.late_checks,
             plain=layout.plain, nbytes=layout.nbytes,
             objects=objects, blobs=blobs, per_rank=per_rank_names(flat), cuda_ready=cuda_ready,
-            object_digests=object_digests(flat, objects) if persist and self._compares_objects else {},
-            rank=self.rank, path=self.persistent.path(step),
-            local=self.local is not None and step % self.config.local_every == 0)
+            object_digests=object_digests(flat, objects) if (persist or local) and self._compares_objects else {},
+            rank=self.rank, path=self.persistent.path(step), local=local)
 
     def _fits_everywhere(self, fits: bool) -> bool:
         """Whether every rank's snapshot fits its arena (``fits``: this rank's). Where one does not,

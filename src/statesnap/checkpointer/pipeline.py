@@ -397,7 +397,8 @@ class Flusher(_Stage):
             output = self._write(snap, staging, token)
             self._drain(snap)  # every copy is done, also on a rank that writes nothing
             snap.release()
-            output.replicas = self._hash_replicas(snap)
+            output.replicas = hash_staged_replicas(snap, self._arena_of(), self.target.replica_check_bytes,
+                                                   self.target.block_bytes_of(), self._events)
             output.object_digests = snap.object_digests
         except BaseException as exc:  # noqa: BLE001 (every rank must reach the gather below)
             error = snap.error or exc
@@ -424,23 +425,6 @@ class Flusher(_Stage):
             if batch.region is not None and batch.region.state != FREE:
                 arena.release(batch.region)
         snap.batches.put(None)  # idempotent: a later drain finds the end at once
-
-    def _hash_replicas(self, snap: Snapshot) -> list:
-        """Hashes of the staged copies of this rank's replicas of pieces other ranks write, which
-        the commit compares with the writers' checksums (``engine/replicas.py``). Hashing the
-        arena, here, keeps the work off the training thread and sees exactly the snapshot. Only a
-        resident snapshot has them there: a streaming one stages just what this rank writes."""
-        if not snap.resident or snap.error is not None:
-            return []
-        targets = replicas_to_check(snap.elsewhere, snap.metas, [item.replicated for item in snap.flat.tensors],
-                                    self.target.replica_check_bytes)
-        if not targets:
-            return []
-        arena, base = self._arena_of(), snap.region.start
-        staged = {index: arena.view(base + snap.item_offsets[index], snap.metas[index].nbytes)
-                  for index, *_ in targets}
-        with self._events.timed("checksum", snap.step, sum(view.numel() for view in staged.values())):
-            return hash_tensors(targets, staged, self.target.block_bytes_of())
 
     def _write(self, snap: Snapshot, staging: str, token: str) -> RankOutput:
         backend, rank = self.target.backend, self.target.comm.rank
@@ -521,3 +505,20 @@ def _remove_quietly(backend, staging: str, final: str) -> None:
     except Exception as exc:  # noqa: BLE001
         log.warning("statesnap: could not remove %s after a failed commit (%s); the next Checkpointer on the "
                     "root removes it", staging, described(exc))
+
+
+def hash_staged_replicas(snap: Snapshot, arena, limit: int, block_bytes: int, events) -> list:
+    """Hashes of the staged copies of this rank's replicas of pieces other ranks write (of at
+    most ``limit`` bytes whole, larger ones sampled), which the commit compares with the writers'
+    checksums (``engine/replicas.py``). Hashing the arena, in a flush stage, keeps the work off
+    the training thread and sees exactly the snapshot. Only a resident snapshot has them there:
+    a streaming one stages just what this rank writes."""
+    if not snap.resident or snap.error is not None:
+        return []
+    targets = replicas_to_check(snap.elsewhere, snap.metas, [item.replicated for item in snap.flat.tensors], limit)
+    if not targets:
+        return []
+    base = snap.region.start
+    staged = {index: arena.view(base + snap.item_offsets[index], snap.metas[index].nbytes) for index, *_ in targets}
+    with events.timed("checksum", snap.step, sum(view.numel() for view in staged.values())):
+        return hash_tensors(targets, staged, block_bytes)
