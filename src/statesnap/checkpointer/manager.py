@@ -553,14 +553,15 @@ class Checkpointer:
                 self._agree_on_blocks(snapshot_bytes, max((meta.nbytes for meta in metas), default=0))
             except PeerLostError as exc:
                 raise CheckpointError(
-                    f"{exc}. This rank's state changed layout since its last save and waited for the other ranks "
-                    "to plan the new one with it; they did not, so their layout did not change at this save. "
-                    "Every rank must change layout at the same save: an optimizer other than torch's "
-                    "Adam/AdamW (whose state save() creates ahead; not their subclasses) creates a parameter's "
-                    "state at its first gradient, so a parameter some ranks leave without one (an expert no "
-                    "token reached, an unused branch) changes those ranks' layout at a later save. Give every "
-                    "parameter its optimizer state before the first save (a step in which each gets a "
-                    "gradient), or save such states with ss.save") from exc
+                    f"{exc}. This rank's state changed layout since its last save (or this is its first save) and "
+                    "it waited for the other ranks to plan the new one with it; they did not come within "
+                    "commit_timeout_s: they are that late to this save (raise commit_timeout_s), or their layout "
+                    "did not change at this save. Every rank must change layout at the same save: an optimizer "
+                    "other than torch's Adam/AdamW (whose state save() creates ahead; not their subclasses) "
+                    "creates a parameter's state at its first gradient, so a parameter some ranks leave without "
+                    "one (an expert no token reached, an unused branch) changes those ranks' layout at a later "
+                    "save. Give every parameter its optimizer state before the first save (a step in which each "
+                    "gets a gradient), or save such states with ss.save") from exc
             self._plan_key = key
         return self._plan
 
