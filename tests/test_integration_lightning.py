@@ -13,6 +13,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -531,7 +532,9 @@ def test_values_that_plain_data_would_give_back_as_another_type_are_pickled_or_r
 
 def test_dicts_a_reader_takes_as_dicts_stay_plain_data(tmp_path):
     """A state dict (``OrderedDict``) and ``MultiStepLR``'s milestones (a ``Counter``) are plain
-    data: stored without pickle, loaded as dicts of the same items, which their readers take."""
+    data: stored without pickle; the state dict loaded as a dict of the same items, which its
+    readers take, the milestones as a Counter (a MultiStepLR stepped with an explicit epoch calls
+    ``milestones.elements()``, which a dict lacks)."""
     from statesnap.integrations.lightning import StatesnapCheckpointIO
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
@@ -550,6 +553,11 @@ def test_dicts_a_reader_takes_as_dicts_stay_plain_data(tmp_path):
         resumed.step()
         lrs.append(optimizer.param_groups[0]["lr"])
     assert lrs == pytest.approx([0.1, 0.1, 0.001, 0.001])
+    assert type(back["lr_schedulers"][0]["milestones"]) is collections.Counter
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (PyTorch deprecates the epoch argument)
+        resumed.step(epoch=2)  # the closed form: one milestone (1) passed
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
 
 
 def test_a_numpy_float_is_stored_as_the_float_it_is(tmp_path):

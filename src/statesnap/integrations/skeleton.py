@@ -25,6 +25,7 @@ from ..format import plaindata
 
 _REF = "__statesnap_tensor__"  # {_REF: name} stands for a tensor in the skeleton
 _PICKLED = "__statesnap_pickled__"
+_COUNTER = "__statesnap_counter__"  # {_COUNTER: {key: count}} stands for a collections.Counter
 
 
 def split(tree: Any, allow_pickle: bool = False) -> tuple[str, dict[str, torch.Tensor]]:
@@ -57,7 +58,8 @@ def _strip(value: Any, name: str, tensors: dict, allow_pickle: bool) -> Any:
         tensors[name] = value.detach()
         return {_REF: name}
     if _plain_mapping(value) and all(_exactly_plain(k) for k in value):  # loaded as a dict
-        return {k: _strip(v, f"{name}.{k}" if name else str(k), tensors, allow_pickle) for k, v in value.items()}
+        stripped = {k: _strip(v, f"{name}.{k}" if name else str(k), tensors, allow_pickle) for k, v in value.items()}
+        return {_COUNTER: stripped} if type(value) is collections.Counter else stripped
     if type(value) in (list, tuple):
         return type(value)(_strip(v, f"{name}.{i}" if name else str(i), tensors, allow_pickle)
                            for i, v in enumerate(value))
@@ -81,8 +83,9 @@ _PLAIN_LEAVES = (type(None), bool, int, float, str, bytes, torch.dtype, np.float
 
 def _plain_mapping(value: Any) -> bool:
     """A dict, or a subclass its reader takes as one: an ``OrderedDict`` (a state dict),
-    Lightning's ``AttributeDict`` (hyper-parameters), a ``Counter`` (``MultiStepLR`` keeps its
-    milestones in one, and reads them the same from a dict); loaded, each is a dict. Any other
+    Lightning's ``AttributeDict`` (hyper-parameters); loaded, each is a dict. A ``Counter``
+    (``MultiStepLR``'s milestones) is one too, tagged so that it comes back a Counter: a
+    ``MultiStepLR`` stepped with an explicit epoch calls ``milestones.elements()``. Any other
     subclass (a ``defaultdict``: a missing key would raise) would come back as a plain dict and
     behave otherwise."""
     kind = type(value)
@@ -111,6 +114,8 @@ def _fill(value: Any, tensors: dict, allow_pickle: bool, where: str) -> Any:
                 raise CheckpointError(f"{where}: the checkpoint's structure names tensor {name!r}, which it "
                                       "does not hold")
             return tensors[name]
+        if len(value) == 1 and _COUNTER in value:
+            return collections.Counter(_fill(value[_COUNTER], tensors, allow_pickle, where))
         if len(value) == 1 and _PICKLED in value:
             if not allow_pickle:
                 raise CheckpointError(f"{where} holds a pickled value; load it only from a trusted source, "
