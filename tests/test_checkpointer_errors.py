@@ -376,7 +376,8 @@ def test_the_one_shot_api_refuses_switches_of_another_kind(tmp_path):
 @pytest.mark.parametrize("call, setting, value", [
     ("save", "block_bytes", -1), ("save", "block_bytes", 0), ("save", "block_bytes", 2 ** 63),
     ("save", "block_bytes", True), ("save", "threads", -1), ("save", "timeout_s", float("nan")),
-    ("save", "replica_check_mb", -1.0), ("save", "progress", "yes"), ("load", "threads", 0),
+    ("save", "replica_check_mb", -1.0), ("save", "replica_check_mb", float("inf")), ("save", "progress", "yes"),
+    ("load", "threads", 0),
     ("load", "timeout_s", -5), ("load", "timeout_s", float("inf")), ("load", "shared_reads", "no"),
     ("verify", "threads", -2)])
 def test_numbers_out_of_their_range_are_refused_by_name_before_anything_is_written(tmp_path, call, setting, value):

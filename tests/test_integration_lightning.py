@@ -283,10 +283,10 @@ def test_a_pointer_that_cannot_be_written_is_raised_and_the_others_are_written(t
 
     written = lightning_io.write_atomically
 
-    def failing(fs, path, data, durable=True):
+    def failing(fs, path, data, durable=True, exclusive=False):
         if path.endswith("top.ckpt"):
             raise OSError(28, "No space left on device")
-        written(fs, path, data, durable)
+        written(fs, path, data, durable, exclusive)
     monkeypatch.setattr(lightning_io, "write_atomically", failing)
     weight = torch.arange(4.0)
     io = lightning_io.StatesnapCheckpointIO()
@@ -689,7 +689,12 @@ def test_a_name_whose_save_is_in_flight_is_taken_as_lightnings_own_files_are(tmp
     before = open(last, "rb").read()
     io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 2}, last)
     assert open(last, "rb").read() == before
+    # what ckpt_path="last" chooses among is never taken early: a run killed while saving it resumes from another
+    on_exception = str(tmp_path / "on_exception.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 3}, on_exception)
+    assert not os.path.exists(on_exception)
     io.teardown()
+    assert StatesnapCheckpointIO().load_checkpoint(on_exception)["global_step"] == 3
     assert StatesnapCheckpointIO().load_checkpoint(last)["global_step"] == 2
     with open(last, "wb") as f:
         f.write(pointer_bytes(POINTER_FORMAT, f"{STORE_DIR}/step-99"))

@@ -1068,6 +1068,37 @@ def test_a_small_tensor_held_in_a_list_that_the_stored_one_does_not_fit_is_a_mis
     assert torch.equal(state["extra"]["ids"][0], torch.arange(2))
 
 
+Tagged = collections.namedtuple("Tagged", "weights tags")  # (pickled by reference: at module level)
+
+
+def test_values_an_owner_puts_back_are_not_fitted_and_pickled_ones_are_refused_before_any_is_put(tmp_path):
+    """What an optimizer's or scheduler's own load_state_dict puts back takes the stored value, as
+    torch's does: an lr saved as a float loads into an optimizer whose lr is a tensor now (the form
+    torch.compile'd optimizers want). A pickled namedtuple holding a tensor loads as it was; a
+    pickled list whose small tensor the stored one does not fit is refused before any plain value
+    is put in place."""
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optim = torch.optim.SGD([weight], lr=0.005)
+    scheduler = torch.optim.lr_scheduler.StepLR(optim, step_size=1)
+    ss.save({"opt": optim, "sched": scheduler}, tmp_path / "float_lr")
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optim = torch.optim.SGD([weight], lr=torch.tensor(0.01))
+    scheduler = torch.optim.lr_scheduler.StepLR(optim, step_size=1)
+    ss.load({"opt": optim, "sched": scheduler}, tmp_path / "float_lr")
+    assert optim.param_groups[0]["lr"] == 0.005 and scheduler.base_lrs == [0.005]
+
+    ss.save({"x": Tagged(torch.arange(3.0), {"a", "b"})}, tmp_path / "pickled", allow_pickle=True)
+    target = {"x": Tagged(torch.zeros(3), {"c"})}
+    ss.load(target, tmp_path / "pickled", allow_pickle=True)
+    assert torch.equal(target["x"].weights, torch.arange(3.0)) and target["x"].tags == {"a", "b"}
+
+    ss.save({"n": 7, "extra": [{"a"}, torch.arange(3.0)]}, tmp_path / "unfit", allow_pickle=True)
+    target = {"n": 0, "extra": [set(), torch.zeros(3, dtype=torch.float64)]}
+    with pytest.raises(ss.StateMismatchError, match=r"extra.1 \(checkpoint float32\[3\], target float64\[3\]\)"):
+        ss.load(target, tmp_path / "unfit", allow_pickle=True)
+    assert target["n"] == 0 and target["extra"][0] == set()
+
+
 def test_a_list_holding_one_tensor_several_times_loads_every_stored_value(tmp_path):
     """``[t] * 3`` as the target of three stored values: filling ``t`` in place three times
     left every element the last value. The first is filled, the others replaced."""

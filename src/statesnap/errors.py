@@ -6,6 +6,7 @@ reading them is usually looking at a failed job at 3 a.m. and needs the next act
 from __future__ import annotations
 
 import errno
+import math
 import numbers
 
 import numpy as np
@@ -61,7 +62,7 @@ _NUMBERS = {
     "threads": (lambda v: v is None or (_whole(v) and v >= 1), "None or a whole number of at least 1"),
     "timeout_s": (lambda v: _real(v) and 0 < v <= 1e9, "a number of seconds above 0 (at most 1e9)"),
     "block_bytes": (lambda v: _whole(v) and 1 <= v < 2 ** 63, "a whole number of bytes from 1 to 2**63 - 1"),
-    "replica_check_mb": (lambda v: _real(v) and v >= 0, "a number of MiB, 0 or more"),
+    "replica_check_mb": (lambda v: _real(v) and 0 <= v < math.inf, "a finite number of MiB, 0 or more"),
     "progress": (lambda v: v is None or v is True or v is False, "None, True or False"),
     "shared_reads": (lambda v: v is None or v is True or v is False, "None, True or False"),
 }

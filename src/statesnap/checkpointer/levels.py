@@ -281,7 +281,7 @@ def restore_from_memory(snap, flat, buffer: torch.Tensor, allow_pickle: bool, ca
     objects, mismatched, precision_only = [], [], False
     for item in flat.objects:  # before any copy: a value the state cannot take leaves it as it was
         value = decode_value(item.fqn, snap.objects[item.fqn], allow_pickle, read_blob)
-        if item.per_rank is None:  # (tensors the state holds among plain values, as a load fits them)
+        if item.per_rank is None and not item.owned:  # (tensors held among plain values, as a load fits them)
             value, unfit, precision = fitted_to_held(item.fqn, item.value, value, cast)
             mismatched, precision_only = mismatched + unfit, precision_only or precision
         if item.check is not None:

@@ -424,17 +424,23 @@ class PlainValues:
         if item.per_rank is not None:
             return item.per_rank.choose(value if entry.kind == "per_rank" else [value], self.comm.rank,
                                         self.comm.world_size, item.fqn)
-        value, mismatched, precision_only = fitted_to_held(item.fqn, item.value, value, self.cast)
-        self.mismatched += mismatched
-        self.precision_only = self.precision_only or precision_only
+        if not item.owned:
+            value, mismatched, precision_only = fitted_to_held(item.fqn, item.value, value, self.cast)
+            self.mismatched += mismatched
+            self.precision_only = self.precision_only or precision_only
         if item.check is not None:
             item.check(value)
         return True, value
 
-    def put(self, backend: StorageBackend, path: str) -> None:
+    def put(self, backend: StorageBackend, path: str, settle: Callable[[int], None] = lambda first: None) -> None:
+        """Decode the pickled values, hand ``settle`` the index of the first mismatch they add to
+        ``mismatched`` (a strict load raises them there, before any value is put in place), then
+        put every value in place."""
         read_blob = blob_reader(backend, path, self.manifest)
+        first = len(self.mismatched)
         values = [(item, self._decoded(item, entry, read_blob) if decoded is None else decoded)
                   for item, entry, decoded in self._values]
+        settle(first)
         for item, (found, value) in values:
             if found:
                 (item.assign if item.per_rank is None else item.per_rank.restore)(value)
@@ -610,9 +616,8 @@ class Loading:
                 clash = self._overwritten()
                 if clash is not None:
                     raise clash
-                decoded_before = len(self.plain.mismatched)
-                self.plain.put(self.backend, self.path)  # (pickled values are decoded here)
-                self.mismatched += self._settle_plain(decoded_before, stacklevel=6)
+                self.plain.put(self.backend, self.path,  # (pickled values are decoded here)
+                               lambda first: self.mismatched.extend(self._settle_plain(first, stacklevel=8)))
                 for finalize in self.flat.finalizers:
                     finalize()
             except Exception as exc:

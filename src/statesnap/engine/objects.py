@@ -64,7 +64,10 @@ def fitted_to_held(fqn: str, held: Any, value: Any, cast: bool) -> tuple[Any, li
     it was), and with ``cast`` one of another floating dtype is converted to the held one's. An
     empty tensor holds nothing to keep: a placeholder, it takes whatever is stored (an RNG state
     loaded into ``[torch.empty(0, dtype=torch.uint8)]``). Containers are followed as the load
-    fills them (``state/flatten.py``'s ``_merged``)."""
+    fills them (``state/flatten.py``'s ``_merged``). Only for the state's own containers: a value
+    in a module's, optimizer's or stateful object's state dict (``ObjectItem.owned``) is put back
+    by its ``load_state_dict``, which takes what is stored (an lr stored as a float, for an
+    optimizer whose lr is a tensor now)."""
     if isinstance(held, torch.Tensor) and held.numel():
         if isinstance(value, torch.Tensor) and value.shape == held.shape:
             if value.dtype == held.dtype:
@@ -89,6 +92,10 @@ def fitted_to_held(fqn: str, held: Any, value: Any, cast: bool) -> tuple[Any, li
         fitted.append(one)
         names += bad
         precision_only = precision_only or precision
+    if all(one is value[key] for (key, _), one in zip(pairs, fitted)):
+        return value, names, precision_only  # (as it was: a namedtuple, say, needs no rebuilding)
     if isinstance(value, dict):
         return dict(zip(value, fitted)), names, precision_only
-    return type(value)(fitted + list(value[len(fitted):])), names, precision_only
+    elements = fitted + list(value[len(fitted):])
+    kind = type(value)
+    return (kind._make(elements) if hasattr(kind, "_make") else kind(elements)), names, precision_only

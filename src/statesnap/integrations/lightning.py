@@ -76,7 +76,9 @@ STORE_DIR = "statesnap"
 KEEP_ALL = 1 << 30  # Lightning chooses what to delete, through remove_checkpoint
 _SHARDED = ("state_dict.", "optimizer_states.")  # the rest of the checkpoint is one rank's
 _TEMPORARY = re.compile(r"\.tmp-[0-9a-f]{8}$")
-_LAST = re.compile(r"^last")  # ModelCheckpoint's names for its last checkpoints (CHECKPOINT_NAME_LAST)
+# what ckpt_path="last" chooses among: ModelCheckpoint's last checkpoints (CHECKPOINT_NAME_LAST)
+# and OnExceptionCheckpoint's file, by their default names
+_LAST = re.compile(r"^(last|on_exception)")
 _FIXED = ("keep_last", "persist_every", "on_commit", "process_group")
 _OWN_STATE_MAX = 256 << 10  # a pointer carries at most this much of a checkpoint's own state
 log = logging.getLogger("statesnap")
@@ -387,6 +389,8 @@ class _Store:
             self._point(path, step, own_state)
         else:
             self._reserve(path, step, own_state)
+            if handle.durable.done() and handle.durable.exception() is not None:
+                self._unreserve(path, step)  # (it failed meanwhile: _failed may have looked before the write)
         self._track(path, handle)
         return True
 
@@ -397,16 +401,19 @@ class _Store:
         looked free: the next save took it, and its commit replaced the first (five of eight
         checkpoints lost, top-k scores kept for steps no file held). Until the commit it names a
         step not yet stored, which a load waits for, or, after a crash, says never completed. A
-        path that exists names what it named until the commit, and a ``last`` one is never taken
-        early: ``ckpt_path="last"`` picks the newest of those, and a run killed during its first
-        save must start afresh, as Lightning's own (atomic) saves leave it. One that cannot be
-        written is logged: the commit's own write of it reports what stands in its way."""
+        path that exists names what it named until the commit (it is never written over), and a
+        ``last`` or ``on_exception`` one is never taken early: ``ckpt_path="last"`` picks the
+        newest of those, and a run killed while saving one must resume from the one before, as
+        Lightning's own (atomic) saves leave it. (Under names of one's own for these, set with
+        ``CHECKPOINT_NAME_LAST`` or ``OnExceptionCheckpoint(filename=...)``, such a run finds
+        the pointer of the save it was killed in, which says so: delete it to resume.) One that
+        cannot be written is logged: the commit's own write of it reports what stands in its way."""
         if _LAST.match(os.path.basename(path)):
             return
         try:
             if self.rank == 0 and not self.fs.exists(path):
                 write_atomically(self.fs, path, pointer_bytes(POINTER_FORMAT, f"{STORE_DIR}/step-{step}", own_state),
-                                 durable=False)
+                                 durable=False, exclusive=True)
         except OSError as exc:
             log.warning("statesnap: %s could not be taken for the save of step %d before it commits: %s", path, step,
                         described(exc))
@@ -417,13 +424,19 @@ class _Store:
         with self._lock:
             reserved = [path for path, _ in self._waiting.pop(step, []) if path not in self._named]
         for path in reserved:
-            try:
-                pointer = _read_pointer(path, self._storage_options, verify=False) if self.rank == 0 else None
-                if pointer is not None and step_of(pointer[0]) == step:
-                    self.fs.rm(path)
-            except Exception as exc:  # noqa: BLE001 (raised on the training thread)
-                self._failures.add(CheckpointError(f"{path}, reserved for step {step} whose save failed, could not "
-                                                   f"be removed: {described(exc)}"))
+            self._unreserve(path, step)
+
+    def _unreserve(self, path: str, step: int) -> None:
+        """Remove ``path`` if it is still the pointer ``_reserve`` wrote for ``step``, whose save failed."""
+        try:
+            pointer = _read_pointer(path, self._storage_options, verify=False) if self.rank == 0 else None
+            if pointer is not None and step_of(pointer[0]) == step:
+                self.fs.rm(path)
+        except FileNotFoundError:  # (a removal of the path got there first)
+            pass
+        except Exception as exc:  # noqa: BLE001 (raised on the training thread)
+            self._failures.add(CheckpointError(f"{path}, reserved for step {step} whose save failed, could not "
+                                               f"be removed: {described(exc)}"))
 
     def _track(self, path: str, handle) -> None:
         """Remember the newest save to ``path``; forget those that committed (a run that keeps
@@ -454,7 +467,10 @@ class _Store:
             self._named.pop(path, None)
             orphaned = step is not None and step not in self._named.values()
         if self.rank == 0 and self.fs.exists(path):
-            self.fs.rm(path)
+            try:
+                self.fs.rm(path)
+            except FileNotFoundError:  # (a failed save's reservation, removed meanwhile: _unreserve)
+                pass
         if orphaned:
             self.ckpt.remove(step)
 

@@ -99,9 +99,10 @@ def read_pointer_file(path: str) -> bytes:
     return raw
 
 
-def write_atomically(fs, path: str, data: bytes, durable: bool = True) -> None:
+def write_atomically(fs, path: str, data: bytes, durable: bool = True, exclusive: bool = False) -> None:
     """Replace the file at ``path``: a local file by rename (after fsync, where ``durable``: a
-    reader sees the old content or the new), an object by one PUT."""
+    reader sees the old content or the new), an object by one PUT. ``exclusive``: a local file
+    is only created (by a hard link), never written over: a pointer written meanwhile stays."""
     if not isinstance(fs, fsspec.implementations.local.LocalFileSystem):
         fs.pipe_file(path, data)
         return
@@ -111,7 +112,15 @@ def write_atomically(fs, path: str, data: bytes, durable: bool = True) -> None:
         if durable:
             f.flush()
             os.fsync(f.fileno())
-    os.replace(temporary, path)
+    if exclusive:
+        try:
+            os.link(temporary, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(temporary)
+    else:
+        os.replace(temporary, path)
     if durable:
         fsync_directory(os.path.dirname(os.path.abspath(path)))
 

@@ -203,7 +203,9 @@ class _Walker:
                 raise CheckpointError(f"{fqn}: state_dict() of the {type(value).__name__} returned a "
                                       f"{type(sd).__name__}, not a dict; statesnap stores a state dict by its keys. "
                                       "Return a dict (e.g. {'value': ...}), or put the value itself in the state")
+            first_object = len(self.out.objects)
             self.walk_dict(fqn, sd)
+            self._owned_since(first_object)
             if self.for_load:
                 self.out.finalizers.append(lambda v=value, sd=sd: v.load_state_dict(sd))
         else:
@@ -247,6 +249,7 @@ class _Walker:
         inner = module.module if isinstance(module, DistributedDataParallel) else module
         buffers = {join(fqn, name) for name, _ in inner.named_buffers()}
         self.declare_replicated(lambda: self.walk_dict(fqn, sd), buffers)
+        self._owned_since(first_object)
         if self.for_load:
             self.out.finalizers.append(lambda: _load_module(module, sd))
         elif self.cache is not None:
@@ -261,6 +264,12 @@ class _Walker:
         for item in [*self.out.tensors[first_tensor:], *self.out.objects[first_object:]]:
             if names is None or item.fqn in names:
                 item.replicated = True
+
+    def _owned_since(self, first_object: int) -> None:
+        """The plain values added since ``first_object`` are put back by their owner's
+        ``load_state_dict`` (engine/objects.py ``fitted_to_held`` leaves them to it)."""
+        for item in self.out.objects[first_object:]:
+            item.owned = True
 
     def optimizer(self, fqn: str, optim: torch.optim.Optimizer) -> None:
         # Pipeline stages list different parameters in their param groups; the groups are kept
@@ -286,7 +295,9 @@ class _Walker:
                 sd = optim.state_dict()
             self._refuse_regrouped(fqn, sd)
             held = group_members(sd)
+            first_object = len(self.out.objects)
             self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
+            self._owned_since(first_object)
             if self.for_load:
                 self.out.finalizers.append(lambda: optim.load_state_dict(with_members(sd, held)))
             return
@@ -302,6 +313,7 @@ class _Walker:
         held = group_members(sd)
         first_tensor, first_object = len(self.out.tensors), len(self.out.objects)
         self.declare_replicated(lambda: self.walk_dict(fqn, sd), groups)
+        self._owned_since(first_object)
         if self.for_load:
             self.out.finalizers.append(lambda: load_optimizer_state(model, optim, with_members(sd, held)))
         elif self.cache is not None:

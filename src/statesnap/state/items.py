@@ -148,6 +148,9 @@ class ObjectItem:
     check: Callable[[Any], None] | None = None
     per_rank: Any = None  # the PerRank wrapper, for per-rank values
     replicated: bool = False  # declared (ss.Replicated): ranks may differ, rank 0's value is kept
+    # in the state dict of a module, optimizer or stateful object, whose load_state_dict puts it
+    # back (its own way), not in one of the state's own containers, filled in place
+    owned: bool = False
 
 
 @dataclass
