@@ -69,16 +69,15 @@ def fitted_to_held(fqn: str, held: Any, value: Any, cast: bool) -> tuple[Any, li
     by its ``load_state_dict``, which takes what is stored (an lr stored as a float, for an
     optimizer whose lr is a tensor now)."""
     if isinstance(held, torch.Tensor) and held.numel():
-        if isinstance(value, torch.Tensor) and value.shape == held.shape:
-            if value.dtype == held.dtype:
-                return value, [], False
-            if cast and castable(value.dtype, held.dtype):
-                return value.to(held.dtype), [], False
+        same_shape = isinstance(value, torch.Tensor) and value.shape == held.shape
+        if same_shape and value.dtype == held.dtype:
+            return value, [], False
+        convertible = same_shape and castable(value.dtype, held.dtype)
+        if cast and convertible:
+            return value.to(held.dtype), [], False
         stored = (f"{str(value.dtype)[6:]}{list(value.shape)}" if isinstance(value, torch.Tensor)
                   else f"a {type(value).__name__}")
-        precision_only = isinstance(value, torch.Tensor) and value.shape == held.shape and castable(value.dtype,
-                                                                                                   held.dtype)
-        return held, [f"{fqn} (checkpoint {stored}, target {str(held.dtype)[6:]}{list(held.shape)})"], precision_only
+        return held, [f"{fqn} (checkpoint {stored}, target {str(held.dtype)[6:]}{list(held.shape)})"], convertible
     if isinstance(held, dict) and isinstance(value, dict):
         pairs = [(key, held[key]) if key in held else (key, None) for key in value]
     elif (isinstance(held, list) and isinstance(value, list)) or (
