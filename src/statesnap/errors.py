@@ -58,7 +58,7 @@ def _real(value) -> bool:  # (NaN fails every comparison below)
 
 
 # setting -> (whether a value is one, what it must be)
-_NUMBERS = {
+_SETTINGS = {
     "threads": (lambda v: v is None or (_whole(v) and v >= 1), "None or a whole number of at least 1"),
     "timeout_s": (lambda v: _real(v) and 0 < v <= 1e9, "a number of seconds above 0 (at most 1e9)"),
     "block_bytes": (lambda v: _whole(v) and 1 <= v < 2 ** 63, "a whole number of bytes from 1 to 2**63 - 1"),
@@ -69,11 +69,11 @@ _NUMBERS = {
 
 
 def refuse_bad_settings(where: str, **settings) -> None:
-    """Refuse a numeric or three-way setting (``_NUMBERS``) out of its range, named: a negative
+    """Refuse a numeric or three-way setting (``_SETTINGS``) out of its range, named: a negative
     ``block_bytes`` made a save's checksums loop forever, one of 2**63 committed a checkpoint no
     reader takes, ``threads=-2`` or ``timeout_s=nan`` raised bare errors from deep inside."""
     for name, value in settings.items():
-        fits, wanted = _NUMBERS[name]
+        fits, wanted = _SETTINGS[name]
         if not fits(value):
             raise CheckpointError(f"{where}: {name} must be {wanted}, not {value!r}")
 
