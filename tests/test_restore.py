@@ -16,7 +16,7 @@ from torch import nn
 import statesnap as ss
 from statesnap.errors import CorruptCheckpointError
 from statesnap.format.manifest import MANIFEST_NAME, Manifest
-from statesnap.state import flatten
+from statesnap.state import flatten, module_state
 from statesnap.storage.local import LocalBackend
 
 MIB = 1 << 20
@@ -658,7 +658,7 @@ def test_the_state_dict_a_load_flattens_is_what_pytorchs_helper_gives(kind):
     way, and wrapped modules, whose keys the helper renames, still go through it."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     model = _wrapped(kind)
-    ours, helpers = flatten._model_state_dict(model), get_model_state_dict(model)
+    ours, helpers = module_state.model_state_dict(model), get_model_state_dict(model)
     assert list(ours) == list(helpers)
     for key, value in helpers.items():
         if isinstance(value, torch.Tensor):
@@ -666,7 +666,7 @@ def test_the_state_dict_a_load_flattens_is_what_pytorchs_helper_gives(kind):
                 value.data_ptr(), value.dtype, value.shape, value.stride()), key
         else:
             assert ours[key] == value, key
-    assert flatten._renamed_by_helper(model) == (kind != "plain")
+    assert module_state.renamed_by_helper(model) == (kind != "plain")
 
 
 def test_a_compiled_model_and_a_plain_one_load_each_others_checkpoints(tmp_path):
@@ -697,7 +697,7 @@ def test_the_collector_is_paused_for_the_whole_load_and_left_as_the_caller_had_i
             return function(*args, **kwargs)
         return wrapper
     monkeypatch.setattr(Manifest, "from_bytes", classmethod(noting("manifest", Manifest.from_bytes.__func__)))
-    monkeypatch.setattr(flatten, "_load_module", noting("module", flatten._load_module))
+    monkeypatch.setattr(flatten, "load_module", noting("module", flatten.load_module))
     (gc.enable if enabled else gc.disable)()
     try:
         ss.load({"model": model_of(1)}, tmp_path / "c")
@@ -766,7 +766,7 @@ def test_extra_state_derived_from_parameters_loads_without_an_autograd_graph(tmp
     ss.load({"model": model}, tmp_path / "c")
     assert not model.scale.requires_grad and model.scale.grad_fn is None
     model(torch.randn(2, 4)).sum().backward()  # (raised before)
-    assert flatten._model_state_dict(_ScaleInExtraState())["_extra_state"]["scale"].grad_fn is None
+    assert module_state.model_state_dict(_ScaleInExtraState())["_extra_state"]["scale"].grad_fn is None
 
 
 _PYTHON_KEY = torch._C.DispatchKeySet(torch._C.DispatchKey.Python)

@@ -200,7 +200,7 @@ class LocalFlusher(_Stage):
 
     def __init__(self, level: StorageLevel, comm: Comm, topology: Topology, peers: bool, arena_of,
                  block_bytes_of, durable: bool, threads: int, buffer_bytes: int, events: EventLog, on_done,
-                 replica_check_bytes: int = 0):
+                 replica_check_bytes: int):
         self.level, self.comm, self.topology = level, comm, topology
         # Replicas and shared values are compared here as for the persistent level: this level too
         # stores one copy and restores it to every rank, so a per-rank value not wrapped in

@@ -53,8 +53,9 @@ def _apart(items: list[TensorItem]) -> bool:
     if not all(t.is_cpu for t in tensors):
         return False
     starts = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
-    ends = np.array([t.data_ptr() + t.nbytes if t.is_contiguous() else address_range(t)[1] for t in tensors],
-                    dtype=np.int64)
+    spans = np.array([t.nbytes if t.is_contiguous() else address_range(t)[1] - t.data_ptr() for t in tensors],
+                     dtype=np.int64)
+    ends = starts + spans
     order = np.argsort(starts, kind="stable")
     return bool((ends[order[:-1]] <= starts[order[1:]]).all())
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import bisect
 import enum
-import itertools
 import math
 import operator
 import sys
@@ -18,15 +17,15 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from ..errors import CheckpointError, StateMismatchError
 from ..format import plaindata
 from ..format.plaindata import QUIET_NAN_BITS, float_bits, inlinable
 from ..format.manifest import BOX
 from .items import Flattened, ObjectItem, TensorItem, refuse_unwritable
+from .module_state import load_module, model_state_dict
 from .optim_state import (
     create_adam_state, create_state_from_checkpoint, group_members, load_optimizer_state, positional_holder,
     state_dict_by_a_step, state_dict_without_step, with_members,
@@ -242,7 +241,7 @@ class _Walker:
         if self._reused(fqn, module):
             return
         first_tensor, first_object = len(self.out.tensors), len(self.out.objects)
-        sd = _model_state_dict(module)
+        sd = model_state_dict(module)
         # Buffers are not compared across ranks: unsynchronised BatchNorm statistics differ between
         # DDP, FSDP and TP ranks by design, and one copy is what DDP (which broadcasts rank 0's at
         # the next forward), DCP and torch.save keep. Parameters are compared.
@@ -251,7 +250,7 @@ class _Walker:
         self.declare_replicated(lambda: self.walk_dict(fqn, sd), buffers)
         self._owned_since(first_object)
         if self.for_load:
-            self.out.finalizers.append(lambda: _load_module(module, sd))
+            self.out.finalizers.append(lambda: load_module(module, sd))
         elif self.cache is not None:
             self.cache.store_module(fqn, module, self.out.tensors[first_tensor:], self.out.objects[first_object:],
                                     tuple(map(id, self.modules)))
@@ -389,7 +388,7 @@ class _Walker:
             return all(type(p) is int for p in listed)
         if any(self.stored.has_prefix(join(state, name) + SEP) for name, _ in owner.named_parameters()):
             return False
-        return not any(self.stored.has_prefix(join(state, name) + SEP) for name in _model_state_dict(owner))
+        return not any(self.stored.has_prefix(join(state, name) + SEP) for name in model_state_dict(owner))
 
     def _owner_of(self, optim: torch.optim.Optimizer) -> nn.Module | None:
         """The module of the state whose parameter names key the optimizer's state: one that
@@ -664,84 +663,6 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _model_state_dict(module: nn.Module) -> dict:
-    """The module's state dict by PyTorch's helper where it renames anything, else the module's
-    own (the same dict: the helper takes it and only renames the keys of wrappers, at a few
-    microseconds per tensor). The helper also refuses a module without parameters or buffers (a
-    ``ReLU``, a container of them): its check for an empty state dict builds its message with the
-    process group's rank, so it fails without one. Such a module's own state dict is all it has
-    (its extra state, if any)."""
-    if _holds_no_tensors(module):
-        return module.state_dict()
-    if not _renamed_by_helper(module):
-        # Without autograd, as the helper takes it: extra state or a hook's tensor derived from a
-        # parameter would otherwise require grad, tied to the weights a load then writes in place
-        # (the next backward through it failed: modified by an inplace operation).
-        with torch.no_grad():
-            return module.state_dict()
-    return get_model_state_dict(module)
-
-
-# Submodule names under which PyTorch's helper finds a wrapper and drops the name from the keys:
-# torch.compile's module, activation checkpointing's wrapper, FSDP1's wrapped module.
-_WRAPPED_NAMES = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
-_WRAPPERS = (DistributedDataParallel, FullyShardedDataParallel)
-
-
-def _renamed_by_helper(module: nn.Module) -> bool:
-    """Whether ``get_model_state_dict`` may give ``module`` other keys or values than its own
-    ``state_dict``: a DDP or FSDP1 wrapper in it (FSDP1 also gathers its flat parameters), or a
-    wrapper known by the name it keeps its module under."""
-    return any(isinstance(m, _WRAPPERS) or not _WRAPPED_NAMES.isdisjoint(m._modules) for m in module.modules())
-
-
-def _holds_no_tensors(module: nn.Module) -> bool:
-    return next(itertools.chain(module.parameters(), module.buffers()), None) is None
-
-
-def _load_module(module: nn.Module, sd: dict) -> None:
-    if not sd and _holds_no_tensors(module):
-        module.load_state_dict(sd)  # (PyTorch's helper refuses it, as above)
-    elif not _filled_in_place(module, sd):
-        set_model_state_dict(module, sd)
-
-
-def _filled_in_place(module: nn.Module, sd: dict) -> bool:
-    """Whether the load has already put every value of ``sd`` where the module keeps it: all are
-    plain tensors sharing the memory of the module's own parameters and buffers (as
-    ``get_model_state_dict`` returns them when no FSDP wrapping copies them), and no module in it
-    customises loading (hooks, its own ``_load_from_state_dict``, ``load_state_dict`` or extra
-    state, on its class or on the instance). Then ``load_state_dict`` would only copy each tensor
-    onto itself, which for a thousand small tensors took longer than reading them. A state dict
-    that ``Module.state_dict`` made without hooks or overrides holds each parameter and buffer
-    detached, so only others have their values' memory compared with the module's (a thousand
-    comparisons took 0.8 ms). (The load counts its writes as in-place changes itself:
-    engine/load.py.)"""
-    if _customised(module, "load_state_dict"):
-        return False
-    as_is = not _renamed_by_helper(module)  # (sd is then the module's own state_dict())
-    for m in module.modules():
-        if (m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks or _customised(m, "_load_from_state_dict")
-                or _customised(m, "set_extra_state")):
-            return False
-        as_is = as_is and not (m._state_dict_pre_hooks or m._state_dict_hooks or _customised(m, "state_dict")
-                               or _customised(m, "_save_to_state_dict") or _customised(m, "get_extra_state"))
-    if not all(type(v) is torch.Tensor for v in sd.values()):
-        return False
-    if as_is:  # each value is a parameter or buffer detached (Module._save_to_state_dict): no need to look
-        return True
-    own = {t.data_ptr(): t for t in (*module.parameters(), *module.buffers())}  # (two at one address: a miss)
-    return all(_same_layout(v, own.get(v.data_ptr())) for v in sd.values())
-
-
-def _same_layout(value: torch.Tensor, own: torch.Tensor | None) -> bool:
-    return own is not None and value.dtype == own.dtype and value.shape == own.shape and value.stride() == own.stride()
-
-
-def _customised(module: nn.Module, method: str) -> bool:
-    return getattr(type(module), method) is not getattr(nn.Module, method) or method in vars(module)
 
 
 def _named_in_state(state: dict | list | tuple, prefix: str = "", kind: type = nn.Module):
