@@ -146,3 +146,13 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 240, hash_seeds: list
     if errors:
         raise AssertionError("\n".join(f"rank {r}:\n{errors[r]}" for r in sorted(errors)))
     return [values[r] for r in range(world_size)]
+
+
+def local_level(local_root, root) -> str:
+    """The node-local level of the job whose persistent root is ``root``: its own directory under
+    ``local_root`` (``statesnap.checkpointer.local.job_directory``)."""
+    from statesnap.checkpointer.local import job_directory
+    from statesnap.storage import backend_for, normalize
+
+    local_root = normalize(os.fspath(local_root))
+    return job_directory(local_root, normalize(os.fspath(root)), backend_for(local_root, None))

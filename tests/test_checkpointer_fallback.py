@@ -14,6 +14,7 @@ import statesnap as ss
 from statesnap.checkpointer import restore
 from statesnap.format.manifest import FORMAT_VERSION, MANIFEST_NAME
 from statesnap.storage.local import LocalBackend
+from dist_utils import local_level
 from test_checkpointer import assert_state_equals, make_training, reference, train_step
 
 SETTINGS = dict(keep_last=3, host_memory_gb=0.01)
@@ -295,7 +296,8 @@ def test_an_error_every_copy_would_meet_deletes_no_node_local_step(tmp_path):
         with pytest.raises(ss.CheckpointError, match="lies in a tuple"):
             restarted.load_latest({"model": model, "t": (torch.zeros(300_000), 0)})
         assert_state_equals({"model": model}, before)  # refused before anything was read into it
-    assert sorted(n for n in os.listdir(tmp_path / "local") if n.startswith("step-")) == ["step-2", "step-3"]
+    assert sorted(n for n in os.listdir(local_level(tmp_path / "local", tmp_path / "root"))
+                  if n.startswith("step-")) == ["step-2", "step-3"]
     with ss.Checkpointer(tmp_path / "root", **settings) as restarted:
         assert restarted.load_latest({"model": make_training(seed=5)[0], "t": (torch.zeros(300_000), 3)}) == 3
 

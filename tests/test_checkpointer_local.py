@@ -7,13 +7,14 @@ import shutil
 import signal
 import uuid
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import statesnap as ss
-from dist_utils import run_ranks
+from dist_utils import local_level, run_ranks
 from statesnap.storage import SHM_ROOT, normalize
 from test_checkpointer import assert_state_equals, make_training, reference, train_step
 
@@ -103,7 +104,7 @@ def killed_job(tmp_path_factory):
             run_ranks(4, _train_then_die, dirs, out)
         assert str(killed.value).count("exited with code -9") == 4
         node1 = os.path.join(SHM_ROOT, shm_name)
-        assert f"step-{STEPS}" in os.listdir(node1)
+        assert f"step-{STEPS}" in os.listdir(local_level(node1, dirs["root"]))
         shutil.rmtree(node1)  # node 1 is lost: its local level and its shared memory with it
         yield tmp_path, dirs, out
     finally:
@@ -114,7 +115,8 @@ def _copy(tmp_path, dirs, name):
     """A fresh copy of the killed job's directories for one restart (restarts change them)."""
     base = tmp_path / name
     shutil.copytree(dirs["root"], base / "root")
-    shutil.copytree(dirs["local"][0], base / "node0")
+    # (node 0's level, under the name the job's new root gives it)
+    shutil.copytree(local_level(dirs["local"][0], dirs["root"]), local_level(base / "node0", base / "root"))
     shm_name = f"{dirs['local'][1][len('shm://'):]}-{name}"
     return {"root": str(base / "root"), "local": [str(base / "node0"), f"shm://{shm_name}"]}, shm_name
 
@@ -156,7 +158,7 @@ def test_a_restart_on_the_node_left_restores_its_replicas_with_the_configuration
     tmp_path, dirs, out = killed_job
     copy, _ = _copy(tmp_path, dirs, "one-node")
     assert run_ranks(2, _restore_on_node_0, copy, out) == [(STEPS, "local")] * 2
-    assert f"step-{STEPS + 1}" in os.listdir(copy["local"][0])  # (committed by the node's leader)
+    assert f"step-{STEPS + 1}" in os.listdir(local_level(copy["local"][0], copy["root"]))  # (committed by the node's leader)
 
 
 @pytest.mark.parametrize("damage, steps, expected", [
@@ -171,7 +173,7 @@ def test_a_damaged_replica_falls_back_to_the_next_copy(killed_job, damage, steps
     tmp_path, dirs, out = killed_job
     copy, shm_name = _copy(tmp_path, dirs, f"damaged-{damage}-{len(steps)}")
     for step in steps:
-        step_dir = os.path.join(copy["local"][0], f"step-{step}")
+        step_dir = os.path.join(local_level(copy["local"][0], copy["root"]), f"step-{step}")
         replica = next(n for n in os.listdir(step_dir) if n.endswith("-r00002.bin"))  # rank 2's, kept by rank 0
         data = bytearray(open(os.path.join(step_dir, replica), "rb").read())
         with open(os.path.join(step_dir, replica), "wb") as f:
@@ -182,7 +184,7 @@ def test_a_damaged_replica_falls_back_to_the_next_copy(killed_job, damage, steps
     finally:
         shutil.rmtree(os.path.join(SHM_ROOT, shm_name), ignore_errors=True)
     assert results == [expected] * 4
-    left = os.listdir(copy["local"][0])
+    left = os.listdir(local_level(copy["local"][0], copy["root"]))
     assert not any(n.startswith(f"step-{step}") for step in steps for n in left)  # not tried again
 
 
@@ -194,7 +196,8 @@ def test_one_process_restores_from_the_local_level_before_root(tmp_path):
             train_step(model, optim, step)
             ckpt.save(step, state)
         ref = reference(state)
-    assert sorted(n for n in os.listdir(tmp_path / "local") if n.startswith("step-")) == ["step-1", "step-2"]
+    assert sorted(n for n in os.listdir(local_level(tmp_path / "local", tmp_path / "root"))
+                  if n.startswith("step-")) == ["step-1", "step-2"]
     fresh = {"model": make_training(seed=5)[0], "optim": None}
     fresh["optim"] = torch.optim.AdamW(fresh["model"].parameters(), lr=1e-2)
     with ss.Checkpointer(tmp_path / "root", local_root=tmp_path / "local", host_memory_gb=0.01) as ckpt:
@@ -217,7 +220,7 @@ def test_a_node_local_step_no_restore_can_take_is_named_not_passed_over(tmp_path
             ckpt.save(step, state)
             if step == 4:
                 ref = reference(state)
-    newest = tmp_path / "local" / "step-5"
+    newest = Path(local_level(tmp_path / "local", tmp_path / "root")) / "step-5"
     manifest = newest / "manifest.json"
     if damage == "data file deleted":
         next(p for p in newest.iterdir() if p.name.endswith(".bin")).unlink()
@@ -233,7 +236,7 @@ def test_a_node_local_step_no_restore_can_take_is_named_not_passed_over(tmp_path
     with ss.Checkpointer(tmp_path / "other", local_root=tmp_path / "alone", persist_every=100,
                          host_memory_gb=0.01) as ckpt:
         ckpt.save(1, state).wait()
-    os.truncate(tmp_path / "alone" / "step-1" / "manifest.json", 0)
+    os.truncate(Path(local_level(tmp_path / "alone", tmp_path / "other")) / "step-1" / "manifest.json", 0)
     with ss.Checkpointer(tmp_path / "other", local_root=tmp_path / "alone", persist_every=100,
                          host_memory_gb=0.01) as ckpt:
         with pytest.raises(ss.CorruptCheckpointError, match="no checkpoint can be restored: step 1 on the node-local "
@@ -255,7 +258,8 @@ def test_a_state_that_does_not_match_leaves_the_local_level_alone(tmp_path):
     with ss.Checkpointer(tmp_path / "root", **settings) as ckpt:
         with pytest.raises(ss.StateMismatchError):
             ckpt.load_latest({"model": wrong, "optim": torch.optim.AdamW(wrong.parameters())})
-    assert sorted(n for n in os.listdir(tmp_path / "local") if n.startswith("step-")) == ["step-1", "step-2"]
+    assert sorted(n for n in os.listdir(local_level(tmp_path / "local", tmp_path / "root"))
+                  if n.startswith("step-")) == ["step-1", "step-2"]
 
 
 def _fresh_training():
@@ -284,7 +288,7 @@ def test_an_unreachable_root_leaves_the_local_level_serving_until_it_is_back(tmp
             refs[step] = reference(state)
             ckpt.save(step, state).wait()
         assert ckpt.stats()["committed"] == 0 and ckpt.stats()["failed"] == 0
-    assert sorted(n for n in os.listdir(local) if n.startswith("step-")) == ["step-2", "step-3"]
+    assert sorted(n for n in os.listdir(local_level(local, root)) if n.startswith("step-")) == ["step-2", "step-3"]
 
     with pytest.warns(RuntimeWarning, match="starting without the"):
         restarted = ss.Checkpointer(root, **settings)  # a restart while the storage is still out
@@ -313,7 +317,8 @@ def test_peer_replicas_need_two_nodes(tmp_path):
     assert ckpt.config.peer_replicas == 0
     ckpt.save(1, {"w": torch.ones(3)}).wait()
     ckpt.close()
-    assert "step-1" in os.listdir(tmp_path / "local") and "step-1" in os.listdir(tmp_path / "root")
+    assert "step-1" in os.listdir(local_level(tmp_path / "local", tmp_path / "root"))
+    assert "step-1" in os.listdir(tmp_path / "root")
     with pytest.raises(ss.CheckpointError, match="needs local_root"):
         ss.Checkpointer(tmp_path / "root", peer_replicas=1)
 
@@ -341,7 +346,7 @@ def test_a_peer_restore_reads_a_pickled_value_once_its_file_has_arrived(tmp_path
     shutil.rmtree(local_roots[1])  # node 1 is lost
     assert run_ranks(2, _pickled_value_job, root, local_roots, True) == [
         (1, "peer", {10, 11}, [[0.0] * 3] * 2), (1, "peer", {10, 11}, [[1.0] * 3] * 2)]
-    assert "step-1" in os.listdir(local_roots[0])
+    assert "step-1" in os.listdir(local_level(local_roots[0], root))
 
 
 def _one_node_id_on_two_hosts(rank, world, root):
@@ -408,7 +413,7 @@ def _replica_faults(rank, world, root, local_roots):
             _train(state, rank, step)
             ckpt.save(step, state).wait()
         ckpt.close()
-    steps = sorted(n for n in os.listdir(local_roots[rank]) if n.startswith("step-"))
+    steps = sorted(n for n in os.listdir(local_level(local_roots[rank], root)) if n.startswith("step-"))
     return steps, [str(w.message) for w in caught]
 
 
@@ -600,7 +605,7 @@ def test_a_removed_step_is_restored_from_no_level(tmp_path):
             refs[step] = reference(state)
             ckpt.save(step, state).wait()
         ckpt.remove(2)
-        for level in (root, local, further):
+        for level in (root, local_level(local, root), further):
             assert sorted(n for n in os.listdir(level) if n.startswith("step-")) == ["step-1"], level
         fresh = _fresh_training()
         assert ckpt.load_latest(fresh) == 1  # (from memory, which held both steps)
@@ -646,11 +651,12 @@ def test_a_replica_of_a_file_beside_an_empty_piece_is_the_file_itself(tmp_path, 
     bytes): the node-loss restart found it damaged and went back to an older step."""
     roots = [str(tmp_path / f"node{n}") for n in range(2)]
     (a, b), _ = run_ranks(2, _save_with_an_empty_piece, str(tmp_path / "root"), roots)
-    own, replica = ([p for p in os.listdir(os.path.join(root, "step-1")) if p.endswith("-r00001.bin")]
-                    for root in (roots[1], roots[0]))
+    levels = [local_level(root, tmp_path / "root") for root in roots]
+    own, replica = ([p for p in os.listdir(os.path.join(level, "step-1")) if p.endswith("-r00001.bin")]
+                    for level in (levels[1], levels[0]))
     assert own == replica and len(own) == 1
-    with open(os.path.join(roots[1], "step-1", own[0]), "rb") as f, \
-            open(os.path.join(roots[0], "step-1", own[0]), "rb") as g:
+    with open(os.path.join(levels[1], "step-1", own[0]), "rb") as f, \
+            open(os.path.join(levels[0], "step-1", own[0]), "rb") as g:
         assert f.read() == g.read()
     shutil.rmtree(roots[1])  # node 1 is lost: node 0 restores both ranks' parts from its own level
     monkeypatch.setenv("GROUP_RANK", "0")

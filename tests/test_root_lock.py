@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import statesnap as ss
+from dist_utils import local_level
 from statesnap.bench.faults import Faults
 from statesnap.storage import backend_for
 from statesnap.storage.local import LocalBackend
@@ -575,16 +576,17 @@ def test_a_refused_checkpointer_leaves_the_holder_s_node_local_save_in_flight(tm
     holder = ss.Checkpointer(root, local_root=local_root, host_memory_gb=0.05)
     handle = holder.save(1, _state(1))
     assert entered.wait(30)
-    staging = sorted(os.listdir(local_root))  # (with the holder's claim on the local root)
+    level = local_level(local_root, root)
+    staging = sorted(os.listdir(level))  # (with the holder's claim on the local level)
     assert [n for n in staging if n.startswith(".step-")][0].startswith(".step-1.tmp-")
     with pytest.raises(RootBusyError):
         ss.Checkpointer(root, local_root=local_root, host_memory_gb=0.05)
-    assert sorted(os.listdir(local_root)) == staging
+    assert sorted(os.listdir(level)) == staging
     release.set()
     handle.wait(timeout=60)
     holder.close()
-    assert "step-1" in os.listdir(local_root)
-    assert torch.equal(ss.open(local_root / "step-1").read("t"), _state(1)["t"])
+    assert "step-1" in os.listdir(level)
+    assert torch.equal(ss.open(os.path.join(level, "step-1")).read("t"), _state(1)["t"])
 
 
 def test_on_an_object_store_the_old_owner_writes_no_manifest_after_a_take_over():
@@ -620,20 +622,34 @@ def test_a_start_that_fails_clearing_the_node_local_level_releases_the_root(tmp_
     ss.Checkpointer(tmp_path / "root").close()  # the failed start kept no claim
 
 
-def test_two_jobs_sharing_a_node_local_root_are_refused(tmp_path):
-    """Different roots, the same ``local_root``: the second job used to start, clear the first's
-    node-local leftovers and, with nothing of its own stored yet, restore the first's newest
-    node-local step into its model. Now it is refused with the holder's name and touches
-    nothing; once the first closes, the local root is free again."""
+@pytest.mark.parametrize("first_running", [True, False])
+def test_jobs_sharing_a_node_local_root_keep_apart(tmp_path, first_running):
+    """Different roots, the same ``local_root`` (a node's fixed NVMe path in the launch script),
+    the first job still running or done: the second used to clear the first's node-local
+    leftovers, restore the first's newest step into its model as its own, and delete its own
+    steps by retention as older than the first's. Each job now has a directory of its own there:
+    the second finds nothing to restore, keeps its own steps, and the first's are untouched."""
     local_root = tmp_path / "local"
     first = ss.Checkpointer(tmp_path / "root-a", local_root=local_root, host_memory_gb=0.05)
-    first.save(1, _state(1)).wait()
-    os.makedirs(local_root / ".step-2.tmp-abcdef")  # as the first job's save in flight
-    before = sorted(os.listdir(local_root))
-    with pytest.raises(RootBusyError, match="another Checkpointer in this process"):
-        ss.Checkpointer(tmp_path / "root-b", local_root=local_root, host_memory_gb=0.05)
-    assert sorted(os.listdir(local_root)) == before
-    ss.Checkpointer(tmp_path / "root-b", host_memory_gb=0.05).close()  # its root was released
-    first.close()
-    with ss.Checkpointer(tmp_path / "root-b", local_root=local_root, host_memory_gb=0.05):
-        assert ".step-2.tmp-abcdef" not in os.listdir(local_root)  # its leftovers, cleared now
+    first.save(9, _state(9)).wait()
+    first_level = local_level(local_root, tmp_path / "root-a")
+    os.makedirs(os.path.join(first_level, ".step-10.tmp-abcdef"))  # as the first job's save in flight
+    before = sorted(os.listdir(first_level))
+    if not first_running:
+        first.close()
+    settings = dict(local_root=local_root, host_memory_gb=0.05, keep_last=1, local_keep_last=1)
+    with ss.Checkpointer(tmp_path / "root-b", **settings) as second:
+        target = _state(0)
+        assert second.load_latest(target) is None and torch.equal(target["t"], _state(0)["t"])
+        for step in (1, 2):
+            second.save(step, _state(step)).wait()
+    assert sorted(os.listdir(first_level)) == before
+    second_level = local_level(local_root, tmp_path / "root-b")
+    assert sorted(n for n in os.listdir(second_level) if n.startswith("step-")) == ["step-2"]
+    shutil.rmtree(tmp_path / "root-b")  # the second job's storage is lost: its node-local step serves
+    with ss.Checkpointer(tmp_path / "root-b", **settings) as second:
+        target = _state(0)
+        assert second.load_latest(target) == 2 and second.loaded_from == "local"
+        assert torch.equal(target["t"], _state(2)["t"])
+    if first_running:
+        first.close()

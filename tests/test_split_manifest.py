@@ -17,7 +17,7 @@ from statesnap.format import split
 from statesnap.format.columns import InflationBudget
 from statesnap.format.manifest import MANIFEST_NAME, Manifest
 from statesnap.plan.load_plan import plan_target
-from tests.dist_utils import run_ranks
+from tests.dist_utils import local_level, run_ranks
 
 ROWS, COLS = 101, 6
 save_module = importlib.import_module("statesnap.engine.save")  # the module (statesnap.engine.save is the function)
@@ -138,7 +138,7 @@ def test_the_checkpointer_commits_through_the_tensor_owners(tmp_path):
         assert reader.verify() > ROWS * COLS * 4
     # each node's local copy is one whole manifest of the job that describes the files it holds
     for node in range(3):
-        local = ss.open(os.path.join(local_root, f"node{node}", "step-3"))
+        local = ss.open(os.path.join(local_level(os.path.join(local_root, f"node{node}"), root), "step-3"))
         assert local.manifest.tensors["mp.w"].num_pieces == 3
         lo, n = _rows(node, 3)
         assert torch.equal(local.read("mp.w", (slice(lo, lo + n),)), _values_at(3)[lo:lo + n])

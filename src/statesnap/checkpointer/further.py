@@ -40,18 +40,24 @@ def files_of_rank(files: list[str], rank: int, world_size: int) -> list[str]:
     return [name for name in files if owner(name) == rank]
 
 
-def copy_file(src: StorageLevel, source: str, dst: StorageLevel, target: str, durable: bool, buffer) -> int:
-    """Stream one file from ``src`` to ``dst`` through ``buffer``; return its size."""
+def copy_file(src: StorageLevel, source: str, dst: StorageLevel, target: str, durable: bool, buffer,
+              size: int) -> int:
+    """Stream the ``size`` bytes the manifest records of one file from ``src`` to ``dst`` through
+    ``buffer``; return ``size``. A read that ends before them fails the copy: taken for the end of
+    the file (a store's short or empty answer), it committed a copy that no load could read, and
+    the level kept for the loss of the persistent one was damaged without a word."""
     reader = src.backend.open_read(source)
     writer = dst.backend.open_write(target, durable)
     offset = 0
     try:
-        while True:
-            got = reader.readinto(offset, [memoryview(buffer)])
+        while offset < size:
+            got = reader.readinto(offset, [memoryview(buffer)[:size - offset]])
             if not got:
-                return offset
+                raise CheckpointError(f"{source} ended at byte {offset}, before the {size} bytes its manifest "
+                                      "records")
             writer.pwrite(offset, [memoryview(buffer)[:got]])
             offset += got
+        return size
     finally:
         reader.close()
         writer.close(durable)
@@ -108,7 +114,7 @@ class FurtherCopier:
         copied, error = 0, problem
         if problem is None:
             try:
-                copied = self._copy_own_files(step, staging, Manifest.from_bytes(raw).files)
+                copied = self._copy_own_files(step, staging, Manifest.from_bytes(raw))
             except Exception as exc:  # noqa: BLE001 (every rank must reach the gather below)
                 error = described(exc)
         try:
@@ -162,14 +168,15 @@ class FurtherCopier:
                 return f"step {step} was not copied to {target}: {described(exc)}"
             committed_in_place(target, exc, 0)
         try:
-            self._dst.retain(set(), step)
+            self._dst.retain({step}, step)  # (spared when not the highest: a run that went back)
         except Exception as exc:  # noqa: BLE001 (the copy is committed; retention is retried next time)
             return f"retention in {self._dst.root} after copying step {step} failed: {exc}"
         return manifest.total_bytes
 
-    def _copy_own_files(self, step: int, staging: str, files: list[str]) -> int:
+    def _copy_own_files(self, step: int, staging: str, manifest: Manifest) -> int:
         source = self._src.path(step)
         buffer = torch.empty(COPY_CHUNK, dtype=torch.uint8).numpy()
+        sizes = dict(zip(manifest.files, manifest.file_sizes))
         return sum(copy_file(self._src, self._src.backend.join(source, name), self._dst,
-                             self._dst.backend.join(staging, name), self._durable, buffer)
-                   for name in files_of_rank(files, self._comm.rank, self._comm.world_size))
+                             self._dst.backend.join(staging, name), self._durable, buffer, sizes[name])
+                   for name in files_of_rank(manifest.files, self._comm.rank, self._comm.world_size))

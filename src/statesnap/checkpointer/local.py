@@ -1,10 +1,10 @@
 """The node-local level and its peer replicas.
 
 Every ``local_every``-th step is also written to node-local storage (an NVMe path or ``shm://``),
-as a committed statesnap checkpoint per node: ``<local_root>/step-N`` holds the job's whole
-manifest and the data files of that node's ranks. With ``peer_replicas=1`` each rank also sends
-its data file, straight from the staging arena, to a partner rank on the next node, which writes it
-into its own node's ``step-N`` before that node commits. Losing any one node then leaves every file
+as a committed statesnap checkpoint per node: ``<local_root>/<job>/step-N`` (``job_directory``)
+holds the job's whole manifest and the data files of that node's ranks. With ``peer_replicas=1``
+each rank also sends its data file, straight from the staging arena, to a partner rank on the
+next node, which writes it into its own node's ``step-N`` before that node commits. Losing any one node then leaves every file
 on some other node, and a restart reads them from there (``recovery.py``) instead of from ``root``.
 
 Collectives and transfers run on a dedicated gloo group, on this stage's own thread, never on the
@@ -15,7 +15,10 @@ snapshot itself until this stage is done with it, as it does for the persistent 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import os
+import re
 import socket
 import uuid
 import warnings
@@ -32,6 +35,7 @@ from ..engine.save import (RankOutput, data_file_name, gather_reports, own_objec
 from ..errors import CheckpointError, described
 from ..format.manifest import MANIFEST_NAME
 from ..monitor.events import EventLog, now
+from ..storage import is_url
 from .config import CheckpointerConfig
 from .levels import StorageLevel
 from .pipeline import Snapshot, _Stage, hash_staged_replicas
@@ -40,6 +44,17 @@ log = logging.getLogger("statesnap")
 
 PEER_CHUNK_BYTES = 8 << 20  # transfers go in pieces of this size,
 IN_FLIGHT = 2  # this many at a time: one is written (or read) while the next is on the wire
+
+
+def job_directory(local_root: str, root: str, backend) -> str:
+    """This job's node-local level: ``<local_root>/<root's last name>-<digest of root>``. A node
+    keeps one local_root for every job it runs (a fixed NVMe path in the launch script): with the
+    steps of every job in one directory, a new run (another root) restored the last run's weights
+    and plain values as its own, and its retention deleted its own steps as older than those.
+    Each job's directory is named after its persistent root, the job's identity across restarts."""
+    root = root if is_url(root) else os.path.abspath(root)
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", root.rstrip("/").rsplit("/", 1)[-1]).lstrip(".")[:40] or "root"
+    return backend.join(local_root, f"{name}-{hashlib.sha256(root.encode()).hexdigest()[:12]}")
 
 
 def peer_buffer_bytes(host_memory_bytes: int) -> int:
@@ -265,18 +280,31 @@ class LocalFlusher(_Stage):
         gathered, error = gather_reports(comm, snap.metas, snap.plan, snap.owned, output, error)
         result = self._manifest(snap, gathered) if comm.rank == 0 else None
         result = comm.broadcast(result)
+        committed = None
         if topo.is_leader and staging is not None:
-            if isinstance(result, bytes):
-                backend.write_bytes(backend.join(staging, MANIFEST_NAME), result, self._durable)
-                backend.commit(staging, final, True, self._durable, keep=backend.listdir(staging))
-                self.level.retain(set())
-            else:
-                backend.abort(staging, final)
+            try:
+                if isinstance(result, bytes):
+                    backend.write_bytes(backend.join(staging, MANIFEST_NAME), result, self._durable)
+                    backend.commit(staging, final, True, self._durable, keep=backend.listdir(staging))
+                else:
+                    backend.abort(staging, final)
+            except Exception as exc:  # noqa: BLE001 (every rank learns below whether every node committed)
+                committed, error = exc, error or exc
+        if isinstance(result, bytes):
+            self._retain_once_whole(snap.step, committed)
         if error is not None:
             raise error
         if not isinstance(result, bytes):
             raise CheckpointError(result)
         return output.file_bytes if output is not None else 0
+
+    def _retain_once_whole(self, step: int, failed: BaseException | None) -> None:
+        """Retention on this node once every node has committed ``step``: a node that deleted its
+        older steps after its own commit, while another node's commit was cut short, left no step
+        that the nodes held whole (``local_keep_last=1``). The step just committed is spared even
+        when it is not the highest (a run that went back), and the level warns of the later ones."""
+        if not self.comm.any_of([failed is not None])[0] and self.topology.is_leader:
+            self.level.retain({step}, step)
 
     def _manifest(self, snap: Snapshot, gathered: list) -> bytes | str:
         """The whole manifest (every node's copy describes the job) from the owners' entries."""

@@ -36,7 +36,7 @@ from .gpu import CudaCopier, mark_devices
 from .hooks import StepGuard, find_writers
 from .further import FurtherCopier
 from .levels import MemoryLevel, StorageLevel
-from .local import LocalFlusher, Topology, peer_buffer_bytes, without_peer_replicas
+from .local import LocalFlusher, Topology, job_directory, peer_buffer_bytes, without_peer_replicas
 from .recovery import LocalRecovery
 from .restore import load_newest
 from .roots import RootClaims
@@ -109,7 +109,8 @@ class Checkpointer:
         self.local = None
         if cfg.local_root is not None:
             local_root = normalize(cfg.local_root)
-            self.local = StorageLevel("local", local_root, backend_for(local_root, cfg.storage_options),
+            local_backend = backend_for(local_root, cfg.storage_options)
+            self.local = StorageLevel("local", job_directory(local_root, root, local_backend), local_backend,
                                       cfg.local_keep_last)
         self.memory = MemoryLevel()
         self.loaded_from: str | None = None  # the level the last load_latest restored from
@@ -163,6 +164,7 @@ class Checkpointer:
         self._inflight: deque[Snapshot] = deque()
         self._failed: list[tuple[Snapshot | None, CheckpointError]] = []
         self._copying_further: set[int] = set()
+        self._last_committed: int | None = None  # spared by retention after a further copy too
         self._lock = threading.Lock()
         self._saving = threading.RLock()
         self._in_on_commit = threading.local()
@@ -684,17 +686,21 @@ class Checkpointer:
     def _after_commit(self, step: int) -> None:
         """Start the further-level copy (every rank copies its own files), then rank 0 applies
         retention on the persistent level."""
-        if self._further_copier is not None and step % self.config.further_every == 0:
-            with self._lock:
+        further = self._further_copier is not None and step % self.config.further_every == 0
+        with self._lock:
+            self._last_committed = step
+            if further:
                 self._copying_further.add(step)
+        if further:
             self._further_copier.submit(step)
         if self.rank == 0:
             self._retain_persistent(step)
 
     def _retain_persistent(self, newest: int | None) -> None:
-        """Retention on the persistent level, sparing the newest commit and the further copies."""
+        """Retention on the persistent level, sparing the last commit (not the highest step after a
+        run went back) and the further copies."""
         with self._lock:
-            protected = {newest, *self._copying_further}
+            protected = {newest, self._last_committed, *self._copying_further}
         try:
             self.persistent.retain(protected, newest)
         except CheckpointError as exc:  # the root was taken over: nothing is deleted

@@ -13,6 +13,7 @@ is labelled ``"local"`` when no file moved, ``"peer"`` when one did.
 """
 from __future__ import annotations
 
+import logging
 import uuid
 import zlib
 from collections import Counter
@@ -31,6 +32,8 @@ from .arrivals import Arrivals
 from .levels import StorageLevel
 from .local import Topology, pwriter, recv_stream, send_stream
 
+log = logging.getLogger("statesnap")
+
 
 def inventory(level: StorageLevel) -> tuple[dict[int, tuple[list[str], int, int]], dict[int, str]]:
     """(step -> (data files this node holds, how many files the manifest names, a digest of their
@@ -39,15 +42,21 @@ def inventory(level: StorageLevel) -> tuple[dict[int, tuple[list[str], int, int]
     holds the node's own files, not the job's list: that would make each rank receive
     ranks x files names, quadratic in the size of the job."""
     out, unreadable = {}, {}
-    for step in level.committed_steps():
+    try:
+        steps = level.committed_steps()
+    except Exception as exc:  # noqa: BLE001 (a failing node disk: the other nodes and levels may still serve)
+        log.warning("statesnap: the node-local level at %s cannot be listed (%s); this node holds none of its "
+                    "steps for this restore", level.root, described(exc))
+        return out, unreadable
+    for step in steps:
         path = level.path(step)
         try:
             manifest = Manifest.from_bytes(level.backend.read_bytes(level.backend.join(path, MANIFEST_NAME)),
                                            where=path)
+            held = set(level.backend.listdir(path))
         except Exception as exc:  # noqa: BLE001 (a damaged manifest: this node does not count as holding it)
             unreadable[step] = described(exc)
             continue
-        held = set(level.backend.listdir(path))
         out[step] = (sorted(f for f in manifest.files if f in held), len(manifest.files),
                      zlib.crc32("\n".join(manifest.files).encode()))
     return out, unreadable
@@ -213,7 +222,8 @@ class LocalRecovery:
         if topo.is_leader and staging is not None:
             try:
                 if any(topo.nodes[dst] == topo.nodes[rank] for _, _, dst in transfers):
-                    backend.commit(staging, final, False, self.durable, keep=backend.listdir(staging))
+                    # (over a copy of the step this node holds that is damaged or another run's)
+                    backend.commit(staging, final, True, self.durable, keep=backend.listdir(staging))
                 else:  # its ranks need none of the files: no step to make of the manifest alone
                     backend.abort(staging, final)
             except Exception as exc:  # noqa: BLE001 (every rank raises together below)
@@ -290,8 +300,14 @@ class LocalRecovery:
         """Node leaders drop node-local steps newer than the one restored: a run restarted from an
         older step must not find the abandoned run's later steps at its next restart."""
         if self.topology.is_leader:
-            for newer in [s for s in self.level.committed_steps() if step is None or s > step]:
-                self.remove(newer)
+            try:
+                newer = [s for s in self.level.committed_steps() if step is None or s > step]
+            except Exception as exc:  # noqa: BLE001 (the restore is done: a node disk failing is not its failure)
+                log.warning("statesnap: the node-local level at %s cannot be listed (%s); its steps after step %s "
+                            "are left as they are", self.level.root, described(exc), step)
+                return
+            for later in newer:
+                self.remove(later)
 
     def remove(self, step: int) -> None:
         """Node leaders drop the node-local copy of ``step`` (their own or a peer's replica)."""

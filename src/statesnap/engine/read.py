@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import CorruptCheckpointError, MissingFileError, ReadFailedError
+from ..errors import CheckpointError, CorruptCheckpointError, MissingFileError, ReadFailedError
 from ..format.checksum import NO_BYTES_CHECKSUM, checksum_blocks, checksum_whole
 from ..format.manifest import Manifest, TensorEntry
 from ..plan.load_plan import PieceRead, Segment, TargetPlan, row_major_strides
@@ -297,8 +297,16 @@ class ReadExecutor:
         self._count(max(got - gaps, 0))
         return got
 
-    def _truncated(self, file: int, fqn: str, start: int, end: int, ends_at: int) -> CorruptCheckpointError:
-        """The error of a read that fell short inside bytes ``[start, end)`` of tensor ``fqn``."""
+    def _truncated(self, reader: FileReader, file: int, fqn: str, start: int, end: int,
+                   ends_at: int) -> CheckpointError:
+        """The error of a read that fell short inside bytes ``[start, end)`` of tensor ``fqn``:
+        damage if the file ends before ``end``; else the read's own failure (a store's short
+        answer), not the file's: taken for damage, a restart went back past a good step."""
+        size = reader.size()
+        if size >= end:
+            return ReadFailedError(
+                f"reading data file {self.manifest.files[file]} of {self.directory} stopped at byte {ends_at}, "
+                f"inside bytes [{start}, {end}) of tensor {fqn!r}, though the file holds {size} bytes")
         return CorruptCheckpointError(
             f"data file {self.manifest.files[file]} of {self.directory} is truncated: bytes [{start}, {end}) of "
             f"tensor {fqn!r} are not all there (it ends at byte {ends_at})")
@@ -318,7 +326,7 @@ class ReadExecutor:
         got = self._read(reader, run.file, run.start, views, gaps, fqns[owner[run.members[0]]])
         if got != run.end - run.start:  # (the first piece the read fell short of)
             k = next(k for k in run.members if base[k] + size[k] > run.start + got)
-            raise self._truncated(run.file, fqns[owner[k]], base[k], base[k] + size[k], run.start + got)
+            raise self._truncated(reader, run.file, fqns[owner[k]], base[k], base[k] + size[k], run.start + got)
         if self.verify:
             for k in run.members:
                 if checksum_whole(columns.view[k]) != columns.checksum[k]:
@@ -350,7 +358,7 @@ class ReadExecutor:
         if got != end - start:  # the first piece whose bytes the read fell short of (past a gap, the one after it)
             ends = itertools.accumulate(len(v) for v in views)
             stopped = next(job for job, view_end in zip(owners, ends) if job is not None and view_end > got)
-            raise self._truncated(stopped.file, stopped.fqn, stopped.base + stopped.read.lo,
+            raise self._truncated(reader, stopped.file, stopped.fqn, stopped.base + stopped.read.lo,
                                   stopped.base + stopped.read.hi, start + got)
         if self.verify:
             for job, parts in zip(group, parts_of):
@@ -368,7 +376,7 @@ class ReadExecutor:
             raw = byte_view(scratch)
             got = self._read(reader, job.file, job.base + lo, [raw], 0, job.fqn)
             if got != len(raw):
-                raise self._truncated(job.file, job.fqn, job.base + job.read.lo, job.base + job.read.hi,
+                raise self._truncated(reader, job.file, job.fqn, job.base + job.read.lo, job.base + job.read.hi,
                                       job.base + lo + got)
         if self.verify:
             self._check(job, lo, hi, [raw])

@@ -300,8 +300,8 @@ class _FsspecReader(FileReader):
         total = sum(len(v) for v in views)
         end = min(offset + total, self._size)
         try:
-            data = (self.retry.call(f"reading bytes [{offset}, {end}) of {self.name}", self.fs.cat_file, self.path,
-                                    start=offset, end=end) if end > offset else b"")
+            data = self.retry.call(f"reading bytes [{offset}, {end}) of {self.name}", self._ranged, offset,
+                                   end) if end > offset else b""
         except Exception as exc:
             raise _error(f"reading bytes [{offset}, {end}) of {self.name} failed", exc) from exc
         pos = 0
@@ -311,11 +311,28 @@ class _FsspecReader(FileReader):
             pos += len(chunk)
         return len(data)
 
+    def _ranged(self, offset: int, end: int) -> bytes:
+        """Bytes ``[offset, end)``, all of them: a store's short answer inside the object (a cut
+        connection, a proxy) is sent again, as a failed request is, rather than taken for the
+        end of a truncated file; a longer one (a store that ignores the range) is an error."""
+        data = self.fs.cat_file(self.path, start=offset, end=end)
+        if len(data) < end - offset:
+            raise _ShortAnswer(f"the store answered {len(data)} bytes for bytes [{offset}, {end}) of {self.name}, "
+                               f"which holds {self._size}")
+        if len(data) > end - offset:
+            raise OSError(errno.EIO, f"the store answered {len(data)} bytes for the {end - offset} bytes [{offset}, "
+                                     f"{end}) of {self.name}: it may not take ranged reads")
+        return data
+
     def size(self) -> int:
         return self._size
 
     def close(self) -> None:
         pass
+
+
+class _ShortAnswer(ConnectionError):
+    """A ranged read answered short: a ``ConnectionError``, so that it is retried (storage/retry.py)."""
 
 
 class FsspecBackend(StorageBackend):
