@@ -121,3 +121,26 @@ def test_a_name_too_long_to_stage_is_refused_naming_its_limit(tmp_path):
     target = {"t": torch.zeros(2)}
     ss.load(target, tmp_path / ("b" * longest))
     assert torch.equal(target["t"], torch.ones(2))
+
+
+def test_a_save_whose_staging_directory_cannot_take_its_name_leaves_nothing_open(tmp_path, monkeypatch):
+    """The rename of a fresh staging directory to its own name fails (EIO): each such save left
+    its ``.new`` directory, which no clean-up removes, and its descriptor open."""
+    import errno
+
+    import torch
+
+    import statesnap as ss
+
+    real = os.rename
+
+    def rename(src, dst, *args, **kwargs):
+        if str(src).endswith(".new"):
+            raise OSError(errno.EIO, "Input/output error", src)
+        return real(src, dst, *args, **kwargs)
+    monkeypatch.setattr(os, "rename", rename)
+    descriptors = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(ss.CheckpointError, match="Input/output error"):
+            ss.save({"t": torch.zeros(2)}, tmp_path / "ck")
+    assert os.listdir(tmp_path) == [] and len(os.listdir("/proc/self/fd")) == descriptors

@@ -399,12 +399,22 @@ class LocalBackend(StorageBackend):
         # made under another name and locked before it takes its own, so that no other
         # process's ``_remove_abandoned_staging`` sees it unlocked
         os.makedirs(staging + _FRESH_SUFFIX)
-        fd = os.open(staging + _FRESH_SUFFIX, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fd = os.open(staging + _FRESH_SUFFIX, os.O_RDONLY | os.O_DIRECTORY)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.rmdir(staging + _FRESH_SUFFIX)
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # a file system without flock: its leftovers stay for a Checkpointer's start
             pass
-        os.rename(staging + _FRESH_SUFFIX, staging)
+        try:
+            os.rename(staging + _FRESH_SUFFIX, staging)
+        except BaseException:  # (no sweep removes a directory of this name, and the descriptor was kept open)
+            os.close(fd)
+            shutil.rmtree(staging + _FRESH_SUFFIX, ignore_errors=True)
+            raise
         with _writing_lock:
             _writing[staging] = fd
         return staging
