@@ -470,3 +470,23 @@ def test_cli_convert_and_export(tmp_path, capsys):
         assert same_bits(shards[name], tensor), name
     assert cli.main(["export", str(tmp_path / "ck"), str(tmp_path / "x"), "--to", "torch", "--max-shard-size", "1GB"]) == 2
     assert "safetensors exports only" in capsys.readouterr().err
+
+
+def test_a_tensor_of_a_dtype_safetensors_lacks_is_skipped_not_the_whole_export(tmp_path):
+    """complex128 (RoPE's ``freqs_cis``): safetensors has no name for it. The export failed
+    whole, writing nothing; it now writes the rest and lists that one in ``skipped``."""
+    freqs = torch.polar(torch.ones(4, 2, dtype=torch.float64), torch.arange(8.0, dtype=torch.float64).view(4, 2))
+    ss.save({"w": torch.arange(6.0), "freqs_cis": freqs}, tmp_path / "ck")
+    out = ss.export(tmp_path / "ck", tmp_path / "st", to="safetensors")
+    assert out.skipped == ["freqs_cis (safetensors has no dtype complex128; export to torch or dcp)"]
+    assert torch.equal(load_file(tmp_path / "st" / "model.safetensors")["w"], torch.arange(6.0))
+
+
+@pytest.mark.parametrize("value, says", [
+    (torch.empty(3, device="meta"), "reading it from the source failed"),
+    (torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8), r"t.dequantize\(\), or t.int_repr\(\)"),
+])
+def test_a_value_the_checkpoint_cannot_take_is_named_with_its_source_file(tmp_path, value, says):
+    torch.save({"w": value}, tmp_path / "src.pt")
+    with pytest.raises(ss.CheckpointError, match=rf"^converting {tmp_path / 'src.pt'}: w: .*{says}"):
+        ss.convert(tmp_path / "src.pt", tmp_path / "ck")

@@ -892,3 +892,23 @@ def test_a_tensor_named_as_the_safetensors_metadata_is_skipped_by_name(tmp_path)
     (tmp_path / "bad.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
     with pytest.raises(CheckpointError, match="its __metadata__ is not a map of strings to strings"):
         ss.convert(str(tmp_path / "bad.safetensors"), str(tmp_path / "ck2"))
+
+
+def test_damage_in_a_small_dcp_tensor_s_pickle_is_named_by_its_file_and_tensor(tmp_path):
+    """A byte flipped in the pickle of a small tensor's DCP chunk fails DCP's own load with an
+    error that names no file (torch.load's weights_only hint): the chunk's CRC-32 names the
+    file, the member and the tensor, as the same damage in a torch.save file is named."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    state = {f"t{i}": torch.full((4,), float(i)) for i in range(6)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "dcp", single_file_per_rank=False),
+             no_dist=True)
+    info = next(v for k, v in FileSystemReader(tmp_path / "dcp").read_metadata().storage_data.items()
+                if k.fqn == "t3")
+    path = tmp_path / "dcp" / info.relative_path
+    raw = bytearray(path.read_bytes())
+    raw[info.offset + bytes(raw[info.offset:info.offset + info.length]).find(b"_rebuild_tensor_v2") + 3] ^= 0x20
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ss.CorruptCheckpointError, match=rf"{info.relative_path}: the chunk of 't3'.*CRC-32"):
+        ss.convert(tmp_path / "dcp", tmp_path / "out")

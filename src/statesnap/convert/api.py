@@ -19,7 +19,7 @@ from functools import partial
 from typing import Any, Callable, Iterator
 
 from ..engine.save import SaveInfo
-from ..errors import CheckpointError, CheckpointExistsError, explained, remedy
+from ..errors import CheckpointError, CheckpointExistsError, explained, printable, remedy
 from ..format.manifest import MANIFEST_NAME
 from ..progress import bar
 from ..reader import Reader, TensorInfo
@@ -99,8 +99,13 @@ def convert(src, dst, source: str | None = None, spec: Any = None, *, overwrite:
     values = apply_spec(ops, read(src, notes) if source in NOTING_SOURCES else read(src), notes=notes)
     refuse_unread(values)
     meta = {"converted_from": {"source": source, "path": os.path.abspath(src), "ops": ops}}
-    info = write_checkpoint(values, dst, meta=meta, overwrite=overwrite, allow_pickle=allow_pickle,
-                            storage_options=storage_options, copy=copy, progress=progress)
+    try:
+        info = write_checkpoint(values, dst, meta=meta, overwrite=overwrite, allow_pickle=allow_pickle,
+                                storage_options=storage_options, copy=copy, progress=progress)
+    except CheckpointError as exc:  # (a value that fails as it is written names itself, not its source)
+        if exc.args and isinstance(exc.args[0], str) and src not in exc.args[0]:
+            exc.args = (printable(f"converting {src}: {exc.args[0]}"), *exc.args[1:])
+        raise
     info.notes = notes  # filled while the values were read
     return info
 
@@ -134,6 +139,10 @@ def export(path, dst, to: str = "safetensors", *, spec: Any = None, max_shard_by
         skipped += [f"{name} (safetensors holds tensors only)" for name, v in values.items() if not is_tensor(v)]
         unnamed = [name for name, v in values.items() if is_tensor(v) and not _utf8(name)]
         skipped += [f"{name} (safetensors names are UTF-8; this one holds a lone surrogate)" for name in unnamed]
+        untyped = [name for name, v in values.items() if is_tensor(v) and v.dtype not in safetensors_io.DTYPE_NAMES]
+        skipped += [f"{name} (safetensors has no dtype {str(values[name].dtype)[6:]}; export to torch or dcp)"
+                    for name in untyped]
+        unnamed += untyped
         if is_tensor(values.get(safetensors_io.METADATA)):
             unnamed.append(safetensors_io.METADATA)
             skipped.append(f"{safetensors_io.METADATA} (the name safetensors keeps for its header's metadata; "

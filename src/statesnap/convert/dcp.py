@@ -65,15 +65,18 @@ def read(src: str) -> dict[str, Any]:
             else:
                 flat[key] = Lazy(md.properties.dtype, tuple(md.size), partial(_load_one, reader, src, key, md))
         if now:
+            small_tensors = {key: md for key in now
+                             if isinstance(md := metadata.state_dict_metadata[key], TensorStorageMetadata)}
             try:
                 _load(reader, now)
             except CheckpointError:
                 raise
             except DCP_FAILURES as exc:
+                # damage in a chunk (its pickle, say) fails DCP's load with an error of its own
+                # that names no file: the archives' CRC-32s name the file, the member and the tensor
+                check_chunks(src, small_tensors, metadata.storage_data)
                 raise CheckpointError(_small_values_failure(metadata, now, src, exc)) from None
-            check_chunks(src, {key: md for key in now if isinstance(md := metadata.state_dict_metadata[key],
-                                                                       TensorStorageMetadata)},
-                         metadata.storage_data)
+            check_chunks(src, small_tensors, metadata.storage_data)
             flat.update(now)
         nested = nest_paths(flat, metadata.planner_data or {})
     except CheckpointError:

@@ -117,7 +117,9 @@ def _meta(name: str, value: Any) -> ItemMeta:
     try:
         dtype = dtype_name(value.dtype)
     except CheckpointError as exc:
-        raise CheckpointError(f"{name}: {exc}; cast it with a transform spec") from None
+        # (every floating dtype is stored: a transform spec's cast, which converts floating dtypes, cannot help)
+        raise CheckpointError(f"{name}: {exc}; convert it in the source before converting the checkpoint (a "
+                              "quantized tensor: t.dequantize(), or t.int_repr() with its scales)") from None
     nbytes = torch.Size(shape).numel() * itemsize(value.dtype)
     return ItemMeta(name, dtype, shape, BOX, (0,) * len(shape), shape, nbytes)
 
