@@ -55,6 +55,21 @@ def test_weights_tied_in_the_state_but_not_in_the_checkpoint_are_named(tmp_path)
         ss.load({"a": base[:1 << 19], "b": base[1 << 18:]}, tmp_path / "views")
 
 
+def test_a_tied_weight_stored_once_loads_strictly(tmp_path):
+    """Hugging Face's save_pretrained stores a tied weight once (no ``lm_head.weight``): the
+    tied model's strict load refused it as missing, and strict=False listed it in ``missing``,
+    although filling the embedding fills it. A name whose tensor is another's it loads is neither."""
+    torch.manual_seed(0)
+    source = _Tied(tie=True)
+    ss.save({"model": {"emb.weight": source.emb.weight}}, tmp_path / "once")
+    for strict in (True, False):
+        loaded = _Tied(tie=True)
+        info = ss.load({"model": loaded}, tmp_path / "once", strict=strict)
+        assert info.missing == [] and torch.equal(loaded.head.weight, source.emb.weight)
+    with pytest.raises(ss.StateMismatchError, match=r"missing in checkpoint \(1\): model.head.weight"):
+        ss.load({"model": _Tied(tie=False)}, tmp_path / "once")  # (untied: nothing fills it)
+
+
 @pytest.mark.parametrize("views", ["read apart", "transposed"])
 def test_views_that_overwrite_each_other_are_named_however_they_are_read(tmp_path, views):
     """Overlapping views were caught only when the second write broke the first's checksum

@@ -30,7 +30,7 @@ from .buffers import borrowed_byte_view, host_contiguous
 from .device_load import fill_device_targets, wave_parts
 from .dist import DEFAULT_TIMEOUT_S, Comm
 from .objects import castable, decode_value, fitted_to_held
-from .overlaps import overlapping_pairs, overwritten, same_view, tie_error
+from .overlaps import aliases_filled, overlapping_pairs, overwritten, same_view, tie_error
 from .read import ReadExecutor, open_data_file
 from .shared import plan_shared_reads, should_share
 
@@ -193,14 +193,19 @@ def parts_lacking(stored: list[str], parts: list[str]) -> list[str]:
 
 
 def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: str, cast: bool,
-           top: list[str], partial: bool) -> tuple[list[str], list[str]]:
-    """Check the target against the checkpoint; return the names to skip (non-strict): those it
-    lacks, and those it holds with another shape or dtype, which are warned of (PyTorch's and
+           top: list[str], partial: bool) -> tuple[list[str], list[str], list[str]]:
+    """Check the target against the checkpoint; return the names to skip: those it lacks
+    (non-strict), those it holds with another shape or dtype, which are warned of (PyTorch's and
     DCP's own non-strict loads refuse them; skipped without a word, a model cast to bf16 loaded
     nothing of an fp32 checkpoint and trained on from its random values). ``top``: the state's
     top-level names. ``partial``: what the checkpoint holds outside them is not unexpected, but
-    what it holds under them is (a model of fewer layers loads no part of a deeper one)."""
+    what it holds under them is (a model of fewer layers loads no part of a deeper one). Third,
+    the names the checkpoint lacks that are filled all the same: the tensor is the very one of
+    another name it holds (a tied weight stored once, as Hugging Face's save_pretrained stores
+    ``lm_head.weight``), so neither missing nor read."""
     missing, mismatched, precision_only = mismatches(flat, manifest.header, manifest.objects, cast)
+    aliases = aliases_filled(flat.tensors, missing, {*missing, *(m.split(" ", 1)[0] for m in mismatched)})
+    missing = [name for name in missing if name not in aliases]
     unexpected = []
     if strict:
         # what no rank loads: one flag per stored name from each rank, never every rank's names
@@ -208,7 +213,7 @@ def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: 
         loaded = [k in mine or (partial and not any(in_part(k, p) for p in top)) for k in keys]
         unexpected = [k for k, wanted in zip(keys, comm.any_of(loaded)) if not wanted]
     return missing, settle_mismatches(path, strict, missing, unexpected, mismatched, precision_only, top, partial,
-                                      stacklevel=7)  # (at ss.load's caller)
+                                      stacklevel=7), sorted(aliases)  # (at ss.load's caller)
 
 
 def settle_mismatches(path: str, strict: bool, missing: list[str], unexpected: list[str], mismatched: list[str],
@@ -575,9 +580,9 @@ class Loading:
         self.comm.agree(error, f"loading {self.path}")
         try:
             self.top, self.partial = [str(key) for key in state], partial
-            self.missing, self.mismatched = _match(self.flat, self.manifest, self.comm, self.strict, self.path, cast,
-                                                   self.top, partial)
-            self.skip = {*self.missing, *self.mismatched}
+            self.missing, self.mismatched, aliases = _match(self.flat, self.manifest, self.comm, self.strict,
+                                                            self.path, cast, self.top, partial)
+            self.skip = {*self.missing, *self.mismatched, *aliases}
             self.sharing = overlapping_pairs(item for item in self.flat.tensors if item.fqn not in self.skip)
             tied_apart = _tied_apart(self.sharing, self.manifest, self.path)
             if tied_apart is not None:

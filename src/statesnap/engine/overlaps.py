@@ -179,6 +179,20 @@ def same_view(a: TensorItem, b: TensorItem) -> bool:
             and x.is_conj() == y.is_conj() and x.is_neg() == y.is_neg())
 
 
+def aliases_filled(items: list[TensorItem], missing: list[str], unfilled: set[str]) -> set[str]:
+    """The names of ``missing`` whose tensor is the same view (:func:`same_view`) as that of an
+    item the load fills (not in ``unfilled``): filling the one fills the other."""
+    lacking = set(missing)
+    if not lacking:
+        return set()
+    filled = {}
+    for item in items:
+        if item.fqn not in unfilled:
+            filled.setdefault(item.local.data_ptr(), []).append(item)
+    return {item.fqn for item in items if item.fqn in lacking and item.local.numel()
+            and any(same_view(item, other) for other in filled.get(item.local.data_ptr(), ()))}
+
+
 def overwritten(pairs: list[Pair], stored: Callable[[TensorItem], torch.Tensor | None]) -> list[str] | None:
     """The name of the first tensor of ``pairs`` that no longer holds its stored values after
     every write of the load (``stored(item)``: those values, of the item's shape; None where
