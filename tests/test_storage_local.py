@@ -144,3 +144,30 @@ def test_a_save_whose_staging_directory_cannot_take_its_name_leaves_nothing_open
         with pytest.raises(ss.CheckpointError, match="Input/output error"):
             ss.save({"t": torch.zeros(2)}, tmp_path / "ck")
     assert os.listdir(tmp_path) == [] and len(os.listdir("/proc/self/fd")) == descriptors
+
+
+def test_a_failure_after_the_commit_s_rename_says_the_new_checkpoint_is_in_place(tmp_path, monkeypatch):
+    """EIO on the fsync of the parent directory, after the rename: the save raised "committing
+    failed", which reads as "the old checkpoint is still there", while the new one was in place
+    and the old one gone."""
+    import errno
+
+    import torch
+
+    import statesnap as ss
+    from statesnap.storage import local
+
+    ss.save({"t": torch.zeros(2)}, tmp_path / "ck")
+    real = local.fsync_dir
+
+    def fsync_dir(path):
+        if os.path.abspath(path) == str(tmp_path):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path)
+    monkeypatch.setattr(local, "fsync_dir", fsync_dir)
+    with pytest.raises(ss.CheckpointError, match="ck holds the new checkpoint, but what follows its rename failed "
+                                                 r"\(Input/output error\): it may not survive a crash"):
+        ss.save({"t": torch.ones(2)}, tmp_path / "ck", overwrite=True)
+    target = {"t": torch.zeros(2)}
+    ss.load(target, tmp_path / "ck")
+    assert torch.equal(target["t"], torch.ones(2))

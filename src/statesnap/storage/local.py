@@ -440,12 +440,16 @@ class LocalBackend(StorageBackend):
                 if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
                     raise CheckpointExistsError(f"{final} appeared while saving; not replacing it") from None
                 raise
-        # No aside outlives a commit: a later kill would leave two, and a load might take the older;
-        # one left half deleted would come back if ``final`` went.
-        for aside in self._asides(final):
-            self._delete_hidden(aside, final)
-        if durable:
-            fsync_dir(parent)
+        try:
+            # No aside outlives a commit: a later kill would leave two, and a load might take the
+            # older; one left half deleted would come back if ``final`` went.
+            for aside in self._asides(final):
+                self._delete_hidden(aside, final)
+            if durable:
+                fsync_dir(parent)
+        except OSError as exc:  # said as what it is: the checkpoint replaced is gone, the new one in place
+            raise OSError(exc.errno, f"{final} holds the new checkpoint, but what follows its rename failed "
+                                     f"({exc.strerror or exc}): it may not survive a crash of this machine") from exc
         _release(os.path.abspath(staging))
 
     def _replace(self, staging: str, final: str) -> None:
