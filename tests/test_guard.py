@@ -471,3 +471,99 @@ def test_a_step_kept_in_memory_only_changed_in_place_after_save_is_not_restored(
     assert "the snapshot of step 1 in host memory is not restored" in caplog.text
     assert ckpt.loaded_from is None and torch.equal(fresh.weight, before)
     ckpt.close()
+
+
+@pytest.mark.parametrize("held", ["list", "tuple", "dict in a list"])
+def test_an_optimizer_held_in_a_list_is_hooked_as_one_in_a_dict(tmp_path, monkeypatch, held):
+    """The flattening walks lists and tuples holding optimizers, so their state was saved, but
+    the search for step hooks walked dicts only: the step did not wait for the copies of what it
+    writes, and with a guarded method set the save trusted it not to change (torn checkpoints)."""
+    model, optim = make_training()
+    backward(model, 1)
+    optim.step()
+    optims = {"list": [optim], "tuple": (optim,), "dict in a list": [{"optim": optim}]}[held]
+    state = {"model": model, "optims": optims}
+    ref = reference(state)
+    gate = CopiesWaitForAWaiter(monkeypatch)
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, eager_copy_mb=0)
+    handle = ckpt.save(1, state)
+    backward(model, 2)
+    optim.step()  # waits in its hook: the copy runs, then the update
+    gate.open()
+    ckpt.close()
+    assert_checkpoint_equals(handle.wait(), ref)
+    assert not torch.equal(model[0].weight, ref["model.0.weight"])
+    assert hook_waits(ckpt) == 1
+
+
+class _WarmupLR:
+    """An LR scheduler of another library (DeepSpeed's ``WarmupLR`` is shaped so): ``step`` and an
+    ``.optimizer``, no torch ``LRScheduler``."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.last_batch_iteration = optimizer, -1
+
+    def step(self, last_batch_iteration=None):
+        self.last_batch_iteration += 1
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.1 * min(1.0, (self.last_batch_iteration + 1) / 10)
+
+    def get_lr(self):
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self):
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, sd):
+        self.last_batch_iteration = sd["last_batch_iteration"]
+
+
+def test_another_library_s_lr_scheduler_is_no_optimizer_wrapper():
+    """Taken for an optimizer wrapper, a scheduler made the save trust that only guarded methods
+    change the tensors no optimizer writes: a buffer the forward changes (BatchNorm's statistics)
+    was then copied while it changed, and committed torn."""
+    model, optim = make_training()
+    assert not hooks.is_optimizer_like(_WarmupLR(optim))
+    assert hooks.find_writers({"optim": optim, "sched": _WarmupLR(optim)}) == ([optim], [])
+    assert hooks.is_optimizer_like(DataSGD(model.parameters()))
+
+
+class _SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimisation as it is commonly written: its step moves the parameters,
+    then calls the closure for the gradient there, then moves them back and steps."""
+
+    def __init__(self, params, lr=0.1, rho=0.05):
+        super().__init__(params, {"lr": lr, "rho": rho})
+
+    @torch.no_grad()
+    def step(self, closure):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["e"] = group["rho"] * p.grad / (p.grad.norm() + 1e-12)
+                p.add_(self.state[p]["e"])
+        with torch.enable_grad():
+            closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.sub_(self.state[p]["e"]).sub_(group["lr"] * p.grad)
+
+
+def test_an_optimizer_that_changes_its_parameters_before_its_closure_waits_first(tmp_path, monkeypatch):
+    """SAM's step changes the parameters before it calls the closure; the hook made only the
+    closure's end wait (as for torch's optimizers, which call it first), so the copies ran
+    after the change and most checkpoints failed, blaming 'something other than its optimizer'."""
+    model, _ = make_training()
+    optim = _SAM(model.parameters())
+    backward(model, 1)
+    optim.step(lambda: backward(model, 3))
+    state = {"model": model, "optim": optim}
+    ref = reference(state)
+    gate = CopiesWaitForAWaiter(monkeypatch)
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, eager_copy_mb=0)
+    handle = ckpt.save(1, state)
+    backward(model, 2)
+    optim.step(lambda: backward(model, 4))
+    gate.open()
+    ckpt.close()
+    assert_checkpoint_equals(handle.wait(), ref)
+    assert hook_waits(ckpt) == 1

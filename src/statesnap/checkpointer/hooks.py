@@ -92,13 +92,20 @@ def optimizer_storages(optim: torch.optim.Optimizer) -> set[int]:
     return ptrs
 
 
+# What LR schedulers keep and optimizer wrappers do not: torch's and DeepSpeed's count their steps
+# (``last_epoch``, ``last_batch_iteration``) and give ``get_last_lr``, timm's keep ``base_values``.
+_SCHEDULER_ATTRIBUTES = ("last_epoch", "last_batch_iteration", "get_last_lr", "base_lrs", "base_values")
+
+
 def is_optimizer_like(obj) -> bool:
     """Steps like an optimizer but is no torch one: a callable ``step`` and ``param_groups`` or an
     inner ``.optimizer`` that steps. LR schedulers also have a ``step`` and an ``.optimizer``, but
-    change only hyperparameters."""
+    change only hyperparameters: taken for a wrapper (DeepSpeed's ``WarmupLR``), one made the save
+    trust that only guarded methods change what no optimizer writes, and a buffer the forward
+    changes was copied while it changed."""
     if isinstance(obj, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
         return False
-    if not callable(getattr(obj, "step", None)):
+    if not callable(getattr(obj, "step", None)) or any(hasattr(obj, name) for name in _SCHEDULER_ATTRIBUTES):
         return False
     return hasattr(obj, "param_groups") or callable(getattr(getattr(obj, "optimizer", None), "step", None))
 
@@ -116,17 +123,19 @@ def takes_step_hooks(optim: torch.optim.Optimizer) -> bool:
 
 def find_writers(state) -> tuple[list[torch.optim.Optimizer], list]:
     """The torch optimizers and the optimizer-like wrappers among the values of ``state`` (nested
-    dicts) and, for each, the chain of ``.optimizer``s it wraps. Inner ones come first, so that a
-    tensor two optimizers claim is owned by the one whose step writes it, whichever step the
-    training loop calls."""
+    dicts, lists and tuples, as the flattening walks them) and, for each, the chain of
+    ``.optimizer``s it wraps. Inner ones come first, so that a tensor two optimizers claim is
+    owned by the one whose step writes it, whichever step the training loop calls. (An optimizer
+    in a list went unhooked: saved, but its step did not wait for the copies of what it writes.)"""
     optimizers, wrappers, seen, walked = [], [], set(), set()
     stack = [state]
     while stack:
         value = stack.pop()
-        if isinstance(value, dict):
-            if id(value) not in walked:  # (a dict holding itself is refused by the flattening after)
+        if isinstance(value, (dict, list, tuple)):
+            if id(value) not in walked:  # (a container holding itself is refused by the flattening after)
                 walked.add(id(value))
-                stack.extend(value.values())
+                stack.extend(v for v in (value.values() if isinstance(value, dict) else value)
+                             if not isinstance(v, torch.Tensor))
             continue
         chain = []
         while (isinstance(value, torch.optim.Optimizer) or is_optimizer_like(value)) and id(value) not in seen:
@@ -327,9 +336,13 @@ class StepGuard:
         self._wait(None)
 
     def _hook(self, optim, args, kwargs):
-        """Wait before the step changes this optimizer's tensors. A step given a closure runs
-        the forward and backward inside it (Lightning, LBFGS): wait when the closure returns,
-        not before it, so that they still overlap the copy."""
+        """Wait before the step changes this optimizer's tensors. A torch optimizer's step given
+        a closure runs the forward and backward inside it first (Lightning, LBFGS): wait when the
+        closure returns, not before it, so that they still overlap the copy. Another optimizer's
+        step may change its parameters before it calls its closure (SAM's does): it waits first."""
+        if not type(optim).step.__module__.startswith("torch.optim."):
+            self._wait(id(optim))
+            return None
         if kwargs.get("closure") is not None:
             return args, {**kwargs, "closure": self._after(kwargs["closure"], id(optim))}
         if len(args) > 1 and callable(args[1]):  # args[0] is the optimizer itself
