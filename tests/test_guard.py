@@ -473,6 +473,15 @@ def test_a_step_kept_in_memory_only_changed_in_place_after_save_is_not_restored(
     ckpt.close()
 
 
+def _saved_behind_a_gate(tmp_path, monkeypatch, state):
+    """(the state's values now, the gate, the Checkpointer, the handle of its save of step 1)
+    with every copy held until something waits for it (``CopiesWaitForAWaiter``)."""
+    ref = reference(state)
+    gate = CopiesWaitForAWaiter(monkeypatch)
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, eager_copy_mb=0)
+    return ref, gate, ckpt, ckpt.save(1, state)
+
+
 @pytest.mark.parametrize("held", ["list", "tuple", "dict in a list"])
 def test_an_optimizer_held_in_a_list_is_hooked_as_one_in_a_dict(tmp_path, monkeypatch, held):
     """The flattening walks lists and tuples holding optimizers, so their state was saved, but
@@ -482,11 +491,7 @@ def test_an_optimizer_held_in_a_list_is_hooked_as_one_in_a_dict(tmp_path, monkey
     backward(model, 1)
     optim.step()
     optims = {"list": [optim], "tuple": (optim,), "dict in a list": [{"optim": optim}]}[held]
-    state = {"model": model, "optims": optims}
-    ref = reference(state)
-    gate = CopiesWaitForAWaiter(monkeypatch)
-    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, eager_copy_mb=0)
-    handle = ckpt.save(1, state)
+    ref, gate, ckpt, handle = _saved_behind_a_gate(tmp_path, monkeypatch, {"model": model, "optims": optims})
     backward(model, 2)
     optim.step()  # waits in its hook: the copy runs, then the update
     gate.open()
@@ -556,11 +561,7 @@ def test_an_optimizer_that_changes_its_parameters_before_its_closure_waits_first
     optim = _SAM(model.parameters())
     backward(model, 1)
     optim.step(lambda: backward(model, 3))
-    state = {"model": model, "optim": optim}
-    ref = reference(state)
-    gate = CopiesWaitForAWaiter(monkeypatch)
-    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, eager_copy_mb=0)
-    handle = ckpt.save(1, state)
+    ref, gate, ckpt, handle = _saved_behind_a_gate(tmp_path, monkeypatch, {"model": model, "optim": optim})
     backward(model, 2)
     optim.step(lambda: backward(model, 4))
     gate.open()
