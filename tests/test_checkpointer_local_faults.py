@@ -90,7 +90,11 @@ def _die_before_node_1_commits(rank, world, dirs, settings):
             return real(self, staging, final, *args, **kwargs)
         storage_local.LocalBackend.commit = commit
     ckpt.save(3, _state(rank, 30 + rank))
-    time.sleep(3)  # node 0 commits its part of step 3 meanwhile
+    committed = os.path.join(local_level(dirs["local"][0], dirs["root"]), "step-3")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(committed) and time.monotonic() < deadline:  # node 0 commits step 3 meanwhile
+        time.sleep(0.05)
+    time.sleep(1)  # (and its retention, which ran right after its own commit, has run)
     os.kill(os.getpid(), signal.SIGKILL)  # and the job is gone
 
 
@@ -155,3 +159,27 @@ def test_a_run_that_went_back_keeps_the_step_it_saves_on_the_node_local_and_furt
         assert torch.equal(ss.open(os.path.join(level, "step-3")).read("w"), torch.full((4,), 33.0))
     warned = [str(w.message) for w in caught if "step 3 was committed at" in str(w.message)]
     assert any(local_level(local, root) in w for w in warned), warned
+
+
+def test_every_spelling_of_a_root_finds_the_same_node_local_level(tmp_path):
+    """A restart that spelt its root otherwise (a trailing slash on an object store's URL, a
+    doubled slash, a link to the local root) looked in another node-local directory: it restored
+    from root the steps its node-local level held newer, and a later restart spelt the first way
+    restored the abandoned steps."""
+    from statesnap.checkpointer.local import job_directory
+    from statesnap.storage.local import LocalBackend
+
+    def level(root):
+        return job_directory(str(tmp_path / "local"), root, LocalBackend())
+    assert len({level(r) for r in ("s3://b/run", "s3://b/run/", "S3://b//run", "s3://b/./run")}) == 1
+    os.makedirs(tmp_path / "real")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    assert level(str(tmp_path / "link")) == level(str(tmp_path / "real") + "/")
+    assert level("s3://b/run") != level("s3://b/other") != level(str(tmp_path / "real"))
+    root = "memory://spelt-" + os.path.basename(tmp_path) + "/run"
+    with ss.Checkpointer(root, local_root=tmp_path / "local", persist_every=4, host_memory_gb=0.01) as ckpt:
+        for step in (1, 2, 3, 4, 5):
+            ckpt.save(step, {"w": torch.full((4,), float(step))}).wait()
+    target = {"w": torch.zeros(4)}
+    with ss.Checkpointer(root + "/", local_root=tmp_path / "local", persist_every=4, host_memory_gb=0.01) as ckpt:
+        assert ckpt.load_latest(target) == 5 and ckpt.loaded_from == "local"

@@ -315,3 +315,25 @@ def _bytes(t):
     size = t.element_size()
     return {t.data_ptr() + size * sum(i * s for i, s in zip(index, t.stride())) + byte
             for index in np.ndindex(*t.shape) for byte in range(size)}
+
+
+def test_a_tied_weight_stored_once_restores_from_host_memory_too(tmp_path):
+    """load_latest of the step still in host memory refused the tied weight that a load from
+    storage takes (missing model.head.weight)."""
+    torch.manual_seed(0)
+    source = _Tied(tie=True)
+    with ss.Checkpointer(tmp_path, host_memory_gb=0.01) as ckpt:
+        ckpt.save(1, {"model": {"emb.weight": source.emb.weight}}).wait()
+        loaded = _Tied(tie=True)
+        assert ckpt.load_latest({"model": loaded}) == 1 and ckpt.loaded_from == "memory"
+    assert torch.equal(loaded.head.weight, source.emb.weight)
+
+
+def test_a_mismatched_name_with_a_space_is_left_as_it_was(tmp_path):
+    """A name cut at its first space ('my' of 'my model.w'): strict=False skipped no target, and
+    the one that did not match was filled with what the stored bytes covered of it."""
+    ss.save({"my model": {"w": torch.ones(3, 4)}}, tmp_path / "c")
+    target = {"my model": {"w": torch.zeros(4, 4)}}
+    with pytest.warns(UserWarning, match="shape/dtype mismatch"):
+        info = ss.load(target, tmp_path / "c", strict=False)
+    assert info.mismatched == ["my model.w"] and not target["my model"]["w"].any()

@@ -112,7 +112,7 @@ def test_a_further_copy_that_reads_short_is_not_committed(tmp_path, monkeypatch)
 
     def readinto(self, offset, views):
         source = getattr(self, "source", "")
-        if "root" in source and source.endswith(".bin") and not failed and offset > 0:
+        if source.startswith(str(tmp_path / "root")) and source.endswith(".bin") and not failed and offset > 0:
             failed.append(source)
             return 0
         return real_read(self, offset, views)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..storage.base import FileReader, StorageBackend
 
 
@@ -58,8 +58,10 @@ class Arrivals:
             problem = self._ended.get(name)
             if problem is None and (end is None or self._written[name] >= end):
                 return self._paths[name]
-            raise CheckpointError(f"{name} could not be fetched from another node: "
-                                  f"{problem or f'its transfer ended at byte {self._written[name]}, before {end}'}")
+            if problem is None:  # the sender's copy ends early: damage, which a restart may go back past
+                raise CorruptCheckpointError(f"{name} fetched from another node is truncated: its transfer ended at "
+                                             f"byte {self._written[name]}, before {end}")
+            raise CheckpointError(f"{name} could not be fetched from another node: {problem}")
 
     def backend(self, backend: StorageBackend, directory: str) -> "StorageBackend":
         """``backend`` for a load of ``directory`` that reads the files still arriving as they do."""

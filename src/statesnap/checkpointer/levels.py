@@ -24,7 +24,7 @@ import torch
 
 from ..engine.load import mismatch_error, mismatches
 from ..engine.objects import decode_value, fitted_to_held
-from ..engine.overlaps import overlapping_pairs, overwritten, same_view, tie_error
+from ..engine.overlaps import aliases_filled, overlapping_pairs, overwritten, same_view, tie_error
 from ..engine.save import foreign_entries
 from ..errors import CheckpointError
 from ..format.dtypes import dtype_from_name, dtype_name
@@ -234,6 +234,10 @@ def matching_target(snap, state: dict, fresh: list[torch.optim.Optimizer] | None
     flat = None
     try:
         flat = flatten_for_load(state, StoredNames(keys, headers.get), fresh=fresh)
+        # a tied weight the snapshot holds under one name only is filled under that one, as a load fills it
+        lacking = [item.fqn for item in flat.tensors if item.fqn not in headers]
+        tied = aliases_filled(flat.tensors, lacking, set(lacking))
+        flat.tensors[:] = [item for item in flat.tensors if item.fqn not in tied]
         # in the snapshot's order: a fresh optimizer's state made from the stored names holds
         # its keys in their order, not in the order of the optimizer's own step (RMSprop's
         # step, square_avg, momentum_buffer), and was taken for another layout

@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import posixpath
 import re
 import socket
 import uuid
@@ -51,10 +52,21 @@ def job_directory(local_root: str, root: str, backend) -> str:
     keeps one local_root for every job it runs (a fixed NVMe path in the launch script): with the
     steps of every job in one directory, a new run (another root) restored the last run's weights
     and plain values as its own, and its retention deleted its own steps as older than those.
-    Each job's directory is named after its persistent root, the job's identity across restarts."""
-    root = root if is_url(root) else os.path.abspath(root)
-    name = re.sub(r"[^A-Za-z0-9_.-]", "_", root.rstrip("/").rsplit("/", 1)[-1]).lstrip(".")[:40] or "root"
+    Each job's directory is named after its persistent root, the job's identity across restarts,
+    in one spelling of it (``_identity``)."""
+    root = _identity(root)
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", root.rsplit("/", 1)[-1]).lstrip(".")[:40] or "root"
     return backend.join(local_root, f"{name}-{hashlib.sha256(root.encode()).hexdigest()[:12]}")
+
+
+def _identity(root: str) -> str:
+    """``root`` as every spelling of it reads: a restart that wrote ``s3://b/run/`` for
+    ``s3://b/run`` (or ``S3://b//run``), or reached a local root through a link, looked in
+    another directory, and restored from root the steps its node-local level held newer."""
+    if not is_url(root):
+        return os.path.realpath(root)
+    scheme, _, rest = root.partition("://")
+    return f"{scheme.lower()}://{posixpath.normpath(rest) if rest.strip('/') else ''}"
 
 
 def peer_buffer_bytes(host_memory_bytes: int) -> int:

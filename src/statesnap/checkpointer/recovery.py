@@ -103,7 +103,9 @@ def files_needed(manifest: Manifest, state: dict) -> set[str]:
         flat = flatten_for_load(state, StoredNames.of_manifest(manifest), fresh=fresh)
         needed = set()
         for item in flat.tensors:
-            entry = manifest.tensors[item.fqn]
+            entry = manifest.tensors.get(item.fqn)
+            if entry is None:  # (a tied weight stored under its other name only: that one is read)
+                continue
             plan = plan_target(entry, item.layout, item.start, item.size)
             needed.update(manifest.files[int(entry.file[read.piece])] for read in plan.reads)
         for item in flat.objects:

@@ -29,7 +29,7 @@ from ..storage.base import StorageBackend
 from .buffers import borrowed_byte_view, host_contiguous
 from .device_load import fill_device_targets, wave_parts
 from .dist import DEFAULT_TIMEOUT_S, Comm
-from .objects import castable, decode_value, fitted_to_held
+from .objects import Mismatch, castable, decode_value, fitted_to_held
 from .overlaps import aliases_filled, overlapping_pairs, overwritten, same_view, tie_error
 from .read import ReadExecutor, open_data_file
 from .shared import plan_shared_reads, should_share
@@ -204,7 +204,7 @@ def _match(flat: Flattened, manifest: Manifest, comm: Comm, strict: bool, path: 
     another name it holds (a tied weight stored once, as Hugging Face's save_pretrained stores
     ``lm_head.weight``), so neither missing nor read."""
     missing, mismatched, precision_only = mismatches(flat, manifest.header, manifest.objects, cast)
-    aliases = aliases_filled(flat.tensors, missing, {*missing, *(m.split(" ", 1)[0] for m in mismatched)})
+    aliases = aliases_filled(flat.tensors, missing, {*missing, *(m.name for m in mismatched)})
     missing = [name for name in missing if name not in aliases]
     unexpected = []
     if strict:
@@ -226,7 +226,7 @@ def settle_mismatches(path: str, strict: bool, missing: list[str], unexpected: l
         warnings.warn(f"strict=False left what checkpoint {path} holds with another shape or dtype as it was: "
                       + _format_list("shape/dtype mismatch", sorted(mismatched)) + "."
                       + (CAST_HINT if precision_only else ""), stacklevel=stacklevel)
-    return [m.split(" ", 1)[0] for m in mismatched]
+    return [m.name for m in mismatched]
 
 
 def mismatches(flat: Flattened, header: Callable[[str], Any], stored_objects: Container[str],
@@ -241,8 +241,8 @@ def mismatches(flat: Flattened, header: Callable[[str], Any], stored_objects: Co
         entry = header(item.fqn)
         if entry is None:
             if item.fqn in stored_objects:
-                mismatched.append(f"{item.fqn} (checkpoint a plain value, target a tensor "
-                                  f"{str(item.dtype)[6:]}{list(item.global_shape)})")
+                mismatched.append(Mismatch(item.fqn, "checkpoint a plain value, target a tensor "
+                                           f"{str(item.dtype)[6:]}{list(item.global_shape)}"))
             else:
                 missing.append(item.fqn)
             continue
@@ -252,8 +252,8 @@ def mismatches(flat: Flattened, header: Callable[[str], Any], stored_objects: Co
         if not same_shape or not (same_dtype or (cast and convertible)):
             why = (" (cast=True converts between floating dtypes only)"
                    if cast and same_shape and not same_dtype else "")
-            mismatched.append(f"{item.fqn} (checkpoint {str(entry.dtype)[6:]}{list(entry.shape)}, "
-                              f"target {str(item.dtype)[6:]}{list(item.global_shape)}){why}")
+            mismatched.append(Mismatch(item.fqn, f"checkpoint {str(entry.dtype)[6:]}{list(entry.shape)}, "
+                                       f"target {str(item.dtype)[6:]}{list(item.global_shape)}", why))
     for obj in flat.objects:
         if obj.fqn in stored_objects:
             continue
@@ -261,8 +261,8 @@ def mismatches(flat: Flattened, header: Callable[[str], Any], stored_objects: Co
         if entry is None:
             missing.append(obj.fqn)
         else:
-            mismatched.append(f"{obj.fqn} (checkpoint a tensor {str(entry.dtype)[6:]}{list(entry.shape)}, "
-                              f"target a {type(obj.value).__name__})")
+            mismatched.append(Mismatch(obj.fqn, f"checkpoint a tensor {str(entry.dtype)[6:]}{list(entry.shape)}, "
+                                       f"target a {type(obj.value).__name__}"))
     return missing, mismatched, precision_only
 
 

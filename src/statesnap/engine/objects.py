@@ -53,6 +53,17 @@ def castable(stored: torch.dtype, target: torch.dtype) -> bool:
     return stored.is_floating_point and target.is_floating_point
 
 
+class Mismatch(str):
+    """A mismatch as it is said (``name (checkpoint float32[4], target bfloat16[4])``) that holds
+    its ``name`` apart: a name may hold spaces, and one cut from the text at the first space made a
+    load with strict=False skip another name and fill the mismatched target with what it could."""
+
+    def __new__(cls, name: str, detail: str, after: str = ""):
+        said = super().__new__(cls, f"{name} ({detail}){after}")
+        said.name = name
+        return said
+
+
 def fitted_to_held(fqn: str, held: Any, value: Any, cast: bool) -> tuple[Any, list[str], bool]:
     """``value``, a stored plain value, made ready to go where the state holds ``held``; the
     tensors the state holds in it (named under ``fqn``) whose stored value has another shape or
@@ -77,7 +88,7 @@ def fitted_to_held(fqn: str, held: Any, value: Any, cast: bool) -> tuple[Any, li
             return value.to(held.dtype), [], False
         stored = (f"{str(value.dtype)[6:]}{list(value.shape)}" if isinstance(value, torch.Tensor)
                   else f"a {type(value).__name__}")
-        return held, [f"{fqn} (checkpoint {stored}, target {str(held.dtype)[6:]}{list(held.shape)})"], convertible
+        return held, [Mismatch(fqn, f"checkpoint {stored}, target {str(held.dtype)[6:]}{list(held.shape)}")], convertible
     if isinstance(held, dict) and isinstance(value, dict):
         pairs = [(key, held[key]) if key in held else (key, None) for key in value]
     elif (isinstance(held, list) and isinstance(value, list)) or (
