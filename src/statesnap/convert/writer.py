@@ -117,7 +117,7 @@ def _meta(name: str, value: Any) -> ItemMeta:
     try:
         dtype = dtype_name(value.dtype)
     except CheckpointError as exc:
-        # (every floating dtype is stored: a transform spec's cast, which converts floating dtypes, cannot help)
+        # (a transform spec's cast converts between the floating dtypes the format stores: not from these)
         raise CheckpointError(f"{name}: {exc}; convert it in the source before converting the checkpoint (a "
                               "quantized tensor: t.dequantize(), or t.int_repr() with its scales)") from None
     nbytes = torch.Size(shape).numel() * itemsize(value.dtype)
