@@ -85,3 +85,20 @@ def test_auto_shares_only_for_remote_storage():
     assert should_share(None, TwoRanks(), backend_is_local=False)
     assert should_share(True, TwoRanks(), backend_is_local=True)
     assert not should_share(True, Comm(), backend_is_local=False)  # one process: nothing to share
+
+
+def _tied_dtensor_stored_once(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    ss.save({"model": {"emb.weight": distribute_tensor(torch.arange(4.0).view(1, 4), mesh, [Shard(0)])}}, path)
+    target = distribute_tensor(torch.zeros(1, 4), mesh, [Shard(0)])  # one row: rank 1's part is empty
+    info = ss.load({"model": {"emb.weight": target, "head.weight": target}}, path)
+    return info.missing, target.full_tensor().tolist()
+
+
+def test_a_tied_dtensor_stored_once_loads_on_a_rank_whose_part_is_empty(tmp_path):
+    """A rank whose part of the tied weight holds no element could not tell the tie by memory:
+    it called the second name missing while the other rank did not, and the strict load failed."""
+    assert run_ranks(2, _tied_dtensor_stored_once, str(tmp_path / "ck")) == [([], [[0.0, 1.0, 2.0, 3.0]])] * 2

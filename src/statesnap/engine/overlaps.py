@@ -185,12 +185,15 @@ def aliases_filled(items: list[TensorItem], missing: list[str], unfilled: set[st
     lacking = set(missing)
     if not lacking:
         return set()
-    filled = {}
+    filled, origins = {}, set()
     for item in items:
         if item.fqn not in unfilled:
             filled.setdefault(item.local.data_ptr(), []).append(item)
-    return {item.fqn for item in items if item.fqn in lacking and item.local.numel()
-            and any(same_view(item, other) for other in filled.get(item.local.data_ptr(), ()))}
+            origins.add(id(item.origin))
+    # (an empty part has no memory to tell by: every rank must judge a name alike, or they part ways)
+    return {item.fqn for item in items if item.fqn in lacking and (
+        any(same_view(item, other) for other in filled.get(item.local.data_ptr(), ())) if item.local.numel()
+        else item.origin is not None and id(item.origin) in origins)}
 
 
 def overwritten(pairs: list[Pair], stored: Callable[[TensorItem], torch.Tensor | None]) -> list[str] | None:

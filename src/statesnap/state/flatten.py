@@ -229,7 +229,8 @@ class _Walker:
             box = dtensor_box(value, fqn)
             if box is None:
                 return
-            item = TensorItem(fqn, value.to_local(), tuple(value.shape), BOX, *box, replicated=has_replicate(value))
+            item = TensorItem(fqn, value.to_local(), tuple(value.shape), BOX, *box, replicated=has_replicate(value),
+                              origin=value)
         else:
             # A plain tensor under several ranks is a replica (DDP): identical boxes dedup on save.
             item = TensorItem(fqn, value)

@@ -1,7 +1,7 @@
 """What providers produce: items that say which part of which logical tensor a rank holds."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -41,6 +41,9 @@ class TensorItem:
     start: tuple = ()
     size: tuple = ()
     replicated: bool = False
+    # the DTensor ``local`` is this rank's part of: a rank whose part is empty tells by it that two
+    # names hold one tensor (a tied weight), which ranks holding elements tell by their memory
+    origin: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         problem = _unstorable(self.local)
