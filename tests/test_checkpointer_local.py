@@ -158,7 +158,8 @@ def test_a_restart_on_the_node_left_restores_its_replicas_with_the_configuration
     tmp_path, dirs, out = killed_job
     copy, _ = _copy(tmp_path, dirs, "one-node")
     assert run_ranks(2, _restore_on_node_0, copy, out) == [(STEPS, "local")] * 2
-    assert f"step-{STEPS + 1}" in os.listdir(local_level(copy["local"][0], copy["root"]))  # (committed by the node's leader)
+    # (committed by the node's leader)
+    assert f"step-{STEPS + 1}" in os.listdir(local_level(copy["local"][0], copy["root"]))
 
 
 @pytest.mark.parametrize("damage, steps, expected", [

@@ -4,8 +4,9 @@ Every ``local_every``-th step is also written to node-local storage (an NVMe pat
 as a committed statesnap checkpoint per node: ``<local_root>/<job>/step-N`` (``job_directory``)
 holds the job's whole manifest and the data files of that node's ranks. With ``peer_replicas=1``
 each rank also sends its data file, straight from the staging arena, to a partner rank on the
-next node, which writes it into its own node's ``step-N`` before that node commits. Losing any one node then leaves every file
-on some other node, and a restart reads them from there (``recovery.py``) instead of from ``root``.
+next node, which writes it into its own node's ``step-N`` before that node commits. Losing any
+one node then leaves every file on some other node, and a restart reads them from there
+(``recovery.py``) instead of from ``root``.
 
 Collectives and transfers run on a dedicated gloo group, on this stage's own thread, never on the
 trainer's groups. A receiver takes the bytes through one bounce buffer whose size the arena gives
@@ -292,7 +293,7 @@ class LocalFlusher(_Stage):
         gathered, error = gather_reports(comm, snap.metas, snap.plan, snap.owned, output, error)
         result = self._manifest(snap, gathered) if comm.rank == 0 else None
         result = comm.broadcast(result)
-        committed = None
+        commit_failed = None
         if topo.is_leader and staging is not None:
             try:
                 if isinstance(result, bytes):
@@ -301,9 +302,9 @@ class LocalFlusher(_Stage):
                 else:
                     backend.abort(staging, final)
             except Exception as exc:  # noqa: BLE001 (every rank learns below whether every node committed)
-                committed, error = exc, error or exc
+                commit_failed, error = exc, error or exc
         if isinstance(result, bytes):
-            self._retain_once_whole(snap.step, committed)
+            self._retain_once_whole(snap.step, commit_failed)
         if error is not None:
             raise error
         if not isinstance(result, bytes):

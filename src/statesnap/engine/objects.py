@@ -88,7 +88,8 @@ def fitted_to_held(fqn: str, held: Any, value: Any, cast: bool) -> tuple[Any, li
             return value.to(held.dtype), [], False
         stored = (f"{str(value.dtype)[6:]}{list(value.shape)}" if isinstance(value, torch.Tensor)
                   else f"a {type(value).__name__}")
-        return held, [Mismatch(fqn, f"checkpoint {stored}, target {str(held.dtype)[6:]}{list(held.shape)}")], convertible
+        target = f"{str(held.dtype)[6:]}{list(held.shape)}"
+        return held, [Mismatch(fqn, f"checkpoint {stored}, target {target}")], convertible
     if isinstance(held, dict) and isinstance(value, dict):
         pairs = [(key, held[key]) if key in held else (key, None) for key in value]
     elif (isinstance(held, list) and isinstance(value, list)) or (
