@@ -231,16 +231,17 @@ def test_a_data_loader_prepared_after_the_save_or_not_yet_leaves_the_others_posi
 
 class _LocalTally:
     """An object given to ``register_for_checkpointing`` whose state differs per rank (a count of
-    the samples this rank has seen)."""
+    the samples this rank has seen, and a tensor of per-class sums)."""
 
     def __init__(self, count=0):
-        self.count = count
+        self.count, self.sums = count, torch.full((3,), float(count))
 
     def state_dict(self):
-        return {"count": self.count}
+        return {"count": self.count, "sums": self.sums}
 
     def load_state_dict(self, state):
         self.count = state["count"]
+        self.sums.copy_(state["sums"])
 
 
 def _save_a_per_rank_registered_object(rank, world, root):
@@ -266,7 +267,8 @@ def test_a_registered_object_that_differs_per_rank_is_saved_as_save_state_saves_
     AcceleratorCheckpoints' save fail ('replicated value(s) differ between the ranks'), with
     advice (wrap it in ss.PerRank) that a user of this class cannot follow: the training
     stopped at its first save. It is now saved from rank 0, as save_state saves it, and a
-    resume on one process takes that value, as load_state does."""
+    resume on one process takes that value, as load_state does. Its tensors too: they were
+    stored from any rank, wrapped Replicated, and came back with rank 0's count beside rank 1's sums."""
     from accelerate import Accelerator
 
     from dist_utils import run_ranks
@@ -289,6 +291,7 @@ def test_a_registered_object_that_differs_per_rank_is_saved_as_save_state_saves_
     with AcceleratorCheckpoints(accelerator, tmp_path / "ckpt") as checkpoints:
         assert checkpoints.load_latest() == 1
     assert tally.count == stock_tally.count == 10
+    assert torch.equal(tally.sums, stock_tally.sums) and torch.equal(tally.sums, torch.full((3,), 10.0))
     # and rank 0 of the resumed job takes rank 0's RNG states, as load_state gives it them
     assert torch.equal(torch.rand(4), stock_draws)
     torch.manual_seed(100)  # what rank 0's generator held when it saved

@@ -330,3 +330,16 @@ def test_a_restart_after_a_model_only_last_save_resumes_from_the_newest_step_hol
     with pytest.raises(ss.CheckpointError, match="the newest, step 6, holds no train_state .* exclude_from_loading"):
         alone.load()
     alone.close()
+
+
+def test_keeping_one_step_with_a_model_only_last_save_is_refused(tmp_path):
+    """keep_latest_k=1: the model-only last save retired the only full checkpoint, and a longer
+    run's restart found nothing to resume from (torchtitan's own manager refuses 1)."""
+    states = {"model": _Value(0), "train_state": _Value(0)}
+    with pytest.raises(ss.CheckpointError, match="keep_latest_k=1 with last_save_model_only=True"):
+        TorchtitanCheckpointer(tmp_path, states, keep_latest_k=1)
+    saver = TorchtitanCheckpointer(tmp_path, states, keep_latest_k=1, last_save_model_only=False,
+                                   async_mode="disabled", interval=1)
+    saver.save(1, last_step=True)
+    saver.close()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == ["step-1"]

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import logging
 
+import torch.distributed as dist
+
 from ..checkpointer import Checkpointer
 from ..errors import StateMismatchError
 from ..state.wrappers import PerRank, Replicated
@@ -31,6 +33,19 @@ from .rng import RngStates
 log = logging.getLogger("statesnap")
 MISMATCH_ADVICE = ("AcceleratorCheckpoints restores into what it saved: prepare the same models (the same config), "
                    "optimizers and schedulers and register the same objects, or start afresh under another root.")
+
+
+def _main_process_states(acc) -> dict:
+    """The state dicts of the objects registered for checkpointing, rank 0's on every rank, as
+    ``save_state`` writes them from the main process. Each rank's object wrapped ``Replicated``
+    kept rank 0's plain values but any rank's tensors: an unsynchronised accumulator came back
+    as a mix of two ranks. (One broadcast, on the training thread, where save() is called.)"""
+    states = {str(i): o.state_dict() for i, o in enumerate(acc._custom_objects)}
+    if states and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        sent = [states]
+        dist.broadcast_object_list(sent, src=0)
+        states = sent[0]
+    return states
 
 
 class AcceleratorCheckpoints:
@@ -67,7 +82,9 @@ class AcceleratorCheckpoints:
 
     def save(self, step: int):
         """Snapshot everything as ``step``; returns the Checkpointer's handle at once."""
-        return self.ckpt.save(step, self.state())
+        state = self.state()
+        state["custom"] = {key: Replicated(value) for key, value in _main_process_states(self.accelerator).items()}
+        return self.ckpt.save(step, state)
 
     def load_latest(self) -> int | None:
         """Restore the newest committed step in place; return it (None: nothing saved yet). A

@@ -80,6 +80,10 @@ class TorchtitanCheckpointer:
                  initial_load_model_only: bool = True, **settings):
         if async_mode not in ASYNC_MODES:
             raise CheckpointError(f"async_mode must be one of {ASYNC_MODES}, not {async_mode!r}")
+        if keep_latest_k == 1 and last_save_model_only:
+            raise CheckpointError("keep_latest_k=1 with last_save_model_only=True: the model-only last save would "
+                                  "retire the only checkpoint a run can resume from. Keep 2 or more (torchtitan's "
+                                  "own manager refuses 1), or 0 to keep all, or pass last_save_model_only=False")
         unknown = [k for k in exclude_from_loading if k not in states]
         if unknown or MODEL in exclude_from_loading:
             raise CheckpointError(f"exclude_from_loading names {unknown or [MODEL]}: the state holds "
