@@ -17,7 +17,6 @@ import fcntl
 import logging
 import mmap
 import os
-import queue
 import re
 import shutil
 import stat
@@ -237,33 +236,6 @@ def _read_ahead(paths: list[str]) -> None:
             os.close(fd)
 
 
-class _ReadAhead:
-    """One thread for every read-ahead of this process, fed by a queue: a thread started per
-    load cost a load of 1,000 small tensors some 4% of its time (``Thread.start`` waits until the
-    new thread runs). Made again in a forked child, which has the queue but not the thread."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue | None = None
-        self._pid = 0
-
-    def submit(self, paths: list[str]) -> None:
-        with self._lock:
-            if self._queue is None or self._pid != os.getpid():
-                self._queue, self._pid = queue.SimpleQueue(), os.getpid()
-                threading.Thread(target=self._serve, args=(self._queue,), name="statesnap-prefetch",
-                                 daemon=True).start()
-            self._queue.put(paths)
-
-    @staticmethod
-    def _serve(requests: queue.SimpleQueue) -> None:
-        while True:
-            _read_ahead(requests.get())
-
-
-_READ_AHEAD = _ReadAhead()
-
-
 def open_source(path: str) -> BinaryIO:
     """The regular file at ``path`` opened for reading, for importing a foreign checkpoint, as a
     statesnap checkpoint's own files are opened: a symbolic link is followed, and anything that
@@ -376,7 +348,8 @@ class LocalBackend(StorageBackend):
         """``POSIX_FADV_WILLNEED`` on each file, from a thread of its own: the kernel starts
         reading them into the page cache, and the call itself may wait for the disk's queue."""
         if hasattr(os, "posix_fadvise"):  # (not on macOS)
-            _READ_AHEAD.submit(list(paths))
+            threading.Thread(target=_read_ahead, args=(list(paths),), name="statesnap-prefetch",
+                             daemon=True).start()
 
     def write_bytes(self, path: str, data: bytes, durable: bool, exclusive: bool = False) -> None:
         writer = _LocalWriter(path, exclusive=exclusive)
