@@ -523,12 +523,24 @@ class _WarmupLR:
         self.last_batch_iteration = sd["last_batch_iteration"]
 
 
+class OptimizerParamScheduler:
+    """Megatron-core's scheduler is shaped so: it counts in ``num_steps``."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.num_steps = optimizer, 0
+
+    def step(self, increment=1):
+        self.num_steps += increment
+
+
 def test_another_library_s_lr_scheduler_is_no_optimizer_wrapper():
     """Taken for an optimizer wrapper, a scheduler made the save trust that only guarded methods
     change the tensors no optimizer writes: a buffer the forward changes (BatchNorm's statistics)
     was then copied while it changed, and committed torn."""
     model, optim = make_training()
-    assert not hooks.is_optimizer_like(_WarmupLR(optim))
+    for scheduler in (_WarmupLR(optim), OptimizerParamScheduler(optim),
+                      type("CosineLR", (), {"step": lambda self: None, "optimizer": optim})()):
+        assert not hooks.is_optimizer_like(scheduler), type(scheduler).__name__
     assert hooks.find_writers({"optim": optim, "sched": _WarmupLR(optim)}) == ([optim], [])
     assert hooks.is_optimizer_like(DataSGD(model.parameters()))
 
@@ -568,3 +580,21 @@ def test_an_optimizer_that_changes_its_parameters_before_its_closure_waits_first
     ckpt.close()
     assert_checkpoint_equals(handle.wait(), ref)
     assert hook_waits(ckpt) == 1
+
+
+def test_a_step_of_no_module_is_hooked_as_another_library_s(tmp_path, monkeypatch):
+    """A class made by exec() in a namespace without __name__: its step's __module__ is None, and
+    the hook failed every step with AttributeError."""
+    model, _ = make_training()
+    namespace = {"torch": torch, "__builtins__": __builtins__}
+    exec("class Stepped(torch.optim.SGD):\n    def step(self, closure=None):\n        return super().step(closure)",
+         namespace)
+    optim = namespace["Stepped"](model.parameters(), lr=0.1)
+    assert type(optim).step.__module__ is None
+    backward(model, 1)
+    ref, gate, ckpt, handle = _saved_behind_a_gate(tmp_path, monkeypatch, {"model": model, "optim": optim})
+    backward(model, 2)
+    optim.step()
+    gate.open()
+    ckpt.close()
+    assert_checkpoint_equals(handle.wait(), ref)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -317,3 +318,63 @@ def test_a_rank_the_saving_job_did_not_have_keeps_its_own_rng_states():
     assert torch.equal(kept, torch.rand(3))
     torch.manual_seed(7)
     assert torch.equal(taken, torch.rand(3))
+
+
+def _save_with_an_object_registered_on_the_main_process(rank, world, root):
+    from accelerate import Accelerator
+
+    from statesnap.integrations.accelerate import AcceleratorCheckpoints
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 1)
+    accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    if accelerator.is_main_process:  # as save_state allows: it writes them from the main process
+        accelerator.register_for_checkpointing(_LocalTally(7))
+    with AcceleratorCheckpoints(accelerator, root, commit_timeout_s=60) as checkpoints:
+        checkpoints.save(1).wait()
+    return rank
+
+
+def test_objects_registered_on_the_main_process_alone_are_saved(tmp_path):
+    """Only rank 0 has the object: every rank still takes part in sending its state (the broadcast
+    once made rank 0 wait there alone), and a resume gets it."""
+    from accelerate import Accelerator
+
+    from dist_utils import run_ranks
+    from statesnap.integrations.accelerate import AcceleratorCheckpoints
+
+    assert run_ranks(2, _save_with_an_object_registered_on_the_main_process, str(tmp_path)) == [0, 1]
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 1)
+    accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    tally = _LocalTally()
+    accelerator.register_for_checkpointing(tally)
+    with AcceleratorCheckpoints(accelerator, tmp_path) as checkpoints:
+        assert checkpoints.load_latest() == 1
+    assert tally.count == 7 and torch.equal(tally.sums, torch.full((3,), 7.0))
+
+
+class _Locked(_LocalTally):
+    def state_dict(self):
+        return {**super().state_dict(), "lock": threading.Lock()}
+
+
+def _save_an_object_pickle_refuses(rank, world, root):
+    from accelerate import Accelerator
+
+    from statesnap.integrations.accelerate import AcceleratorCheckpoints
+
+    accelerator = Accelerator(cpu=True)
+    accelerator.register_for_checkpointing(_Locked(rank))
+    with AcceleratorCheckpoints(accelerator, root, commit_timeout_s=60) as checkpoints:
+        with pytest.raises(ss.UnsafeCheckpointError, match=r"custom.0.lock: lock is not plain data"):
+            checkpoints.save(1)
+    return rank
+
+
+def test_a_registered_value_no_save_can_store_is_named_on_every_rank(tmp_path):
+    """Rank 0 could not send it (pickle refuses a lock): it raised a bare TypeError while the
+    others waited for the broadcast. Every rank now says what cannot be stored, as before."""
+    from dist_utils import run_ranks
+
+    assert run_ranks(2, _save_an_object_pickle_refuses, str(tmp_path)) == [0, 1]

@@ -1,7 +1,9 @@
 """Load targets that share memory: tied weights, views of one buffer, aliases of one array
 (engine/overlaps.py). Each target must hold its stored values once the load is done, or the
 load is refused naming the targets; what needs no second look gets none."""
+import copy
 import importlib
+import pickle
 
 import numpy as np
 import pytest
@@ -337,3 +339,7 @@ def test_a_mismatched_name_with_a_space_is_left_as_it_was(tmp_path):
     with pytest.warns(UserWarning, match="shape/dtype mismatch"):
         info = ss.load(target, tmp_path / "c", strict=False)
     assert info.mismatched == ["my model.w"] and not target["my model"]["w"].any()
+    with pytest.raises(ss.StateMismatchError) as raised:  # and the error of a strict load travels whole
+        ss.load(target, tmp_path / "c")
+    for again in (pickle.loads(pickle.dumps(raised.value)), copy.deepcopy(raised.value)):
+        assert again.mismatched == raised.value.mismatched and again.mismatched[0].name == "my model.w"

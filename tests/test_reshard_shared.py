@@ -95,10 +95,16 @@ def _tied_dtensor_stored_once(rank, world, path):
     ss.save({"model": {"emb.weight": distribute_tensor(torch.arange(4.0).view(1, 4), mesh, [Shard(0)])}}, path)
     target = distribute_tensor(torch.zeros(1, 4), mesh, [Shard(0)])  # one row: rank 1's part is empty
     info = ss.load({"model": {"emb.weight": target, "head.weight": target}}, path)
-    return info.missing, target.full_tensor().tolist()
+    module = torch.nn.Module()  # the same tie in a module, whose state_dict detaches each name apart
+    module.emb, module.head = torch.nn.Embedding(1, 4), torch.nn.Linear(4, 1, bias=False)
+    module.emb.weight = torch.nn.Parameter(distribute_tensor(torch.zeros(1, 4), mesh, [Shard(0)]))
+    module.head.weight = module.emb.weight
+    in_module = ss.load({"model": module}, path)
+    return info.missing, target.full_tensor().tolist(), in_module.missing, module.head.weight.full_tensor().tolist()
 
 
 def test_a_tied_dtensor_stored_once_loads_on_a_rank_whose_part_is_empty(tmp_path):
     """A rank whose part of the tied weight holds no element could not tell the tie by memory:
     it called the second name missing while the other rank did not, and the strict load failed."""
-    assert run_ranks(2, _tied_dtensor_stored_once, str(tmp_path / "ck")) == [([], [[0.0, 1.0, 2.0, 3.0]])] * 2
+    values = [[0.0, 1.0, 2.0, 3.0]]
+    assert run_ranks(2, _tied_dtensor_stored_once, str(tmp_path / "ck")) == [([], values, [], values)] * 2

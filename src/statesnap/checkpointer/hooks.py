@@ -92,9 +92,17 @@ def optimizer_storages(optim: torch.optim.Optimizer) -> set[int]:
     return ptrs
 
 
-# What LR schedulers keep and optimizer wrappers do not: torch's and DeepSpeed's count their steps
-# (``last_epoch``, ``last_batch_iteration``) and give ``get_last_lr``, timm's keep ``base_values``.
-_SCHEDULER_ATTRIBUTES = ("last_epoch", "last_batch_iteration", "get_last_lr", "base_lrs", "base_values")
+# What LR schedulers keep and optimizer wrappers do not: torch's, DeepSpeed's and Megatron's count
+# their steps (``last_epoch``, ``last_batch_iteration``, ``num_steps``) and give ``get_last_lr``,
+# timm's keep ``base_values``; and most say what they are in their names.
+_SCHEDULER_ATTRIBUTES = ("last_epoch", "last_batch_iteration", "num_steps", "get_last_lr", "base_lrs", "base_values")
+# values that hold no optimizer: skipped without a look while the state is searched at every save
+_NO_WRITERS = frozenset({int, float, bool, str, bytes, type(None), torch.Tensor, torch.nn.Parameter})
+
+
+def _is_scheduler_like(obj) -> bool:
+    name = type(obj).__name__
+    return name.endswith("LR") or "Scheduler" in name or any(hasattr(obj, a) for a in _SCHEDULER_ATTRIBUTES)
 
 
 def is_optimizer_like(obj) -> bool:
@@ -105,7 +113,7 @@ def is_optimizer_like(obj) -> bool:
     changes was copied while it changed."""
     if isinstance(obj, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
         return False
-    if not callable(getattr(obj, "step", None)) or any(hasattr(obj, name) for name in _SCHEDULER_ATTRIBUTES):
+    if not callable(getattr(obj, "step", None)) or _is_scheduler_like(obj):
         return False
     return hasattr(obj, "param_groups") or callable(getattr(getattr(obj, "optimizer", None), "step", None))
 
@@ -135,7 +143,7 @@ def find_writers(state) -> tuple[list[torch.optim.Optimizer], list]:
             if id(value) not in walked:  # (a container holding itself is refused by the flattening after)
                 walked.add(id(value))
                 stack.extend(v for v in (value.values() if isinstance(value, dict) else value)
-                             if not isinstance(v, torch.Tensor))
+                             if type(v) not in _NO_WRITERS)
             continue
         chain = []
         while (isinstance(value, torch.optim.Optimizer) or is_optimizer_like(value)) and id(value) not in seen:
@@ -340,7 +348,7 @@ class StepGuard:
         a closure runs the forward and backward inside it first (Lightning, LBFGS): wait when the
         closure returns, not before it, so that they still overlap the copy. Another optimizer's
         step may change its parameters before it calls its closure (SAM's does): it waits first."""
-        if not type(optim).step.__module__.startswith("torch.optim."):
+        if not (getattr(type(optim).step, "__module__", None) or "").startswith("torch.optim."):
             self._wait(id(optim))
             return None
         if kwargs.get("closure") is not None:

@@ -63,6 +63,15 @@ class Mismatch(str):
         said.name = name
         return said
 
+    def __reduce__(self):  # (pickled or copied with the error that lists it: from what it says)
+        return _said, (str(self), self.name)
+
+
+def _said(text: str, name: str) -> Mismatch:
+    said = str.__new__(Mismatch, text)
+    said.name = name
+    return said
+
 
 def fitted_to_held(fqn: str, held: Any, value: Any, cast: bool) -> tuple[Any, list[str], bool]:
     """``value``, a stored plain value, made ready to go where the state holds ``held``; the

@@ -25,7 +25,7 @@ from ..format import plaindata
 from ..format.plaindata import QUIET_NAN_BITS, float_bits, inlinable
 from ..format.manifest import BOX
 from .items import Flattened, ObjectItem, TensorItem, refuse_unwritable
-from .module_state import load_module, model_state_dict
+from .module_state import load_module, model_state_dict, tie_origins
 from .optim_state import (
     create_adam_state, create_state_from_checkpoint, group_members, load_optimizer_state, positional_holder,
     state_dict_by_a_step, state_dict_without_step, with_members,
@@ -251,6 +251,7 @@ class _Walker:
         self.declare_replicated(lambda: self.walk_dict(fqn, sd), buffers)
         self._owned_since(first_object)
         if self.for_load:
+            tie_origins(inner, fqn, self.out.tensors[first_tensor:])
             self.out.finalizers.append(lambda: load_module(module, sd))
         elif self.cache is not None:
             self.cache.store_module(fqn, module, self.out.tensors[first_tensor:], self.out.objects[first_object:],

@@ -91,3 +91,17 @@ def _same_layout(value: torch.Tensor, own: torch.Tensor | None) -> bool:
 
 def _customised(module: nn.Module, method: str) -> bool:
     return getattr(type(module), method) is not getattr(nn.Module, method) or method in vars(module)
+
+
+def tie_origins(module: nn.Module, prefix: str, items: list) -> None:
+    """Give each DTensor item of ``module``'s state dict (its names under ``prefix``) the module's
+    own parameter or buffer as its ``origin``. ``Module.state_dict`` detaches every name apart, so
+    the two names of one tied weight held two DTensors, and a rank whose part of it is empty could
+    not tell them one (engine/overlaps.py ``aliases_filled``) while the others could."""
+    if not any(item.origin is not None for item in items):
+        return
+    own = {f"{prefix}.{name}" if prefix else name: tensor for name, tensor in itertools.chain(
+        module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))}
+    for item in items:
+        if item.origin is not None:
+            item.origin = own.get(item.fqn, item.origin)
