@@ -22,9 +22,6 @@ RNG states per rank. ``load_latest`` restores them in place, resharded if the la
 from __future__ import annotations
 
 import logging
-import pickle
-
-import torch.distributed as dist
 
 from ..checkpointer import Checkpointer
 from ..errors import StateMismatchError
@@ -34,29 +31,6 @@ from .rng import RngStates
 log = logging.getLogger("statesnap")
 MISMATCH_ADVICE = ("AcceleratorCheckpoints restores into what it saved: prepare the same models (the same config), "
                    "optimizers and schedulers and register the same objects, or start afresh under another root.")
-
-
-def _main_process_states(acc) -> dict | None:
-    """The state dicts of the objects registered for checkpointing, rank 0's on every rank, as
-    ``save_state`` writes them from the main process. Each rank's object wrapped ``Replicated``
-    kept rank 0's plain values but any rank's tensors: an unsynchronised accumulator came back
-    as a mix of two ranks. One broadcast at every save on every rank, on the training thread
-    where save() is called, whatever each rank registered (objects registered on the main process
-    alone, as save_state allows). None where rank 0's cannot be sent (a value pickle refuses): the
-    objects are then saved as they are, and the save names what it cannot store, on every rank."""
-    states = {str(i): o.state_dict() for i, o in enumerate(acc._custom_objects)}
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return states
-    sent = [None]
-    if dist.get_rank() == 0:
-        try:
-            sent = [pickle.dumps(states)]
-        except Exception:  # noqa: BLE001 (said by the save, as any value it cannot store)
-            pass
-    dist.broadcast_object_list(sent, src=0)
-    if sent[0] is None:
-        return None
-    return states if dist.get_rank() == 0 else pickle.loads(sent[0])  # (peers of one job trust each other)
 
 
 class AcceleratorCheckpoints:
@@ -93,10 +67,7 @@ class AcceleratorCheckpoints:
 
     def save(self, step: int):
         """Snapshot everything as ``step``; returns the Checkpointer's handle at once."""
-        state, custom = self.state(), _main_process_states(self.accelerator)
-        if custom is not None:
-            state["custom"] = {key: Replicated(value) for key, value in custom.items()}
-        return self.ckpt.save(step, state)
+        return self.ckpt.save(step, self.state())
 
     def load_latest(self) -> int | None:
         """Restore the newest committed step in place; return it (None: nothing saved yet). A

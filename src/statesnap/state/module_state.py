@@ -70,19 +70,25 @@ def filled_in_place(module: nn.Module, sd: dict) -> bool:
     engine/load.py.)"""
     if _customised(module, "load_state_dict"):
         return False
-    as_is = not renamed_by_helper(module)  # (sd is then the module's own state_dict())
     for m in module.modules():
         if (m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks or _customised(m, "_load_from_state_dict")
                 or _customised(m, "set_extra_state")):
             return False
-        as_is = as_is and not (m._state_dict_pre_hooks or m._state_dict_hooks or _customised(m, "state_dict")
-                               or _customised(m, "_save_to_state_dict") or _customised(m, "get_extra_state"))
     if not all(type(v) is torch.Tensor for v in sd.values()):
         return False
-    if as_is:  # each value is a parameter or buffer detached (Module._save_to_state_dict): no need to look
+    # (sd is the module's own state_dict() where no helper renames it)
+    if not renamed_by_helper(module) and _saves_as_is(module):  # each value a parameter or buffer detached
         return True
     own = {t.data_ptr(): t for t in (*module.parameters(), *module.buffers())}  # (two at one address: a miss)
     return all(_same_layout(v, own.get(v.data_ptr())) for v in sd.values())
+
+
+def _saves_as_is(module: nn.Module) -> bool:
+    """Whether every value of ``module``'s state dict is a parameter or buffer of its own, detached
+    (``Module._save_to_state_dict``): no module in it has state-dict hooks or overrides."""
+    return not any(m._state_dict_pre_hooks or m._state_dict_hooks or _customised(m, "state_dict")
+                   or _customised(m, "_save_to_state_dict") or _customised(m, "get_extra_state")
+                   for m in module.modules())
 
 
 def _same_layout(value: torch.Tensor, own: torch.Tensor | None) -> bool:
@@ -97,11 +103,21 @@ def tie_origins(module: nn.Module, prefix: str, items: list) -> None:
     """Give each DTensor item of ``module``'s state dict (its names under ``prefix``) the module's
     own parameter or buffer as its ``origin``. ``Module.state_dict`` detaches every name apart, so
     the two names of one tied weight held two DTensors, and a rank whose part of it is empty could
-    not tell them one (engine/overlaps.py ``aliases_filled``) while the others could."""
-    if not any(item.origin is not None for item in items):
+    not tell them one (engine/overlaps.py ``aliases_filled``) while the others could. Only where
+    each value is the module's own tensor: a state-dict hook may give the two names two copies.
+    Names as PyTorch's state-dict helper gives them (without ``_orig_mod.`` of torch.compile and
+    the like)."""
+    if not any(item.origin is not None for item in items) or not _saves_as_is(module):
         return
-    own = {f"{prefix}.{name}" if prefix else name: tensor for name, tensor in itertools.chain(
-        module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))}
+    named = itertools.chain(module.named_parameters(remove_duplicate=False),
+                            module.named_buffers(remove_duplicate=False))
+    own = {_helper_name(prefix, name): tensor for name, tensor in named}
     for item in items:
         if item.origin is not None:
             item.origin = own.get(item.fqn, item.origin)
+
+
+def _helper_name(prefix: str, name: str) -> str:
+    """``name`` under ``prefix`` as PyTorch's state-dict helper names it (no wrappers' parts)."""
+    name = ".".join(part for part in name.split(".") if part not in _WRAPPED_NAMES)
+    return f"{prefix}.{name}" if prefix else name
