@@ -24,7 +24,7 @@ from ..errors import CheckpointError, StateMismatchError
 from ..format import plaindata
 from ..format.plaindata import QUIET_NAN_BITS, float_bits, inlinable
 from ..format.manifest import BOX
-from .items import Flattened, ObjectItem, TensorItem, refuse_unwritable
+from .items import SEP, Flattened, ObjectItem, TensorItem, join, refuse_unwritable
 from .module_state import load_module, model_state_dict, tie_origins
 from .optim_state import (
     create_adam_state, create_state_from_checkpoint, group_members, load_optimizer_state, positional_holder,
@@ -33,12 +33,6 @@ from .optim_state import (
 from .placement import dtensor_box, has_replicate, is_dtensor
 from .reuse import ProviderCache
 from .wrappers import PerRank, Replicated, Sharded
-
-SEP = "."
-
-
-def join(prefix: str, key: Any) -> str:
-    return f"{prefix}{SEP}{key}" if prefix else str(key)
 
 
 def _is_stateful(value) -> bool:

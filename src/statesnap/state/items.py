@@ -10,6 +10,12 @@ from ..errors import CheckpointError
 from ..format.dtypes import DTYPE_TO_NAME
 from ..format.manifest import BOX, FLAT
 
+SEP = "."  # between the keys of nested dicts in a fully qualified name
+
+
+def join(prefix: str, key: Any) -> str:
+    return f"{prefix}{SEP}{key}" if prefix else str(key)
+
 
 class ItemMeta(NamedTuple):
     """The rank-independent description of a tensor item, exchanged between ranks for planning."""

@@ -14,6 +14,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
+from .items import SEP, join
+
 
 def model_state_dict(module: nn.Module) -> dict:
     """The module's state dict by PyTorch's helper where it renames anything, else the module's
@@ -119,5 +121,4 @@ def tie_origins(module: nn.Module, prefix: str, items: list) -> None:
 
 def _helper_name(prefix: str, name: str) -> str:
     """``name`` under ``prefix`` as PyTorch's state-dict helper names it (no wrappers' parts)."""
-    name = ".".join(part for part in name.split(".") if part not in _WRAPPED_NAMES)
-    return f"{prefix}.{name}" if prefix else name
+    return join(prefix, SEP.join(part for part in name.split(SEP) if part not in _WRAPPED_NAMES))

@@ -22,9 +22,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from ..errors import CheckpointError
+from .items import SEP
 from .placement import is_dtensor
-
-SEP = "."
 
 
 def state_dict_without_step(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
