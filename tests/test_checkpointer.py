@@ -281,6 +281,44 @@ def test_unguarded_tensors_over_the_eager_limit_are_checked(tmp_path, monkeypatc
     assert not os.path.exists(tmp_path / "step-2")
 
 
+def test_conjugated_and_negated_views_copied_in_the_background_keep_their_values(tmp_path):
+    """A lazily conjugated or negated view's memory holds the values before that: a raw copy of it
+    committed them instead, without a word. Large enough to span several segments of the arena."""
+    base, real = torch.randn(300_000, dtype=torch.cfloat), torch.randn(300_000)
+    state = {"c": base.conj(), "n": real._neg_view()}
+    with ss.Checkpointer(tmp_path, host_memory_gb=0.02, eager_copy_mb=0) as ckpt:
+        path = ckpt.save(1, state).wait()
+    reader = ss.open(path)
+    assert torch.equal(reader.read("c"), base.conj().resolve_conj())
+    assert torch.equal(reader.read("n"), -real)
+
+
+def test_two_optimizers_over_the_same_parameters_each_wait_for_the_copies(tmp_path, monkeypatch):
+    """The parameters' owner was the first optimizer alone: the second's step changed them
+    without waiting for their copy, and every checkpoint failed its version check."""
+    real = pipeline.copy_into
+
+    def slow(*args, **kwargs):
+        time.sleep(0.02)
+        real(*args, **kwargs)
+    monkeypatch.setattr(pipeline, "copy_into", slow)
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    first = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    second = torch.optim.SGD(model.parameters(), lr=0.01)
+    state, expected = {"model": model, "first": first, "second": second}, {}
+    with ss.Checkpointer(tmp_path, host_memory_gb=0.01, keep_last=5) as ckpt:
+        for step in range(1, 4):
+            for optim in (first, second):
+                optim.zero_grad()
+                model(torch.randn(4, 64)).sum().backward()
+                optim.step()
+            handle = ckpt.save(step, state)
+            expected[step] = (handle, model.weight.detach().clone())
+        for handle, weight in expected.values():
+            assert torch.equal(ss.open(handle.wait()).read("model.weight"), weight)
+
+
 def test_save_waits_for_the_copies_of_unguarded_tensors_that_change_between_saves(tmp_path, monkeypatch):
     """Past ``eager_copy_mb``, tensors no optimizer writes that changed since the last save (an
     EMA updated in place by the loop; at the first save, every one of them) are copied before

@@ -2,6 +2,7 @@
 manifests with out-of-range integers or pieces that overlap or leave holes are refused (§8); the
 manifest's checksum of itself catches edits that still parse (§5)."""
 import base64
+import enum
 import functools
 import json
 import math
@@ -189,6 +190,43 @@ def test_a_nan_keeps_its_sign_and_payload(tmp_path):
         [*bits, bits[0], bits[1]]
     doc = json.loads((tmp_path / "c" / MANIFEST_NAME).read_bytes())
     assert doc["objects"]["v"]["json"]["__ss_tuple"][3] == {"__ss_float": "nan"}
+
+
+def test_subclasses_of_plain_types_are_stored_as_the_plain_values_they_hold(tmp_path):
+    """numpy's float64 is a float: an infinite or NaN one was written by its own repr
+    ("np.float64(inf)"), a tag no reader takes, so the checkpoint committed and never loaded
+    again (a best loss of inf). Subclasses are now written as the value they hold, and a restore
+    from host memory gives back what one from storage gives."""
+    class Name(str):
+        def __str__(self):
+            return "something else"
+    values = {"best": np.float64("inf"), "nan": np.float64("nan"), "lr": np.float64(2.5e-4), "level": _Level.HIGH,
+              "name": Name("adamw")}
+    ss.save({"extra": values}, tmp_path / "c")
+    reader = ss.open(tmp_path / "c")
+    back = {key: reader.read(f"extra.{key}") for key in values}
+    assert back["best"] == math.inf and math.isnan(back["nan"]) and back["lr"] == 2.5e-4
+    assert [type(back[k]) for k in ("best", "nan", "lr", "level", "name")] == [float, float, float, int, str]
+    assert back["level"] == 2 and back["name"] == "adamw"
+    with ss.Checkpointer(tmp_path / "root", persist_every=1) as ckpt:
+        ckpt.save(1, {"extra": values}).wait()
+        target = {"extra": {"best": 0.0, "nan": 0.0, "lr": 0.0, "level": 0, "name": ""}}
+        assert ckpt.load_latest(target) == 1 and ckpt.loaded_from == "memory"
+    assert [type(v) for v in target["extra"].values()] == [float, float, float, int, str]
+
+
+def test_a_dict_with_two_nan_keys_loads_back(tmp_path):
+    """Two NaNs are two keys of a dict (a Counter of losses): each was read back as the one
+    math.nan object, and the reader refused the second as the same key given twice."""
+    counts = {float("nan"): 1, 0.5: 2, float("nan"): 3}
+    ss.save({"extra": [counts]}, tmp_path / "c")
+    back = ss.open(tmp_path / "c").read("extra")[0]
+    assert len(back) == 3 and sorted(v for k, v in back.items() if math.isnan(k)) == [1, 3] and back[0.5] == 2
+
+
+class _Level(enum.IntEnum):
+    LOW = 1
+    HIGH = 2
 
 
 @pytest.mark.parametrize("tagged", [

@@ -421,6 +421,36 @@ def test_restore_from_memory_into_gpu_tensors_is_bit_exact(tmp_path):
         assert_bit_exact(expected, model, opt)
 
 
+@cuda
+def test_batchnorm_statistics_beside_frozen_weights_past_the_eager_limit_keep_every_checkpoint(tmp_path):
+    """Past ``eager_copy_mb`` of tensors no optimizer writes (frozen weights), the BatchNorm
+    statistics the next forward changes are waited for by ``save`` on a GPU as on the CPU:
+    skipped there, every checkpoint followed by a forward failed its version check."""
+    frozen = [torch.nn.Linear(2048, 2048).requires_grad_(False) for _ in range(2)]
+    model = torch.nn.Sequential(*frozen, torch.nn.BatchNorm1d(2048), torch.nn.Linear(2048, 8)).cuda()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    with ss.Checkpointer(tmp_path / "ck", host_memory_gb=1, eager_copy_mb=1, keep_last=5) as ckpt:
+        handles = []
+        for i in range(1, 5):
+            model(torch.randn(256, 2048, device="cuda")).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            handles.append((ckpt.save(i, {"model": model, "optim": opt}), model[2].running_mean.cpu()))
+        for handle, running_mean in handles:
+            handle.wait()
+            assert torch.equal(ss.open(handle.durable.result()).read("model.2.running_mean"), running_mean)
+
+
+@cuda
+def test_a_conjugated_or_negated_view_on_the_lazy_path_keeps_its_values(tmp_path):
+    base = torch.randn(1000, dtype=torch.cfloat, device="cuda")
+    real = torch.randn(1000, device="cuda")
+    with ss.Checkpointer(tmp_path / "ck", eager_copy_mb=0) as ckpt:
+        path = ckpt.save(1, {"c": base.conj(), "n": real._neg_view()}).wait()
+    assert torch.equal(ss.open(path).read("c"), base.conj().resolve_conj().cpu())
+    assert torch.equal(ss.open(path).read("n"), (-real).cpu())
+
+
 def test_the_gpu_suite_says_it_skipped_without_a_device(monkeypatch, tmp_path):
     from statesnap.bench import gpu
 

@@ -1216,3 +1216,72 @@ def test_a_load_gives_enum_members_and_namedtuples_back_as_the_held_class(tmp_pa
     other = {"level": _Level.LOW, "t": torch.zeros(2)}
     ss.load(other, tmp_path / "other")
     assert other["level"] == 7 and type(other["level"]) is int
+
+
+def test_a_torch_size_comes_back_a_torch_size(tmp_path):
+    """Plain data stores a ``torch.Size`` as a tuple; loaded into a state holding one, it came
+    back a tuple (``.numel()`` then failed), from storage and from host memory alike."""
+    ss.save({"shape": torch.Size([3, 224, 224]), "t": torch.ones(2)}, tmp_path / "c")
+    state = {"shape": torch.Size([1]), "t": torch.zeros(2)}
+    ss.load(state, tmp_path / "c")
+    assert type(state["shape"]) is torch.Size and state["shape"].numel() == 3 * 224 * 224
+    with ss.Checkpointer(tmp_path / "root", persist_every=1) as ckpt:
+        ckpt.save(1, {"shape": torch.Size([2, 5])}).wait()
+        state = {"shape": torch.Size([9])}
+        assert ckpt.load_latest(state) == 1 and ckpt.loaded_from == "memory"
+    assert type(state["shape"]) is torch.Size and state["shape"] == (2, 5)
+
+
+class _Registry(dict):
+    """A dict that keeps more state than its items, saved through its state_dict."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.version = 0
+
+    def state_dict(self):
+        return {"entries": dict(self), "version": self.version}
+
+    def load_state_dict(self, sd):
+        self.clear()
+        self.update(sd["entries"])
+        self.version = sd["version"]
+
+
+def test_a_dict_with_a_state_dict_is_saved_through_it(tmp_path):
+    """A dict subclass with ``state_dict``/``load_state_dict`` was walked as a plain dict: what it
+    keeps outside its items (a version) was lost, and its ``load_state_dict`` never ran."""
+    registry = _Registry(a=1)
+    registry.version = 7
+    ss.save({"reg": registry}, tmp_path / "c")
+    assert sorted(ss.open(tmp_path / "c").keys()) == ["reg.entries.a", "reg.version"]
+    fresh = _Registry(a=0)
+    ss.load({"reg": fresh}, tmp_path / "c")
+    assert fresh == {"a": 1} and fresh.version == 7
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex32])
+def test_one_element_views_with_a_stride_save_and_load(tmp_path, dtype):
+    """``w[:, 0]`` of a (1, n) weight has one element and stride n, which PyTorch counts as
+    contiguous, so ``contiguous()`` kept the stride and the byte view refused it: saves failed
+    (in a list: a raw error naming no tensor) and loads into such a view failed too."""
+    weight = torch.randn(1, 8).to(dtype)
+    state = {"w": weight, "column": weight[:, 0], "in_list": [weight[:, 1], 3]}
+    ss.save(state, tmp_path / "c")
+    target_weight = torch.zeros(1, 8, dtype=dtype)
+    target = {"w": target_weight, "column": target_weight[:, 0], "in_list": [torch.zeros(1, dtype=dtype), 0]}
+    ss.load(target, tmp_path / "c")
+    wide = torch.complex64 if dtype.is_complex else torch.float64  # (holds every value exactly)
+    assert torch.equal(target_weight.to(wide), weight.to(wide))
+    assert torch.equal(target["in_list"][0].to(wide), weight[:, 1].to(wide))
+
+
+def test_plain_values_the_format_cannot_spell_are_refused_by_name(tmp_path):
+    with pytest.raises(ss.UnsafeCheckpointError, match=r"extra\.cfg\.dtype: torch\.quint8 is a dtype"):
+        ss.save({"extra": {"cfg": {"dtype": torch.quint8}}}, tmp_path / "a")
+    with pytest.raises(ss.CheckpointError, match=r"extra\.m: a key of \d+ bits is too long"):
+        ss.save({"extra": {"m": {10 ** 5000: torch.ones(2)}}}, tmp_path / "b")
+    with pytest.raises(ss.UnsafeCheckpointError, match=r"r: a tensor of 1,200,000 bytes is more than plain data"):
+        ss.save({"r": ss.PerRank(torch.ones(300_000))}, tmp_path / "c")
+    assert ss.save({"extra": {"cfg": {"dtype": torch.quint8}}}, tmp_path / "d", allow_pickle=True)
+

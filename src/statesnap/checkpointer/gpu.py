@@ -14,6 +14,8 @@ import threading
 
 import torch
 
+from ..format.dtypes import flat_bytes
+
 
 def mark_devices(tensors) -> dict[int, "torch.cuda.Event"]:
     """One event per CUDA device in use, recorded on its current stream (call on the training thread)."""
@@ -42,22 +44,44 @@ class CudaCopier:
     def synchronize(self) -> None:
         """Wait for every copy queued so far, on every device."""
         with self._lock:
-            streams = list(self._streams.values())
-        for stream in streams:
-            stream.synchronize()
+            streams = list(self._streams.items())
+        for index, stream in streams:
+            with torch.cuda.device(index):
+                stream.synchronize()
 
-    def enqueue(self, copies, ready: dict[int, "torch.cuda.Event"]) -> list["torch.cuda.Event"]:
+    def enqueue(self, copies, ready: dict[int, "torch.cuda.Event"]) -> list[tuple[int, "torch.cuda.Event"]]:
         """Queue ``copies`` ((arena view, source, byte offset) each) without waiting for them; return
-        one event per device used, recorded after its last copy: a batch is complete once they are."""
+        (device index, event) per device used, the event recorded after its last copy: a batch is
+        complete once they are (:func:`wait_for`). Each call runs under its device's guard: these
+        threads' current device is 0, and a stream context left on it would make GPU 0 a context
+        in every rank of a node of several GPUs."""
         done = {}
         for dst, src, offset in copies:
             stream = self._stream(src.device)
-            with torch.cuda.stream(stream):
+            with torch.cuda.device(src.device), torch.cuda.stream(stream):
                 if src.device.index not in done:
                     stream.wait_event(ready[src.device.index])
+                if src.is_conj() or src.is_neg():  # (its memory does not hold its values; such items are never split)
+                    src = src.resolve_conj().resolve_neg()
                 if src.is_contiguous():
-                    dst.copy_(src.reshape(-1).view(torch.uint8)[offset:offset + dst.numel()], non_blocking=True)
+                    dst.copy_(flat_bytes(src)[offset:offset + dst.numel()], non_blocking=True)
                 else:  # strided sources are copied whole (their items are never split)
                     dst.view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
             done[src.device.index] = stream
-        return [stream.record_event() for stream in done.values()]
+        return [(index, _recorded(index, stream)) for index, stream in done.items()]
+
+
+def _recorded(index: int, stream: "torch.cuda.Stream") -> "torch.cuda.Event":
+    """An event recorded on ``stream`` now. Blocking: a worker waiting for a batch's copies sleeps
+    rather than spin a CPU core through the whole device-to-host transfer."""
+    with torch.cuda.device(index):
+        event = torch.cuda.Event(blocking=True)
+        event.record(stream)
+    return event
+
+
+def wait_for(events: list[tuple[int, "torch.cuda.Event"]]) -> None:
+    """Wait for the events :meth:`CudaCopier.enqueue` returned, each under its device's guard."""
+    for index, event in events:
+        with torch.cuda.device(index):
+            event.synchronize()

@@ -155,13 +155,26 @@ def find_writers(state) -> tuple[list[torch.optim.Optimizer], list]:
     return optimizers, wrappers
 
 
-def owners_of(tensors: Iterable[torch.Tensor], optimizers: list[torch.optim.Optimizer]) -> list[int | None]:
-    """For each tensor, the id of the optimizer whose step changes it (None: no optimizer does)."""
-    owner_by_ptr = {}
+def owners_of(tensors: Iterable[torch.Tensor], optimizers: list[torch.optim.Optimizer]
+              ) -> tuple[list[int | None], dict[int, int]]:
+    """For each tensor, the owner whose step changes it (None: no optimizer does), and each
+    optimizer's owner. An owner is an optimizer's id; optimizers that hold a tensor together (two
+    over the same parameters) share one, that of the first: each one's step then waits for the
+    copies of all they hold, where the second's step changed parameters owned by the first
+    without a wait, and every checkpoint failed."""
+    first_by_ptr, joined = {}, {id(optim): id(optim) for optim in optimizers}
+
+    def owner(key: int) -> int:
+        while joined[key] != key:
+            key = joined[key]
+        return key
     for optim in optimizers:
         for ptr in optimizer_storages(optim):
-            owner_by_ptr.setdefault(ptr, id(optim))
-    return [owner_by_ptr.get(_storage_ptr(t)) for t in tensors]
+            first, mine = owner(first_by_ptr.setdefault(ptr, id(optim))), owner(id(optim))
+            if first != mine:
+                joined[mine] = first
+    owner_keys = {key: owner(key) for key in joined}
+    return [owner_keys.get(first_by_ptr.get(_storage_ptr(t))) for t in tensors], owner_keys
 
 
 def version_of(t: torch.Tensor) -> int | None:

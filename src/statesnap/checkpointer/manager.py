@@ -511,7 +511,7 @@ class Checkpointer:
         return Snapshot(
             step=step, flat=flat, metas=metas, plan=plan, elsewhere=elsewhere, owned=owned, persist=persist,
             resident=resident, versions=versions, storages=layout.storages(locals_), owners=owners,
-            writers=layout.writers, hot=hot, late_checks=layout.late_checks,
+            writers=layout.writers, owner_keys=layout.owner_keys, hot=hot, late_checks=layout.late_checks,
             plain=layout.plain, nbytes=layout.nbytes,
             objects=objects, blobs=blobs, per_rank=per_rank_names(flat), cuda_ready=cuda_ready,
             object_digests=object_digests(flat, objects) if (persist or local) and self._compares_objects else {},
@@ -635,14 +635,15 @@ class Checkpointer:
         with self._lock:
             inflight = list(self._inflight)
         for snap in inflight + self.memory.snapshots():
-            snap.release(optimizer_id)
+            snap.release(None if optimizer_id is None else snap.owner_of(optimizer_id))
 
     def _gates_for(self, optimizer_id: int | None) -> list:
         """What a writer waits for: an optimizer's copies, or (None) every snapshot's whole copy."""
         with self._lock:
             if optimizer_id is None:
                 return [(s.step, s.copied) for s in self._inflight if s.copied is not None]
-            return [(s.step, s.gates[optimizer_id]) for s in self._inflight if optimizer_id in s.gates]
+            return [(s.step, s.gates[s.owner_of(optimizer_id)]) for s in self._inflight
+                    if s.owner_of(optimizer_id) in s.gates]
 
     def _copies_done(self, snap: Snapshot) -> None:
         if not snap.persist and not snap.local:

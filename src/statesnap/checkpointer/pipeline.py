@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.buffers import memory_in_order
 from ..engine.dist import Comm
 from ..engine.replicas import REPLICA_CHECK_MB, hash_tensors, limit_bytes, replicas_to_check, sampled_items
 from ..engine.save import RankOutput, commit_by_owners, committed_bytes, data_file_name, open_staging, own_objects
@@ -27,6 +28,7 @@ from ..monitor.events import EventLog, now
 from ..plan.save_plan import SavePlan, align_up
 from ..state.items import Flattened, ItemMeta
 from ..storage.base import StorageBackend
+from .gpu import wait_for
 from .hooks import Countdown, changed_since_save, check_unchanged, version_of
 from .staging import FREE, Arena, Batch, Region, build_batches, copy_into
 
@@ -49,8 +51,8 @@ class Snapshot:
     resident: bool
     versions: list
     storages: list  # per item: where its values lay at save() (``hooks.storage_of``)
-    owners: list  # per item: the id of the optimizer that writes it, or None
-    writers: frozenset  # the ids of the optimizers that write some item
+    owners: list  # per item: the owner that writes it (an optimizer's id, hooks.owners_of), or None
+    writers: frozenset  # the owners that write some item
     # items no optimizer writes that changed since the previous save: save() waits for their
     # copies (the UNGUARDED gate), as nothing would hold back their next change
     hot: frozenset
@@ -70,7 +72,8 @@ class Snapshot:
     staged: Future = field(default_factory=Future)
     durable: Future = field(default_factory=Future)
     batches: queue.Queue = field(default_factory=queue.Queue)
-    gates: dict = field(default_factory=dict)  # optimizer id -> Countdown
+    owner_keys: dict = field(default_factory=dict)  # optimizer id -> its owner (hooks.owners_of)
+    gates: dict = field(default_factory=dict)  # owner -> Countdown
     copied: Countdown | None = None
     region: Region | None = None
     item_offsets: list = field(default_factory=list)
@@ -104,8 +107,11 @@ class Snapshot:
             if gate is not None:
                 gate.release()
 
+    def owner_of(self, optimizer_id: int) -> int:
+        return self.owner_keys.get(optimizer_id, optimizer_id)
+
     def release(self, owner=None) -> BaseException | None:
-        """The last look at the version counters of optimizer ``owner``'s items (None: every one's), for
+        """The last look at the version counters of ``owner``'s items (None: every one's), for
         the moment their writer may change them, or the checkpoint commits: on the CPU PyTorch
         moves a counter when an in-place operation ends, so the check right after a copy misses
         a change still under way, which it finds here. A change found fails the checkpoint.
@@ -233,7 +239,7 @@ class Stager(_Stage):
             # changed since the last save, which save() waits for, first of all), then by optimizer.
             order = sorted(range(len(items)), key=lambda i: (snap.owners[i] is not None, i not in snap.hot,
                                                              str(snap.owners[i])))
-        splittable = [item.local.is_contiguous() for item in items]
+        splittable = [memory_in_order(item.local) for item in items]
         batches, snap.item_offsets = build_batches(order, sizes, splittable, snap.owners, writes,
                                                    snap.resident, self._segment_bytes_of())
         if snap.resident:
@@ -318,8 +324,7 @@ class Stager(_Stage):
                     if snap.error is None and src.device.type != "cuda":
                         copy_into(arena.view(base + seg.arena, seg.nbytes), src, seg.offset)
             finally:  # the region is released after this returns: no copy may still be writing to it
-                for event in on_device:
-                    event.synchronize()
+                wait_for(on_device)
             if snap.error is not None:
                 return
             for item in {seg.item for seg in batch.segments}:

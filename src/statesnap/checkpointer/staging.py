@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..engine.buffers import memory_in_order
 from ..errors import CheckpointError
 from ..plan.save_plan import ALIGN
 from ..storage.aligned import HUGE_PAGE, huge_aligned_pages, pinned_pages
@@ -253,14 +254,15 @@ def build_batches(order: Sequence[int], sizes: Sequence[int], splittable: Sequen
 def copy_into(dst: torch.Tensor, src: torch.Tensor, offset: int) -> None:
     """Copy ``dst.numel()`` bytes of the CPU tensor ``src`` from byte ``offset`` into the arena view ``dst``.
 
-    Contiguous sources go through ``memmove`` via ctypes, which releases the GIL, so the training
-    thread runs on while the copy proceeds. (GPU sources take the stream-ordered path, gpu.py.)
+    Sources whose memory holds their values in order go through ``memmove`` via ctypes, which
+    releases the GIL, so the training thread runs on while the copy proceeds. (GPU sources take
+    the stream-ordered path, gpu.py.)
     """
     nbytes = dst.numel()
-    if src.is_contiguous():
+    if memory_in_order(src):
         if nbytes:
             ctypes.memmove(dst.data_ptr(), src.data_ptr() + offset, nbytes)
-    else:  # strided sources are copied whole (their items are never split)
+    else:  # strided, conjugated or negated sources are copied whole (their items are never split)
         dst.view(src.dtype).view(src.shape).copy_(src)
 
 

@@ -34,6 +34,7 @@ class Layout:
     optimizers: tuple
     metas: list[ItemMeta]
     owners: list
+    owner_keys: dict  # optimizer id -> its owner (hooks.owners_of)
     snapshot_bytes: int  # arena bytes a snapshot may need (see Checkpointer._snapshot)
     on_cuda: bool
     plain: bool  # no DTensor or inference tensor: each item's ``_version`` is its counter
@@ -101,21 +102,21 @@ class StateCache:
         return flatten_for_save(state, self._providers)
 
     def changed_unguarded(self, layout: Layout, flat: Flattened, versions: list) -> frozenset:
-        """The CPU items no optimizer writes that change in place between saves: those whose
-        version counter moved since the last save, and from then on always (an EMA updated every
-        few steps is one), and at the first save all of them. On the CPU PyTorch moves a version
-        counter when an in-place operation ends: one still running on such a tensor while its
-        lazy copy is checked would go unseen, and no hook holds back their changes. Frozen
-        weights never change, and stay lazy. Tensors are known by name and address: a state
-        dict made anew for every save holds new tensor objects of the same memory."""
+        """The items no optimizer writes that change in place between saves: those whose version
+        counter moved since the last save, and from then on always (an EMA updated every few
+        steps is one), and at the first save all of them. No hook holds back their changes: on
+        the CPU, where PyTorch moves a version counter when an in-place operation ends, one still
+        running while the lazy copy is checked would go unseen; on a GPU the check sees every
+        change queued after ``save()``, but a BatchNorm's statistics change in the very next
+        forward, so without the wait every checkpoint failed. Frozen weights never change, and
+        stay lazy. Tensors are known by name and address: a state dict made anew for every save
+        holds new tensor objects of the same memory."""
         previous, self._unguarded_versions = self._unguarded_versions, {}
         changed = []
         for index in layout.unguarded:
             item = flat.tensors[index]
             key = (item.fqn, item.local.data_ptr())
             self._unguarded_versions[key] = versions[index]
-            if not item.local.is_cpu:
-                continue
             if item.fqn in self._changing or versions[index] is None or previous.get(key, -1) != versions[index]:
                 if key in previous:  # (not at the first save: there every one is waited for once)
                     self._changing.add(item.fqn)
@@ -130,7 +131,7 @@ class StateCache:
         metas = [item.meta(dtype_name(item.dtype)) for item in items]
         # Each item may sit up to a block further on in the arena, at its file offset's distance
         # from a block boundary (direct I/O).
-        self._layout = Layout(list(items), key, metas, owners_of([item.local for item in items], optimizers),
+        self._layout = Layout(list(items), key, metas, *owners_of([item.local for item in items], optimizers),
                               sum(align_up(m.nbytes, ALIGN) + DIRECT_ALIGN for m in metas),
                               any(item.local.device.type == "cuda" for item in items),
                               not any(is_dtensor(item.local) or item.local.is_inference() for item in items))

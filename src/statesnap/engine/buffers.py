@@ -6,6 +6,8 @@ import functools
 
 import torch
 
+from ..format.dtypes import flat_bytes
+
 # dtypes numpy has: their tensors become arrays directly, without the reshape and uint8 view the
 # others need (4.8 -> 3.4 us per tensor)
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.complex128, torch.complex64, torch.int64,
@@ -14,18 +16,24 @@ _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.complex128, 
 _bytes_type = functools.lru_cache(maxsize=1024)(lambda nbytes: ctypes.c_ubyte * nbytes)
 
 
+def memory_in_order(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory, read in order, holds its values: contiguous, and no conjugate or
+    negative bit (a lazily conjugated or negated view holds the values before that)."""
+    return t.is_contiguous() and not (t.is_conj() or t.is_neg())
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """A flat writable byte view of a contiguous CPU tensor's memory (no copy), which keeps that
     memory alive. A tensor whose conjugate or negative bit is set is refused (its memory does not
     hold its values), and so is one without memory of its own (a wrapper subclass)."""
     # (the cheapest of torch's attribute calls: a load of many small tensors makes one per tensor)
-    if not t.is_contiguous() or not t.is_cpu or t.is_conj() or t.is_neg():
+    if not t.is_cpu or not memory_in_order(t):
         raise ValueError("byte_view needs a contiguous CPU tensor without a conjugate or negative bit")
     if t.requires_grad:
         t = t.detach()
     if _has_no_bytes(t):
         return memoryview(bytearray(0))
-    array = t.numpy() if t.dtype in _NUMPY_DTYPES else t.reshape(-1).view(torch.uint8).numpy()
+    array = t.numpy() if t.dtype in _NUMPY_DTYPES else flat_bytes(t).numpy()
     return memoryview(array).cast("B")
 
 

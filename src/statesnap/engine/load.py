@@ -26,7 +26,7 @@ from ..state.flatten import StoredNames, flatten_for_load
 from ..state.items import Flattened
 from ..storage import LocalBackend, backend_for, normalize, path_text
 from ..storage.base import StorageBackend
-from .buffers import borrowed_byte_view, host_contiguous
+from .buffers import borrowed_byte_view, host_contiguous, memory_in_order
 from .device_load import fill_device_targets, wave_parts
 from .dist import DEFAULT_TIMEOUT_S, Comm
 from .objects import Mismatch, castable, decode_value, fitted_to_held
@@ -364,7 +364,7 @@ def _plan_reads(wanted: list, entries: list, executor: ReadExecutor, path: str, 
 def _plain_host(local: torch.Tensor) -> bool:
     """Whether the bytes of ``local`` are read straight into its memory: a contiguous CPU tensor
     whose memory holds its values (no conjugate or negative bit)."""
-    return local.is_cpu and local.is_contiguous() and not (local.is_conj() or local.is_neg())
+    return local.is_cpu and memory_in_order(local)
 
 
 def _writable(local: torch.Tensor) -> torch.Tensor:

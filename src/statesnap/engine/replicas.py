@@ -38,7 +38,7 @@ import torch
 from ..format.checksum import HEAD_BYTES, block_heads, checksum_blocks, checksum_whole
 from ..format.manifest import ObjectEntry
 from ..state.items import Flattened, ItemMeta
-from .buffers import byte_view, host_contiguous
+from .buffers import byte_view, host_contiguous, memory_in_order
 
 REPLICA_CHECK_MB = 1.0  # default size limit of a piece compared whole, in MiB
 
@@ -83,7 +83,7 @@ def heads_of(tensor: torch.Tensor, block_bytes: int) -> list[int]:
     otherwise, only the sampled elements are gathered (``torch.take`` reads any layout as
     row-major), not a copy of it all: sampling is to cost no pass over the replica's memory."""
     tensor = tensor.detach()
-    if tensor.is_cpu and tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()):
+    if tensor.is_cpu and memory_in_order(tensor):
         return block_heads(byte_view(tensor), block_bytes)
     size = tensor.element_size()  # (divides HEAD_BYTES and a block, both multiples of 4096)
     nbytes = tensor.numel() * size

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..state.items import Flattened
+from ..format.dtypes import flat_bytes
 from .buffers import host_contiguous
 from .dist import Comm
 
@@ -48,8 +49,7 @@ class SharedReads:
             return
         requests, inbox = [], {}
         for peer, indices in self.sends.items():
-            packed = torch.cat([host_contiguous(flat.tensors[i].local).reshape(-1).view(torch.uint8)
-                                for i in indices])
+            packed = torch.cat([flat_bytes(host_contiguous(flat.tensors[i].local)) for i in indices])
             requests.append(dist.isend(packed, dst=peer, group=self.group))
         for peer, indices in self.recvs.items():
             inbox[peer] = torch.empty(sum(flat.tensors[i].nbytes for i in indices), dtype=torch.uint8)

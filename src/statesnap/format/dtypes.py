@@ -44,3 +44,11 @@ def tensor_dtype(name: str, where: str) -> torch.dtype:
 
 def itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The memory of ``t`` as a flat uint8 tensor, without a copy, for a ``t`` whose memory holds
+    its values in order (contiguous, no conjugate or negative bit). Not ``t.reshape(-1)``: that
+    keeps the stride of a dimension of size 1 (``w[:, 0]`` of a (1, n) weight has stride n, and
+    counts as contiguous), which the byte view then refuses."""
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)

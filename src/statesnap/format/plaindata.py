@@ -16,7 +16,7 @@ import torch
 
 from ..errors import ManifestError
 from .columns import on_a_fresh_stack_if_deep
-from .dtypes import DTYPE_TO_NAME, dtype_from_name, dtype_name
+from .dtypes import DTYPE_TO_NAME, dtype_from_name, dtype_name, flat_bytes
 
 TAG = "__ss_"
 # Inline tensors are for small state (RNG, counters); large tensors belong in data files.
@@ -61,14 +61,20 @@ MAX_NESTING = 100
 def encode(value: Any, depth: int = 0) -> Any:
     """Encode ``value`` as JSON-compatible data; raise :class:`NotPlainData` if it is not plain.
     ``depth``: the containers around it."""
-    if value is None or isinstance(value, (bool, str)):
+    if value is None or isinstance(value, bool) or type(value) is str:
         return value
-    if isinstance(value, int):
+    if type(value) is int:
         if _INT_FLOOR < value < _INT_LIMIT:  # (inline: a list of a million ints passes here)
             return value
         raise NotPlainData(int_too_long(value))
-    if isinstance(value, float):
+    if type(value) is float:
         return value if math.isfinite(value) else {TAG + "float": _non_finite(value)}
+    if isinstance(value, (int, float, str)):
+        # A subclass (numpy's float64, an IntEnum, a StrEnum) is written as the plain value it
+        # holds, which every level gives back alike: its own repr wrote np.float64(inf) as a tag
+        # no reader takes, and a restore from host memory gave back the subclass.
+        return encode(int.__int__(value) if isinstance(value, int) else
+                      float.__float__(value) if isinstance(value, float) else str.__str__(value))
     if isinstance(value, (list, tuple, dict)):
         if depth >= MAX_NESTING:
             raise NotPlainData(f"it nests lists, tuples and dicts more than {MAX_NESTING} levels deep (store such "
@@ -85,11 +91,17 @@ def encode(value: Any, depth: int = 0) -> Any:
     if isinstance(value, (bytes, bytearray)):
         return {TAG + "bytes": base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, torch.dtype):
+        if value not in DTYPE_TO_NAME:
+            raise NotPlainData(f"{value} is a dtype the statesnap format does not name")
         return {TAG + "dtype": dtype_name(value)}
     if isinstance(value, torch.Tensor) and inlinable(value):
-        raw = value.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        raw = flat_bytes(value.detach().resolve_conj().resolve_neg().contiguous()).numpy().tobytes()
         return {TAG + "tensor": {"dtype": dtype_name(value.dtype), "shape": list(value.shape),
                                  "data": base64.b64encode(raw).decode("ascii")}}
+    if isinstance(value, torch.Tensor) and inlinable(value.new_empty(0)):
+        raise NotPlainData(f"a tensor of {value.numel() * value.element_size():,} bytes is more than plain data holds "
+                           f"inline ({MAX_INLINE_TENSOR_BYTES:,} bytes: a tensor inside ss.PerRank, or in a value "
+                           "saved whole)")
     raise NotPlainData(f"{type(value).__name__} is not plain data")
 
 
@@ -116,7 +128,7 @@ def _decode(data: Any, where: str) -> Any:
     return {k: _decode(v, where) for k, v in data.items()}
 
 
-_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_NON_FINITE = {"nan", "inf", "-inf"}
 QUIET_NAN_BITS = 0x7FF8000000000000  # math.nan's bits; "nan" is read back as them
 _NAN_BITS = re.compile(r"nan:[0-9a-f]{16}")
 
@@ -137,7 +149,7 @@ def _non_finite(value: float) -> str:
 def _read_non_finite(text: Any) -> float:
     """The float ``_non_finite`` wrote ``text`` for; anything else is a ValueError."""
     if isinstance(text, str) and text in _NON_FINITE:
-        return _NON_FINITE[text]
+        return float(text)  # (a new NaN each: a dict may hold two NaN keys, which are two objects)
     if isinstance(text, str) and _NAN_BITS.fullmatch(text):
         value = struct.unpack("<d", struct.pack("<Q", int(text[4:], 16)))[0]
         if math.isnan(value) and float_bits(value) != QUIET_NAN_BITS:  # (that one is written "nan")

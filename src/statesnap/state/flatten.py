@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from ..errors import CheckpointError, StateMismatchError
 from ..format import plaindata
+from ..format.dtypes import flat_bytes
 from ..format.plaindata import QUIET_NAN_BITS, float_bits, inlinable
 from ..format.manifest import BOX
 from .items import SEP, Flattened, ObjectItem, TensorItem, join, refuse_unwritable
@@ -182,7 +183,8 @@ class _Walker:
                                                value.start, value.size))
         elif isinstance(value, torch.Tensor):
             self.tensor(fqn, value)
-        elif isinstance(value, dict) and value:
+        elif isinstance(value, dict) and value and (type(value) is dict or not _is_stateful(value)):
+            # (a dict subclass with a state_dict is stateful, below: its state may lie outside its items)
             self.walk_dict(fqn, value)
         elif isinstance(value, (list, tuple)) and self._walks_sequence(fqn, value):
             # Some state_dicts hold lists of large tensors (or of dicts of them, of modules): walk
@@ -592,6 +594,8 @@ def _merged(held: Any, value: Any, filled: FilledPlaces) -> Any:
         held.clear()
         held.update(merged)
         return held
+    if isinstance(held, torch.Size) and isinstance(value, tuple) and all(type(n) is int for n in value):
+        return torch.Size(value)  # (stored as a tuple, of any length)
     if isinstance(held, tuple) and isinstance(value, tuple) and len(held) == len(value):
         merged = tuple(_merged(h, v, filled) for h, v in zip(held, value))
         if all(map(operator.is_, merged, held)):
@@ -658,7 +662,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+    return flat_bytes(t.detach().resolve_conj().resolve_neg().contiguous())
 
 
 def _named_in_state(state: dict | list | tuple, prefix: str = "", kind: type = nn.Module):

@@ -14,7 +14,11 @@ SEP = "."  # between the keys of nested dicts in a fully qualified name
 
 
 def join(prefix: str, key: Any) -> str:
-    return f"{prefix}{SEP}{key}" if prefix else str(key)
+    try:
+        return f"{prefix}{SEP}{key}" if prefix else str(key)
+    except ValueError:  # an int of more digits than Python spells (4,300 by default)
+        raise CheckpointError(f"{prefix or 'the state'}: a key of {key.bit_length()} bits is too long to name "
+                              "what it holds; use shorter keys (or store the dict as plain data)") from None
 
 
 class ItemMeta(NamedTuple):
