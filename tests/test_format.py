@@ -240,6 +240,7 @@ class _Level(enum.IntEnum):
     {"__ss_float": "nan", "__ss_tuple": []}, {"__ss_float": "nan", "x": 1}, {"__ss_what": 1},
     {"__ss_float": "nan:7ff0000000000000"}, {"__ss_float": "nan:FFF8000000000000"},
     {"__ss_float": "nan:7ff8000000000000"}, {"__ss_float": "nan:fff8"},
+    {"__ss_tensor": {"dtype": "float32", "shape": [0, 2 ** 62, 2 ** 62], "data": ""}},
 ])
 def test_plain_data_that_encode_never_writes_is_refused_not_guessed_at(tagged):
     """docs/format.md §6: a tagged value is exactly what the writer writes, or a ManifestError

@@ -278,3 +278,18 @@ def test_a_shape_edited_to_hold_no_elements_is_damage_not_an_empty_tensor(ckpt_d
     target = {"w": torch.ones(0, 4)}
     ss.load(target, ckpt_dir.parent / "empty")
     assert ss.open(ckpt_dir.parent / "empty").read("w").shape == (0, 4)
+
+
+def test_a_malformed_param_groups_value_names_the_manifest_on_load(ckpt_dir):
+    """A fresh optimizer's load reads the stored param groups before anything else; a malformed
+    value there named neither the checkpoint nor its manifest."""
+    model = torch.nn.Linear(2, 2)
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optim.step()
+    ss.save({"model": model, "optim": optim}, ckpt_dir)
+    _rewrite(ckpt_dir, lambda doc: doc["objects"]["optim.param_groups"].update(json={"__ss_tuple": "x"}))
+    fresh = torch.nn.Linear(2, 2)
+    with pytest.raises(ManifestError, match=re.escape(str(ckpt_dir / MANIFEST_NAME)) + ": malformed tuple value at "
+                       "optim.param_groups"):
+        ss.load({"model": fresh, "optim": torch.optim.Adam(fresh.parameters())}, ckpt_dir)

@@ -574,7 +574,8 @@ class Loading:
             recorded = self.manifest.meta.get("step")  # (none in checkpoints no Checkpointer wrote)
             if self.step is not None and recorded not in (None, self.step):  # renamed, or copied in from another run
                 raise CorruptCheckpointError(f"{self.path} holds step {recorded!r}, not step {self.step}")
-            self.flat = flatten_for_load(state, StoredNames.of_manifest(self.manifest), self.created, self.fresh)
+            stored = StoredNames.of_manifest(self.manifest, self.backend.join(self.path, MANIFEST_NAME))
+            self.flat = flatten_for_load(state, stored, self.created, self.fresh)
         except Exception as exc:
             error = exc
         self.comm.agree(error, f"loading {self.path}")

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ManifestError, UnsafeCheckpointError
+from ..errors import UnsafeCheckpointError
 from ..format import plaindata
 from ..format.manifest import ObjectEntry
 from ..state.flatten import join
@@ -33,16 +33,11 @@ def decode_value(fqn: str, entry: ObjectEntry, allow_pickle: bool, read_blob, wh
     if entry.kind == "per_rank":
         return [decode_value(fqn, e, allow_pickle, read_blob, where) for e in entry.per_rank]
     if entry.kind == "json":
-        try:
-            return plaindata.decode(entry.value, fqn)
-        except ManifestError as exc:
-            if not where:
-                raise
-            raise ManifestError(f"{where}: {exc}") from None
+        return plaindata.decode(entry.value, fqn, where)
     if not allow_pickle:
         raise UnsafeCheckpointError(
-            f"{fqn} is stored with pickle, which can run arbitrary code when loaded; pass "
-            "allow_pickle=True only if you trust where this checkpoint came from")
+            f"{fqn} is stored with pickle{f' (by {where})' if where else ''}, which can run arbitrary code when "
+            "loaded; pass allow_pickle=True only if you trust where this checkpoint came from")
     return pickle.loads(read_blob(fqn, entry.value))
 
 

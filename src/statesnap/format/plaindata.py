@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import ManifestError
-from .columns import on_a_fresh_stack_if_deep
+from .columns import on_a_fresh_stack_if_deep, shape_problem
 from .dtypes import DTYPE_TO_NAME, dtype_from_name, dtype_name, flat_bytes
 
 TAG = "__ss_"
@@ -105,13 +105,19 @@ def encode(value: Any, depth: int = 0) -> Any:
     raise NotPlainData(f"{type(value).__name__} is not plain data")
 
 
-def decode(data: Any, where: str = "") -> Any:
+def decode(data: Any, where: str = "", manifest: str = "") -> Any:
     """The value ``encode`` gave ``data`` for. Anything ``encode`` never writes is refused with a
-    ManifestError saying where, never guessed at (docs/format.md §6)."""
+    ManifestError saying where (the value's name, and the ``manifest`` it was read from), never
+    guessed at (docs/format.md §6)."""
     try:
         return on_a_fresh_stack_if_deep(_decode, data, where)
     except RecursionError:
-        raise ManifestError(f"plain data at {where or 'plain data'} is nested too deeply to read") from None
+        problem = f"plain data at {where or 'plain data'} is nested too deeply to read"
+    except ManifestError as exc:
+        if not manifest:
+            raise
+        problem = str(exc)
+    raise ManifestError(f"{manifest}: {problem}" if manifest else problem) from None
 
 
 def _decode(data: Any, where: str) -> Any:
@@ -197,6 +203,8 @@ def _decode_tensor(inner: Any, where: str, expect) -> torch.Tensor:
     dtype = dtype_from_name(inner["dtype"], where)
     shape = inner["shape"]
     expect(isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape), "a shape of sizes is expected")
+    problem = shape_problem(shape, dtype.itemsize)  # (an empty one too: [0, 2**62, 2**62] is no tensor)
+    expect(problem is None, f"a shape {shape} {problem}")
     expect(isinstance(inner["data"], str), "base64 text is expected")
     raw = bytearray(base64.b64decode(inner["data"], validate=True))
     expect(len(raw) == math.prod(shape) * dtype.itemsize, f"{len(raw)} bytes for a {dtype_name(dtype)}{shape}")

@@ -56,14 +56,15 @@ class StoredNames:
         self._plain = plain
 
     @classmethod
-    def of_manifest(cls, manifest) -> StoredNames:
+    def of_manifest(cls, manifest, where: str = "") -> StoredNames:
+        """``where``: the manifest, named by an error about a value read from it."""
         def header(name: str) -> tuple | None:
             row = manifest.header(name)
             return None if row is None else (row.shape, row.dtype)
 
         def plain(name: str) -> Any:
             entry = manifest.objects.get(name)
-            return plaindata.decode(entry.value, name) if entry is not None and entry.kind == "json" else None
+            return plaindata.decode(entry.value, name, where) if entry is not None and entry.kind == "json" else None
         return cls(manifest.keys(), header, plain)
 
     @property
