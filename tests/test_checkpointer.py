@@ -283,10 +283,11 @@ def test_unguarded_tensors_over_the_eager_limit_are_checked(tmp_path, monkeypatc
 
 def test_conjugated_and_negated_views_copied_in_the_background_keep_their_values(tmp_path):
     """A lazily conjugated or negated view's memory holds the values before that: a raw copy of it
-    committed them instead, without a word. Large enough to span several segments of the arena."""
-    base, real = torch.randn(300_000, dtype=torch.cfloat), torch.randn(300_000)
+    committed them instead, without a word. Each is larger than the arena, so it is copied in
+    parts (streamed to storage), as a plain tensor is."""
+    base, real = torch.randn(1_500_000, dtype=torch.cfloat), torch.randn(3_000_000)
     state = {"c": base.conj(), "n": real._neg_view()}
-    with ss.Checkpointer(tmp_path, host_memory_gb=0.02, eager_copy_mb=0) as ckpt:
+    with ss.Checkpointer(tmp_path, host_memory_gb=0.008, eager_copy_mb=0) as ckpt:
         path = ckpt.save(1, state).wait()
     reader = ss.open(path)
     assert torch.equal(reader.read("c"), base.conj().resolve_conj())

@@ -215,6 +215,16 @@ def test_subclasses_of_plain_types_are_stored_as_the_plain_values_they_hold(tmp_
     assert [type(v) for v in target["extra"].values()] == [float, float, float, int, str]
 
 
+def test_the_numpy_reprs_earlier_writers_wrote_for_non_finite_floats_load():
+    """Before subclasses were written as plain floats, numpy's float64 inf was written by its repr
+    under numpy 2; those checkpoints committed, and must load after an upgrade."""
+    from statesnap.format.plaindata import decode
+
+    back = decode({"a": {"__ss_float": "np.float64(inf)"}, "b": {"__ss_float": "np.float64(-inf)"},
+                   "c": {"__ss_float": "np.float64(nan)"}})
+    assert back["a"] == math.inf and back["b"] == -math.inf and math.isnan(back["c"])
+
+
 def test_a_dict_with_two_nan_keys_loads_back(tmp_path):
     """Two NaNs are two keys of a dict (a Counter of losses): each was read back as the one
     math.nan object, and the reader refused the second as the same key given twice."""
@@ -241,6 +251,7 @@ class _Level(enum.IntEnum):
     {"__ss_float": "nan:7ff0000000000000"}, {"__ss_float": "nan:FFF8000000000000"},
     {"__ss_float": "nan:7ff8000000000000"}, {"__ss_float": "nan:fff8"},
     {"__ss_tensor": {"dtype": "float32", "shape": [0, 2 ** 62, 2 ** 62], "data": ""}},
+    {"__ss_float": "np.float64(1.5)"}, {"__ss_float": "np.float32(inf)"},
 ])
 def test_plain_data_that_encode_never_writes_is_refused_not_guessed_at(tagged):
     """docs/format.md §6: a tagged value is exactly what the writer writes, or a ManifestError

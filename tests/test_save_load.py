@@ -1258,6 +1258,10 @@ def test_a_dict_with_a_state_dict_is_saved_through_it(tmp_path):
     fresh = _Registry(a=0)
     ss.load({"reg": fresh}, tmp_path / "c")
     assert fresh == {"a": 1} and fresh.version == 7
+    ss.save({"reg": {"a": 5}}, tmp_path / "items")  # as statesnap stored such a dict before: by its items
+    older = _Registry(a=0)
+    ss.load({"reg": older}, tmp_path / "items")
+    assert older == {"a": 5}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex32])

@@ -15,6 +15,7 @@ import threading
 import torch
 
 from ..format.dtypes import flat_bytes
+from .staging import in_order_part
 
 
 def mark_devices(tensors) -> dict[int, "torch.cuda.Event"]:
@@ -61,8 +62,9 @@ class CudaCopier:
             with torch.cuda.device(src.device), torch.cuda.stream(stream):
                 if src.device.index not in done:
                     stream.wait_event(ready[src.device.index])
-                if src.is_conj() or src.is_neg():  # (its memory does not hold its values; such items are never split)
-                    src = src.resolve_conj().resolve_neg()
+                if src.is_conj() or src.is_neg():  # (its memory does not hold its values: resolved on this stream)
+                    part = in_order_part(src, offset, dst.numel()) if src.is_contiguous() else src
+                    src, offset = part.resolve_conj().resolve_neg(), 0
                 if src.is_contiguous():
                     dst.copy_(flat_bytes(src)[offset:offset + dst.numel()], non_blocking=True)
                 else:  # strided sources are copied whole (their items are never split)

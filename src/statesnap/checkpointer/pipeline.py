@@ -17,7 +17,6 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.buffers import memory_in_order
 from ..engine.dist import Comm
 from ..engine.replicas import REPLICA_CHECK_MB, hash_tensors, limit_bytes, replicas_to_check, sampled_items
 from ..engine.save import RankOutput, commit_by_owners, committed_bytes, data_file_name, open_staging, own_objects
@@ -239,7 +238,7 @@ class Stager(_Stage):
             # changed since the last save, which save() waits for, first of all), then by optimizer.
             order = sorted(range(len(items)), key=lambda i: (snap.owners[i] is not None, i not in snap.hot,
                                                              str(snap.owners[i])))
-        splittable = [memory_in_order(item.local) for item in items]
+        splittable = [item.local.is_contiguous() for item in items]
         batches, snap.item_offsets = build_batches(order, sizes, splittable, snap.owners, writes,
                                                    snap.resident, self._segment_bytes_of())
         if snap.resident:

@@ -262,8 +262,17 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, offset: int) -> None:
     if memory_in_order(src):
         if nbytes:
             ctypes.memmove(dst.data_ptr(), src.data_ptr() + offset, nbytes)
-    else:  # strided, conjugated or negated sources are copied whole (their items are never split)
+    elif src.is_contiguous():  # a conjugated or negated view: copied by elements, which resolves its bit
+        dst.view(src.dtype).copy_(in_order_part(src, offset, nbytes))
+    else:  # strided sources are copied whole (their items are never split)
         dst.view(src.dtype).view(src.shape).copy_(src)
+
+
+def in_order_part(src: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """The elements of the contiguous ``src`` in its bytes ``[offset, offset + nbytes)`` (whole
+    elements: segments split items at block boundaries)."""
+    size = src.element_size()
+    return src.reshape(-1)[offset // size:(offset + nbytes) // size]
 
 
 def item_bytes_view(buffer: torch.Tensor, start: int, like: torch.Tensor) -> torch.Tensor:

@@ -85,8 +85,8 @@ def encode(value: Any, depth: int = 0) -> Any:
     if isinstance(value, tuple):
         return {TAG + "tuple": [encode(v, depth) for v in value]}
     if isinstance(value, dict):
-        if all(isinstance(k, str) and not k.startswith(TAG) for k in value):
-            return {k: encode(v, depth) for k, v in value.items()}
+        if all(isinstance(k, str) and not k.startswith(TAG) for k in value):  # (a StrEnum key as the str it holds)
+            return {str.__str__(k): encode(v, depth) for k, v in value.items()}
         return {TAG + "dict": [[encode(k, depth), encode(v, depth)] for k, v in value.items()]}
     if isinstance(value, (bytes, bytearray)):
         return {TAG + "bytes": base64.b64encode(bytes(value)).decode("ascii")}
@@ -152,10 +152,15 @@ def _non_finite(value: float) -> str:
     return f"nan:{float_bits(value):016x}"
 
 
+# What statesnap wrote for numpy's non-finite float64 (its repr under numpy 2) before it wrote
+# subclasses as plain floats: such checkpoints committed, and load.
+_NUMPY_REPRS = {f"np.float64({text})": text for text in _NON_FINITE}
+
+
 def _read_non_finite(text: Any) -> float:
     """The float ``_non_finite`` wrote ``text`` for; anything else is a ValueError."""
-    if isinstance(text, str) and text in _NON_FINITE:
-        return float(text)  # (a new NaN each: a dict may hold two NaN keys, which are two objects)
+    if isinstance(text, str) and (text in _NON_FINITE or text in _NUMPY_REPRS):
+        return float(_NUMPY_REPRS.get(text, text))  # (a new NaN each: a dict may hold two NaN keys, two objects)
     if isinstance(text, str) and _NAN_BITS.fullmatch(text):
         value = struct.unpack("<d", struct.pack("<Q", int(text[4:], 16)))[0]
         if math.isnan(value) and float_bits(value) != QUIET_NAN_BITS:  # (that one is written "nan")

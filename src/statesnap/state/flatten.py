@@ -199,6 +199,9 @@ class _Walker:
                 raise CheckpointError(f"{fqn}: state_dict() of the {type(value).__name__} returned a "
                                       f"{type(sd).__name__}, not a dict; statesnap stores a state dict by its keys. "
                                       "Return a dict (e.g. {'value': ...}), or put the value itself in the state")
+            if isinstance(value, dict) and self._stored_by_items(fqn, sd, value):
+                self.walk_dict(fqn, value)
+                return
             first_object = len(self.out.objects)
             self.walk_dict(fqn, sd)
             self._owned_since(first_object)
@@ -208,6 +211,14 @@ class _Walker:
             self._claim(fqn)
             assign, check = _assigner(fqn, container, key, self.filled)
             self.out.objects.append(ObjectItem(fqn, value, assign=assign, check=check))
+
+    def _stored_by_items(self, fqn: str, sd: Mapping, mapping: dict) -> bool:
+        """A load of a dict with a state_dict from a checkpoint that holds its items, as statesnap
+        stored such a dict before it saved one through its state_dict: nothing under the state
+        dict's keys, something under the items'."""
+        def stored(key) -> bool:
+            return self.stored.holds(join(fqn, key)) or self.stored.has_prefix(join(fqn, key) + SEP)
+        return self.for_load and not any(map(stored, sd)) and any(map(stored, mapping))
 
     def _walks_sequence(self, fqn: str, value: list | tuple) -> bool:
         """A save walks a list or tuple that holds what plain data cannot (``_needs_walk``). A

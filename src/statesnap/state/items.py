@@ -16,7 +16,10 @@ SEP = "."  # between the keys of nested dicts in a fully qualified name
 def join(prefix: str, key: Any) -> str:
     try:
         return f"{prefix}{SEP}{key}" if prefix else str(key)
-    except ValueError:  # an int of more digits than Python spells (4,300 by default)
+    except ValueError:
+        if not isinstance(key, int):
+            raise
+        # an int of more digits than Python spells (4,300 by default)
         raise CheckpointError(f"{prefix or 'the state'}: a key of {key.bit_length()} bits is too long to name "
                               "what it holds; use shorter keys (or store the dict as plain data)") from None
 
