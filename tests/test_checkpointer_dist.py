@@ -3,6 +3,7 @@ gradient all-reduces on the trainer's group while commits run on the Checkpointe
 import importlib
 import os
 import shutil
+import time
 import warnings
 
 import pytest
@@ -459,3 +460,36 @@ def test_a_path_one_rank_cannot_use_fails_every_rank_with_its_cause(tmp_path, op
         ss.save({"w": torch.ones(2)}, tmp_path / "ck")
     outcomes = run_ranks(2, _one_rank_bad_url, str(tmp_path), op)
     assert all(o is not None and "PeerLost" not in o[0] and "nosuchproto" in o[1] for o in outcomes), outcomes
+
+
+def _destroyed_before_close(rank, world_size, root):
+    from statesnap.checkpointer import pipeline
+
+    commit = pipeline.commit_by_owners
+
+    def slow_commit(*args, **kwargs):
+        time.sleep(0.5)  # the program's end comes while step 2 is still being committed
+        return commit(*args, **kwargs)
+    pipeline.commit_by_owners = slow_commit
+    model, optim = make_training(seed=1)
+    ckpt = ss.Checkpointer(root, commit_timeout_s=60)
+    ckpt.save(1, {"model": model, "optim": optim}).wait()
+    ckpt.save(2, {"model": model, "optim": optim})
+    dist.destroy_process_group()  # a torchrun script's usual last line, before close()
+    try:
+        ckpt.close()
+    except ss.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_process_groups_destroyed_before_close_say_so(tmp_path):
+    """``dist.destroy_process_group()`` before ``close()`` destroys the Checkpointer's groups too:
+    the commit in flight failed as a bare "Group ... is not registered" ValueError, and close()
+    raised one from destroying its groups again, hiding which steps were lost."""
+    errors = run_ranks(2, _destroyed_before_close, str(tmp_path / "ck"))
+    for error in errors:
+        assert error is not None and "the process groups were destroyed (dist.destroy_process_group())" in error
+        assert "close() the Checkpointer before destroying them" in error
+    kept = os.listdir(tmp_path / "ck")
+    assert "step-1" in kept and "step-2" not in kept

@@ -119,6 +119,23 @@ def test_diff(ckpt, tmp_path, capsys):
     assert "model.weight" not in capsys.readouterr().out
 
 
+def test_diff_of_a_damaged_pickled_value_cannot_compare(tmp_path, capsys):
+    """diff compared a pickled value by the length and checksum the manifest records, so a copy
+    whose pickled bytes were damaged (no load can read it) "matched" its good original."""
+    state = {"w": torch.ones(4), "cfg": {"c": complex(1, 2)}}
+    ss.save(state, tmp_path / "good", allow_pickle=True)
+    ss.save(state, tmp_path / "copy", allow_pickle=True)
+    entry = json.loads((tmp_path / "copy" / MANIFEST_NAME).read_bytes())
+    file, offset, _, _ = entry["objects"]["cfg.c"]["pickle"]
+    data = tmp_path / "copy" / entry["files"][file]
+    raw = bytearray(data.read_bytes())
+    raw[offset + 3] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert main(["diff", str(tmp_path / "good"), str(tmp_path / "copy")]) == 2
+    err = capsys.readouterr().err
+    assert "object 'cfg.c'" in err and "is damaged" in err
+
+
 def test_diff_keys_shapes_and_dtypes(tmp_path, capsys):
     ss.save({"a": torch.zeros(3), "b": torch.zeros(2), "c": torch.zeros(2), "only_left": 1}, tmp_path / "l")
     ss.save({"a": torch.zeros(3), "b": torch.zeros(3), "c": torch.zeros(2, dtype=torch.int32),

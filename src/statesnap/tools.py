@@ -18,6 +18,7 @@ from .errors import CheckpointError, NotACheckpointError, printable
 from .format.columns import parse_json
 from .format.dtypes import dtype_name
 from .format.manifest import MANIFEST_NAME, ObjectEntry
+from .engine.load import blob_reader
 from .reader import Reader, TensorInfo
 
 # exit codes, as diff(1) has them: all good, damage or differences found, could not compare
@@ -226,7 +227,8 @@ def diff(left: Reader, right: Reader, atol: float = 0.0) -> list[str]:
             if (a is None) != (b is None):
                 lines.append(f"{fqn}: a tensor in one checkpoint, an object in the other")
             else:
-                ours, theirs = _fingerprint(left.manifest.objects[fqn]), _fingerprint(right.manifest.objects[fqn])
+                ours, theirs = _fingerprint(left, fqn, left.manifest.objects[fqn]), \
+                    _fingerprint(right, fqn, right.manifest.objects[fqn])
                 if ours != theirs:
                     shown = f"{ours} vs {theirs}" if len(f"{ours}{theirs}") <= 80 else "values differ"
                     lines.append(f"{fqn}: {shown}")
@@ -240,14 +242,16 @@ def diff(left: Reader, right: Reader, atol: float = 0.0) -> list[str]:
     return lines
 
 
-def _fingerprint(entry: ObjectEntry):
+def _fingerprint(reader: Reader, fqn: str, entry: ObjectEntry):
     """What identifies an object's value: its encoded JSON, or for pickled bytes their length and
-    checksum (diff never unpickles)."""
+    checksum, once the bytes are read and found to have them (diff never unpickles; a damaged
+    value, which no load can read, matched its good copy)."""
     if entry.kind == "json":
         return json.dumps(entry.value, sort_keys=True)
     if entry.kind == "pickle":
+        blob_reader(reader.backend, reader.path, reader.manifest)(fqn, entry.value)
         return entry.value[2:]
-    return [_fingerprint(e) for e in entry.per_rank]
+    return [_fingerprint(reader, fqn, e) for e in entry.per_rank]
 
 
 def tolerance(text: str) -> float:

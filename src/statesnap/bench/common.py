@@ -154,9 +154,20 @@ def settle_disk(path: str, at_least_s: float, quiet_s: float = 1.0, timeout_s: f
 
 
 def fresh_dir(path: str) -> str:
-    """``path`` as an empty directory (what a previous run left there is removed)."""
-    shutil.rmtree(path, ignore_errors=True)
+    """``path`` as an empty directory of the bench's own: what a previous run left there is
+    removed, but a directory the bench did not make is refused, never removed (``--out`` may
+    name a folder of the user's, with a ``convert`` folder of theirs in it). What the bench made
+    is known by a hidden mark beside it, which outlives the directory (the mark inside it would
+    be a stray file in the checkpoint roots the suites make there)."""
+    path = os.path.normpath(path)
+    mark = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.statesnap-bench")
+    if os.path.lexists(path):
+        if not (os.path.isdir(path) and not os.path.islink(path) and (os.path.exists(mark) or not os.listdir(path))):
+            raise SystemExit(f"statesnap bench: {path} exists and was not made by statesnap bench, which would "
+                             "remove it; pass another --out (or remove it yourself)")
+        shutil.rmtree(path)
     os.makedirs(path)
+    open(mark, "w").close()
     return path
 
 

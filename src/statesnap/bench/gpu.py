@@ -26,7 +26,7 @@ import time
 import torch
 
 from .common import (
-    DEFAULT_OUT, add_output_arguments, format_table, gbps, median, non_negative_int, positive_int, publish,
+    DEFAULT_OUT, add_output_arguments, format_table, fresh_dir, gbps, median, non_negative_int, positive_int, publish,
 )
 
 MIB = 1 << 20
@@ -121,9 +121,7 @@ def loads(state: dict, scratch: str, rounds: int) -> dict[str, list[float]]:
 def run(small: int = 256, medium: int = 48, large_mib: int = 512, rounds: int = 5, out: str = DEFAULT_OUT) -> dict:
     if not torch.cuda.is_available():
         return {"suite": "gpu", "skipped": "no CUDA device"}
-    scratch = os.path.join(out, "gpu-scratch")
-    shutil.rmtree(scratch, ignore_errors=True)
-    os.makedirs(scratch)
+    scratch = fresh_dir(os.path.join(out, "gpu-scratch"))
     try:
         state = make_state(small, medium, large_mib, "cuda")
         nbytes = state_bytes(state)

@@ -37,7 +37,7 @@ from ..demo.gpt import GPT, config_for_state_gb
 from ..storage.aligned import huge_aligned_pages, unmap
 from ..storage.base import DIRECT_ALIGN
 from .common import (
-    DEFAULT_OUT, add_output_arguments, drop_page_cache, format_table, gbps, machine_description, median,
+    DEFAULT_OUT, add_output_arguments, drop_page_cache, format_table, fresh_dir, gbps, machine_description, median,
     non_negative_float, parse_choices, positive_float, positive_int, publish, rotated, settle_disk, timed,
 )
 
@@ -290,8 +290,7 @@ def measure_system(system: str, state: dict, target: dict, path: str, check: boo
 def run(size_gb: float = 1.0, repeat: int = 3, out: str = DEFAULT_OUT, systems=SYSTEMS,
         settle_s: float = 5.0) -> dict:
     """Measure every system and op ``repeat`` times; return per-op seconds, medians and ratios."""
-    scratch = os.path.join(out, "io-scratch")
-    os.makedirs(scratch, exist_ok=True)
+    scratch = fresh_dir(os.path.join(out, "io-scratch"))
     state = build_state(size_gb)
     target = zeros_like_state(state)
     nbytes = sum(t.numel() * t.element_size() for t in tensors_of(state))

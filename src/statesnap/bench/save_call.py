@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..demo import gpt
-from .common import median, non_negative_int, positive_int, run_child
+from .common import fresh_dir, median, non_negative_int, positive_int, run_child
 
 STATES = ("gpt", "linear333")
 ISSUE_GPT = gpt.GPTConfig(vocab=8192, d_model=768, n_layer=8, seq_len=128, batch=4)
@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--scratch", required=True)
     args = parser.parse_args(argv)
-    shutil.rmtree(args.scratch, ignore_errors=True)
+    fresh_dir(args.scratch)
     try:
         result = child(args.child, args.reuse, args.saves, args.warmup, args.threads, args.scratch)
     finally:

@@ -29,8 +29,8 @@ import torch
 from ..demo import gpt
 from ..monitor.trace import NO_PLOT, can_plot
 from .common import (
-    DEFAULT_OUT, DEFAULT_THREADS, add_output_arguments, format_table, median, non_negative_int, parse_choices,
-    peak_rss_bytes, positive_float, positive_int, publish, run_child,
+    DEFAULT_OUT, DEFAULT_THREADS, add_output_arguments, format_table, fresh_dir, median, non_negative_int,
+    parse_choices, peak_rss_bytes, positive_float, positive_int, publish, run_child,
 )
 from . import save_call
 from .modes import MODES, make_mode
@@ -85,8 +85,7 @@ def child_main(argv: list[str]) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--every", type=positive_int, default=1)
     args = parser.parse_args(argv)
-    shutil.rmtree(args.scratch, ignore_errors=True)
-    os.makedirs(args.scratch)
+    fresh_dir(args.scratch)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP warns that it runs without a process group: intended

@@ -403,7 +403,7 @@ class Checkpointer:
             self.events.flush()
             self._roots.release()
             for group in (self._group, self._local_group, self._further_group):
-                if group is not None:
+                if group is not None and dist.is_initialized():  # (else destroyed with all the others)
                     dist.destroy_process_group(group)
             # The host memory goes back now, not once this object is collected: a closed
             # Checkpointer left in scope (or in a cycle) held on to up to host_memory_gb.

@@ -222,7 +222,13 @@ class Comm:
     # ----------------------------------------------------------------- transport
 
     def _multi(self) -> bool:
-        return self.active and self.world_size > 1
+        if not self.active or self.world_size == 1:
+            return False
+        if not dist.is_initialized():  # (a program's last line, dist.destroy_process_group(), came first)
+            raise CheckpointError(f"{self.what} failed on rank {self.rank}: the process groups were destroyed "
+                                  "(dist.destroy_process_group()) before it finished; close() the Checkpointer "
+                                  "before destroying them")
+        return True
 
     def transport(self):
         """The gloo group these collectives run on (point-to-point calls may use it too)."""

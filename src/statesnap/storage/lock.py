@@ -160,8 +160,10 @@ class FlockClaim(RootClaim):
         with _held_lock:
             ours = _held_here.get(self.path) == self.token and self._same_file(self.fd)
         if not ours:
-            raise RootBusyError(f"{self.root} was taken over by {describe_holder(self._read_holder())}; this "
-                                "Checkpointer no longer commits or deletes checkpoints there")
+            how = (f"lost its lock file {self.path} (the root was deleted or moved?)" if not os.path.lexists(self.path)
+                   else f"was taken over by {describe_holder(self._read_holder())}")
+            raise RootBusyError(f"{self.root} {how}; this Checkpointer no longer commits or deletes checkpoints "
+                                "there (close it; a new one claims the root again)")
 
     def release(self) -> None:
         with _held_lock:
