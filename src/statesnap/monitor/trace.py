@@ -107,7 +107,10 @@ def can_plot() -> bool:
 
 
 def plot_timeline(events: list[dict], path: str) -> None:
-    """One row per (rank, thread), one coloured bar per event."""
+    """One row per (rank, thread), one coloured bar per event. The bars of a row's phase are drawn
+    together (one call per event made the plot quadratic in the events: minutes for a long run),
+    the phases of longer events first, so that the short ones inside them (a save's stall inside
+    its planning) stay visible."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -117,9 +120,12 @@ def plot_timeline(events: list[dict], path: str) -> None:
     rows = sorted({(e["rank"], e["thread"]) for e in events}, key=lambda r: (r[0], r[1] != "MainThread", r[1]))
     index = {row: i for i, row in enumerate(rows)}
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.35 * len(rows)))
+    bars: dict[tuple, list] = {}
     for e in events:
-        ax.broken_barh([(e["start"] - origin, max(e["end"] - e["start"], 1e-5))],
-                       (index[(e["rank"], e["thread"])] - 0.4, 0.8), color=COLORS.get(e["phase"], "black"))
+        bars.setdefault((index[(e["rank"], e["thread"])], e["phase"]), []).append(
+            (e["start"] - origin, max(e["end"] - e["start"], 1e-5)))
+    for (row, phase), spans in sorted(bars.items(), key=lambda kv: -sum(w for _, w in kv[1]) / len(kv[1])):
+        ax.broken_barh(spans, (row - 0.4, 0.8), color=COLORS.get(phase, "black"))
     ax.set_yticks(range(len(rows)), [f"r{rank} {thread}" for rank, thread in rows], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
