@@ -465,12 +465,13 @@ def test_a_path_one_rank_cannot_use_fails_every_rank_with_its_cause(tmp_path, op
 def _destroyed_before_close(rank, world_size, root):
     from statesnap.checkpointer import pipeline
 
-    commit = pipeline.commit_by_owners
+    flush = pipeline.Flusher._flush
 
-    def slow_commit(*args, **kwargs):
-        time.sleep(0.5)  # the program's end comes while step 2 is still being committed
-        return commit(*args, **kwargs)
-    pipeline.commit_by_owners = slow_commit
+    def late_flush(self, snap):
+        if snap.step == 2:
+            time.sleep(0.5)  # the program's end comes before step 2's flush begins, on every rank
+        return flush(self, snap)
+    pipeline.Flusher._flush = late_flush
     model, optim = make_training(seed=1)
     ckpt = ss.Checkpointer(root, commit_timeout_s=60)
     ckpt.save(1, {"model": model, "optim": optim}).wait()
@@ -493,3 +494,23 @@ def test_process_groups_destroyed_before_close_say_so(tmp_path):
         assert "close() the Checkpointer before destroying them" in error
     kept = os.listdir(tmp_path / "ck")
     assert "step-1" in kept and "step-2" not in kept
+
+
+def _many_checkpointers(rank, world_size, root):
+    from statesnap.engine import dist as engine_dist
+
+    model, optim = make_training(seed=1)
+    counts = []
+    for i in range(8):
+        with ss.Checkpointer(os.path.join(root, str(i)), local_root=os.path.join(root, f"local-{rank}")) as ckpt:
+            ckpt.save(1, {"model": model, "optim": optim}).wait()
+        counts.append((len(os.listdir("/proc/self/fd")), len(engine_dist._IDENTITIES)))
+    return counts
+
+
+def test_closed_checkpointers_leave_no_groups_behind(tmp_path):
+    """``close()`` destroyed its gloo groups, but what the transport had learned of their ranks
+    held each group, with its sockets and threads: every Checkpointer made and closed on several
+    ranks kept file descriptors until a long job's next one ran out of them."""
+    for counts in run_ranks(2, _many_checkpointers, str(tmp_path)):
+        assert counts[-1] == counts[1], counts  # (the first one makes what stays: the default group's side group)

@@ -60,8 +60,11 @@ class Countdown:
             self._count -= 1
             reached = self._count == 0
         if reached:
-            if self._on_zero is not None:
-                self._on_zero()
+            # (dropped once run: a callback holding what holds this countdown, a snapshot, made a
+            # cycle, which only the cyclic collector freed, with the snapshot's copies, late)
+            on_zero, self._on_zero = self._on_zero, None
+            if on_zero is not None:
+                on_zero()
             self._done.set()
 
     def release(self) -> None:

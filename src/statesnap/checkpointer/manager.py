@@ -21,7 +21,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
-from ..engine.dist import Comm, PeerLostError, timed_group
+from ..engine.dist import Comm, PeerLostError, destroy_group, timed_group
 from ..engine.load import CAST_HINT
 from ..engine.replicas import limit_bytes, object_digests
 from ..engine.save import encode_objects, per_rank_names, plan_by_owners, shared_names
@@ -141,7 +141,7 @@ class Checkpointer:
 
     def _destroy_side_group(self) -> None:
         if self._group is not None:
-            dist.destroy_process_group(self._group)
+            destroy_group(self._group)
 
     def _start(self, cfg: CheckpointerConfig, root: str, flush_comm: Comm) -> None:
         """The event log and the background stages, once the roots are claimed."""
@@ -403,11 +403,15 @@ class Checkpointer:
             self.events.flush()
             self._roots.release()
             for group in (self._group, self._local_group, self._further_group):
-                if group is not None and dist.is_initialized():  # (else destroyed with all the others)
-                    dist.destroy_process_group(group)
-            # The host memory goes back now, not once this object is collected: a closed
-            # Checkpointer left in scope (or in a cycle) held on to up to host_memory_gb.
+                if group is not None:
+                    destroy_group(group)
+            # The host memory and the groups go back now, not once this object is collected: a
+            # closed Checkpointer left in scope held on to up to host_memory_gb, and its stages,
+            # which hold its methods (a cycle only the cyclic collector frees), held the groups'
+            # sockets and threads (several ranks making many Checkpointers ran out of descriptors).
             self._arena = None
+            self._stager = self._flusher = self._local_flusher = self._further_copier = self._recovery = None
+            self._group = self._local_group = self._further_group = None
         self._raise_pending()
 
     def _finish_at_exit(self) -> None:

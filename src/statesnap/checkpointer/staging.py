@@ -146,8 +146,9 @@ class Arena:
     @staticmethod
     def _drop(region: Region) -> None:
         """Tell a held region's reader (the memory level) it is gone, and free it."""
-        if region.on_evict is not None:
-            region.on_evict()
+        on_evict, region.on_evict = region.on_evict, None  # (its snapshot holds the region: no cycle left)
+        if on_evict is not None:
+            on_evict()
         region.state = FREE
 
     def _reclaim(self) -> None:
