@@ -918,3 +918,22 @@ def test_a_restore_from_memory_fits_small_tensors_held_in_lists_as_a_load_does(t
             first = target[0]
             assert ckpt.load_latest({"params": target}, cast=True) == 1 and ckpt.loaded_from == "memory"
             assert target[0] is first and torch.equal(first.detach(), torch.full((4,), 1.5, dtype=dtype))
+
+
+def test_the_per_checkpoint_figures_keep_a_window_of_recent_saves(monkeypatch):
+    """One entry per save, by step, was kept for ever: a run checkpointing every step for days grew
+    in memory, and ``stats()`` slowed with it. The lists keep the recent saves; the counts and
+    sums keep everything."""
+    from statesnap.monitor import events
+
+    monkeypatch.setattr(events, "RECENT_SAVES", 5)
+    log = events.EventLog(0, None)
+    for step in range(1, 21):
+        log.add("save", step, 0.0, 0.001 * step)
+        log.add("wait-in-hook", step, 0.0, 0.5)
+        log.add("write", step, 0.0, 0.1, nbytes=10)  # (never committed: a failed step)
+    summary = log.summary()
+    assert summary["checkpoints"] == 20 and summary["stall_s"] == pytest.approx(sum(range(1, 21)) / 1000 + 10)
+    assert summary["stall_s_per_checkpoint"] == pytest.approx([0.001 * s + 0.5 for s in range(16, 21)])
+    assert summary["hook_wait_s_per_checkpoint"] == [0.5] * 5
+    assert len(log._stall_by_step) == len(log._hook_by_step) == len(log._writes_by_step) == 5

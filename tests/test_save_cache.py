@@ -29,19 +29,27 @@ class Net(nn.Module):
         return self.head(self.body(x))
 
 
-def make_state(trained_head=True):
+def make_state(trained_head=True, aux=False):
+    """``aux``: the optimizer also trains a module of its own key in the state (an encoder and a
+    decoder under their own keys), so no one module of the state holds all its parameters."""
     torch.manual_seed(0)
     model = Net()
     params = list(model.parameters()) if trained_head else list(model.body.parameters())
-    optim = torch.optim.AdamW(params, lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
-    return {"model": model, "optim": optim, "sched": sched, "extra": {"epoch": 0}}
+    state = {"model": model, "extra": {"epoch": 0}}
+    if aux:
+        state["aux"] = nn.Linear(8, 2)
+        params += list(state["aux"].parameters())
+    state["optim"] = torch.optim.AdamW(params, lr=1e-2)
+    state["sched"] = torch.optim.lr_scheduler.StepLR(state["optim"], step_size=1, gamma=0.5)
+    return state
 
 
 def train_step(state, seed):
     g = torch.Generator().manual_seed(seed)
     state["optim"].zero_grad()
-    state["model"](torch.randn(3, 8, generator=g)).pow(2).sum().backward()
+    x = torch.randn(3, 8, generator=g)
+    loss = state["model"](x).pow(2).sum() + (state["aux"](x).pow(2).sum() if "aux" in state else 0)
+    loss.backward()
     state["optim"].step()
 
 
@@ -157,10 +165,11 @@ CHANGES = {
 }
 
 
+@pytest.mark.parametrize("aux", [False, True])
 @pytest.mark.parametrize("change", sorted(CHANGES))
-def test_change_between_saves_is_saved(tmp_path, change):
+def test_change_between_saves_is_saved(tmp_path, change, aux):
     mutate, trained_head = CHANGES[change]
-    state = make_state(trained_head)
+    state = make_state(trained_head, aux)
     root = str(tmp_path / "ckpt")
     with ss.Checkpointer(root, keep_last=5) as ckpt:
         for step in (1, 2, 3):
@@ -212,8 +221,12 @@ def test_optimizer_state_created_after_a_save_at_step_0(tmp_path):
     assert any(".exp_avg" in fqn for fqn in expected[0])
 
 
-def test_unchanged_state_reuses_items_and_rereads_plain_values():
-    state = make_state()
+@pytest.mark.parametrize("aux", [False, True])
+def test_unchanged_state_reuses_items_and_rereads_plain_values(aux):
+    """With ``aux``, the optimizer's owner is the state's modules gathered: it was made anew at
+    each save, so the optimizer's items were never reused (a save of 1,000 tensors took 24 ms
+    against 2 ms)."""
+    state = make_state(aux=aux)
     train_step(state, 1)
     cache = ProviderCache()
     first = flatten_for_save(state, cache)

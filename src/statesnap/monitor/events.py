@@ -15,6 +15,7 @@ import os
 import statistics
 import threading
 import time
+from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
@@ -23,6 +24,9 @@ STALL_PHASES = ("save", "backpressure", "wait-in-hook", "wait-staged")
 # Phases in background threads. Besides these: "plan" (inside "save") and "load".
 BACKGROUND_PHASES = ("copy", "checksum", "write", "fsync", "commit", "further", "arena-wait")
 MAX_FILE_BYTES = 64 << 20
+# The saves whose figures ``summary`` lists one by one (``stall_s_per_checkpoint``): the recent
+# past, as the events file keeps it; the sums cover every event.
+RECENT_SAVES = 10_000
 log = logging.getLogger("statesnap")
 
 
@@ -78,7 +82,11 @@ class EventLog:
         self.rank = rank
         self.path = path
         self._phases: dict[str, dict] = {}
-        self._saved_steps: list[int] = []  # one entry per save() call, in order
+        # one entry per save() call, in order, of the last RECENT_SAVES; the figures by step are
+        # kept for the steps in it (a run checkpointing every step for days must not grow in memory)
+        self._saved_steps: deque[int] = deque()
+        self._in_window: Counter = Counter()
+        self._saves = 0
         self._stall_by_step: dict[int, float] = {}
         self._hook_by_step: dict[int, float] = {}
         self._writes_by_step: dict[int, list] = {}  # [seconds, bytes] until the step's commit record is taken
@@ -105,10 +113,23 @@ class EventLog:
             if phase == "wait-in-hook":
                 self._hook_by_step[step] = self._hook_by_step.get(step, 0.0) + event.seconds
             if phase == "save":
-                self._saved_steps.append(step)
+                self._saved(step)
             if self.path:
                 self._unwritten.append(event)
         return event
+
+    def _saved(self, step: int) -> None:
+        """Count a save of ``step``; past the window, forget the oldest save's figures."""
+        self._saves += 1
+        self._saved_steps.append(step)
+        self._in_window[step] += 1
+        if len(self._saved_steps) > RECENT_SAVES:
+            oldest = self._saved_steps.popleft()
+            self._in_window[oldest] -= 1
+            if not self._in_window[oldest]:
+                del self._in_window[oldest]
+                for by_step in (self._stall_by_step, self._hook_by_step, self._writes_by_step):
+                    by_step.pop(oldest, None)
 
     def commit_record(self, step: int, path: str) -> CommitRecord:
         """The figures of the committed ``step`` (its write figures are dropped here: a run that
@@ -157,7 +178,7 @@ class EventLog:
         """Sums over all events so far; see docs/checkpointer.md for what each key means."""
         with self._lock:
             phases = {name: dict(agg) for name, agg in self._phases.items()}
-            saved = list(self._saved_steps)
+            saved, saves = list(self._saved_steps), self._saves
             stall_by_step, hook_by_step = dict(self._stall_by_step), dict(self._hook_by_step)
 
         def total(*names):
@@ -167,7 +188,7 @@ class EventLog:
         flushing = total("checksum", "write", "fsync", "commit")
         stalls = [stall_by_step.get(s, 0.0) for s in saved]
         return {
-            "checkpoints": len(saved),
+            "checkpoints": saves,
             "stall_s": total(*STALL_PHASES),
             "stall_s_per_checkpoint": stalls,
             "stall_median_s": statistics.median(stalls) if stalls else 0.0,

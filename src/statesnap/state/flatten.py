@@ -691,7 +691,11 @@ def _named_in_state(state: dict | list | tuple, prefix: str = "", kind: type = n
 
 
 class _Container(nn.Module):
-    """Modules of the state, gathered under their names in it (``_container``)."""
+    """Modules of the state, gathered under their names in it (``_container``). ``gathered``:
+    those modules, where it holds nothing else, which the reuse of an optimizer's items depends
+    on (reuse.py): the container itself is made anew at each save."""
+
+    gathered: tuple = ()
 
 
 def _container(named: list[tuple[str, nn.Module]], tensors: list[tuple[str, torch.Tensor]] = ()) -> nn.Module | None:
@@ -721,6 +725,7 @@ def _container(named: list[tuple[str, nn.Module]], tensors: list[tuple[str, torc
                 parent._parameters[last] = member
     except (KeyError, TypeError):  # add_module's refusals
         return None
+    root.gathered = () if tensors else tuple(module for _, module in named)
     return root
 
 

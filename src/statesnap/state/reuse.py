@@ -189,9 +189,11 @@ class ProviderCache:
                         context: tuple = ()) -> None:
         """Keep an optimizer's items (``sd``: the state dict they were flattened from, keyed by
         parameter name) when its tensors are its live state and its plain values can be read
-        again from the live optimizer. Valid while its owner module's entry is."""
-        owner_entry = self._entries.get((self._owner_fqn(owner), id(owner)))
-        if owner_entry is None:
+        again from the live optimizer. Valid while its owner module's entry is, or, for modules of
+        the state gathered to own it (an encoder and a decoder under their own keys), theirs."""
+        owners = getattr(owner, "gathered", ()) or (owner,)
+        owner_entries = [self._entries.get((self._owner_fqn(module), id(module))) for module in owners]
+        if None in owner_entries:
             return
         params = [p for group in optim.param_groups for p in group["params"]]
         names = [name for group in sd["param_groups"] for name in group["params"]]
@@ -239,7 +241,7 @@ class ProviderCache:
 
         entry = _Entry(optim, list(tensors), frozenset([*(i.fqn for i in tensors), *(o.fqn for o in objects)]),
                        [(o.fqn, o.replicated, readers[o.fqn]) for o in objects], fingerprint, fingerprint(),
-                       depends_on=[owner_entry])
+                       depends_on=owner_entries)
         self._store(fqn, optim, entry)
 
     def _owner_fqn(self, owner: nn.Module) -> str:
