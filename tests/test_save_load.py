@@ -2,6 +2,7 @@
 import collections
 import copy
 import enum
+import importlib
 import os
 import struct
 import warnings
@@ -1289,3 +1290,23 @@ def test_plain_values_the_format_cannot_spell_are_refused_by_name(tmp_path):
         ss.save({"r": ss.PerRank(torch.ones(300_000))}, tmp_path / "c")
     assert ss.save({"extra": {"cfg": {"dtype": torch.quint8}}}, tmp_path / "d", allow_pickle=True)
 
+
+
+def test_a_load_moves_its_targets_version_counters_before_it_writes(tmp_path, monkeypatch):
+    """The counters moved only after the whole load: a Checkpointer's snapshot of the same tensors
+    still being copied, which looks at them after each copy and before it commits, could commit
+    while the load was writing, a mix of both states without an error."""
+    load_module = importlib.import_module("statesnap.engine.load")
+    model = nn.Linear(4, 4)
+    ss.save({"model": model}, tmp_path / "c")
+    before = {name: t._version for name, t in model.state_dict(keep_vars=True).items()}
+    seen = {}
+    read_into = load_module._read_into
+
+    def watched(wanted, *args, **kwargs):
+        seen.update({item.fqn: item.local._version for item in wanted})
+        return read_into(wanted, *args, **kwargs)
+    monkeypatch.setattr(load_module, "_read_into", watched)
+    ss.load({"model": model}, tmp_path / "c")
+    assert seen and all(seen[f"model.{name}"] > version for name, version in before.items())
+    assert all(t._version > seen[f"model.{name}"] for name, t in model.state_dict(keep_vars=True).items())

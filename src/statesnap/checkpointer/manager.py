@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import numbers
 import os
 import threading
 import warnings
@@ -26,13 +25,14 @@ from ..engine.load import CAST_HINT
 from ..engine.replicas import limit_bytes, object_digests
 from ..engine.save import encode_objects, per_rank_names, plan_by_owners, shared_names
 from ..engine.write import default_threads
-from ..errors import CheckpointError, NotDurableYetError, StateMismatchError, explained
+from ..errors import CheckpointError, StateMismatchError, explained
 from ..monitor.events import EventLog, now
 from ..state.optim_state import create_adam_state
 from ..storage import backend_for, is_url, normalize
 from .at_exit import finish_at_exit
 from .config import CheckpointerConfig
 from .gpu import CudaCopier, mark_devices
+from .handle import SaveHandle, not_sent, step_number
 from .hooks import StepGuard, find_writers
 from .further import FurtherCopier
 from .levels import MemoryLevel, StorageLevel
@@ -40,6 +40,7 @@ from .local import LocalFlusher, Topology, job_directory, peer_buffer_bytes, wit
 from .recovery import LocalRecovery
 from .restore import load_newest
 from .roots import RootClaims
+from .signals import handlers_held
 from .pipeline import UNGUARDED, Flusher, FlushTarget, Snapshot, Stager, as_checkpoint_error
 from .staging import MAX_SEGMENT_BYTES, REGION_ALIGN, Arena, align_up, segment_of
 from .state_cache import StateCache
@@ -49,52 +50,13 @@ LOAD_LATEST_ADVICE = ("load_latest restores the whole state: build the model and
                       "with, or load what matches with ss.load(state, <that step's path>, strict=False).")
 
 
-class SaveHandle:
-    """What ``save`` returns: ``staged`` completes when the snapshot is in host memory (its
-    result is the step), ``durable`` when it is committed on the persistent level (its result
-    is the checkpoint's path, or None for a step kept in memory only)."""
-
-    def __init__(self, step: int, staged: Future, durable: Future, snap: Snapshot | None = None):
-        self.step, self.staged, self.durable, self._snap = step, staged, durable, snap
-        self._pid = os.getpid()
-
-    def wait(self, timeout: float | None = None):
-        """Wait until durable; raise the checkpoint's error (then it is not raised again later)."""
-        if os.getpid() != self._pid:  # the threads that finish it are the parent's
-            raise CheckpointError(f"step {self.step} is saved by process {self._pid}; a forked child cannot wait "
-                                  "for it")
-        try:
-            path = self.durable.result(timeout)
-            if path is None and self._snap is not None and self._snap.release() is not None:
-                # kept in memory only: no commit looked at its counters a last time, and a change
-                # in place made right after save() may have ended after its copy's own check
-                raise self._snap.error
-            return path
-        except CheckpointError:
-            if self._snap is not None:
-                self._snap.reported = True
-            raise
-        except TimeoutError:
-            if self.durable.done():  # (the save's own error, not the wait's)
-                raise
-            # not marked reported: a failure after this wait is still raised at the next call or close()
-            raise NotDurableYetError(
-                f"step {self.step} is not durable after {timeout} s: it is still being written; call wait() again, "
-                "or close() the Checkpointer, which waits for it") from None
-
-
-def _step_number(step) -> int:
-    """``step`` as the integer of its ``step-N``; a CheckpointError for anything else ("-1" or 8.9
-    would be saved where no restart looks, and removed from no level)."""
-    if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
-        raise CheckpointError(f"step must be a non-negative integer, not {step!r}")
-    return int(step)  # a numpy integer would reach the events file and the manifest's meta as itself
-
-
 class Checkpointer:
     """``Checkpointer(root, keep_last=3, host_memory_gb=..., persist_every=1, ...)``; the settings
     are the fields of :class:`CheckpointerConfig`. Use one per training run; ``close`` it (or use
     it as a context manager) so the last checkpoints finish."""
+
+    def __reduce__(self):
+        raise not_sent(self)
 
     def __init__(self, root, **settings):
         self.config = cfg = CheckpointerConfig.of(root, settings)
@@ -165,7 +127,9 @@ class Checkpointer:
         self._failed: list[tuple[Snapshot | None, CheckpointError]] = []
         self._copying_further: set[int] = set()
         self._last_committed: int | None = None  # spared by retention after a further copy too
-        self._lock = threading.Lock()
+        # re-entrant: a signal handler that saves runs on the main thread wherever it is, in a
+        # section under this lock too (an optimizer hook's look at the gates), which deadlocked
+        self._lock = threading.RLock()
         self._saving = threading.RLock()
         self._in_on_commit = threading.local()
         self._pid = os.getpid()  # a forked child has none of this Checkpointer's threads
@@ -211,7 +175,7 @@ class Checkpointer:
             return self._save(step, state)
 
     def _save(self, step: int, state: dict) -> SaveHandle:
-        step = _step_number(step)
+        step = step_number(step)
         self._check_open()
         # An earlier step's failure is reported once this step is taken: raised before it, it left
         # a loop that logs the error and goes on without this step, and without a word about it.
@@ -234,6 +198,20 @@ class Checkpointer:
     def _take(self, step: int, state: dict) -> SaveHandle:
         started = now()
         self._wait_for_slot(step)
+        with handlers_held():  # (a handler that saves runs once this snapshot is queued: signals.py)
+            snap = self._queue(step, state, started)
+        if snap is None:
+            done = Future()
+            done.set_result(None)
+            return SaveHandle(step, done, done)
+        if snap.hot:  # (the stager copies them first)
+            with self.events.timed("wait-unguarded", step):
+                snap.gates[UNGUARDED].wait()
+        self.events.add("save", step, started, now(), snap.nbytes)
+        return SaveHandle(snap.step, snap.staged, snap.durable, snap)
+
+    def _queue(self, step: int, state: dict, started: float) -> Snapshot | None:
+        """Plan the snapshot of ``state`` and hand it to the background stages (None: skipped)."""
         optimizers, wrappers = find_writers(state)
         # optimizers hooked before (found in an earlier state, or given to guard()) write what
         # they own in this state too, and wait for it
@@ -249,10 +227,8 @@ class Checkpointer:
             snap = self._snapshot(int(step), state, optimizers, trust_guards=bool(wrappers) or self._guard.guards_methods())
         if snap is None:
             self._count("skipped")
-            done = Future()
-            done.set_result(None)
             self.events.add("save", step, started, now())
-            return SaveHandle(step, done, done)
+            return None
         with self._lock:
             if self._closing:  # close() began while this save planned: its threads take no more work
                 raise CheckpointError(f"this Checkpointer was closed while step {step} was being saved; "
@@ -264,11 +240,7 @@ class Checkpointer:
             self._flusher.submit(snap)
         if snap.local:
             self._local_flusher.submit(snap)
-        if snap.hot:  # (the stager copies them first)
-            with self.events.timed("wait-unguarded", step):
-                snap.gates[UNGUARDED].wait()
-        self.events.add("save", step, started, now(), snap.nbytes)
-        return SaveHandle(snap.step, snap.staged, snap.durable, snap)
+        return snap
 
     def remove(self, step: int) -> None:
         """Delete step ``step`` from every level, the way retention deletes (a checkpoint leaves
@@ -280,7 +252,7 @@ class Checkpointer:
         run rolled back past weights gone bad): ``load_latest`` must not bring it back from
         memory or a node's disk. For trainers that choose what to keep themselves (Lightning's
         top-k by a metric): give such a Checkpointer a ``keep_last`` no run reaches."""
-        step = _step_number(step)  # ("3" or 2.9 would match no copy in memory, and remove none there)
+        step = step_number(step)  # ("3" or 2.9 would match no copy in memory, and remove none there)
         self._check_open()
         self._refuse_in_on_commit(f"remove({step})", step)
         with self._lock:

@@ -303,13 +303,18 @@ def fill_tensors(flat: Flattened, manifest: Manifest, backend: StorageBackend, p
 
 def _fill_wanted(wanted: list, manifest: Manifest, backend: StorageBackend, path: str, verify: bool,
                  threads: int | None, strict: bool, advance: Callable[[int], None]) -> int:
+    # The bytes go in behind autograd's back: counted as the in-place change they are, so that a
+    # backward through values saved before the load fails loudly and caches keyed on tensor
+    # versions (integrations/lightning.py's) see the change. Before the first byte too: a
+    # Checkpointer's snapshot of these tensors still being copied checks their counters after
+    # each copy and before it commits, and one that looked while the load was writing committed
+    # a mix of both states.
+    targets = [item.local for item in wanted]
+    torch.autograd.graph.increment_version(targets)
     try:
         return _read_into(wanted, manifest, backend, path, verify, threads, strict, advance)
     finally:
-        # The bytes went in behind autograd's back: count them as the in-place change they are,
-        # so a backward through values saved before the load fails loudly and caches keyed on
-        # tensor versions (integrations/lightning.py's) see the change.
-        torch.autograd.graph.increment_version([item.local for item in wanted])
+        torch.autograd.graph.increment_version(targets)
 
 
 def _read_into(wanted: list, manifest: Manifest, backend: StorageBackend, path: str, verify: bool,

@@ -169,7 +169,14 @@ class FlockClaim(RootClaim):
         with _held_lock:
             if _held_here.get(self.path) == self.token:
                 del _held_here[self.path]
-            os.close(self.fd)  # closing drops the flock; the file stays, so no opener races an unlink
+            # Unlocked first: the lock belongs to the open file, which a child forked meanwhile (a
+            # DataLoader's persistent worker) holds too, and closing this descriptor alone left the
+            # root locked against the next Checkpointer until the child exited. The file stays, so
+            # no opener races an unlink.
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self.fd)
 
 
 class LeaseClaim(RootClaim):
