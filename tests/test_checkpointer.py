@@ -939,44 +939,6 @@ def test_the_per_checkpoint_figures_keep_a_window_of_recent_saves(monkeypatch):
     assert len(log._stall_by_step) == len(log._hook_by_step) == len(log._writes_by_step) == 5
 
 
-def test_a_signal_handler_that_saves_and_closes_runs_once_the_interrupted_save_queued(tmp_path):
-    """A preemption handler (SIGTERM, SIGUSR1) runs on the main thread wherever it is, so also in
-    the middle of ``save()``: between counting a snapshot in flight and queueing it, its own
-    ``close()`` waited for ever for a snapshot nothing would finish. Its signal now waits until
-    the interrupted save has queued its snapshot; the handler's save and close then complete."""
-    import signal
-
-    model, optim = make_training()
-    state = {"model": model, "optim": optim}
-    order = []
-    ckpt = ss.Checkpointer(tmp_path, keep_last=5)
-    submit = ckpt._stager.submit
-
-    def submit_with_a_signal(snap):
-        if snap.step == 2:
-            signal.raise_signal(signal.SIGUSR1)  # (delivered here, inside the window)
-        submit(snap)
-        order.append(f"queued {snap.step}")
-
-    def on_usr1(signum, frame):
-        order.append("handler")
-        ckpt.save(3, state).wait()  # the preemption checkpoint
-        ckpt.close()
-
-    previous = signal.signal(signal.SIGUSR1, on_usr1)
-    try:
-        ckpt._stager.submit = submit_with_a_signal
-        train_step(model, optim, 1)
-        ckpt.save(1, state).wait()
-        train_step(model, optim, 2)
-        ckpt.save(2, state)
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
-    assert order == ["queued 1", "queued 2", "handler", "queued 3"]
-    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-1", "step-2", "step-3"]
-    assert signal.getsignal(signal.SIGUSR1) is previous
-
-
 def test_a_child_forked_while_the_root_was_claimed_does_not_keep_it_claimed(tmp_path):
     """The root's lock belongs to the open file, which a child forked meanwhile (a DataLoader's
     persistent worker) holds too: closing the parent's descriptor left the root locked, and the

@@ -314,3 +314,23 @@ def test_optimizer_state_turning_plain_is_saved_as_it_is_at_every_save(tmp_path,
                 (scales_as_values == [0.5] * len(scales_as_values) and scales_as_values and not scales_as_tensors)
             counts = [v for fqn, v in objects.items() if fqn.endswith(".count")]
             assert counts == ([step] * len(counts) if count else []) and (counts or not count)
+
+
+def test_an_optimizer_over_several_modules_is_named_by_the_keys_of_this_save(tmp_path):
+    """Its state is named by the keys the state gives its modules: a key renamed between saves
+    (the same modules) kept the cached names, and the checkpoint named the optimizer's state by a
+    key the state no longer has."""
+    torch.manual_seed(0)
+    enc, dec = nn.Linear(4, 4), nn.Linear(4, 2)
+    enc.gathered = True  # (an attribute of a user's module that the gathering's own must not be taken for)
+    optim = torch.optim.AdamW([*enc.parameters(), *dec.parameters()])
+    dec(enc(torch.randn(2, 4))).sum().backward()
+    optim.step()
+    with ss.Checkpointer(str(tmp_path), keep_last=5) as ckpt:
+        ckpt.save(1, {"enc": enc, "dec": dec, "opt": optim}).wait()
+        ckpt.save(2, {"enc": enc, "dec": dec, "opt": optim}).wait()
+        renamed = {"encoder": enc, "dec": dec, "opt": optim}
+        expected = snapshot_now(renamed)
+        path = ckpt.save(3, renamed).wait()
+    assert_holds(path, expected)
+    assert "opt.state.encoder.weight.exp_avg" in ss.open(path).keys()

@@ -157,18 +157,33 @@ def fresh_dir(path: str) -> str:
     """``path`` as an empty directory of the bench's own: what a previous run left there is
     removed, but a directory the bench did not make is refused, never removed (``--out`` may
     name a folder of the user's, with a ``convert`` folder of theirs in it). What the bench made
-    is known by a hidden mark beside it, which outlives the directory (the mark inside it would
-    be a stray file in the checkpoint roots the suites make there)."""
+    is known by a hidden mark beside it that names the directory's inode (a mark inside it would
+    be a stray file in the checkpoint roots the suites make there; the mark outlives the
+    directory, and a folder the user makes there later has another inode)."""
     path = os.path.normpath(path)
     mark = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.statesnap-bench")
     if os.path.lexists(path):
-        if not (os.path.isdir(path) and not os.path.islink(path) and (os.path.exists(mark) or not os.listdir(path))):
+        if not (os.path.isdir(path) and not os.path.islink(path) and (_marked(mark, path) or not os.listdir(path))):
             raise SystemExit(f"statesnap bench: {path} exists and was not made by statesnap bench, which would "
                              "remove it; pass another --out (or remove it yourself)")
         shutil.rmtree(path)
     os.makedirs(path)
-    open(mark, "w").close()
+    with open(mark, "w") as f:
+        f.write(_inode(path))
     return path
+
+
+def _inode(path: str) -> str:
+    made = os.stat(path)
+    return f"{made.st_dev}:{made.st_ino}"
+
+
+def _marked(mark: str, path: str) -> bool:
+    try:
+        with open(mark) as f:
+            return f.read() == _inode(path)
+    except OSError:
+        return False
 
 
 def machine_description(scratch: str) -> dict:

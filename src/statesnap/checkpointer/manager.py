@@ -40,7 +40,6 @@ from .local import LocalFlusher, Topology, job_directory, peer_buffer_bytes, wit
 from .recovery import LocalRecovery
 from .restore import load_newest
 from .roots import RootClaims
-from .signals import handlers_held
 from .pipeline import UNGUARDED, Flusher, FlushTarget, Snapshot, Stager, as_checkpoint_error
 from .staging import MAX_SEGMENT_BYTES, REGION_ALIGN, Arena, align_up, segment_of
 from .state_cache import StateCache
@@ -78,6 +77,7 @@ class Checkpointer:
         self.loaded_from: str | None = None  # the level the last load_latest restored from
         # the trainer's group: only on the training thread
         self._comm = Comm(cfg.process_group, f"the Checkpointer of {root}", cfg.commit_timeout_s)
+        self._side_comms: list[Comm] = []  # (released at close)
         self._group, flush_comm = self._side_comm(f"committing to {root}")
         self.rank = self._comm.rank
         self._local_group = self._recovery = None
@@ -127,9 +127,7 @@ class Checkpointer:
         self._failed: list[tuple[Snapshot | None, CheckpointError]] = []
         self._copying_further: set[int] = set()
         self._last_committed: int | None = None  # spared by retention after a further copy too
-        # re-entrant: a signal handler that saves runs on the main thread wherever it is, in a
-        # section under this lock too (an optimizer hook's look at the gates), which deadlocked
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._saving = threading.RLock()
         self._in_on_commit = threading.local()
         self._pid = os.getpid()  # a forked child has none of this Checkpointer's threads
@@ -198,8 +196,8 @@ class Checkpointer:
     def _take(self, step: int, state: dict) -> SaveHandle:
         started = now()
         self._wait_for_slot(step)
-        with handlers_held():  # (a handler that saves runs once this snapshot is queued: signals.py)
-            snap = self._queue(step, state, started)
+        self._check_open()  # (closed by another thread meanwhile: no arena is made for nothing)
+        snap = self._queue(step, state, started)
         if snap is None:
             done = Future()
             done.set_result(None)
@@ -378,11 +376,13 @@ class Checkpointer:
                 if group is not None:
                     destroy_group(group)
             # The host memory and the groups go back now, not once this object is collected: a
-            # closed Checkpointer left in scope held on to up to host_memory_gb, and its stages,
-            # which hold its methods (a cycle only the cyclic collector frees), held the groups'
-            # sockets and threads (several ranks making many Checkpointers ran out of descriptors).
+            # closed Checkpointer left in scope held on to up to host_memory_gb, and the Comms of
+            # its stages, which hold its methods (a cycle only the cyclic collector frees), held
+            # the groups' sockets and threads (many Checkpointers on several ranks ran out of
+            # descriptors).
             self._arena = None
-            self._stager = self._flusher = self._local_flusher = self._further_copier = self._recovery = None
+            for comm in self._side_comms:
+                comm.release()
             self._group = self._local_group = self._further_group = None
         self._raise_pending()
 
@@ -449,7 +449,9 @@ class Checkpointer:
         if self._comm.active and self._comm.world_size > 1:
             ranks = None if cfg.process_group is None else dist.get_process_group_ranks(cfg.process_group)
             group = timed_group(ranks, cfg.commit_timeout_s, what, self._comm.rank)
-        return group, Comm(group or cfg.process_group, what, cfg.commit_timeout_s, dedicated=group is not None)
+        comm = Comm(group or cfg.process_group, what, cfg.commit_timeout_s, dedicated=group is not None)
+        self._side_comms.append(comm)
+        return group, comm
 
     # ----------------------------------------------------------------- planning (training thread)
 

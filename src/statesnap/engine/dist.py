@@ -147,6 +147,7 @@ class Comm:
         self._gloo = group if dedicated else None
         self._dedicated = dedicated
         self._timeout_s = timeout_s
+        self._released = False
 
     # ----------------------------------------------------------------- object collectives
 
@@ -232,11 +233,20 @@ class Comm:
         if failed:
             raise RemoteFailure(f"{what} failed on another rank: {failed}")
 
+    def release(self) -> None:
+        """Let go of the group, destroyed by whoever made it: a Comm kept past that (by a closed
+        Checkpointer's stages) held its sockets and threads. Its collectives then fail."""
+        self.group = self._gloo = None
+        self._released = True
+
     # ----------------------------------------------------------------- transport
 
     def _multi(self) -> bool:
         if not self.active or self.world_size == 1:
             return False
+        if self._released:
+            raise CheckpointError(f"{self.what} failed on rank {self.rank}: its group was let go (its Checkpointer "
+                                  "was closed)")
         if not dist.is_initialized():  # (a program's last line, dist.destroy_process_group(), came first)
             raise CheckpointError(f"{self.what} failed on rank {self.rank}: the process groups were destroyed "
                                   "(dist.destroy_process_group()) before it finished; close() the Checkpointer "

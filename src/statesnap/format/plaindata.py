@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import ManifestError
-from .columns import on_a_fresh_stack_if_deep, shape_problem
+from .columns import on_a_fresh_stack_if_deep, shape_problem, shape_text
 from .dtypes import DTYPE_TO_NAME, dtype_from_name, dtype_name, flat_bytes
 
 TAG = "__ss_"
@@ -209,7 +209,8 @@ def _decode_tensor(inner: Any, where: str, expect) -> torch.Tensor:
     shape = inner["shape"]
     expect(isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape), "a shape of sizes is expected")
     problem = shape_problem(shape, dtype.itemsize)  # (an empty one too: [0, 2**62, 2**62] is no tensor)
-    expect(problem is None, f"a shape {shape} {problem}")
+    if problem is not None:
+        raise ValueError(f"{shape_text(shape)} {problem}")
     expect(isinstance(inner["data"], str), "base64 text is expected")
     raw = bytearray(base64.b64decode(inner["data"], validate=True))
     expect(len(raw) == math.prod(shape) * dtype.itemsize, f"{len(raw)} bytes for a {dtype_name(dtype)}{shape}")

@@ -111,6 +111,7 @@ class _Walker:
         self.seen: set[str] = set()
         self.modules: list[nn.Module] = []
         self.named_modules: list[tuple[str, nn.Module]] = []  # (fqn in the state, module)
+        self.context: tuple = ()
         self.state: dict = {}
         # (the items' list, not a closure over the walker: that made a cycle, which kept every item,
         # entry and the manifest of a load alive until the collector next ran)
@@ -130,6 +131,9 @@ class _Walker:
             self.state = state
             self.named_modules = list(_named_in_state(state))
             self.modules = [module for _, module in self.named_modules]
+            # what cached items were built from: the state's modules, under their names (those of
+            # an optimizer whose parameters several modules hold are the keys of the state)
+            self.context = tuple((fqn, id(module)) for fqn, module in self.named_modules)
             self.walk_dict("", state)
         except RecursionError:  # (Python's recursion limit: plain data of hundreds of levels, or a deep caller)
             inside_itself = _cycle_in(state)
@@ -151,7 +155,7 @@ class _Walker:
         """Add the cached items of ``provider`` if its check passes (saves only)."""
         if self.cache is None:
             return False
-        entry = self.cache.lookup(fqn, provider, tuple(map(id, self.modules)))
+        entry = self.cache.lookup(fqn, provider, self.context)
         if entry is None:
             return False
         if not self.seen.isdisjoint(entry.names):
@@ -263,7 +267,7 @@ class _Walker:
             self.out.finalizers.append(lambda: load_module(module, sd))
         elif self.cache is not None:
             self.cache.store_module(fqn, module, self.out.tensors[first_tensor:], self.out.objects[first_object:],
-                                    tuple(map(id, self.modules)))
+                                    self.context)
 
     def declare_replicated(self, walk: Callable[[], None], names: set[str] | None = None) -> None:
         """Run ``walk`` and mark the items it adds (those in ``names``, if given) as declared
@@ -326,8 +330,9 @@ class _Walker:
         if self.for_load:
             self.out.finalizers.append(lambda: load_optimizer_state(model, optim, with_members(sd, held)))
         elif self.cache is not None:
-            self.cache.store_optimizer(fqn, optim, model, sd, self.out.tensors[first_tensor:],
-                                       self.out.objects[first_object:], join, tuple(map(id, self.modules)))
+            owners = model.gathered if isinstance(model, _Container) and model.gathered else (model,)
+            self.cache.store_optimizer(fqn, optim, owners, sd, self.out.tensors[first_tensor:],
+                                       self.out.objects[first_object:], join, self.context)
 
     def _refuse_other_groups(self, fqn: str, optim: torch.optim.Optimizer) -> None:
         """A checkpoint's optimizer of another number of param groups cannot be loaded: PyTorch's

@@ -184,14 +184,14 @@ class ProviderCache:
         self._store(fqn, module, _Entry(module, list(tensors), frozenset(i.fqn for i in tensors), [],
                                         fingerprint, fingerprint()))
 
-    def store_optimizer(self, fqn: str, optim: torch.optim.Optimizer, owner: nn.Module, sd: dict,
+    def store_optimizer(self, fqn: str, optim: torch.optim.Optimizer, owners: tuple[nn.Module, ...], sd: dict,
                         tensors: list[TensorItem], objects: list[ObjectItem], join: Callable[..., str],
                         context: tuple = ()) -> None:
         """Keep an optimizer's items (``sd``: the state dict they were flattened from, keyed by
         parameter name) when its tensors are its live state and its plain values can be read
-        again from the live optimizer. Valid while its owner module's entry is, or, for modules of
-        the state gathered to own it (an encoder and a decoder under their own keys), theirs."""
-        owners = getattr(owner, "gathered", ()) or (owner,)
+        again from the live optimizer. Valid while the entries of ``owners`` are: the module whose
+        parameter names key its state, or the modules of the state gathered to hold them (an
+        encoder and a decoder under their own keys; ``context`` then holds their names)."""
         owner_entries = [self._entries.get((self._owner_fqn(module), id(module))) for module in owners]
         if None in owner_entries:
             return
