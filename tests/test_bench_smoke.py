@@ -6,6 +6,7 @@ compared bit for bit inside the IO suite) and that every figure the docs quote i
 import importlib
 import json
 import math
+import os
 
 import pytest
 
@@ -203,3 +204,27 @@ def test_hf_suite_reports_both_trainers_and_checks_the_last_checkpoint(tmp_path,
     assert set(result["stall_s"]) == set(result["blocked_s"]) == set(result["overhead_s"]) == {"hf", "statesnap"}
     assert "StatesnapTrainer" in capsys.readouterr().out
     assert not (tmp_path / "out" / "hf").exists()
+
+
+def test_bench_scratch_never_takes_a_folder_of_the_users(tmp_path):
+    """``--out DIR``: a suite removed ``DIR/<suite>`` before it ran, the user's folder of that
+    name included. It removes only what it made: a folder made there after a run (its inode
+    may be the old one's) is refused too."""
+    from statesnap.bench.common import fresh_dir, remove_scratch
+
+    mine = tmp_path / "convert"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(SystemExit, match="was not made by statesnap bench"):
+        fresh_dir(str(mine))
+    assert (mine / "notes.txt").read_text() == "keep"
+    made = fresh_dir(str(tmp_path / "io-scratch"))
+    (tmp_path / "io-scratch" / "left.bin").write_bytes(b"x")  # a killed run's leftovers: removed
+    assert fresh_dir(made + "/") == made and os.listdir(made) == []
+    remove_scratch(made)
+    os.mkdir(made)
+    (tmp_path / "io-scratch" / "data.txt").write_text("keep")
+    with pytest.raises(SystemExit):
+        fresh_dir(made)
+    assert (tmp_path / "io-scratch" / "data.txt").read_text() == "keep"
+

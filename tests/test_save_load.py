@@ -1310,3 +1310,18 @@ def test_a_load_moves_its_targets_version_counters_before_it_writes(tmp_path, mo
     ss.load({"model": model}, tmp_path / "c")
     assert seen and all(seen[f"model.{name}"] > version for name, version in before.items())
     assert all(t._version > seen[f"model.{name}"] for name, t in model.state_dict(keep_vars=True).items())
+
+
+class _AttributeDict(dict):
+    """The config idiom: attributes are its items (a missing one is a KeyError, not an AttributeError)."""
+
+    __getattr__ = dict.__getitem__
+    __setattr__ = dict.__setitem__
+
+
+def test_an_attribute_dict_is_saved_as_the_dict_it_is(tmp_path):
+    config = _AttributeDict(lr=0.1, layers=4)
+    ss.save({"cfg": config, "t": torch.ones(2)}, tmp_path / "c")
+    target = {"cfg": _AttributeDict(lr=0.0, layers=0), "t": torch.zeros(2)}
+    ss.load(target, tmp_path / "c")
+    assert target["cfg"] == {"lr": 0.1, "layers": 4}

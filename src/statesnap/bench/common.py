@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import contextlib
 import json
 import math
 import os
@@ -158,10 +159,10 @@ def fresh_dir(path: str) -> str:
     removed, but a directory the bench did not make is refused, never removed (``--out`` may
     name a folder of the user's, with a ``convert`` folder of theirs in it). What the bench made
     is known by a hidden mark beside it that names the directory's inode (a mark inside it would
-    be a stray file in the checkpoint roots the suites make there; the mark outlives the
-    directory, and a folder the user makes there later has another inode)."""
+    be a stray file in the checkpoint roots the suites make there), which goes with the directory
+    (``remove_scratch``): a folder the user made there later could have the same inode."""
     path = os.path.normpath(path)
-    mark = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.statesnap-bench")
+    mark = _mark_of(path)
     if os.path.lexists(path):
         if not (os.path.isdir(path) and not os.path.islink(path) and (_marked(mark, path) or not os.listdir(path))):
             raise SystemExit(f"statesnap bench: {path} exists and was not made by statesnap bench, which would "
@@ -171,6 +172,18 @@ def fresh_dir(path: str) -> str:
     with open(mark, "w") as f:
         f.write(_inode(path))
     return path
+
+
+def remove_scratch(path: str) -> None:
+    """Remove a directory ``fresh_dir`` made, and its mark."""
+    path = os.path.normpath(path)
+    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_mark_of(path))
+
+
+def _mark_of(path: str) -> str:
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.statesnap-bench")
 
 
 def _inode(path: str) -> str:

@@ -28,7 +28,9 @@ import sys
 import threading
 import time
 
-from .common import DEFAULT_OUT, format_table, fresh_dir, median, positive_float, positive_int, publish, tree_bytes
+from .common import (
+    DEFAULT_OUT, format_table, fresh_dir, median, positive_float, positive_int, publish, remove_scratch, tree_bytes,
+)
 
 PARTS = ("deepspeed", "safetensors")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -289,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         if "safetensors" in parts:
             result["safetensors"] = safetensors_part(os.path.join(scratch, "safetensors"), args.gb, args.repeat)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_scratch(scratch)
     publish(result, report(result), args.json)
     return 0
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
 
@@ -27,6 +26,7 @@ import torch
 
 from .common import (
     DEFAULT_OUT, add_output_arguments, format_table, fresh_dir, gbps, median, non_negative_int, positive_int, publish,
+    remove_scratch,
 )
 
 MIB = 1 << 20
@@ -129,7 +129,7 @@ def run(small: int = 256, medium: int = 48, large_mib: int = 512, rounds: int = 
         checkpointer = snapshot_and_restore(state, scratch, rounds)
         load_times = loads(state, scratch, rounds)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_scratch(scratch)
     rows = {"plain pinned copy, device to host": plain["d2h"], "plain pinned copy, host to device": plain["h2d"],
             "snapshot (save -> staged)": median(checkpointer["snapshot"]),
             "restore from memory (load_latest)": median(checkpointer["restore"]),

@@ -12,12 +12,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import time
 
 import torch
 
-from .common import DEFAULT_OUT, DEFAULT_THREADS, fresh_dir, positive_int, publish
+from .common import DEFAULT_OUT, DEFAULT_THREADS, fresh_dir, positive_int, publish, remove_scratch
 from .trainer_runs import add_run_arguments, interleaved, optimizer_wait_s, summarize, table
 
 MODES = ("none", "hf", "statesnap")
@@ -67,7 +66,7 @@ def _run(mode: str, out: str, args) -> dict:
     fit_s = time.perf_counter() - start
     if mode != "none":
         _check_last(trainer, directory, mode)
-    shutil.rmtree(directory, ignore_errors=True)
+    remove_scratch(directory)
     return {"fit_s": fit_s, "steps": clock.steps, "saves": saves, "optimizer_wait_s": optimizer_wait_s(checkpointers)}
 
 
@@ -100,7 +99,7 @@ def run(steps: int = 30, every: int = 5, hidden: int = 384, layers: int = 6, rep
     try:
         runs = interleaved(MODES, lambda mode: _run(mode, scratch, args), repeat)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_scratch(scratch)
     return {"steps": steps, "every": every, "checkpoints": steps // every, "hidden": hidden, "layers": layers,
             "repeat": repeat, "durable": durable, "threads": threads, **summarize(runs)}
 

@@ -38,7 +38,8 @@ from ..storage.aligned import huge_aligned_pages, unmap
 from ..storage.base import DIRECT_ALIGN
 from .common import (
     DEFAULT_OUT, add_output_arguments, drop_page_cache, format_table, fresh_dir, gbps, machine_description, median,
-    non_negative_float, parse_choices, positive_float, positive_int, publish, rotated, settle_disk, timed,
+    non_negative_float, parse_choices, positive_float, positive_int, publish, remove_scratch, rotated, settle_disk,
+    timed,
 )
 
 SYSTEMS = ("raw", "raw_parallel", "raw_direct", "torch", "dcp", "statesnap")
@@ -307,7 +308,7 @@ def run(size_gb: float = 1.0, repeat: int = 3, out: str = DEFAULT_OUT, systems=S
                 path = os.path.join(scratch, f"{system}.ckpt")
                 for op, sec in measure_system(system, state, target, path, rep == 0, settle_s).items():
                     samples[system][op].append(sec)
-    shutil.rmtree(scratch, ignore_errors=True)
+    remove_scratch(scratch)
     if "raw_direct" in systems:
         unmap(_DIRECT_IMAGES.pop(id(state))[0])
     throughput = {s: {op: gbps(nbytes, median(samples[s][op])) for op in OPS} for s in systems}

@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import time
 
 import torch
 
-from .common import DEFAULT_OUT, DEFAULT_THREADS, fresh_dir, positive_int, publish
+from .common import DEFAULT_OUT, DEFAULT_THREADS, fresh_dir, positive_int, publish, remove_scratch
 from .trainer_runs import add_run_arguments, interleaved, optimizer_wait_s, summarize, table
 
 MODES = ("none", "torch", "async", "statesnap")
@@ -85,7 +84,7 @@ def _run(mode: str, out: str, args) -> dict:
     fit_s = time.perf_counter() - start
     if mode != "none":
         _check_last(directory, model, plugins)
-    shutil.rmtree(directory, ignore_errors=True)
+    remove_scratch(directory)
     return {"fit_s": fit_s, "steps": clock.steps, "saves": clock.saves,
             "optimizer_wait_s": optimizer_wait_s(checkpointers)}
 
@@ -114,7 +113,7 @@ def run(steps: int = 40, every: int = 5, width: int = 1024, layers: int = 8, rep
     try:
         runs = interleaved(MODES, lambda mode: _run(mode, scratch, args), repeat)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_scratch(scratch)
     state_mb = 3 * layers * (width * width + width) * 4 / 1e6  # weights and two AdamW moments
     return {"steps": steps, "every": every, "checkpoints": steps // every, "state_mb": state_mb, "repeat": repeat,
             "durable": durable, "threads": threads, **summarize(runs)}

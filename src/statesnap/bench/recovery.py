@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from .common import (
     DEFAULT_OUT, add_output_arguments, format_table, fresh_dir, median, positive_float, positive_int, publish,
+    remove_scratch,
 )
 from .job import run_job
 from .reshard import _barrier_timed, remote_url
@@ -93,7 +94,7 @@ def run(ranks: int = 4, mb_per_rank: float = 64.0, repeat: int = 3, out: str = D
     try:
         per_rank = run_job(ranks, measure, args)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_scratch(scratch)
         shutil.rmtree(os.path.dirname(normalize(local_roots[0])), ignore_errors=True)
     seconds = {source: median(max(t[source][i] for t in per_rank) for i in range(repeat)) for source in SOURCES}
     return {"ranks": ranks, "mb_per_rank": mb_per_rank, "repeat": repeat, "local": local, "local_roots": local_roots,

@@ -38,7 +38,7 @@ from torch import nn
 
 from .common import (
     DEFAULT_OUT, add_output_arguments, drop_page_cache, files_under, format_table, fresh_dir, machine_description,
-    median, parse_choices, positive_int, publish, release_freed_memory, rotated, timed,
+    median, parse_choices, positive_int, publish, release_freed_memory, remove_scratch, rotated, timed,
 )
 
 SYSTEMS = ("torch", "torch_mmap", "dcp", "statesnap", "raw_parallel")
@@ -344,9 +344,7 @@ def run(small: bool = False, rounds: int = 5, out: str = DEFAULT_OUT, states=STA
             for state in states:
                 result["states"][state] = measure_state(state, small, rounds, scratch, systems, modes)
     finally:
-        import shutil
-
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_scratch(scratch)
     return summarize(result)
 
 

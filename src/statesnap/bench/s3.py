@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 
 from .. import load as ss_load
 from .. import save as ss_save
 from .common import (
     add_output_arguments, format_table, fresh_dir, gbps, machine_description, median, non_negative_float,
-    positive_float, positive_int, publish, timed,
+    positive_float, positive_int, publish, remove_scratch, timed,
 )
 from .io import build_state, same_values, tensors_of, zeros_like_state
 from .s3_server import MotoServer, ShapedLink
@@ -85,7 +84,7 @@ def run(size_gb: float, repeat: int, out: str, link_mb_s: float = 0.0) -> dict:
                     raise RuntimeError(f"{system}: the loaded state differs from the saved one")
         if link:
             link.close()
-    shutil.rmtree(scratch, ignore_errors=True)
+    remove_scratch(scratch)
     throughput = {s: {op: gbps(nbytes, median(samples[s][op])) for op in OPS} for s in SYSTEMS}
     return {"suite": "s3", "bytes": nbytes, "link_mb_s": link_mb_s, "tensors": len(tensors_of(state)), "repeat": repeat,
             "machine": machine_description(out), "seconds": samples, "gb_per_s": throughput}

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 import timeit
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 from ..demo import gpt
-from .common import fresh_dir, median, non_negative_int, positive_int, run_child
+from .common import fresh_dir, median, non_negative_int, positive_int, remove_scratch, run_child
 
 STATES = ("gpt", "linear333")
 ISSUE_GPT = gpt.GPTConfig(vocab=8192, d_model=768, n_layer=8, seq_len=128, batch=4)
@@ -119,7 +118,7 @@ def main(argv: list[str]) -> int:
     try:
         result = child(args.child, args.reuse, args.saves, args.warmup, args.threads, args.scratch)
     finally:
-        shutil.rmtree(args.scratch, ignore_errors=True)
+        remove_scratch(args.scratch)
     print(json.dumps(result))
     return 0
 

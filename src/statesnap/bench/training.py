@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 import warnings
@@ -30,7 +29,7 @@ from ..demo import gpt
 from ..monitor.trace import NO_PLOT, can_plot
 from .common import (
     DEFAULT_OUT, DEFAULT_THREADS, add_output_arguments, format_table, fresh_dir, median, non_negative_int,
-    parse_choices, peak_rss_bytes, positive_float, positive_int, publish, run_child,
+    parse_choices, peak_rss_bytes, positive_float, positive_int, publish, remove_scratch, run_child,
 )
 from . import save_call
 from .modes import MODES, make_mode
@@ -91,7 +90,7 @@ def child_main(argv: list[str]) -> int:
             warnings.simplefilter("ignore")  # DCP warns that it runs without a process group: intended
             result = child(args)
     finally:
-        shutil.rmtree(args.scratch, ignore_errors=True)
+        remove_scratch(args.scratch)
     print(json.dumps(result))
     return 0
 

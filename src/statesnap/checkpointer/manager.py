@@ -196,7 +196,7 @@ class Checkpointer:
     def _take(self, step: int, state: dict) -> SaveHandle:
         started = now()
         self._wait_for_slot(step)
-        self._check_open()  # (closed by another thread meanwhile: no arena is made for nothing)
+        self._check_open()  # (closed by another thread meanwhile)
         snap = self._queue(step, state, started)
         if snap is None:
             done = Future()
@@ -464,8 +464,8 @@ class Checkpointer:
         objects, blobs = encode_objects(flat, self.config.allow_pickle)  # every object: memory restores all
         snapshot_bytes = layout.snapshot_bytes
         plan, elsewhere, owned = self._plan_for(metas, shared_names(flat), snapshot_bytes)
-        self._ensure_arena(snapshot_bytes, layout.on_cuda)
-        fits = align_up(snapshot_bytes, REGION_ALIGN) <= self._arena.capacity
+        arena = self._ensure_arena(snapshot_bytes, layout.on_cuda, step)
+        fits = align_up(snapshot_bytes, REGION_ALIGN) <= arena.capacity
         resident = self._fits_everywhere(fits)
         persist = step % self.config.persist_every == 0 and self._reachable(self.persistent, step)
         local = self.local is not None and step % self.config.local_every == 0
@@ -569,19 +569,27 @@ class Checkpointer:
             self._wait_all()
             self._block_bytes = agreed
 
-    def _ensure_arena(self, snapshot_bytes: int, pin: bool) -> None:
+    def _ensure_arena(self, snapshot_bytes: int, pin: bool, step: int) -> Arena:
         """Allocate the arena once. Only a layout that outgrows it makes a new one, after the work
-        in flight. Its segments are whole checksum blocks (of the size the ranks agreed on)."""
+        in flight. Its segments are whole checksum blocks (of the size the ranks agreed on). One
+        made while ``close()`` runs on another thread is dropped, not kept by the closed object."""
         want = self._arena_bytes(snapshot_bytes)
-        if self._arena is None or self._arena.capacity < want:
-            if self._arena is not None:
+        arena = self._arena
+        if arena is None or arena.capacity < want:
+            if arena is not None:
                 self._wait_all()
-                self._arena.evict_all()
+                arena.evict_all()
                 self.memory.clear()
-            self._arena = Arena(want, pin and torch.cuda.is_available())
-        segment = segment_of(self._arena.capacity)
+            arena = Arena(want, pin and torch.cuda.is_available())
+            with self._lock:
+                if self._closing:
+                    raise CheckpointError(f"this Checkpointer was closed while step {step} was being saved; the "
+                                          "step was not saved")
+                self._arena = arena
+        segment = segment_of(arena.capacity)
         # whole blocks; a segment smaller than a block holds every item whole (_agree_on_blocks)
         self._segment_bytes = segment // self._block_bytes * self._block_bytes or segment
+        return arena
 
     # ----------------------------------------------------------------- bookkeeping
 

@@ -49,7 +49,7 @@ class Layout:
     nbytes: int = field(init=False)
 
     def __post_init__(self):
-        by_owner: dict = {}  # optimizer id (None: no optimizer) -> the indices of its items
+        by_owner: dict = {}  # owner (hooks.owners_of; None: no optimizer) -> the indices of its items
         for index, owner in enumerate(self.owners):
             by_owner.setdefault(owner, []).append(index)
         self.unguarded = by_owner.pop(None, [])

@@ -94,6 +94,8 @@ def destroy_group(group) -> None:
     """Destroy a group statesnap made, the side groups made over it, and what it learned of them:
     the identities of a group's ranks held it, and with it its sockets and threads, after it was
     destroyed (a Checkpointer made and closed 200 times on 2 ranks ran out of file descriptors)."""
+    if group is None:  # (the default group is the job's, never statesnap's)
+        return
     for key, (over, side) in list(_SIDE_GROUPS.items()):
         if over is group:
             del _SIDE_GROUPS[key]
@@ -256,6 +258,7 @@ class Comm:
     def transport(self):
         """The gloo group these collectives run on (point-to-point calls may use it too)."""
         if self._gloo is None:
+            self._multi()  # (a released Comm, or destroyed groups: said so, no side group made)
             self._gloo = side_group(self.group, self._timeout_s, self.what)
         known = _IDENTITIES.get(id(self._gloo))
         if known is None or known[0] is not self._gloo:  # who is who, to name a rank that vanishes

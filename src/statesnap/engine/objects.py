@@ -36,7 +36,7 @@ def decode_value(fqn: str, entry: ObjectEntry, allow_pickle: bool, read_blob, wh
         return plaindata.decode(entry.value, fqn, where)
     if not allow_pickle:
         raise UnsafeCheckpointError(
-            f"{fqn} is stored with pickle{f' (by {where})' if where else ''}, which can run arbitrary code when "
+            f"{fqn} is stored with pickle{f' (in {where})' if where else ''}, which can run arbitrary code when "
             "loaded; pass allow_pickle=True only if you trust where this checkpoint came from")
     return pickle.loads(read_blob(fqn, entry.value))
 

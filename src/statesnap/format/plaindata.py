@@ -98,7 +98,8 @@ def encode(value: Any, depth: int = 0) -> Any:
         raw = flat_bytes(value.detach().resolve_conj().resolve_neg().contiguous()).numpy().tobytes()
         return {TAG + "tensor": {"dtype": dtype_name(value.dtype), "shape": list(value.shape),
                                  "data": base64.b64encode(raw).decode("ascii")}}
-    if isinstance(value, torch.Tensor) and inlinable(value.new_empty(0)):
+    if type(value) is torch.Tensor and value.layout == torch.strided and not value.is_nested and value.is_cpu \
+            and value.dtype in DTYPE_TO_NAME:  # (inlinable but for its size)
         raise NotPlainData(f"a tensor of {value.numel() * value.element_size():,} bytes is more than plain data holds "
                            f"inline ({MAX_INLINE_TENSOR_BYTES:,} bytes: a tensor inside ss.PerRank, or in a value "
                            "saved whole)")
@@ -213,6 +214,7 @@ def _decode_tensor(inner: Any, where: str, expect) -> torch.Tensor:
         raise ValueError(f"{shape_text(shape)} {problem}")
     expect(isinstance(inner["data"], str), "base64 text is expected")
     raw = bytearray(base64.b64decode(inner["data"], validate=True))
-    expect(len(raw) == math.prod(shape) * dtype.itemsize, f"{len(raw)} bytes for a {dtype_name(dtype)}{shape}")
+    if len(raw) != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"{len(raw)} bytes for a {dtype_name(dtype)} of shape {shape_text(shape)}")
     flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
     return flat.view(dtype).reshape(shape).clone()

@@ -25,7 +25,7 @@ STALL_PHASES = ("save", "backpressure", "wait-in-hook", "wait-staged")
 BACKGROUND_PHASES = ("copy", "checksum", "write", "fsync", "commit", "further", "arena-wait")
 MAX_FILE_BYTES = 64 << 20
 # The saves whose figures ``summary`` lists one by one (``stall_s_per_checkpoint``): the recent
-# past, as the events file keeps it; the sums cover every event.
+# past; the counts and sums cover every event.
 RECENT_SAVES = 10_000
 log = logging.getLogger("statesnap")
 

@@ -37,7 +37,10 @@ from .wrappers import PerRank, Replicated, Sharded
 
 
 def _is_stateful(value) -> bool:
-    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+    try:
+        return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+    except Exception:  # noqa: BLE001 (an attribute dict, whose __getattr__ is dict.__getitem__: a KeyError)
+        return False
 
 
 class StoredNames:

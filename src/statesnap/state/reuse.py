@@ -159,7 +159,7 @@ class ProviderCache:
 
     def lookup(self, fqn: str, provider, context: tuple = ()) -> _Entry | None:
         """The entry of ``provider`` under ``fqn`` if its check passes now. ``context``: what
-        else the entry was built from (the identities of the state's modules)."""
+        else the entry was built from (the state's modules: their names and identities)."""
         key = (fqn, id(provider))
         self._used.add(key)
         entry = self._entries.get(key)

@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
 import sys
 import time
 
 from ..common import (
     DEFAULT_OUT, add_output_arguments, format_table, fresh_dir, machine_description, parse_choices, publish,
+    remove_scratch,
 )
 from . import damage, kills, owners, ranks, storage
 from .processes import ForkServer
@@ -68,7 +68,7 @@ def run(profile: str = "quick", seed: int = 0, out: str = DEFAULT_OUT, families=
             tallies += MODULES[family].run(server, workdir, rng, **PROFILES[profile][family])
     finally:
         server.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        remove_scratch(workdir)
     return {"profile": profile, "seed": seed, "seconds": round(time.monotonic() - started, 1),
             "machine": machine_description(out), "scenarios": [t.to_json() for t in tallies],
             "unexpected": sum(t.unexpected for t in tallies)}
