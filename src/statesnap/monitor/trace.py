@@ -109,8 +109,8 @@ def can_plot() -> bool:
 def plot_timeline(events: list[dict], path: str) -> None:
     """One row per (rank, thread), one coloured bar per event. The bars of a row's phase are drawn
     together (one call per event made the plot quadratic in the events: minutes for a long run),
-    the phases of longer events first, so that the short ones inside them (a save's stall inside
-    its planning) stay visible."""
+    the phases of longer events first, so that shorter ones inside them (the planning inside a
+    save) are drawn over them, not hidden under them."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
