@@ -490,6 +490,7 @@ class Checkpointer:
             step=step, flat=flat, metas=metas, plan=plan, elsewhere=elsewhere, owned=owned, persist=persist,
             resident=resident, versions=versions, storages=layout.storages(locals_), owners=owners,
             writers=layout.writers, owner_keys=layout.owner_keys, hot=hot, late_checks=layout.late_checks,
+            resolved=layout.resolved,
             plain=layout.plain, nbytes=layout.nbytes,
             objects=objects, blobs=blobs, per_rank=per_rank_names(flat), cuda_ready=cuda_ready,
             object_digests=object_digests(flat, objects) if (persist or local) and self._compares_objects else {},

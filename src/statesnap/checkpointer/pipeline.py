@@ -58,6 +58,7 @@ class Snapshot:
     # optimizer id -> its CPU items, whose version counters are looked at once more (``release``),
     # when the optimizer is about to step or the checkpoint is about to commit
     late_checks: dict
+    resolved: list  # per item: no conjugate or negative bit (``state_cache.Layout``)
     plain: bool  # every item's counter is its ``_version`` (no DTensor or inference tensor)
     nbytes: int  # of all items
     objects: dict  # fqn -> ObjectEntry of every object (the memory level restores all of them)
@@ -321,7 +322,7 @@ class Stager(_Stage):
                 for seg in batch.segments:
                     src = items[seg.item].local
                     if snap.error is None and src.device.type != "cuda":
-                        copy_into(arena.view(base + seg.arena, seg.nbytes), src, seg.offset)
+                        copy_into(arena.view(base + seg.arena, seg.nbytes), src, seg.offset, snap.resolved[seg.item])
             finally:  # the region is released after this returns: no copy may still be writing to it
                 wait_for(on_device)
             if snap.error is not None:

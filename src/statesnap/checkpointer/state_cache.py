@@ -47,6 +47,9 @@ class Layout:
     unguarded_bytes: int = field(init=False)
     writers: frozenset = field(init=False)
     nbytes: int = field(init=False)
+    # per item: no conjugate or negative bit (a lazily conjugated or negated view, whose memory
+    # does not hold its values); a tensor keeps its bits, and a layout its tensors
+    resolved: list = field(init=False)
 
     def __post_init__(self):
         by_owner: dict = {}  # owner (hooks.owners_of; None: no optimizer) -> the indices of its items
@@ -58,6 +61,7 @@ class Layout:
         self.unguarded_bytes = sum(self.metas[index].nbytes for index in self.unguarded)
         self.writers = frozenset(by_owner)
         self.nbytes = sum(meta.nbytes for meta in self.metas)
+        self.resolved = [not (item.local.is_conj() or item.local.is_neg()) for item in self.items]
 
     def versions(self, tensors: list[torch.Tensor]) -> list:
         """Every tensor's version counter now, which the copy compares (``hooks.check_unchanged``)."""
