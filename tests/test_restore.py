@@ -792,3 +792,42 @@ def test_a_dispatching_tensor_subclass_with_memory_of_its_own_is_loaded_into(tmp
     target = torch.Tensor._make_subclass(_Dispatching, torch.zeros(3, 4, dtype=dtype))
     ss.load({"t": target}, tmp_path / "c")
     assert torch.equal(torch.Tensor._make_subclass(torch.Tensor, target), values)
+
+
+class BytesExtraState(nn.Module):
+    """Transformer Engine's pattern: extra state as a uint8 tensor of serialized bytes, empty in a
+    fresh module, of a length that depends on what it holds once trained."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(2))
+        self.meta = b""
+
+    def get_extra_state(self):
+        return torch.frombuffer(bytearray(self.meta), dtype=torch.uint8) if self.meta else torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        self.meta = bytes(state.tolist())
+
+
+def test_extra_state_tensors_of_another_length_are_handed_to_set_extra_state(tmp_path):
+    source = BytesExtraState()
+    source.meta = b"amax=1.5;scale=0.25"
+    ss.save({"model": nn.Sequential(source)}, tmp_path / "c")
+    fresh = BytesExtraState()
+    ss.load({"model": nn.Sequential(fresh)}, tmp_path / "c")
+    assert fresh.meta == source.meta
+    longer = BytesExtraState()
+    longer.meta = b"x" * 100  # (a stored value shorter than the module's goes in whole, too)
+    ss.load({"model": nn.Sequential(longer)}, tmp_path / "c")
+    assert longer.meta == source.meta
+
+    with ss.Checkpointer(tmp_path / "root") as ckpt:
+        ckpt.save(1, {"model": source})
+        restored = BytesExtraState()
+        assert ckpt.load_latest({"model": restored}) == 1  # (from host memory)
+        assert restored.meta == source.meta
+    with ss.Checkpointer(tmp_path / "root") as ckpt:
+        restored = BytesExtraState()
+        assert ckpt.load_latest({"model": restored}) == 1  # (from disk)
+        assert restored.meta == source.meta

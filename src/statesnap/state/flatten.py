@@ -98,6 +98,8 @@ class StoredNames:
         return i < len(self._names) and self._names[i] == name
 
 
+_EXTRA_STATE = "_extra_state"  # (the key ``Module.state_dict`` gives a module's get_extra_state())
+
 _GROUPS_ADVICE = ("Build the optimizer with the param groups it was saved with, or leave it out of the state "
                   "(with partial=True) and start it afresh.")
 
@@ -258,6 +260,8 @@ class _Walker:
             return
         first_tensor, first_object = len(self.out.tensors), len(self.out.objects)
         sd = model_state_dict(module)
+        if self.for_load:
+            self._fit_extra_states(fqn, sd)
         # Buffers are not compared across ranks: unsynchronised BatchNorm statistics differ between
         # DDP, FSDP and TP ranks by design, and one copy is what DDP (which broadcasts rank 0's at
         # the next forward), DCP and torch.save keep. Parameters are compared.
@@ -271,6 +275,18 @@ class _Walker:
         elif self.cache is not None:
             self.cache.store_module(fqn, module, self.out.tensors[first_tensor:], self.out.objects[first_object:],
                                     self.context)
+
+    def _fit_extra_states(self, fqn: str, sd: dict) -> None:
+        """A module's extra state held as a tensor takes the stored shape and dtype: it is handed to
+        ``set_extra_state``, which takes any, as ``load_state_dict`` does. Transformer Engine keeps
+        its FP8 metadata as a uint8 tensor of pickled bytes, empty in a fresh module: a resume
+        into a model just built was refused as a shape mismatch."""
+        for key, value in sd.items():
+            if not (type(value) is torch.Tensor and str(key).rpartition(SEP)[2] == _EXTRA_STATE):
+                continue
+            header = self.stored.header(join(fqn, key)) if self.stored.has_headers else None
+            if header is not None and (tuple(header[0]) != tuple(value.shape) or header[1] != value.dtype):
+                sd[key] = torch.empty(header[0], dtype=header[1], device=value.device)
 
     def declare_replicated(self, walk: Callable[[], None], names: set[str] | None = None) -> None:
         """Run ``walk`` and mark the items it adds (those in ``names``, if given) as declared
