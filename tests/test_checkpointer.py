@@ -282,6 +282,26 @@ def test_unguarded_tensors_over_the_eager_limit_are_checked(tmp_path, monkeypatc
     assert not os.path.exists(tmp_path / "step-2")
 
 
+@pytest.mark.parametrize("then", ["save", "close"])
+def test_a_failure_raised_by_the_durable_future_is_not_raised_again(tmp_path, monkeypatch, then):
+    """``h.durable.result()`` is a public way to learn of a failure, as ``h.wait()`` is: a loop that
+    handled it there must not get it again from the next save or from close."""
+    state = {"frozen": torch.randn(1000)}
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01, eager_copy_mb=0)
+    ckpt.save(1, state).wait()
+    gate = Gate(monkeypatch)
+    handle = ckpt.save(2, state)
+    with pytest.raises(TimeoutError):  # (a wait that timed out saw no failure)
+        handle.durable.result(0.01)
+    state["frozen"].add_(1.0)
+    gate.open()
+    with pytest.raises(ss.ConsistencyError, match="'frozen'"):
+        handle.durable.result()
+    if then == "save":
+        assert ckpt.save(3, state).wait().endswith("step-3")
+    ckpt.close()
+
+
 def test_conjugated_and_negated_views_copied_in_the_background_keep_their_values(tmp_path):
     """A lazily conjugated or negated view's memory holds the values before that: a raw copy of it
     committed them instead, without a word. Each is larger than the arena, so it is copied in

@@ -754,7 +754,7 @@ class Checkpointer:
         """The background failures not reported yet, as one error, which they then count as."""
         with self._lock:
             failing = [(s, s.error) for s in self._inflight if s.error is not None]  # known before it ends
-            failed = [(s, e) for s, e in [*self._failed, *failing] if s is None or not s.reported]
+            failed = [(s, e) for s, e in [*self._failed, *failing] if s is None or not s.was_reported()]
             self._failed.clear()
             for snap, _ in failed:
                 if snap is not None:

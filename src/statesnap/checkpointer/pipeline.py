@@ -36,6 +36,22 @@ log = logging.getLogger("statesnap")
 UNGUARDED = "unguarded"  # the gate of the items no optimizer writes that save() waits for
 
 
+class WatchedFuture(Future):
+    """A Future that remembers whether ``result`` raised its failure: a loop that handled it there
+    must not get it again from the next ``save`` or from ``close``. (``exception`` does not count:
+    the integrations look at it to keep their own books, and leave the raising to the
+    Checkpointer.)"""
+
+    seen = False
+
+    def result(self, timeout=None):
+        try:
+            return super().result(timeout)
+        except BaseException as exc:  # (a wait that timed out is not the failure)
+            self.seen = self.seen or (self.done() and not self.cancelled() and super().exception(0) is exc)
+            raise
+
+
 @dataclass(eq=False)
 class Snapshot:
     """One checkpoint in flight: what ``save()`` recorded and how far the background got."""
@@ -69,8 +85,8 @@ class Snapshot:
     rank: int = 0
     local: bool = False  # also goes to the node-local level (checkpointer/local.py)
     committed: bool = False  # committed on the persistent level
-    staged: Future = field(default_factory=Future)
-    durable: Future = field(default_factory=Future)
+    staged: WatchedFuture = field(default_factory=WatchedFuture)
+    durable: WatchedFuture = field(default_factory=WatchedFuture)
     batches: queue.Queue = field(default_factory=queue.Queue)
     owner_keys: dict = field(default_factory=dict)  # optimizer id -> its owner (hooks.owners_of)
     gates: dict = field(default_factory=dict)  # owner -> Countdown
@@ -85,6 +101,11 @@ class Snapshot:
     hot_queued: bool = False  # the copies of ``hot`` are all queued (the UNGUARDED gate's own count is done)
     _stages_left: int | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def was_reported(self) -> bool:
+        """Whether its failure reached the caller: by ``SaveHandle.wait``, by a later call of the
+        Checkpointer, or through one of its futures."""
+        return self.reported or self.staged.seen or self.durable.seen
 
     def stage_ended(self) -> bool:
         """A writing stage (persistent flush or node-local flush) is done with this snapshot;
