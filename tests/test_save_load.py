@@ -847,6 +847,17 @@ def test_values_in_a_tuple_are_filled_in_place_or_must_be_the_stored_ones(tmp_pa
     assert torch.equal(target["pair"][0].weight, model.weight)
 
 
+@pytest.mark.parametrize("key", ["", "x"])
+def test_a_walked_sequence_under_a_top_level_empty_key_loads(tmp_path, key):
+    """Under the top-level key "" the elements are named "0", "1", ...: the load looked for names
+    under "." and refused every checkpoint of such a state."""
+    weight = nn.Parameter(torch.randn(3))
+    ss.save({key: (weight, 2.5), "rest": 1}, tmp_path / "c")
+    target = {key: (nn.Parameter(torch.zeros(3)), 2.5), "rest": None}
+    ss.load(target, tmp_path / "c")
+    assert torch.equal(target[key][0], weight) and target["rest"] == 1
+
+
 def test_a_tuple_keeps_no_float_that_differs_from_the_stored_one_in_its_bits(tmp_path):
     """Values in a tuple must be the stored ones; floats were compared with ==, so a tuple
     holding 0.0 took a checkpoint storing -0.0 (or another NaN) and kept its own value."""

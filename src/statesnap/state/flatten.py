@@ -238,7 +238,7 @@ class _Walker:
             return _needs_walk(value)
         if isinstance(value, list) and any(isinstance(v, torch.Tensor) and not inlinable(v) for v in value):
             return True
-        return self.stored.has_prefix(fqn + SEP) and not self.stored.holds(fqn)
+        return self.stored.has_prefix(join(fqn, "")) and not self.stored.holds(fqn)  # (under a top-level "": "0")
 
     def tensor(self, fqn: str, value: torch.Tensor) -> None:
         self._claim(fqn)
