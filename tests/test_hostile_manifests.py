@@ -229,6 +229,18 @@ def test_a_packed_value_holding_nan_is_a_manifest_error(ckpt_dir, monkeypatch):
             attempt()
 
 
+def test_a_packed_value_with_bytes_after_its_zlib_stream_is_a_manifest_error(ckpt_dir, monkeypatch):
+    target = _split_checkpoint(ckpt_dir, monkeypatch)
+
+    def append(doc):
+        doc["file_sizes"] = {"zjson": base64.b64encode(zlib.compress(json.dumps(doc["file_sizes"]).encode())
+                                                       + b"junk").decode()}
+    _rewrite(ckpt_dir, append)
+    for attempt in (lambda: ss.open(ckpt_dir), lambda: ss.load(target, ckpt_dir)):
+        with pytest.raises(ManifestError, match="field 'file_sizes' .*4 bytes follow the end of the zlib stream"):
+            attempt()
+
+
 MEMORY_BOUND_LOADER = """
 import resource, sys, torch, statesnap as ss
 resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # far below the manifest's 64 GiB

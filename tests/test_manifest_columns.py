@@ -132,6 +132,17 @@ def test_a_zip_bomb_manifest_is_refused_before_it_inflates(world_size, words):
     assert peak < 32 * len(raw)  # the parsed JSON and little else: nothing was inflated
 
 
+def test_bytes_after_the_end_of_a_packed_columns_zlib_stream_are_refused():
+    """The format says the stream must end where the column does: another reader refused what this
+    one took."""
+    stream = zlib.compress(np.arange(2, dtype="<i8").tobytes())
+    column = {"packed": "i8", "shape": [2], "zlib": True, "data": base64.b64encode(stream).decode()}
+    assert unpack(column, "i8", (2,), "w").tolist() == [0, 1]
+    column["data"] = base64.b64encode(stream + b"GARBAGE").decode()
+    with pytest.raises(ss.ManifestError, match="^w: malformed packed column \\(7 bytes follow the end of the zlib"):
+        unpack(column, "i8", (2,), "w")
+
+
 def test_the_inflation_budget_is_shared_by_all_columns_of_a_manifest():
     budget = InflationBudget(1000)
     assert budget.limit == INFLATE_RATIO * 1000

@@ -169,10 +169,7 @@ def unpack(column: Any, kind: str, shape: tuple, where: str, budget: InflationBu
     try:
         raw = base64.b64decode(column["data"], validate=True)
         if column.get("zlib"):  # never inflate past the promised size: a small manifest is no zip bomb
-            stream = zlib.decompressobj()
-            raw = stream.decompress(raw, min(expected + 1, INT64_MAX))
-            if not stream.eof:
-                raise ValueError("the zlib stream is cut short or inflates past the column's shape")
+            raw = inflated(raw, min(expected + 1, INT64_MAX), "the column's shape")
         if len(raw) != expected:
             raise ValueError(f"{len(raw)} bytes where {expected} belong")
         flat = np.frombuffer(raw, dtype=_DTYPES[kind])
@@ -181,6 +178,19 @@ def unpack(column: Any, kind: str, shape: tuple, where: str, budget: InflationBu
         return flat.astype(np_dtype, copy=False).reshape(shape)
     except (KeyError, ValueError, zlib.error, TypeError) as exc:
         raise ManifestError(f"{where}: malformed packed column ({exc})") from None
+
+
+def inflated(stream, limit: int, bound: str) -> bytes:
+    """A whole zlib stream inflated to at most ``limit`` bytes: a ValueError where it is cut short,
+    inflates past ``limit`` (``bound`` says what sets it), or has bytes after its end, which the
+    format forbids (another reader would refuse what this one took)."""
+    inflater = zlib.decompressobj()
+    data = inflater.decompress(stream, limit)
+    if not inflater.eof:
+        raise ValueError(f"the zlib stream is cut short or inflates past {bound}")
+    if inflater.unused_data:
+        raise ValueError(f"{len(inflater.unused_data)} bytes follow the end of the zlib stream")
+    return data
 
 
 def _plain(column: list, kind: str, shape: tuple, where: str) -> np.ndarray:

@@ -30,7 +30,8 @@ import xxhash
 
 from ..errors import CorruptCheckpointError, ManifestError
 from .boxes import region, tiling_problem
-from .columns import INFLATE_RATIO, INT64_MAX, InflationBudget, integer, parse_json, shape_problem, shape_text
+from .columns import (INFLATE_RATIO, INT64_MAX, InflationBudget, inflated, integer, parse_json, shape_problem,
+                      shape_text)
 from .dtypes import dtype_name, tensor_dtype
 
 CHUNK_PIECES = 32
@@ -61,9 +62,8 @@ def _unblob(raw: bytes, count: int, where: str) -> np.ndarray:
     if expected > INFLATE_RATIO * max(len(raw), 64):
         raise ManifestError(f"{where} claims {count} values, more than its {len(raw)} bytes may inflate to")
     try:
-        inflater = zlib.decompressobj()
-        data = inflater.decompress(stream, expected + 1)
-        if len(data) != expected or not inflater.eof:
+        data = inflated(stream, expected + 1, "the values it claims")
+        if len(data) != expected:
             raise ValueError(f"{len(data)} bytes where {expected} belong")
     except (zlib.error, ValueError) as exc:
         raise ManifestError(f"{where} is malformed ({exc})") from None
@@ -193,10 +193,7 @@ def unpack_json(value, budget: InflationBudget, where: str):
     if not (isinstance(value, dict) and set(value) == {"zjson"}):
         return value
     try:
-        inflater = zlib.decompressobj()
-        data = inflater.decompress(base64.b64decode(value["zjson"], validate=True), budget.left + 1)
-        if not inflater.eof:
-            raise ValueError("the zlib stream is cut short or inflates past the manifest's budget")
+        data = inflated(base64.b64decode(value["zjson"], validate=True), budget.left + 1, "the manifest's budget")
         budget.take(len(data), where)
         return parse_json(data)
     except (ValueError, zlib.error, TypeError, RecursionError) as exc:  # (recursion: absurd nesting)
