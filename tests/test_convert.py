@@ -145,6 +145,22 @@ def test_an_empty_dict_converts_as_ss_save_keeps_it(tmp_path):
     assert "optim.param_groups" in ss.open(tmp_path / "back").keys()
 
 
+def test_a_dcp_export_lists_values_whose_dict_keys_dcp_would_make_strings(tmp_path):
+    """DCP's flattening names the items of every dict it walks (through dicts and lists) by
+    ``str(key)``: ``[{1: "a"}]`` came back ``[{"1": "a"}]``, and ``skipped`` said nothing. A tuple
+    it keeps whole, with what is in it."""
+    state = {"hist": [{1: "a", None: 2.0}], "kept": ({2: 3}, [{4: 5}]), "names": [{"a": 1}], "w": torch.arange(3)}
+    ss.save(state, tmp_path / "ck")
+    info = ss.export(tmp_path / "ck", tmp_path / "dcp", to="dcp")
+    assert info.skipped == ["hist (DCP turns its dict keys that are not strings into strings; "
+                            "export to torch to keep them)"]
+    ss.convert(tmp_path / "dcp", tmp_path / "back")
+    back = ss.open(tmp_path / "back")
+    assert sorted(back.keys()) == ["kept", "names", "w"]
+    assert back.read("kept") == state["kept"] and back.read("names") == state["names"]
+    assert torch.equal(back.read("w"), state["w"])
+
+
 def test_export_skips_per_rank_values(tmp_path):
     ss.save({"w": torch.arange(3), "rng": ss.PerRank({"seed": 3})}, tmp_path / "ck")
     info = ss.export(tmp_path / "ck", tmp_path / "out.pt", to="torch")

@@ -148,9 +148,8 @@ def export(path, dst, to: str = "safetensors", *, spec: Any = None, max_shard_by
             skipped.append(f"{safetensors_io.METADATA} (the name safetensors keeps for its header's metadata; "
                            "rename the tensor with a transform spec to export it)")
         values = {name: v for name, v in values.items() if name not in unnamed}
-    if to in _LOST:
-        lost_value, why = _LOST[to]
-        lost = [name for name, v in values.items() if _holds(v, lost_value)]
+    for loses, why in _LOST.get(to, ()):
+        lost = [name for name, v in values.items() if loses(v)]
         skipped += [f"{name} ({why})" for name in lost]
         values = {name: v for name, v in values.items() if name not in lost}
     single_file = to == "torch" or dst.endswith(safetensors_io.SUFFIX)
@@ -188,8 +187,13 @@ def _refuse_overlap(src: str, dst: str, verb: str) -> None:
 # ({} is lost, [{}, t] comes back as [None, t], or fails). torch.save pickles b"" as a call of
 # ``bytes``, which torch.load(weights_only=True) refuses: one such value anywhere in the file and
 # the whole file no longer loads as the export promises.
-_LOST = {"dcp": (lambda v: isinstance(v, dict) and not v, "DCP drops empty dicts"),
-         "torch": (lambda v: isinstance(v, bytes) and not v, "holds b'', which torch.load(weights_only=True) refuses")}
+# DCP's flattening also walks every dict and list of dicts and names their items by ``str(key)``:
+# ``[{1: "a"}]`` came back ``[{"1": "a"}]`` (it keeps a tuple whole, and what is in it).
+_LOST = {"dcp": ((lambda v: _holds(v, lambda x: isinstance(x, dict) and not x), "DCP drops empty dicts"),
+                 (lambda v: _keys_made_strings(v), "DCP turns its dict keys that are not strings into strings; "
+                                                   "export to torch to keep them")),
+         "torch": ((lambda v: _holds(v, lambda x: isinstance(x, bytes) and not x),
+                    "holds b'', which torch.load(weights_only=True) refuses"),)}
 
 
 def _utf8(name: str) -> bool:
@@ -209,6 +213,14 @@ def _holds(value: Any, lost: Callable[[Any], bool]) -> bool:
     if isinstance(value, dict):
         return any(_holds(v, lost) for v in (*value.keys(), *value.values()))
     return isinstance(value, (list, tuple)) and any(_holds(v, lost) for v in value)
+
+
+def _keys_made_strings(value: Any) -> bool:
+    """Whether DCP's flattening reaches a dict with a key that is not a string in ``value``: it
+    goes down through dicts and lists only."""
+    if isinstance(value, dict):
+        return any(type(key) is not str for key in value) or any(map(_keys_made_strings, value.values()))
+    return isinstance(value, list) and any(map(_keys_made_strings, value))
 
 
 def checkpoint_values(reader: Reader) -> tuple[dict[str, Any], list[str]]:
