@@ -85,7 +85,7 @@ class Snapshot:
     rank: int = 0
     local: bool = False  # also goes to the node-local level (checkpointer/local.py)
     committed: bool = False  # committed on the persistent level
-    staged: WatchedFuture = field(default_factory=WatchedFuture)
+    staged: Future = field(default_factory=Future)
     durable: WatchedFuture = field(default_factory=WatchedFuture)
     batches: queue.Queue = field(default_factory=queue.Queue)
     owner_keys: dict = field(default_factory=dict)  # optimizer id -> its owner (hooks.owners_of)
@@ -104,8 +104,9 @@ class Snapshot:
 
     def was_reported(self) -> bool:
         """Whether its failure reached the caller: by ``SaveHandle.wait``, by a later call of the
-        Checkpointer, or through one of its futures."""
-        return self.reported or self.staged.seen or self.durable.seen
+        Checkpointer, or by ``durable.result()`` (the failure of ``staged``, a copy's, is raised
+        again: the checkpoint's own outcome is ``durable``'s)."""
+        return self.reported or self.durable.seen
 
     def stage_ended(self) -> bool:
         """A writing stage (persistent flush or node-local flush) is done with this snapshot;
