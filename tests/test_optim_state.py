@@ -673,3 +673,101 @@ def test_state_kept_by_position_of_another_parameter_s_shape_is_refused_in_a_fre
     same = torch.optim.Adam([nn.Parameter(torch.zeros(4, 4)), nn.Parameter(torch.zeros(4))], lr=0.1)
     ss.load({"optim": same}, tmp_path / "c")
     assert_same_state(optim, same)
+
+
+# ---- a load replaces a stepped optimizer's state as a whole, as its load_state_dict does ----
+def _unfreezing_run(tmp_path):
+    """Layer 1 frozen at the save, unfrozen and stepped since: the live optimizer holds state for
+    parameters the checkpoint keeps none for (a rollback past the unfreezing)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].requires_grad_(False)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    optim.zero_grad()
+    ss.save({"model": model, "optim": optim}, tmp_path / "c")
+    model[1].requires_grad_(True)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    optim.zero_grad()
+    return model, optim
+
+
+def _state_bytes(optim) -> list:
+    return [(k, v.clone() if isinstance(v, torch.Tensor) else v) for p in optim.param_groups[0]["params"]
+            for k, v in sorted(optim.state.get(p, {}).items())]
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(ka == kb and (torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb)
+                                    for (ka, va), (kb, vb) in zip(a, b))
+
+
+def test_a_rollback_past_new_optimizer_state_loads_the_stored_state_whole(tmp_path):
+    model, optim = _unfreezing_run(tmp_path)
+    ss.load({"model": model, "optim": optim}, tmp_path / "c")
+    fresh_model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fresh = torch.optim.AdamW(fresh_model.parameters(), lr=0.01)
+    ss.load({"model": fresh_model, "optim": fresh}, tmp_path / "c")
+    assert len(optim.state) == len(fresh.state) == 2  # no state for the layer unfrozen since
+    assert _same(_state_bytes(optim), _state_bytes(fresh))
+    for m, o in ((model, optim), (fresh_model, fresh)):  # and both train on alike, bit for bit
+        torch.manual_seed(1)
+        m(torch.randn(2, 4)).sum().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh_model.parameters()))
+    assert _same(_state_bytes(optim), _state_bytes(fresh))
+
+
+def test_a_checkpoint_saved_before_the_first_step_empties_a_stepped_optimizer(tmp_path):
+    model = nn.Linear(4, 4)
+    optim = torch.optim.Adam(model.parameters())
+    ss.save({"model": model, "optim": optim}, tmp_path / "c")
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    ss.load({"model": model, "optim": optim}, tmp_path / "c")
+    assert not optim.state
+
+
+def test_a_failed_load_gives_the_replaced_optimizer_state_back(tmp_path):
+    model, optim = _unfreezing_run(tmp_path)
+    before = _state_bytes(optim)
+    held = [optim.state[p] for p in model.parameters()]
+    data = next(f for f in (tmp_path / "c").iterdir() if f.suffix != ".json")
+    data.write_bytes(bytes(b ^ 0xFF for b in data.read_bytes()))  # (every tensor damaged)
+    with pytest.raises(ss.CorruptCheckpointError):
+        ss.load({"model": model, "optim": optim}, tmp_path / "c")
+    assert _same(_state_bytes(optim), before) and [optim.state[p] for p in model.parameters()] == held
+
+
+def test_a_load_that_holds_no_optimizer_leaves_its_state(tmp_path):
+    model, optim = _unfreezing_run(tmp_path)
+    ss.save({"model": model}, tmp_path / "weights")
+    before = _state_bytes(optim)
+    ss.load({"model": model, "optim": optim}, tmp_path / "weights", strict=False)
+    assert _same(_state_bytes(optim), before)
+
+
+def test_load_latest_rolls_back_past_new_optimizer_state_from_memory_and_disk(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].requires_grad_(False)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    state = {"model": model, "optim": optim}
+    with ss.Checkpointer(tmp_path / "root") as ckpt:
+        ckpt.save(1, state).wait()
+        stored = _state_bytes(optim)
+        model[1].requires_grad_(True)
+        model(torch.randn(2, 4)).sum().backward()
+        optim.step()
+        assert len(optim.state) == 4
+        assert ckpt.load_latest(state) == 1 and ckpt.loaded_from == "memory"
+        assert len(optim.state) == 2 and _same(_state_bytes(optim), stored)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    with ss.Checkpointer(tmp_path / "root") as ckpt:
+        assert ckpt.load_latest(state) == 1 and ckpt.loaded_from == "persistent"
+        assert len(optim.state) == 2 and _same(_state_bytes(optim), stored)

@@ -30,6 +30,7 @@ from ..errors import CheckpointError
 from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import MANIFEST_NAME
 from ..state.flatten import StoredNames, flatten_for_load, same_bits
+from ..state.optim_state import restore_emptied
 from ..storage.base import StorageBackend
 from ..storage.local import RETIRED_MARK, LocalBackend
 from ..storage.lock import ClaimedBackend, claim_root, held_root_above, held_root_within
@@ -271,10 +272,10 @@ def _refuse_mismatch(flat, snap, cast: bool, top: list[str]) -> None:
         raise mismatch_error(_memory_of(snap), missing, unexpected, mismatched, precision_only, top, False)
 
 
-def leave_fresh(optimizers: list[torch.optim.Optimizer]) -> None:
-    """Empty the state made for a snapshot in memory in optimizers that were fresh."""
-    for optim in optimizers:
-        optim.state.clear()
+def leave_fresh(optimizers: list[tuple]) -> None:
+    """Give the optimizers whose state was made for a snapshot in memory the state they had
+    before (none, for fresh ones): ``(optimizer, its state before)``."""
+    restore_emptied(optimizers)
     optimizers.clear()
 
 

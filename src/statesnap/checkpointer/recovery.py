@@ -27,6 +27,7 @@ from ..errors import CheckpointError, described
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..plan import plan_target
 from ..state.flatten import StoredNames, flatten_for_load
+from ..state.optim_state import restore_emptied
 from . import local as streams  # the stream constants, read where they live: one value for both ends
 from .arrivals import Arrivals
 from .levels import StorageLevel
@@ -98,7 +99,7 @@ def files_needed(manifest: Manifest, state: dict) -> set[str]:
     does not match: the load then reports the mismatch itself). The state is left as it was: a
     fresh optimizer's state, which flattening makes, is taken away again (the load makes its
     own, and clears it if the load fails; one made here would outlive a failed load, zeroed)."""
-    fresh: list[torch.optim.Optimizer] = []
+    fresh: list[tuple] = []
     try:
         flat = flatten_for_load(state, StoredNames.of_manifest(manifest), fresh=fresh)
         needed = set()
@@ -117,8 +118,7 @@ def files_needed(manifest: Manifest, state: dict) -> set[str]:
     except Exception:  # noqa: BLE001
         return set(manifest.files)
     finally:
-        for optim in fresh:
-            optim.state.clear()
+        restore_emptied(fresh)
 
 
 class LocalRecovery:

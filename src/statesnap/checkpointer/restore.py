@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import warnings
 
-import torch
 
 from ..engine.dist import Comm
 from ..engine.load import load_step
@@ -45,7 +44,7 @@ def load_newest(state: dict, cast: bool, comm: Comm, memory: MemoryLevel, arena:
     # again unless that snapshot is what restores them (the ranks chose another step, the
     # snapshot went, its restore failed), as a load from storage that fails leaves them.
     # Else a restart that found nothing else to load went on with state made of zeros.
-    made: list[torch.optim.Optimizer] = []
+    made: list[tuple] = []
     try:
         flat = matching_target(snap, state, made, cast) if snap is not None else None
     except Exception as exc:  # noqa: BLE001 (a state no load can fill: raised on every rank below)

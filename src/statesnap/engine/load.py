@@ -24,6 +24,7 @@ from ..plan.load_plan import TargetPlan, piece_offsets, plan_target
 from ..progress import bar, wanted as wanted_bar
 from ..state.flatten import StoredNames, flatten_for_load
 from ..state.items import Flattened
+from ..state.optim_state import restore_emptied
 from ..storage import LocalBackend, backend_for, normalize, path_text
 from ..storage.base import StorageBackend
 from .buffers import borrowed_byte_view, host_contiguous, memory_in_order
@@ -561,7 +562,7 @@ class Loading:
         self.strict, self.verify, self.allow_pickle, self.threads, self.progress = (
             strict, verify, allow_pickle, threads, progress)
         self.created: list[torch.Tensor] = []  # a fresh optimizer's state, created unfilled (state/flatten.py)
-        self.fresh: list[torch.optim.Optimizer] = []  # the optimizers without state before the load
+        self.fresh: list[tuple] = []  # (optimizer, its state before) of those the load gives state
         self.nbytes, self._error = 0, None
         self.missing: list[str] = []  # what strict=False leaves as it was (LoadInfo)
         self.mismatched: list[str] = []
@@ -685,8 +686,7 @@ class Loading:
         itself, and of a caller's work between its steps (a node-local restore whose file
         transfers failed once the load had made the state, recovery.py)."""
         zero_unfilled(self.created)  # (also for tensors a caller still holds: zero, not garbage)
-        for optim in self.fresh:
-            optim.state.clear()
+        restore_emptied(self.fresh)
 
     @contextlib.contextmanager
     def _reset_on_failure(self):

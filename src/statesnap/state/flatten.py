@@ -29,7 +29,7 @@ from .items import SEP, Flattened, ObjectItem, TensorItem, join, refuse_unwritab
 from .module_state import load_module, model_state_dict, tie_origins
 from .optim_state import (
     create_adam_state, create_state_from_checkpoint, group_members, load_optimizer_state, positional_holder,
-    state_dict_by_a_step, state_dict_without_step, with_members,
+    state_dict_by_a_step, state_dict_without_step, stored_state_differs, with_members,
 )
 from .placement import dtensor_box, has_replicate, is_dtensor
 from .reuse import ProviderCache
@@ -111,7 +111,7 @@ class _Walker:
         self.cache = cache  # saves only: items of modules and optimizers kept from the last save
         self.stored = stored or StoredNames([])  # loads: what the checkpoint holds
         self.created = created  # where a fresh optimizer's state goes when it is created unfilled
-        self.fresh = fresh  # loads: where the optimizers without state go (a failed load clears them again)
+        self.fresh = fresh  # loads: (optimizer, its state before) of those it empties or finds empty (restore_emptied)
         self.out = Flattened([], [], [])
         self.seen: set[str] = set()
         self.modules: list[nn.Module] = []
@@ -311,8 +311,9 @@ class _Walker:
             return
         if self.for_load:
             self._refuse_other_groups(fqn, optim)
-        if self.fresh is not None and not optim.state:
-            self.fresh.append(optim)
+        stepped = bool(optim.state)  # (state this load makes below is the checkpoint's kind, or refused)
+        if self.fresh is not None and not stepped:
+            self.fresh.append((optim, {}))
         model = self._owner_of(optim)
         if model is not None and self.for_load and self._saved_by_position(fqn, model):
             model = None  # saved by position, as statesnap did before it named such optimizers' state
@@ -325,6 +326,8 @@ class _Walker:
                 if fresh and not optim.state:  # a kind whose state only its step makes
                     state_dict_by_a_step(positional_holder(optim), optim, fqn)
                 sd = optim.state_dict()
+            if stepped and self._replaces_state(fqn, optim, sd):
+                return self.optimizer(fqn, optim)
             self._refuse_regrouped(fqn, sd)
             held = group_members(sd)
             first_object = len(self.out.objects)
@@ -341,6 +344,8 @@ class _Walker:
                 sd = state_dict_by_a_step(model, optim, fqn)
             else:
                 sd = state_dict_without_step(model, optim)
+        if stepped and self._replaces_state(fqn, optim, sd):
+            return self.optimizer(fqn, optim)
         self._refuse_regrouped(fqn, sd)
         held = group_members(sd)
         first_tensor, first_object = len(self.out.tensors), len(self.out.objects)
@@ -352,6 +357,20 @@ class _Walker:
             owners = model.gathered if isinstance(model, _Container) and model.gathered else (model,)
             self.cache.store_optimizer(fqn, optim, owners, sd, self.out.tensors[first_tensor:],
                                        self.out.objects[first_object:], join, self.context)
+
+    def _replaces_state(self, fqn: str, optim: torch.optim.Optimizer, sd: dict) -> bool:
+        """A load replaces an optimizer's state as a whole, as its ``load_state_dict`` does: where
+        the checkpoint keeps other state for its parameters than it holds (``stored_state_differs``:
+        a run rolled back past a layer's unfreezing), its state is set aside and it is loaded as a
+        fresh one, from the checkpoint's names; the state goes back if the load fails. Not where
+        the checkpoint holds nothing of it (a load of the model alone, ``strict=False``)."""
+        if not (self.for_load and self.fresh is not None
+                and self.stored.has_prefix(join(fqn, "")) and stored_state_differs(sd, join(fqn, "state") + SEP,
+                                                                                   self.stored)):
+            return False
+        self.fresh.append((optim, dict(optim.state)))
+        optim.state.clear()
+        return True
 
     def _refuse_other_groups(self, fqn: str, optim: torch.optim.Optimizer) -> None:
         """A checkpoint's optimizer of another number of param groups cannot be loaded: PyTorch's
@@ -763,5 +782,6 @@ def flatten_for_load(state: dict, stored: StoredNames, created: list[torch.Tenso
                      fresh: list[torch.optim.Optimizer] | None = None) -> Flattened:
     """``created``: a list that takes the tensors of fresh optimizer state created unfilled
     (``torch.empty``); the caller must fill or zero each. Without it they are zeroed.
-    ``fresh``: a list that takes the optimizers that had no state, as they are met."""
+    ``fresh``: a list that takes ``(optimizer, its state before)`` of the optimizers that had no
+    state, or whose state the load replaces, as they are met (``restore_emptied`` puts it back)."""
     return _Walker(for_load=True, stored=stored, created=created, fresh=fresh).run(state)

@@ -233,6 +233,34 @@ def _keeps_state_of_other_shapes(optim: torch.optim.Optimizer) -> bool:
                if cls.__module__.startswith("torch.optim"))
 
 
+def stored_state_differs(sd: dict, prefix: str, stored) -> bool:
+    """Whether the checkpoint keeps other state for the optimizer's parameters than ``sd`` (its
+    state dict as the load names it) holds: other keys for some parameter (state made since the
+    save, as for a layer unfrozen or an expert first reached since; none at all where the save
+    came before the first step), or a tensor where the other holds a plain value (LBFGS's
+    ``H_diag``). ``prefix``: the names of its state in the checkpoint (``<optimizer>.state.``).
+    Only its own parameters count: a pipeline stage's optimizer holds a part of what rank 0's
+    checkpoint keeps."""
+    state = sd.get("state", {})
+    for param in (p for group in sd.get("param_groups", ()) for p in group.get("params", ())):
+        where, held = f"{prefix}{param}{SEP}", state.get(param, {})
+        if {key.split(SEP, 1)[0] for key in stored.keys_under(where)} != {str(key) for key in held}:
+            return True
+        if any(isinstance(value, torch.Tensor) != (stored.header(f"{where}{key}") is not None)
+               for key, value in held.items()):
+            return True
+    return False
+
+
+def restore_emptied(emptied: list) -> None:
+    """Give each optimizer that a load emptied, as ``(optimizer, its state before)``, that state
+    back (none, for one that was fresh): a load that fails, or loads another step, leaves it as
+    it found it. Undone in reverse order: one set aside is then met again as fresh."""
+    for optim, before in reversed(emptied):
+        optim.state.clear()
+        optim.state.update(before)
+
+
 def create_state_from_checkpoint(optim: torch.optim.Optimizer, state_dict: Callable[[], dict], prefix: str,
                                  stored, created: list[torch.Tensor] | None = None,
                                  by_position: bool = False) -> dict | None:
