@@ -676,9 +676,8 @@ def test_state_kept_by_position_of_another_parameter_s_shape_is_refused_in_a_fre
 
 
 # ---- a load replaces a stepped optimizer's state as a whole, as its load_state_dict does ----
-def _unfreezing_run(tmp_path):
-    """Layer 1 frozen at the save, unfrozen and stepped since: the live optimizer holds state for
-    parameters the checkpoint keeps none for (a rollback past the unfreezing)."""
+def _frozen_then_stepped():
+    """Layer 1 frozen: a step gives state to layer 0's parameters only."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     model[1].requires_grad_(False)
@@ -686,6 +685,13 @@ def _unfreezing_run(tmp_path):
     model(torch.randn(2, 4)).sum().backward()
     optim.step()
     optim.zero_grad()
+    return model, optim
+
+
+def _unfreezing_run(tmp_path):
+    """Layer 1 frozen at the save, unfrozen and stepped since: the live optimizer holds state for
+    parameters the checkpoint keeps none for (a rollback past the unfreezing)."""
+    model, optim = _frozen_then_stepped()
     ss.save({"model": model, "optim": optim}, tmp_path / "c")
     model[1].requires_grad_(True)
     model(torch.randn(2, 4)).sum().backward()
@@ -750,12 +756,7 @@ def test_a_load_that_holds_no_optimizer_leaves_its_state(tmp_path):
 
 
 def test_load_latest_rolls_back_past_new_optimizer_state_from_memory_and_disk(tmp_path):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    model[1].requires_grad_(False)
-    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
-    model(torch.randn(2, 4)).sum().backward()
-    optim.step()
+    model, optim = _frozen_then_stepped()
     state = {"model": model, "optim": optim}
     with ss.Checkpointer(tmp_path / "root") as ckpt:
         ckpt.save(1, state).wait()
