@@ -17,6 +17,7 @@ from statesnap.checkpointer import hooks, pipeline
 from statesnap.monitor import trace
 from statesnap.state.flatten import flatten_for_save
 from statesnap.storage.local import LocalBackend, _LocalWriter
+from statesnap.storage.lock import RootBusyError
 
 
 # ----------------------------------------------------------------------------- helpers (also used by
@@ -545,6 +546,11 @@ def test_a_forked_child_is_told_the_checkpointer_is_the_parents(tmp_path, monkey
             except BaseException:  # noqa: BLE001
                 code = 5
             ckpt.close()
+            try:  # a Checkpointer of its own on the root: the parent's, not one "in this process"
+                ss.Checkpointer(tmp_path, events=False)
+                code = code or 6
+            except RootBusyError as exc:
+                code = code or (0 if f"pid {os.getppid()}" in str(exc) and "in this process" not in str(exc) else 7)
             os._exit(code)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0

@@ -46,6 +46,17 @@ TAKE_OVER_HINT = ("If that job is gone (its node died) and the claim has not exp
 
 _held_here: dict[str, str] = {}  # lock path -> token of the claim this process holds on it
 _held_lock = threading.Lock()
+
+
+def _forget_claims_in_child() -> None:
+    """A forked child holds none of its parent's claims: a Checkpointer it makes on the parent's
+    root was told the root is used "in this process", and the lock may have been copied held."""
+    global _held_lock
+    _held_lock = threading.Lock()
+    _held_here.clear()
+
+
+os.register_at_fork(after_in_child=_forget_claims_in_child)
 log = logging.getLogger("statesnap")
 
 
