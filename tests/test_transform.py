@@ -2,6 +2,7 @@
 built independently with plain torch, round trips between each op and its inverse, the worked
 Megatron cases (GQA QKV and SwiGLU gate|up under TP=2), laziness, and the strictness rules."""
 import logging
+import re
 
 import pytest
 import torch
@@ -280,6 +281,14 @@ def test_malformed_ops_are_refused_before_any_value_is_read():
                {"fuse": TP_REPLICA, "to": "x", "cat": 0, "widths": []}):
         with pytest.raises(TransformError, match="op #0"):
             load_spec({"ops": [op]})
+
+
+@pytest.mark.parametrize("op, words", [({"vocab": "e", "size": 0}, 'vocab\'s "size" must be a positive count, not 0'),
+                                       ({"vocab": "e", "multiple": -8}, '"multiple" must be a positive count, not -8'),
+                                       ({"vocab": "e"}, "vocab needs exactly one of")])
+def test_a_vocab_op_says_which_value_is_wrong(op, words):
+    with pytest.raises(TransformError, match=re.escape(words)):
+        load_spec({"ops": [op]})
 
 
 def test_templates_that_do_not_fit_their_pattern_are_errors_naming_the_value():

@@ -182,8 +182,11 @@ def _check_split(op: dict, pattern: re.Pattern) -> str | None:
 
 
 def _check_vocab(op: dict, pattern: re.Pattern) -> str | None:
-    if sum(k in op for k in ("size", "multiple")) != 1 or not _count(op.get("size", op.get("multiple"))):
+    if sum(k in op for k in ("size", "multiple")) != 1:
         return 'vocab needs exactly one of "size": N (strip rows to N) or "multiple": M (pad rows to a multiple of M)'
+    key = "size" if "size" in op else "multiple"
+    if not _count(op[key]):
+        return f'vocab\'s "{key}" must be a positive count, not {_shown(op[key])}'
     if "padded" in op and ("size" not in op or not _count(op["padded"]) or op["padded"] < op["size"]):
         return '"padded": P (the rows the tensor must have before stripping) goes with "size": N <= P'
     return None
