@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import statesnap as ss
 from statesnap.checkpointer import hooks, pipeline
-from test_checkpointer import assert_checkpoint_equals, make_training, reference
+from test_checkpointer import Gate, assert_checkpoint_equals, make_training, reference
 
 
 class CopiesWaitForAWaiter:
@@ -598,3 +598,55 @@ def test_a_step_of_no_module_is_hooked_as_another_library_s(tmp_path, monkeypatc
     gate.open()
     ckpt.close()
     assert_checkpoint_equals(handle.wait(), ref)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_an_optimizer_left_out_of_the_state_waits_for_the_copies_it_would_overwrite(tmp_path, monkeypatch, fused):
+    """A weights-only Checkpointer: the optimizer is not in the state, and a fused step moves no
+    version counter, so neither save() nor the check after the copy saw it change the weights:
+    the checkpoints held values of after save(), silently. Every torch optimizer's step now waits
+    where it would write what a snapshot in flight still copies."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    optim = torch.optim.Adam(model.parameters(), lr=0.1, fused=fused, foreach=None if fused else True)
+    other = torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1)  # writes nothing the snapshot holds
+    state = {"model": model}
+    with ss.Checkpointer(tmp_path, host_memory_gb=0.01, eager_copy_mb=0) as ckpt:
+        for step in (1, 2, 3):
+            model(torch.randn(2, 64)).sum().backward()
+            ref = reference(state)
+            gate = Gate(monkeypatch)
+            opener = threading.Timer(0.3, gate.open)  # (save() itself may wait for weights that changed)
+            opener.start()
+            handle = ckpt.save(step, state)
+            other.step()  # (writes nothing the snapshot holds)
+            optim.step()
+            optim.zero_grad()
+            opener.join()
+            assert_checkpoint_equals(handle.wait(), ref)
+
+
+@pytest.mark.parametrize("write", ["in_place", "data"])
+def test_a_step_pre_hook_of_the_users_registered_first_runs_after_the_wait(tmp_path, monkeypatch, write):
+    """PyTorch runs an optimizer's own pre-hooks in the order they were registered: a hook of the
+    user's registered before the first save (a constraint on the weights) ran before statesnap's
+    wait, and its writes went into the checkpoint (through ``.data``) or failed it (in place)."""
+    model, optim = make_training()
+    scale = (lambda p: p.mul_(0.5)) if write == "in_place" else (lambda p: p.data.mul_(0.5))
+
+    def constrain(opt, args, kwargs):
+        with torch.no_grad():
+            for p in model.parameters():
+                scale(p)
+    optim.register_step_pre_hook(constrain)
+    state = {"model": model, "optim": optim}
+    with ss.Checkpointer(tmp_path, host_memory_gb=0.01, eager_copy_mb=0) as ckpt:
+        for step in (1, 2):
+            model(torch.randn(2, 32)).sum().backward()
+            ref = reference(state)
+            gate = Gate(monkeypatch)
+            handle = ckpt.save(step, state)
+            threading.Timer(0.3, gate.open).start()
+            optim.step()
+            optim.zero_grad()
+            assert_checkpoint_equals(handle.wait(), ref)

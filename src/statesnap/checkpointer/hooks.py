@@ -5,10 +5,19 @@ they do. The first thing that writes is the optimizer step, and three kinds of w
 back until the copies they could overwrite are done:
 
 - each ``torch.optim.Optimizer`` in the state, or inside a wrapper there (its ``.optimizer``),
-  gets a pre-step hook that waits until the tensors *that* optimizer changes (its parameters and
-  its state) are copied, and no longer. A subclass that never ran ``Optimizer.__init__`` takes
+  waits before its step until the tensors *that* optimizer changes (its parameters and its
+  state) are copied, and no longer. A subclass that never ran ``Optimizer.__init__`` takes
   no hooks (accelerate's ``AcceleratedOptimizer`` wraps a torch optimizer that way): it is
-  guarded like the wrappers below, and the torch optimizer in its ``.optimizer`` gets the hook;
+  guarded like the wrappers below, and the torch optimizer in its ``.optimizer`` waits;
+- any other torch optimizer (one left out of the state: a weights-only Checkpointer) waits
+  before its step until every snapshot in flight is copied, where it would write a tensor one
+  of them still copies. Its writes cannot be left to the version check: the fused kernels
+  (``fused=True``) move no version counter.
+
+  Both wait in one global step pre-hook, installed once: PyTorch runs the global hooks before
+  each optimizer's own, so a hook of the user's that changes the parameters (a constraint, a
+  projection) runs after the wait, not before it. (Global hooks registered before the first
+  Checkpointer still run first.)
 - an optimizer-like wrapper that is no torch optimizer (DeepSpeed's, Megatron's, apex's: a
   callable ``step`` and ``param_groups`` or an inner ``.optimizer``) has its ``step`` wrapped
   (on its class, for that instance). Such wrappers write tensors that are not in their
@@ -35,6 +44,7 @@ import weakref
 from typing import Callable, Iterable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import CheckpointError, ConsistencyError
 from ..monitor.events import now
@@ -77,7 +87,9 @@ class Countdown:
         return self._done.wait(timeout)
 
 
-def _storage_ptr(t: torch.Tensor) -> int:
+def storage_base(t: torch.Tensor) -> int:
+    """Where the whole storage under a tensor (its local shard's, for a DTensor) begins: views of one
+    storage, at any offset, share it."""
     if is_dtensor(t):
         t = t.to_local()
     return t.untyped_storage().data_ptr()
@@ -88,10 +100,10 @@ def optimizer_storages(optim: torch.optim.Optimizer) -> set[int]:
     ptrs = set()
     for group in optim.param_groups:
         for p in group["params"]:
-            ptrs.add(_storage_ptr(p))
+            ptrs.add(storage_base(p))
             for value in optim.state.get(p, {}).values():
                 if isinstance(value, torch.Tensor):
-                    ptrs.add(_storage_ptr(value))
+                    ptrs.add(storage_base(value))
     return ptrs
 
 
@@ -177,7 +189,7 @@ def owners_of(tensors: Iterable[torch.Tensor], optimizers: list[torch.optim.Opti
             if first != mine:
                 joined[mine] = first
     owner_keys = {key: owner(key) for key in joined}
-    return [owner_keys.get(first_by_ptr.get(_storage_ptr(t))) for t in tensors], owner_keys
+    return [owner_keys.get(first_by_ptr.get(storage_base(t))) for t in tensors], owner_keys
 
 
 def version_of(t: torch.Tensor) -> int | None:
@@ -279,6 +291,30 @@ _patches: dict[tuple[type, str], _ClassPatch] = {}  # methods replaced now, over
 _patches_lock = threading.Lock()
 
 
+_guards: weakref.WeakSet = weakref.WeakSet()  # every open Checkpointer's StepGuard
+_install_lock = threading.Lock()
+_installed = False
+
+
+def _install_global_hook() -> None:
+    global _installed
+    with _install_lock:
+        if not _installed:
+            register_optimizer_step_pre_hook(_before_any_step)
+            _installed = True
+
+
+@torch.compiler.disable  # (it waits on threads: nothing a graph holds)
+def _before_any_step(optim: torch.optim.Optimizer, args, kwargs):
+    """Every torch optimizer's step, before it: each open Checkpointer holds it back as it must."""
+    changed = False
+    for guard in list(_guards):
+        result = guard.before_step(optim, args, kwargs)
+        if result is not None:
+            (args, kwargs), changed = result, True
+    return (args, kwargs) if changed else None
+
+
 class StepGuard:
     """Holds writers back until the in-flight snapshots' copies are done: one pre-step hook per
     torch optimizer, and guarded methods (optimizer-like wrappers' ``step``, ``Checkpointer.guard``).
@@ -289,24 +325,28 @@ class StepGuard:
     """
 
     def __init__(self, gates_for: Callable[[int | None], list], on_wait: Callable[[int, float, float], None],
-                 released: Callable[[int | None], None] = lambda optimizer_id: None):
+                 released: Callable[[int | None], None] = lambda optimizer_id: None,
+                 copying: Callable[[set[int]], bool] = lambda storages: False):
         self._gates_for = gates_for
         self._on_wait = on_wait
         self._pid = os.getpid()
         self._released = released  # (optimizer id, or None: a guarded method) after its wait
-        self._handles: dict[int, tuple[weakref.ref, object]] = {}
+        self._copying = copying  # whether a snapshot in flight still copies a tensor of these storages
+        self._watched: dict[int, weakref.ref] = {}
+        self._others: dict[int, tuple[weakref.ref, tuple, set[int]]] = {}  # optimizers outside the state
         self._guarded: dict[tuple[int, str], tuple[weakref.ref, _ClassPatch]] = {}
+        _install_global_hook()
+        _guards.add(self)
 
     def watch(self, optimizers: Iterable[torch.optim.Optimizer], wrappers: Iterable = ()) -> None:
         unhooked = []
         for optim in optimizers:
-            known = self._handles.get(id(optim))
-            if known is None or known[0]() is not optim:  # ids of collected objects are reused
+            known = self._watched.get(id(optim))
+            if known is None or known() is not optim:  # ids of collected objects are reused
                 if not takes_step_hooks(optim):
                     unhooked.append(optim)
                     continue
-                handle = optim.register_step_pre_hook(self._hook)
-                self._handles[id(optim)] = (weakref.ref(optim), handle)
+                self._watched[id(optim)] = weakref.ref(optim)
         for wrapper in [*unhooked, *wrappers]:
             try:
                 self.guard(wrapper, "step")
@@ -320,7 +360,7 @@ class StepGuard:
 
     def watched(self) -> list[torch.optim.Optimizer]:
         """The torch optimizers whose step is hooked now (those still alive)."""
-        return [optim for ref, _ in self._handles.values() if (optim := ref()) is not None]
+        return [optim for ref in self._watched.values() if (optim := ref()) is not None]
 
     def guard(self, obj, name: str) -> None:
         """Make ``obj.<name>(...)`` wait first until every snapshot in flight is staged. Guarding
@@ -359,6 +399,26 @@ class StepGuard:
     def wait_all(self) -> None:
         self._wait(None)
 
+    def before_step(self, optim: torch.optim.Optimizer, args, kwargs):
+        """An optimizer is about to step (the global hook): one of the state's waits for its
+        copies (``_hook``); another waits for every snapshot's copy where it writes a tensor one
+        still copies."""
+        known = self._watched.get(id(optim))
+        if known is not None and known() is optim:
+            return self._hook(optim, args, kwargs)
+        if self._copying(self._storages_of_other(optim)):
+            self._wait(None)
+        return None
+
+    def _storages_of_other(self, optim: torch.optim.Optimizer) -> set[int]:
+        """``optimizer_storages`` of an optimizer outside the state, kept while its parameters and
+        the size of its state stay (a step with a snapshot in flight would otherwise walk them)."""
+        key = (len(optim.param_groups), sum(len(g["params"]) for g in optim.param_groups), len(optim.state))
+        known = self._others.get(id(optim))
+        if known is None or known[0]() is not optim or known[1] != key:
+            known = self._others[id(optim)] = (weakref.ref(optim), key, optimizer_storages(optim))
+        return known[2]
+
     def _hook(self, optim, args, kwargs):
         """Wait before the step changes this optimizer's tensors. A torch optimizer's step given
         a closure runs the forward and backward inside it first (Lightning, LBFGS): wait when the
@@ -394,9 +454,9 @@ class StepGuard:
 
     def close(self) -> None:
         """Remove every hook and guard; a class gets its method back when no guard needs it."""
-        for _, handle in self._handles.values():
-            handle.remove()
-        self._handles.clear()
+        _guards.discard(self)
+        self._watched.clear()
+        self._others.clear()
         with _patches_lock:
             for (key, _), (_, patch) in self._guarded.items():
                 left = tuple(entry for entry in patch.guards.pop(key, ()) if entry[1]() not in (None, self))

@@ -136,7 +136,7 @@ class Checkpointer:
         self._closed = False
         self._closing = False
         self._guard = StepGuard(self._gates_for, lambda step, s, e: self.events.add("wait-in-hook", step, s, e),
-                                self._release_inflight)
+                                self._release_inflight, self._copying)
         self._stager = Stager(lambda: self._arena, cfg.copy_threads, lambda: self._segment_bytes, self.events,
                               self._copies_done, lambda: self._cuda, lambda: self._state_cache.forget(),
                               file_order=is_url(root))
@@ -631,6 +631,12 @@ class Checkpointer:
                 return [(s.step, s.copied) for s in self._inflight if s.copied is not None]
             return [(s.step, s.gates[s.owner_of(optimizer_id)]) for s in self._inflight
                     if s.owner_of(optimizer_id) in s.gates]
+
+    def _copying(self, storages: set[int]) -> bool:
+        """Whether a snapshot in flight still copies a tensor that lies in one of ``storages``."""
+        with self._lock:
+            pending = [snap for snap in self._inflight if snap.copied is not None and not snap.copied.done()]
+        return any(not snap.storage_bases().isdisjoint(storages) for snap in pending)
 
     def _copies_done(self, snap: Snapshot) -> None:
         if not snap.persist and not snap.local:

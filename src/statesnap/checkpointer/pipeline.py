@@ -28,7 +28,7 @@ from ..plan.save_plan import SavePlan, align_up
 from ..state.items import Flattened, ItemMeta
 from ..storage.base import StorageBackend
 from .gpu import wait_for
-from .hooks import Countdown, changed_since_save, check_unchanged, version_of
+from .hooks import Countdown, changed_since_save, check_unchanged, storage_base, version_of
 from .staging import FREE, Arena, Batch, Region, build_batches, copy_into
 
 log = logging.getLogger("statesnap")
@@ -100,7 +100,15 @@ class Snapshot:
     released: set = field(default_factory=set)  # owners whose late checks are done (None: all of them)
     hot_queued: bool = False  # the copies of ``hot`` are all queued (the UNGUARDED gate's own count is done)
     _stages_left: int | None = None
+    _bases: frozenset | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def storage_bases(self) -> frozenset:
+        """The storages under its items (``hooks.storage_base``): an optimizer outside the state
+        that writes one waits for its copy. Made at the first such step, not in ``save()``."""
+        if self._bases is None:
+            self._bases = frozenset(storage_base(item.local) for item in self.flat.tensors)
+        return self._bases
 
     def was_reported(self) -> bool:
         """Whether its failure reached the caller: by ``SaveHandle.wait``, by a later call of the
