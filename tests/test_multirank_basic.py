@@ -118,3 +118,45 @@ def test_a_rank_imports_its_functions_module_in_the_callers_environment(monkeypa
     run_ranks(1, _probe)  # the server is running from here on, without the variable
     monkeypatch.setenv("STATESNAP_TEST_PROBE", "now")
     assert run_ranks(2, _probe) == [("now", "now")] * 2
+
+
+def _legacy_fsdp(rank, world, path):
+    """FSDP1 given a device mesh saves DTensors, which load anywhere; without one it gives
+    ShardedTensors, which raised a bare torch error from deep inside the save; a
+    ZeroRedundancyOptimizer's state dict fails but on one rank. Both are refused by name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def trained(mesh):
+        torch.manual_seed(0)
+        model = FullyShardedDataParallel(nn.Sequential(nn.Linear(7, 13), nn.Linear(13, 5)),
+                                         device_id=torch.device("cpu"), use_orig_params=True, device_mesh=mesh)
+        optim = torch.optim.AdamW(model.parameters())
+        model(torch.randn(2, 7)).sum().backward()
+        optim.step()
+        return model, optim
+
+    model, optim = trained(init_device_mesh("cpu", (world,)))
+    ss.save({"model": model, "optim": optim}, path)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    refused = []
+    model, optim = trained(None)
+    zero = ZeroRedundancyOptimizer(nn.Linear(4, 4).parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    for state in ({"model": model}, {"optim": zero}):
+        try:
+            ss.save(state, f"{path}-refused")
+        except ss.CheckpointError as exc:
+            refused.append(str(exc))
+    return full, refused
+
+
+def test_legacy_fsdp_with_a_mesh_round_trips_and_what_cannot_is_refused_by_name(tmp_path):
+    path = str(tmp_path / "c")
+    (full, refused), _ = run_ranks(2, _legacy_fsdp, path)
+    plain = nn.Sequential(nn.Linear(7, 13), nn.Linear(13, 5))
+    ss.load({"model": plain}, path, partial=True)
+    assert all(torch.equal(plain.state_dict()[name], value) for name, value in full.items())
+    assert "'model.0.weight' is a ShardedTensor, which FSDP1 gives without a device mesh" in refused[0]
+    assert "optim: a ZeroRedundancyOptimizer's state dict is collected on one rank only" in refused[1]

@@ -309,6 +309,10 @@ class _Walker:
         groups = {join(fqn, "param_groups")}
         if self._reused(fqn, optim):
             return
+        if type(optim).__name__ == "ZeroRedundancyOptimizer":  # (its state_dict() fails but on one rank)
+            raise CheckpointError(f"{fqn}: a ZeroRedundancyOptimizer's state dict is collected on one rank only; "
+                                  "put this rank's own optimizer in the state instead (its .optim: it loads on "
+                                  "as many ranks), or shard with fully_shard (FSDP2) or ss.flat_partition")
         if self.for_load:
             self._refuse_other_groups(fqn, optim)
         stepped = bool(optim.state)  # (state this load makes below is the checkpoint's kind, or refused)

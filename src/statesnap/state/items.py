@@ -83,7 +83,15 @@ class TensorItem:
 def _unstorable(t: torch.Tensor) -> str | None:
     """Why ``t``'s values cannot be read or written as plain bytes, or None. (A nested tensor of
     the strided layout has no shape to ask for: it is looked for first.)"""
-    if t.is_nested:
+    if type(t).__name__ == "ShardedTensor":  # (torch.distributed._shard's, which refuses to be asked anything)
+        return ("is a ShardedTensor, which FSDP1 gives without a device mesh; build FSDP with "
+                "device_mesh=init_device_mesh(...) (its state dict then holds DTensors, stored piece by piece), "
+                "or shard with fully_shard (FSDP2)")
+    try:
+        nested = t.is_nested
+    except Exception as exc:  # noqa: BLE001 (a tensor subclass whose __torch_function__ refuses it)
+        return f"is a {type(t).__name__} that cannot be read as a tensor ({type(exc).__name__}: {str(exc)[:200]})"
+    if nested:
         return ("is a nested tensor: only dense (strided) tensors are saved or loaded into (t.unbind() gives its "
                 "components, t.to_padded_tensor(0.0) one dense tensor)")
     if t.layout != torch.strided:
