@@ -465,3 +465,28 @@ def test_a_staging_directory_that_cannot_be_removed_does_not_hang_the_checkpoint
 
     threading.Thread(target=go_on, daemon=True).start()
     assert finished.wait(60), "save() or close() hung after the failed removal"
+
+
+@pytest.mark.parametrize("stage", ["_stager", "_flusher"])
+def test_a_ctrl_c_while_save_hands_the_snapshot_on_leaves_close_able_to_finish(tmp_path, stage):
+    """A KeyboardInterrupt between the snapshot's entry among those in flight and its hand-off to
+    the background stages left close() waiting forever for a snapshot no stage had."""
+    model, optim = make_training()
+    state = {"model": model, "optim": optim}
+    ckpt = ss.Checkpointer(tmp_path, host_memory_gb=0.01)
+    ckpt.save(1, state).wait()
+    target = getattr(ckpt, stage)
+    real = target.submit
+
+    def interrupted(snap):
+        target.submit = real
+        raise KeyboardInterrupt
+    target.submit = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(2, state)
+    assert ckpt.save(3, state).wait().endswith("step-3")
+    closing = threading.Thread(target=ckpt.close, daemon=True)
+    closing.start()
+    closing.join(60)
+    assert not closing.is_alive()
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-1", "step-2", "step-3"]

@@ -227,17 +227,27 @@ class Checkpointer:
             self._count("skipped")
             self.events.add("save", step, started, now())
             return None
-        with self._lock:
-            if self._closing:  # close() began while this save planned: its threads take no more work
-                raise CheckpointError(f"this Checkpointer was closed while step {step} was being saved; "
-                                      "the step was not saved")
-            self._inflight.append(snap)  # close() waits for it from here on
         self._guard.watch(optimizers, wrappers)
-        self._stager.submit(snap)
-        if snap.persist:
-            self._flusher.submit(snap)
-        if snap.local:
-            self._local_flusher.submit(snap)
+        stages = [self._stager, *([self._flusher] if snap.persist else []),
+                  *([self._local_flusher] if snap.local else [])]
+        handed = 0
+        try:
+            with self._lock:
+                if self._closing:  # close() began while this save planned: its threads take no more work
+                    raise CheckpointError(f"this Checkpointer was closed while step {step} was being saved; "
+                                          "the step was not saved")
+                self._inflight.append(snap)  # close() waits for it from here on
+            for stage in stages:
+                stage.submit(snap)
+                handed += 1
+        except BaseException:
+            # A Ctrl-C (or a signal handler's exception) in the hand-off: the stages that lack the
+            # snapshot get it still, or close() waited forever for a snapshot no stage had.
+            with self._lock:
+                queued = snap in self._inflight
+            for stage in stages[handed:] if queued else ():
+                stage.submit(snap)
+            raise
         return snap
 
     def remove(self, step: int) -> None:
