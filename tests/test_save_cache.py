@@ -334,3 +334,14 @@ def test_an_optimizer_over_several_modules_is_named_by_the_keys_of_this_save(tmp
         path = ckpt.save(3, renamed).wait()
     assert_holds(path, expected)
     assert "opt.state.encoder.weight.exp_avg" in ss.open(path).keys()
+
+
+def test_an_unchanged_context_is_found_by_identity():
+    """Each lookup compared the state's whole context (one pair per module) with the entry's: a
+    list of thousands of modules made every cached save quadratic. An equal context is handed
+    back as the tuple the entries already hold."""
+    cache = ProviderCache()
+    first = cache.interned(tuple(("ensemble", i) for i in range(5)))
+    assert cache.interned(tuple(("ensemble", i) for i in range(5))) is first
+    changed = cache.interned(tuple(("ensemble", i) for i in range(6)))
+    assert changed is not first and len(changed) == 6

@@ -139,6 +139,8 @@ class _Walker:
             # what cached items were built from: the state's modules, under their names (those of
             # an optimizer whose parameters several modules hold are the keys of the state)
             self.context = tuple((fqn, id(module)) for fqn, module in self.named_modules)
+            if self.cache is not None:
+                self.context = self.cache.interned(self.context)
             self.walk_dict("", state)
         except RecursionError:  # (Python's recursion limit: plain data of hundreds of levels, or a deep caller)
             inside_itself = _cycle_in(state)

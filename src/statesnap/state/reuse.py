@@ -148,6 +148,15 @@ class ProviderCache:
         self._entries: dict[tuple[str, int], _Entry] = {}
         self._generation = 0
         self._used: set[tuple[str, int]] = set()
+        self._context: tuple = ()
+
+    def interned(self, context: tuple) -> tuple:
+        """``context`` as the very tuple the entries hold where it equals the last save's: a lookup
+        then finds it by identity (a state of thousands of modules in a list compared all of it
+        once per module: quadratic, slower than not caching past a few thousand)."""
+        if context != self._context:
+            self._context = context
+        return self._context
 
     def begin(self) -> None:
         self._generation += 1
@@ -163,7 +172,8 @@ class ProviderCache:
         key = (fqn, id(provider))
         self._used.add(key)
         entry = self._entries.get(key)
-        if entry is None or entry.expected[0] != context or not entry.still_valid(self._generation):
+        if entry is None or (entry.expected[0] is not context and entry.expected[0] != context) \
+                or not entry.still_valid(self._generation):
             return None
         return entry
 
