@@ -177,3 +177,13 @@ def test_a_failure_after_the_commit_s_rename_says_the_new_checkpoint_is_in_place
     target = {"t": torch.zeros(2)}
     ss.load(target, tmp_path / "ck")
     assert torch.equal(target["t"], torch.ones(2))
+
+
+def test_a_checkpoint_set_aside_is_named_by_its_entry():
+    """A root's leftovers are searched for set-aside checkpoints in one listing: a search per
+    leftover (a listing each) made a Checkpointer on a root of thousands of them quadratic."""
+    backend = LocalBackend()
+    assert backend.set_aside_for(".step-3.tmp-ab12.old") == "step-3"
+    assert backend.set_aside_for(".ck.tmp-x.tmp-abc.old") == "ck.tmp-x"  # (ck.tmp-x's, not ck's)
+    for name in (".step-3.tmp-ab12", "step-3", ".step-3.tmp-zz.old", ".step-3.old"):
+        assert backend.set_aside_for(name) is None

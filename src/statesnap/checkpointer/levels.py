@@ -159,9 +159,8 @@ class StorageLevel:
     def remove_leftovers(self) -> None:
         """Remove what interrupted saves left: staging directories and uncommitted step dirs,
         after putting back any committed checkpoint an interrupted overwrite had set aside."""
-        hidden = {parse_step(name[1:].split(".tmp-")[0]) for name in self.backend.listdir(self.root)
-                  if name.startswith(".")}
-        for step in hidden - {None}:
+        aside = {parse_step(self.backend.set_aside_for(name) or "") for name in self.backend.listdir(self.root)}
+        for step in aside - {None}:
             self.backend.recover(self.path(step))
         for name in self.backend.listdir(self.root):
             step = parse_step(name)

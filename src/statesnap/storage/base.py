@@ -132,6 +132,12 @@ class StorageBackend(ABC):
         any; True if one was restored. Backends whose commit is one atomic step have none."""
         return False
 
+    def set_aside_for(self, name: str) -> str | None:
+        """The name of the checkpoint that the entry ``name`` holds, set aside by an interrupted
+        :meth:`commit` (:meth:`recover` puts it back), or None: so that a root of thousands of
+        leftovers is not searched once for each."""
+        return None
+
     @abstractmethod
     def abort(self, staging: str, final: str, written: Sequence[str] = ()) -> None:
         """Remove what a failed save left behind (``written`` names its files), never touching a

@@ -46,6 +46,7 @@ except (NameError, AttributeError):
 _SYNC_FILE_RANGE_WRITE = 2
 _WRITEBACK_MIN = 1 << 20
 _ASIDE_SUFFIX = ".old"  # the old checkpoint during an overwrite without renameat2
+_SET_ASIDE = re.compile(rf"\.(.+)\.tmp-[0-9a-f]+{re.escape(_ASIDE_SUFFIX)}")  # (the name it was committed under)
 RETIRED_MARK = ".deleting-"  # a checkpoint renamed out of the namespace, being deleted
 _RETIRED_HEX = 12  # hex digits after RETIRED_MARK
 _FRESH_SUFFIX = ".new"  # a staging directory before it is locked (as long as _ASIDE_SUFFIX)
@@ -457,8 +458,11 @@ class LocalBackend(StorageBackend):
         """The checkpoints interrupted overwrites of ``final`` left aside."""
         parent, name = os.path.split(final)
         # exactly a staging name of ``final`` (a hex token): ``ck.tmp-x``'s asides are not ``ck``'s
-        aside = re.compile(rf"\.{re.escape(name)}\.tmp-[0-9a-f]+{re.escape(_ASIDE_SUFFIX)}")
-        return [os.path.join(parent, n) for n in self.listdir(parent) if aside.fullmatch(n)]
+        return [os.path.join(parent, n) for n in self.listdir(parent) if self.set_aside_for(n) == name]
+
+    def set_aside_for(self, name: str) -> str | None:
+        match = _SET_ASIDE.fullmatch(name)
+        return match.group(1) if match else None
 
     def recover(self, final: str) -> bool:
         final = os.path.abspath(final)
