@@ -772,3 +772,56 @@ def test_load_latest_rolls_back_past_new_optimizer_state_from_memory_and_disk(tm
     with ss.Checkpointer(tmp_path / "root") as ckpt:
         assert ckpt.load_latest(state) == 1 and ckpt.loaded_from == "persistent"
         assert len(optim.state) == 2 and _same(_state_bytes(optim), stored)
+
+
+def test_a_load_keeps_a_stepped_optimizers_state_where_the_checkpoint_cannot_replace_it(tmp_path):
+    """Replacing is for state the checkpoint keeps for the parameters its own groups list: a
+    parameter it does not know, another kind of optimizer's state, or state for a parameter
+    frozen now (PyTorch's helper would drop it without a word) leave the optimizer's own state,
+    reported as a mismatch as before (strict=False: left as it was)."""
+    torch.manual_seed(0)
+    small = nn.Sequential(nn.Linear(2, 2))
+    small_optim = torch.optim.Adam(small.parameters())
+    small(torch.randn(1, 2)).sum().backward()
+    small_optim.step()
+    ss.save({"model": small, "optim": small_optim}, tmp_path / "small")
+    sgd = torch.optim.SGD(small.parameters(), lr=0.1, momentum=0.9)
+    sgd.step()
+    ss.save({"model": small, "optim": sgd}, tmp_path / "sgd")
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    optim = torch.optim.Adam(model.parameters())
+    for _ in range(3):
+        model(torch.randn(1, 2)).sum().backward()
+        optim.step()
+    before = _state_bytes(optim)
+    info = ss.load({"model": model, "optim": optim}, tmp_path / "small", strict=False)  # layer 1 unknown there
+    assert any(name.startswith("optim.state.1.") for name in info.missing)
+    assert _same(_state_bytes(optim)[6:], before[6:]) and len(optim.state) == 4
+    wrapped = {"model": nn.ModuleDict({"net": model}), "optim": optim}  # other names: nothing matches
+    ss.load(wrapped, tmp_path / "small", strict=False)
+    assert _same(_state_bytes(optim)[6:], before[6:]) and len(optim.state) == 4
+    adam = torch.optim.Adam(small.parameters())
+    small(torch.randn(1, 2)).sum().backward()
+    adam.step()
+    before = _state_bytes(adam)
+    with pytest.raises(ss.StateMismatchError, match="optim.state.0.weight.exp_avg"):  # SGD's state into an Adam
+        ss.load({"model": small, "optim": adam}, tmp_path / "sgd")
+    assert _same(_state_bytes(adam), before)
+
+    model, optim = _frozen_then_stepped()
+    model[1].requires_grad_(True)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    ss.save({"model": model, "optim": optim}, tmp_path / "both")
+    model, optim = _frozen_then_stepped()  # layer 1 frozen, without state: the checkpoint keeps its state
+    with pytest.raises(ss.StateMismatchError, match="unexpected in checkpoint .*optim.state.1.weight"):
+        ss.load({"model": model, "optim": optim}, tmp_path / "both")
+
+
+def test_an_optimizer_under_a_top_level_empty_key_keeps_its_state_on_a_weights_only_load(tmp_path):
+    model, optim = _frozen_then_stepped()
+    ss.save({"model": model}, tmp_path / "weights")
+    before = _state_bytes(optim)
+    ss.load({"model": model, "": optim}, tmp_path / "weights", strict=False)
+    assert _same(_state_bytes(optim), before)

@@ -29,7 +29,7 @@ from ..engine.save import foreign_entries
 from ..errors import CheckpointError
 from ..format.dtypes import dtype_from_name, dtype_name
 from ..format.manifest import MANIFEST_NAME
-from ..state.flatten import StoredNames, flatten_for_load, same_bits
+from ..state.flatten import StoredNames, flatten_for_load, plain_values, same_bits
 from ..state.optim_state import restore_emptied
 from ..storage.base import StorageBackend
 from ..storage.local import RETIRED_MARK, LocalBackend
@@ -233,7 +233,7 @@ def matching_target(snap, state: dict, fresh: list[torch.optim.Optimizer] | None
     fresh = [] if fresh is None else fresh
     flat = None
     try:
-        flat = flatten_for_load(state, StoredNames(keys, headers.get), fresh=fresh)
+        flat = flatten_for_load(state, StoredNames(keys, headers.get, plain_values(snap.objects)), fresh=fresh)
         # a tied weight the snapshot holds under one name only is filled under that one, as a load fills it
         lacking = [item.fqn for item in flat.tensors if item.fqn not in headers]
         tied = aliases_filled(flat.tensors, lacking, set(lacking))

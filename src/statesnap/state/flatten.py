@@ -29,7 +29,7 @@ from .items import SEP, Flattened, ObjectItem, TensorItem, join, refuse_unwritab
 from .module_state import load_module, model_state_dict, tie_origins
 from .optim_state import (
     create_adam_state, create_state_from_checkpoint, group_members, load_optimizer_state, positional_holder,
-    state_dict_by_a_step, state_dict_without_step, stored_state_differs, with_members,
+    state_dict_by_a_step, state_dict_without_step, stored_param_names, stored_state_differs, with_members,
 )
 from .placement import dtensor_box, has_replicate, is_dtensor
 from .reuse import ProviderCache
@@ -64,11 +64,7 @@ class StoredNames:
         def header(name: str) -> tuple | None:
             row = manifest.header(name)
             return None if row is None else (row.shape, row.dtype)
-
-        def plain(name: str) -> Any:
-            entry = manifest.objects.get(name)
-            return plaindata.decode(entry.value, name, where) if entry is not None and entry.kind == "json" else None
-        return cls(manifest.keys(), header, plain)
+        return cls(manifest.keys(), header, plain_values(manifest.objects, where))
 
     @property
     def has_headers(self) -> bool:
@@ -102,6 +98,14 @@ _EXTRA_STATE = "_extra_state"  # (the key ``Module.state_dict`` gives a module's
 
 _GROUPS_ADVICE = ("Build the optimizer with the param groups it was saved with, or leave it out of the state "
                   "(with partial=True) and start it afresh.")
+
+
+def plain_values(objects: dict, where: str = "") -> Callable[[str], Any]:
+    """``StoredNames``'s ``plain`` over ``objects`` (name -> ObjectEntry: a manifest's, a snapshot's)."""
+    def plain(name: str) -> Any:
+        entry = objects.get(name)
+        return plaindata.decode(entry.value, name, where) if entry is not None and entry.kind == "json" else None
+    return plain
 
 
 class _Walker:
@@ -317,8 +321,7 @@ class _Walker:
                                   "as many ranks), or shard with fully_shard (FSDP2) or ss.flat_partition")
         if self.for_load:
             self._refuse_other_groups(fqn, optim)
-        stepped = bool(optim.state)  # (state this load makes below is the checkpoint's kind, or refused)
-        if self.fresh is not None and not stepped:
+        if self.fresh is not None and not optim.state:
             self.fresh.append((optim, {}))
         model = self._owner_of(optim)
         if model is not None and self.for_load and self._saved_by_position(fqn, model):
@@ -332,8 +335,8 @@ class _Walker:
                 if fresh and not optim.state:  # a kind whose state only its step makes
                     state_dict_by_a_step(positional_holder(optim), optim, fqn)
                 sd = optim.state_dict()
-            if stepped and self._replaces_state(fqn, optim, sd):
-                return self.optimizer(fqn, optim)
+            elif not fresh:
+                sd = self._replaced(fqn, optim, sd, optim.state_dict, optim.state_dict, by_position=True) or sd
             self._refuse_regrouped(fqn, sd)
             held = group_members(sd)
             first_object = len(self.out.objects)
@@ -346,12 +349,13 @@ class _Walker:
         if sd is None:
             if optim.state:  # (had it, or Adam's was just made)
                 sd = get_optimizer_state_dict(model, optim)
+                if not fresh:
+                    sd = self._replaced(fqn, optim, sd, lambda: get_optimizer_state_dict(model, optim),
+                                        lambda: state_dict_without_step(model, optim)) or sd
             elif state_to_fill:  # a kind whose state only its step makes
                 sd = state_dict_by_a_step(model, optim, fqn)
             else:
                 sd = state_dict_without_step(model, optim)
-        if stepped and self._replaces_state(fqn, optim, sd):
-            return self.optimizer(fqn, optim)
         self._refuse_regrouped(fqn, sd)
         held = group_members(sd)
         first_tensor, first_object = len(self.out.tensors), len(self.out.objects)
@@ -364,19 +368,33 @@ class _Walker:
             self.cache.store_optimizer(fqn, optim, owners, sd, self.out.tensors[first_tensor:],
                                        self.out.objects[first_object:], join, self.context)
 
-    def _replaces_state(self, fqn: str, optim: torch.optim.Optimizer, sd: dict) -> bool:
-        """A load replaces an optimizer's state as a whole, as its ``load_state_dict`` does: where
-        the checkpoint keeps other state for its parameters than it holds (``stored_state_differs``:
-        a run rolled back past a layer's unfreezing), its state is set aside and it is loaded as a
-        fresh one, from the checkpoint's names; the state goes back if the load fails. Not where
-        the checkpoint holds nothing of it (a load of the model alone, ``strict=False``)."""
-        if not (self.for_load and self.fresh is not None
-                and self.stored.has_prefix(join(fqn, "")) and stored_state_differs(sd, join(fqn, "state") + SEP,
-                                                                                   self.stored)):
-            return False
-        self.fresh.append((optim, dict(optim.state)))
+    def _replaced(self, fqn: str, optim: torch.optim.Optimizer, sd: dict, state_dict: Callable[[], dict],
+                  without_state: Callable[[], dict], by_position: bool = False) -> dict | None:
+        """A load replaces a stepped optimizer's state as a whole, as its ``load_state_dict`` does,
+        where the checkpoint keeps other state for the parameters its own param groups list
+        (``stored_state_differs``: a run rolled back past a layer's unfreezing, a checkpoint saved
+        before the first step, LBFGS's ``H_diag``): the state is set aside and made from the
+        checkpoint's names, as for a fresh optimizer, and goes back if the load fails. Returns the
+        state dict of the state made, or None where the optimizer keeps its own: the checkpoint
+        holds nothing of it (a load of the model alone, ``strict=False``), lists none of its
+        parameters (other names: what does not match is left as it was), or keeps state of
+        another kind, which the load then names as a mismatch."""
+        if not self.for_load or self.fresh is None:
+            return None
+        listed = stored_param_names(self.stored.plain(join(fqn, "param_groups")))
+        prefix = join(fqn, "state") + SEP
+        if not listed or not stored_state_differs(optim, sd, prefix, self.stored, listed):
+            return None
+        before = dict(optim.state)
         optim.state.clear()
-        return True
+        made = create_state_from_checkpoint(optim, state_dict, prefix, self.stored, self.created, by_position)
+        if made is None and not self.stored.has_prefix(prefix):
+            made = without_state()  # (saved before its first step: it had none)
+        if made is None:
+            optim.state.update(before)
+            return None
+        self.fresh.append((optim, before))
+        return made
 
     def _refuse_other_groups(self, fqn: str, optim: torch.optim.Optimizer) -> None:
         """A checkpoint's optimizer of another number of param groups cannot be loaded: PyTorch's

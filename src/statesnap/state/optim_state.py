@@ -233,23 +233,42 @@ def _keeps_state_of_other_shapes(optim: torch.optim.Optimizer) -> bool:
                if cls.__module__.startswith("torch.optim"))
 
 
-def stored_state_differs(sd: dict, prefix: str, stored) -> bool:
+def stored_param_names(groups) -> set[str]:
+    """The parameters a checkpoint's param groups list (names, or positions), as strings; empty
+    where they are not a list of groups."""
+    try:
+        return {str(p) for group in groups for p in group["params"]}
+    except (TypeError, KeyError):
+        return set()
+
+
+def stored_state_differs(optim: torch.optim.Optimizer, sd: dict, prefix: str, stored, listed: set[str]) -> bool:
     """Whether the checkpoint keeps other state for the optimizer's parameters than ``sd`` (its
-    state dict as the load names it) holds: other keys for some parameter (state made since the
+    state dict as the load names it) holds: other keys for a parameter (state made since the
     save, as for a layer unfrozen or an expert first reached since; none at all where the save
     came before the first step), or a tensor where the other holds a plain value (LBFGS's
-    ``H_diag``). ``prefix``: the names of its state in the checkpoint (``<optimizer>.state.``).
-    Only its own parameters count: a pipeline stage's optimizer holds a part of what rank 0's
-    checkpoint keeps."""
+    ``H_diag``). Only parameters the checkpoint's groups list (``listed``) count: a pipeline
+    stage's optimizer holds a part of what rank 0's checkpoint keeps, and a parameter it does not
+    know is no part of what it restores. Never where the checkpoint keeps state for a parameter
+    that does not require grad now: PyTorch's helper would drop it without a word, where the load
+    of the stepped optimizer names it (``prefix``: ``<optimizer>.state.``)."""
     state = sd.get("state", {})
-    for param in (p for group in sd.get("param_groups", ()) for p in group.get("params", ())):
-        where, held = f"{prefix}{param}{SEP}", state.get(param, {})
-        if {key.split(SEP, 1)[0] for key in stored.keys_under(where)} != {str(key) for key in held}:
-            return True
-        if any(isinstance(value, torch.Tensor) != (stored.header(f"{where}{key}") is not None)
-               for key, value in held.items()):
-            return True
-    return False
+    groups = sd.get("param_groups", ())
+    if len(groups) != len(optim.param_groups):
+        return False
+    differs = False
+    for group, names in zip(optim.param_groups, groups):
+        for param, name in zip(group["params"], names.get("params", ())):
+            if str(name) not in listed:
+                continue
+            where, held = f"{prefix}{name}{SEP}", state.get(name, {})
+            keys = {key.split(SEP, 1)[0] for key in stored.keys_under(where)}
+            if keys and not param.requires_grad:
+                return False
+            differs = differs or keys != {str(key) for key in held} or any(
+                isinstance(value, torch.Tensor) != (stored.header(f"{where}{key}") is not None)
+                for key, value in held.items())
+    return differs
 
 
 def restore_emptied(emptied: list) -> None:
