@@ -825,3 +825,24 @@ def test_an_optimizer_under_a_top_level_empty_key_keeps_its_state_on_a_weights_o
     before = _state_bytes(optim)
     ss.load({"model": model, "": optim}, tmp_path / "weights", strict=False)
     assert _same(_state_bytes(optim), before)
+
+
+def test_a_positional_optimizer_is_replaced_too_and_a_load_of_what_matches_replaces_nothing(tmp_path):
+    """No module owns the parameters (state kept by position): a strict rollback past an unfreeze
+    replaces its state as for a module's optimizer. A load of what matches (strict=False) never
+    replaces: what the checkpoint lacks keeps the optimizer's own values and is reported."""
+    model, optim = _frozen_then_stepped()
+    params = list(model.parameters())
+    positional = torch.optim.AdamW(params, lr=0.01)
+    model(torch.randn(2, 4)).sum().backward()
+    positional.step()
+    ss.save({"params": params[:2], "optim": positional}, tmp_path / "c")
+    model[1].requires_grad_(True)
+    model(torch.randn(2, 4)).sum().backward()
+    positional.step()
+    before = _state_bytes(positional)
+    info = ss.load({"params": params[:2], "optim": positional}, tmp_path / "c", strict=False)
+    assert _same(_state_bytes(positional)[6:], before[6:]) and len(positional.state) == 4  # (layer 1's, kept)
+    assert any(name.startswith("optim.state.2.") for name in info.missing)
+    ss.load({"params": params[:2], "optim": positional}, tmp_path / "c")
+    assert len(positional.state) == 2

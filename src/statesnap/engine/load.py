@@ -581,7 +581,7 @@ class Loading:
             if self.step is not None and recorded not in (None, self.step):  # renamed, or copied in from another run
                 raise CorruptCheckpointError(f"{self.path} holds step {recorded!r}, not step {self.step}")
             stored = StoredNames.of_manifest(self.manifest, self.backend.join(self.path, MANIFEST_NAME))
-            self.flat = flatten_for_load(state, stored, self.created, self.fresh)
+            self.flat = flatten_for_load(state, stored, self.created, self.fresh, self.strict and not partial)
         except Exception as exc:
             error = exc
         self.comm.agree(error, f"loading {self.path}")

@@ -110,8 +110,10 @@ def plain_values(objects: dict, where: str = "") -> Callable[[str], Any]:
 
 class _Walker:
     def __init__(self, for_load: bool, stored: StoredNames | None, created: list[torch.Tensor] | None = None,
-                 fresh: list[torch.optim.Optimizer] | None = None, cache: ProviderCache | None = None):
+                 fresh: list[torch.optim.Optimizer] | None = None, cache: ProviderCache | None = None,
+                 whole: bool = True):
         self.for_load = for_load
+        self.whole = whole  # loads: strict and not partial (a stepped optimizer's state may be replaced)
         self.cache = cache  # saves only: items of modules and optimizers kept from the last save
         self.stored = stored or StoredNames([])  # loads: what the checkpoint holds
         self.created = created  # where a fresh optimizer's state goes when it is created unfilled
@@ -335,8 +337,8 @@ class _Walker:
                 if fresh and not optim.state:  # a kind whose state only its step makes
                     state_dict_by_a_step(positional_holder(optim), optim, fqn)
                 sd = optim.state_dict()
-            elif not fresh:
-                sd = self._replaced(fqn, optim, sd, optim.state_dict, optim.state_dict, by_position=True) or sd
+                if not fresh:
+                    sd = self._replaced(fqn, optim, sd, optim.state_dict, optim.state_dict, by_position=True) or sd
             self._refuse_regrouped(fqn, sd)
             held = group_members(sd)
             first_object = len(self.out.objects)
@@ -375,11 +377,12 @@ class _Walker:
         (``stored_state_differs``: a run rolled back past a layer's unfreezing, a checkpoint saved
         before the first step, LBFGS's ``H_diag``): the state is set aside and made from the
         checkpoint's names, as for a fresh optimizer, and goes back if the load fails. Returns the
-        state dict of the state made, or None where the optimizer keeps its own: the checkpoint
-        holds nothing of it (a load of the model alone, ``strict=False``), lists none of its
+        state dict of the state made, or None where the optimizer keeps its own: the load is of
+        what matches (``strict=False``, ``partial=True``: it leaves what differs as it was), the
+        checkpoint holds nothing of it, lists none of its
         parameters (other names: what does not match is left as it was), or keeps state of
         another kind, which the load then names as a mismatch."""
-        if not self.for_load or self.fresh is None:
+        if not self.for_load or not self.whole or self.fresh is None or not optim.state:
             return None
         listed = stored_param_names(self.stored.plain(join(fqn, "param_groups")))
         prefix = join(fqn, "state") + SEP
@@ -803,9 +806,11 @@ def flatten_for_save(state: dict, cache: ProviderCache | None = None) -> Flatten
 
 
 def flatten_for_load(state: dict, stored: StoredNames, created: list[torch.Tensor] | None = None,
-                     fresh: list[torch.optim.Optimizer] | None = None) -> Flattened:
+                     fresh: list[torch.optim.Optimizer] | None = None, whole: bool = True) -> Flattened:
     """``created``: a list that takes the tensors of fresh optimizer state created unfilled
     (``torch.empty``); the caller must fill or zero each. Without it they are zeroed.
     ``fresh``: a list that takes ``(optimizer, its state before)`` of the optimizers that had no
-    state, or whose state the load replaces, as they are met (``restore_emptied`` puts it back)."""
-    return _Walker(for_load=True, stored=stored, created=created, fresh=fresh).run(state)
+    state, or whose state the load replaces, as they are met (``restore_emptied`` puts it back).
+    ``whole``: the load restores the whole state (strict, not partial), so that a stepped
+    optimizer's state may be replaced (``_Walker._replaced``); a load of what matches leaves it."""
+    return _Walker(for_load=True, stored=stored, created=created, fresh=fresh, whole=whole).run(state)
