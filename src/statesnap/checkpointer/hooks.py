@@ -291,14 +291,14 @@ _patches: dict[tuple[type, str], _ClassPatch] = {}  # methods replaced now, over
 _patches_lock = threading.Lock()
 
 
-_guards: weakref.WeakSet = weakref.WeakSet()  # every open Checkpointer's StepGuard
-_install_lock = threading.Lock()
+_guards: weakref.WeakSet = weakref.WeakSet()  # every open Checkpointer's StepGuard (under _guards_lock)
+_guards_lock = threading.Lock()
 _installed = False
 
 
 def _install_global_hook() -> None:
     global _installed
-    with _install_lock:
+    with _guards_lock:
         if not _installed:
             register_optimizer_step_pre_hook(_before_any_step)
             _installed = True
@@ -308,7 +308,9 @@ def _install_global_hook() -> None:
 def _before_any_step(optim: torch.optim.Optimizer, args, kwargs):
     """Every torch optimizer's step, before it: each open Checkpointer holds it back as it must."""
     changed = False
-    for guard in list(_guards):
+    with _guards_lock:  # (a Checkpointer opened or closed on another thread changes the set)
+        guards = list(_guards)
+    for guard in guards:
         result = guard.before_step(optim, args, kwargs)
         if result is not None:
             (args, kwargs), changed = result, True
@@ -336,7 +338,8 @@ class StepGuard:
         self._others: dict[int, tuple[weakref.ref, tuple, set[int]]] = {}  # optimizers outside the state
         self._guarded: dict[tuple[int, str], tuple[weakref.ref, _ClassPatch]] = {}
         _install_global_hook()
-        _guards.add(self)
+        with _guards_lock:
+            _guards.add(self)
 
     def watch(self, optimizers: Iterable[torch.optim.Optimizer], wrappers: Iterable = ()) -> None:
         unhooked = []
@@ -403,6 +406,8 @@ class StepGuard:
         """An optimizer is about to step (the global hook): one of the state's waits for its
         copies (``_hook``); another waits for every snapshot's copy where it writes a tensor one
         still copies."""
+        if os.getpid() != self._pid:  # a forked child: its writes go to its own copy (and a lock may be held)
+            return None
         known = self._watched.get(id(optim))
         if known is not None and known() is optim:
             return self._hook(optim, args, kwargs)
@@ -427,10 +432,13 @@ class StepGuard:
         if not (getattr(type(optim).step, "__module__", None) or "").startswith("torch.optim."):
             self._wait(id(optim))
             return None
-        if kwargs.get("closure") is not None:
-            return args, {**kwargs, "closure": self._after(kwargs["closure"], id(optim))}
-        if len(args) > 1 and callable(args[1]):  # args[0] is the optimizer itself
-            return (args[0], self._after(args[1], id(optim)), *args[2:]), kwargs
+        # Pre-hooks of the optimizer's own run before the step, so before a wait after the closure:
+        # one that changes the weights (a constraint) would change them under the copy.
+        if not optim._optimizer_step_pre_hooks:
+            if kwargs.get("closure") is not None:
+                return args, {**kwargs, "closure": self._after(kwargs["closure"], id(optim))}
+            if len(args) > 1 and callable(args[1]):  # args[0] is the optimizer itself
+                return (args[0], self._after(args[1], id(optim)), *args[2:]), kwargs
         self._wait(id(optim))
         return None
 
@@ -454,7 +462,8 @@ class StepGuard:
 
     def close(self) -> None:
         """Remove every hook and guard; a class gets its method back when no guard needs it."""
-        _guards.discard(self)
+        with _guards_lock:
+            _guards.discard(self)
         self._watched.clear()
         self._others.clear()
         with _patches_lock:

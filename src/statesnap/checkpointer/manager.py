@@ -643,7 +643,11 @@ class Checkpointer:
                     if s.owner_of(optimizer_id) in s.gates]
 
     def _copying(self, storages: set[int]) -> bool:
-        """Whether a snapshot in flight still copies a tensor that lies in one of ``storages``."""
+        """Whether a snapshot in flight still copies a tensor that lies in one of ``storages``.
+        Not for a step in ``on_commit``: the next snapshot's copy may wait for the space of the
+        one committing (it is left to the version check, as in any writer there)."""
+        if getattr(self._in_on_commit, "step", None) is not None:
+            return False
         with self._lock:
             pending = [snap for snap in self._inflight if snap.copied is not None and not snap.copied.done()]
         return any(not snap.storage_bases().isdisjoint(storages) for snap in pending)

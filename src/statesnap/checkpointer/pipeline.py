@@ -107,7 +107,8 @@ class Snapshot:
         """The storages under its items (``hooks.storage_base``): an optimizer outside the state
         that writes one waits for its copy. Made at the first such step, not in ``save()``."""
         if self._bases is None:
-            self._bases = frozenset(storage_base(item.local) for item in self.flat.tensors)
+            # (not 0: every empty tensor's, which an unrelated empty parameter shares)
+            self._bases = frozenset(storage_base(item.local) for item in self.flat.tensors) - {0}
         return self._bases
 
     def was_reported(self) -> bool:
