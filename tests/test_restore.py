@@ -804,7 +804,9 @@ class BytesExtraState(nn.Module):
         self.meta = b""
 
     def get_extra_state(self):
-        return torch.frombuffer(bytearray(self.meta), dtype=torch.uint8) if self.meta else torch.empty(0, dtype=torch.uint8)
+        if not self.meta:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(bytearray(self.meta), dtype=torch.uint8)
 
     def set_extra_state(self, state):
         self.meta = bytes(state.tolist())
