@@ -318,8 +318,9 @@ def _before_any_step(optim: torch.optim.Optimizer, args, kwargs):
 
 
 class StepGuard:
-    """Holds writers back until the in-flight snapshots' copies are done: one pre-step hook per
-    torch optimizer, and guarded methods (optimizer-like wrappers' ``step``, ``Checkpointer.guard``).
+    """Holds writers back until the in-flight snapshots' copies are done: torch optimizers through
+    the global step pre-hook (``before_step``), and guarded methods (optimizer-like wrappers'
+    ``step``, ``Checkpointer.guard``).
 
     ``gates_for(optimizer_id)`` returns the (step, Countdown) pairs that optimizer's step waits
     for; ``gates_for(None)`` those of every snapshot's whole copy. ``on_wait`` records how long a

@@ -217,7 +217,7 @@ class MemoryLevel:
             self._snapshots.clear()
 
 
-def matching_target(snap, state: dict, fresh: list[torch.optim.Optimizer] | None = None, cast: bool = False):
+def matching_target(snap, state: dict, fresh: list[tuple] | None = None, cast: bool = False):
     """The flattened ``state`` if its layout equals the snapshot's (same items, same boxes),
     its tensors in the snapshot's order; None if only the layout differs, or a precision that
     ``cast`` lets a stored copy convert (a stored copy of the step may still load). A state

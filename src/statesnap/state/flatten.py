@@ -110,7 +110,7 @@ def plain_values(objects: dict, where: str = "") -> Callable[[str], Any]:
 
 class _Walker:
     def __init__(self, for_load: bool, stored: StoredNames | None, created: list[torch.Tensor] | None = None,
-                 fresh: list[torch.optim.Optimizer] | None = None, cache: ProviderCache | None = None,
+                 fresh: list[tuple] | None = None, cache: ProviderCache | None = None,
                  whole: bool = True):
         self.for_load = for_load
         self.whole = whole  # loads: strict and not partial (a stepped optimizer's state may be replaced)
@@ -378,10 +378,9 @@ class _Walker:
         before the first step, LBFGS's ``H_diag``): the state is set aside and made from the
         checkpoint's names, as for a fresh optimizer, and goes back if the load fails. Returns the
         state dict of the state made, or None where the optimizer keeps its own: the load is of
-        what matches (``strict=False``, ``partial=True``: it leaves what differs as it was), the
-        checkpoint holds nothing of it, lists none of its
-        parameters (other names: what does not match is left as it was), or keeps state of
-        another kind, which the load then names as a mismatch."""
+        what matches (``strict=False``, ``partial=True``: it leaves what differs as it was), or
+        the checkpoint holds nothing of it, lists none of its parameters (other names), or keeps
+        state of another kind, which the load then names as a mismatch."""
         if not self.for_load or not self.whole or self.fresh is None or not optim.state:
             return None
         listed = stored_param_names(self.stored.plain(join(fqn, "param_groups")))
@@ -806,7 +805,7 @@ def flatten_for_save(state: dict, cache: ProviderCache | None = None) -> Flatten
 
 
 def flatten_for_load(state: dict, stored: StoredNames, created: list[torch.Tensor] | None = None,
-                     fresh: list[torch.optim.Optimizer] | None = None, whole: bool = True) -> Flattened:
+                     fresh: list[tuple] | None = None, whole: bool = True) -> Flattened:
     """``created``: a list that takes the tensors of fresh optimizer state created unfilled
     (``torch.empty``); the caller must fill or zero each. Without it they are zeroed.
     ``fresh``: a list that takes ``(optimizer, its state before)`` of the optimizers that had no
