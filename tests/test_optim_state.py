@@ -846,3 +846,35 @@ def test_a_positional_optimizer_is_replaced_too_and_a_load_of_what_matches_repla
     assert any(name.startswith("optim.state.2.") for name in info.missing)
     ss.load({"params": params[:2], "optim": positional}, tmp_path / "c")
     assert len(positional.state) == 2
+
+
+def test_optimizers_over_part_of_a_module_keep_the_names_of_the_whole_module(tmp_path):
+    """An optimizer per parameter (optimizers in backward) made every save walk the whole model
+    once per optimizer, in PyTorch's helper: quadratic. Such an optimizer is handed a module of
+    only its parameters, under the names the whole module gives them: the checkpoint is the same."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)))
+    per_param = {name: torch.optim.AdamW([p], lr=0.01) for name, p in model.named_parameters()}
+    halves = [torch.optim.SGD(list(model[0].parameters()), lr=0.1, momentum=0.9),
+              torch.optim.Adam(list(model[1].parameters()))]
+    model(torch.randn(2, 3)).sum().backward()
+    for optim in [*per_param.values(), *halves]:
+        optim.step()
+    state = {"model": model, "per_param": per_param, "halves": halves}
+    ss.save(state, tmp_path / "c")
+    keys = set(ss.open(tmp_path / "c").keys())
+    for fqn, optim in [*((f"per_param.{n}", o) for n, o in per_param.items()),
+                       *((f"halves.{i}", o) for i, o in enumerate(halves))]:
+        expected = get_optimizer_state_dict(model, optim)["state"]
+        assert {f"{fqn}.state.{p}.{k}" for p, s in expected.items() for k in s} <= keys
+
+    torch.manual_seed(1)
+    fresh = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)))
+    target = {"model": fresh,
+              "per_param": {name: torch.optim.AdamW([p], lr=0.01) for name, p in fresh.named_parameters()},
+              "halves": [torch.optim.SGD(list(fresh[0].parameters()), lr=0.1, momentum=0.9),
+                         torch.optim.Adam(list(fresh[1].parameters()))]}
+    ss.load(target, tmp_path / "c")
+    for mine, theirs in zip([*per_param.values(), *halves], [*target["per_param"].values(), *target["halves"]]):
+        assert _same(_state_bytes(mine), _state_bytes(theirs))

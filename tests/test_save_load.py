@@ -15,6 +15,7 @@ import torch.nn as nn
 
 import statesnap as ss
 from statesnap.format import plaindata
+from statesnap.state.owners import OwnerFinder
 from dist_utils import run_ranks
 
 
@@ -179,14 +180,12 @@ def test_optimizers_over_modules_in_lists_are_keyed_by_their_names(tmp_path):
     state is now keyed by those names, as for modules in dicts (it was kept by position, which
     cannot reshard), so a fresh optimizer takes it and training continues bit for bit. A
     checkpoint that kept such state by position still loads, into a fresh optimizer too."""
-    from statesnap.state import flatten
-
     enc, dec, optim = _encoder_decoder(0)
     _step(enc, dec, optim, 1)
     ss.save({"models": [enc, dec], "optim": optim}, tmp_path / "shared")
     assert "optim.state.models.0.weight.exp_avg" in ss.open(tmp_path / "shared").keys()
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(flatten._Walker, "_owner_of", lambda self, optim: None)  # what the old save did
+        m.setattr(OwnerFinder, "owner_of", lambda self, optim: None)  # what the old save did
         ss.save({"models": [enc, dec], "optim": optim}, tmp_path / "positional")
     saved_enc = {k: v.clone() for k, v in enc.state_dict().items()}
     per_module = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (enc, dec)]
@@ -227,12 +226,10 @@ def test_modules_under_digit_keys_share_an_optimizer(tmp_path):
 def test_a_positional_checkpoint_of_such_an_optimizer_still_loads(tmp_path, monkeypatch):
     """Before the state was named, an optimizer over several modules was saved by position: such
     a checkpoint still loads into an optimizer that has stepped, as it did."""
-    from statesnap.state import flatten
-
     enc, dec, optim = _encoder_decoder(0)
     _step(enc, dec, optim, 1)
     with monkeypatch.context() as m:
-        m.setattr(flatten._Walker, "_owner_of", lambda self, optim: None)  # what the old save did
+        m.setattr(OwnerFinder, "owner_of", lambda self, optim: None)  # what the old save did
         ss.save({"enc": enc, "dec": dec, "optim": optim}, tmp_path / "c")
     assert "optim.state.0.exp_avg" in ss.open(tmp_path / "c").keys()
     enc2, dec2, optim2 = _encoder_decoder(7)
@@ -275,10 +272,8 @@ def test_parameters_held_beside_the_modules_name_the_optimizer_state_too(tmp_pat
     ss.load({"model": model2, "extra": {"temperature": temperature2}, "optim": optim2}, tmp_path / "c")
     for a, b in zip([*model.parameters(), temperature], [*model2.parameters(), temperature2]):
         assert all(torch.equal(optim.state[a][k], optim2.state[b][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
-    from statesnap.state import flatten
-
     with monkeypatch.context() as m:
-        m.setattr(flatten._Walker, "_owner_of", lambda self, optim: None)  # what the old save did
+        m.setattr(OwnerFinder, "owner_of", lambda self, optim: None)  # what the old save did
         ss.save(state, tmp_path / "old")
     assert "optim.state.4.exp_avg" in ss.open(tmp_path / "old").keys()
     model3, temperature3, optim3 = _with_temperature(2, reverse=False)
@@ -310,8 +305,6 @@ def test_a_positional_checkpoint_of_parameters_under_digit_keys_still_loads_by_p
     """``{0: p0, 1: p1}``: named now, a parameter is "0", which an older checkpoint kept by
     position also writes (``optim.state.0``, meaning the optimizer's first parameter). The stored
     param groups tell them apart: positions are integers there, names strings."""
-    from statesnap.state import flatten
-
     torch.manual_seed(0)
     p0, p1 = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4))
     optim = torch.optim.Adam([p1, p0], lr=0.1)  # the first parameter is p1
@@ -320,7 +313,7 @@ def test_a_positional_checkpoint_of_parameters_under_digit_keys_still_loads_by_p
         (p0.square().sum() + 10 * p1.sum()).backward()
         optim.step()
     with monkeypatch.context() as m:
-        m.setattr(flatten._Walker, "_owner_of", lambda self, optim: None)  # what the old save did
+        m.setattr(OwnerFinder, "owner_of", lambda self, optim: None)  # what the old save did
         ss.save({0: p0, 1: p1, "optim": optim}, tmp_path / "old")
     ss.save({0: p0, 1: p1, "optim": optim}, tmp_path / "new")
     for name in ("old", "new"):

@@ -31,6 +31,7 @@ from .optim_state import (
     create_adam_state, create_state_from_checkpoint, group_members, load_optimizer_state, positional_holder,
     state_dict_by_a_step, state_dict_without_step, stored_param_names, stored_state_differs, with_members,
 )
+from .owners import Container, OwnerFinder
 from .placement import dtensor_box, has_replicate, is_dtensor
 from .reuse import ProviderCache
 from .wrappers import PerRank, Replicated, Sharded
@@ -141,6 +142,7 @@ class _Walker:
         try:
             self.state = state
             self.named_modules = list(_named_in_state(state))
+            self.owners = OwnerFinder(self.named_modules, lambda: _named_in_state(state, kind=torch.Tensor))
             self.modules = [module for _, module in self.named_modules]
             # what cached items were built from: the state's modules, under their names (those of
             # an optimizer whose parameters several modules hold are the keys of the state)
@@ -325,7 +327,7 @@ class _Walker:
             self._refuse_other_groups(fqn, optim)
         if self.fresh is not None and not optim.state:
             self.fresh.append((optim, {}))
-        model = self._owner_of(optim)
+        model = self.owners.owner_of(optim)
         if model is not None and self.for_load and self._saved_by_position(fqn, model):
             model = None  # saved by position, as statesnap did before it named such optimizers' state
         state_to_fill = self.for_load and self.stored.has_prefix(join(fqn, "state") + SEP)
@@ -366,7 +368,7 @@ class _Walker:
         if self.for_load:
             self.out.finalizers.append(lambda: load_optimizer_state(model, optim, with_members(sd, held)))
         elif self.cache is not None:
-            owners = model.gathered if isinstance(model, _Container) and model.gathered else (model,)
+            owners = model.gathered if isinstance(model, Container) and model.gathered else (model,)
             self.cache.store_optimizer(fqn, optim, owners, sd, self.out.tensors[first_tensor:],
                                        self.out.objects[first_object:], join, self.context)
 
@@ -468,33 +470,6 @@ class _Walker:
         if any(self.stored.has_prefix(join(state, name) + SEP) for name, _ in owner.named_parameters()):
             return False
         return not any(self.stored.has_prefix(join(state, name) + SEP) for name in model_state_dict(owner))
-
-    def _owner_of(self, optim: torch.optim.Optimizer) -> nn.Module | None:
-        """The module of the state whose parameter names key the optimizer's state: one that
-        holds all its parameters, else the modules of the state that hold them together (an
-        encoder and a decoder under their own keys), under their names in the state."""
-        wanted = {id(p) for group in optim.param_groups for p in group["params"]}
-        held = []
-        for fqn, module in self.named_modules:
-            mine = {id(p) for p in module.parameters()}
-            if wanted <= mine:
-                return module
-            if not wanted.isdisjoint(mine):
-                held.append((fqn, module))
-        covered = {id(p) for _, module in held for p in module.parameters()}
-        if wanted <= covered:
-            return _container(held)
-        # Parameters held in the state itself (a learned temperature beside the model, a list of
-        # tensors): named as the state names them, not by their positions in the optimizer, which
-        # a run that lists them in another order would have given each other's state.
-        loose = {}
-        for fqn, t in _named_in_state(self.state, kind=torch.Tensor):
-            if id(t) in wanted and id(t) not in covered:
-                loose.setdefault(id(t), (fqn, t))
-        if wanted <= covered | loose.keys():
-            return _container(held, list(loose.values()))
-        return None
-
 
 _SCALARS = {int, float, str, bool, type(None)}
 
@@ -757,45 +732,6 @@ def _named_in_state(state: dict | list | tuple, prefix: str = "", kind: type = n
             yield join(prefix, key), value
         elif isinstance(value, (dict, list, tuple)) and value:
             yield from _named_in_state(value, join(prefix, key), kind)
-
-
-class _Container(nn.Module):
-    """Modules of the state, gathered under their names in it (``_container``). ``gathered``:
-    those modules, where it holds nothing else, which the reuse of an optimizer's items depends
-    on (reuse.py): the container itself is made anew at each save."""
-
-    gathered: tuple = ()
-
-
-def _container(named: list[tuple[str, nn.Module]], tensors: list[tuple[str, torch.Tensor]] = ()) -> nn.Module | None:
-    """One module holding ``named`` modules and ``tensors`` under their names in the state
-    (``enc``, ``models.dec``, ``extra.temperature``), so that ``named_parameters`` names a
-    parameter as the state does; None if a name cannot be a module path (an empty part, one that
-    is an attribute of nn.Module, or one given twice)."""
-    root = _Container()
-    made = {id(root)}  # the modules made here, the only ones a path may go through: the state's own are not changed
-    try:
-        for fqn, member in [*named, *tensors]:
-            parent, (*path, last) = root, fqn.split(SEP)
-            for part in path:
-                if part not in parent._modules:
-                    parent.add_module(part, nn.Module())
-                    made.add(id(parent._modules[part]))
-                parent = parent._modules[part]
-                if id(parent) not in made:  # (a name that runs through a module of the state: "model.extra")
-                    return None
-            if last in parent._modules or last in parent._parameters:
-                return None
-            if isinstance(member, nn.Module):
-                parent.add_module(last, member)
-            elif not last or hasattr(parent, last):
-                return None
-            else:  # (a tensor that requires grad, not only an nn.Parameter, as an optimizer takes it)
-                parent._parameters[last] = member
-    except (KeyError, TypeError):  # add_module's refusals
-        return None
-    root.gathered = () if tensors else tuple(module for _, module in named)
-    return root
 
 
 def flatten_for_save(state: dict, cache: ProviderCache | None = None) -> Flattened:
