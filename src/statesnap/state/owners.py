@@ -28,6 +28,7 @@ class OwnerFinder:
         self._named_tensors = named_tensors  # the tensors of the state outside its modules, by name
         self._params: dict[int, frozenset] = {}  # module id -> ids of its parameters
         self._names: dict[int, dict[int, list[str]]] = {}  # module id -> parameter id -> its names
+        self._renamed: dict[int, bool] = {}  # module id -> renamed_by_helper
 
     def owner_of(self, optim: torch.optim.Optimizer) -> nn.Module | None:
         """The module of the state whose parameter names key the optimizer's state: one that
@@ -67,7 +68,11 @@ class OwnerFinder:
         only those under the names ``module`` gives them (the same names in the state dict). Not
         where a wrapper renames them, a parameter has two names (tied), or is a DTensor: there the
         helper's names are left to the helper."""
-        if 2 * len(params) >= held or renamed_by_helper(module) or any(is_dtensor(p) for p in params):
+        if 2 * len(params) >= held or any(is_dtensor(p) for p in params):
+            return module
+        if id(module) not in self._renamed:  # (it walks every submodule)
+            self._renamed[id(module)] = renamed_by_helper(module)
+        if self._renamed[id(module)]:
             return module
         if id(module) not in self._names:
             names: dict[int, list[str]] = {}
