@@ -681,3 +681,44 @@ def test_an_optimizer_left_out_of_the_state_stepped_in_on_commit_does_not_hang(t
         warnings.simplefilter("ignore", RuntimeWarning)
         threading.Thread(target=run, daemon=True).start()
         assert done.wait(60)
+
+
+def test_a_fused_step_in_on_commit_drops_the_checkpoints_it_writes_under(tmp_path, monkeypatch):
+    """A step in on_commit cannot wait (the copy may wait for the memory of the snapshot
+    committing), and a fused step moves no version counter: the snapshots it would write under
+    are dropped, where they committed the teacher's weights of after their save()."""
+    real = pipeline.copy_into
+    monkeypatch.setattr(pipeline, "copy_into", lambda *a, **k: (time.sleep(0.02), real(*a, **k))[1])
+    torch.manual_seed(0)
+    model, teacher = nn.Linear(128, 128), nn.Linear(128, 128)
+    teacher_optim = torch.optim.Adam(teacher.parameters(), lr=0.1, fused=True)
+    for p in teacher.parameters():
+        p.grad = torch.randn_like(p)
+    state = {"model": model, "teacher": teacher}
+    mutex = threading.Lock()
+
+    def on_commit(record):
+        with mutex:
+            teacher_optim.step()
+    ckpt = ss.Checkpointer(tmp_path, eager_copy_mb=0, max_in_flight=2, keep_last=100, on_error="warn",
+                           on_commit=on_commit)
+    refs, handles = {}, {}
+    for step in range(1, 7):
+        ckpt._wait_for_slot(step)  # (outside the mutex: the slot waits for on_commit's return)
+        with mutex:  # (no step in on_commit between the reference and save())
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            refs[step] = reference(state)
+            handles[step] = ckpt.save(step, state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ckpt.close()
+    committed = 0
+    for step, handle in handles.items():
+        try:
+            path = handle.durable.result(0)
+        except ss.ConsistencyError:
+            continue
+        assert_checkpoint_equals(path, refs[step])
+        committed += 1
+    assert committed >= 1

@@ -296,6 +296,16 @@ _guards_lock = threading.Lock()
 _installed = False
 
 
+def _forget_guards_in_child() -> None:
+    """A forked child's optimizers are its own: the parent's guards (and their lock, which another
+    thread may have held at the fork: every step of the child hung on it) are not."""
+    global _guards, _guards_lock
+    _guards, _guards_lock = weakref.WeakSet(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_guards_in_child)
+
+
 def _install_global_hook() -> None:
     global _installed
     with _guards_lock:

@@ -25,7 +25,7 @@ from ..engine.load import CAST_HINT
 from ..engine.replicas import limit_bytes, object_digests
 from ..engine.save import encode_objects, per_rank_names, plan_by_owners, shared_names
 from ..engine.write import default_threads
-from ..errors import CheckpointError, StateMismatchError, explained
+from ..errors import CheckpointError, ConsistencyError, StateMismatchError, explained
 from ..monitor.events import EventLog, now
 from ..state.optim_state import create_adam_state
 from ..storage import backend_for, is_url, normalize
@@ -644,13 +644,19 @@ class Checkpointer:
 
     def _copying(self, storages: set[int]) -> bool:
         """Whether a snapshot in flight still copies a tensor that lies in one of ``storages``.
-        Not for a step in ``on_commit``: the next snapshot's copy may wait for the space of the
-        one committing (it is left to the version check, as in any writer there)."""
-        if getattr(self._in_on_commit, "step", None) is not None:
-            return False
+        A step in ``on_commit`` does not wait (the copy may wait for the memory of the snapshot
+        committing: a hang): the snapshots it would write under are dropped instead, since a fused
+        step moves no version counter that a check could find."""
         with self._lock:
             pending = [snap for snap in self._inflight if snap.copied is not None and not snap.copied.done()]
-        return any(not snap.storage_bases().isdisjoint(storages) for snap in pending)
+        under = [snap for snap in pending if not snap.storage_bases().isdisjoint(storages)]
+        if under and getattr(self._in_on_commit, "step", None) is not None:
+            for snap in under:
+                snap.fail(ConsistencyError(f"checkpoint of step {snap.step}: an optimizer stepped in on_commit "
+                                           "changed its tensors before their copy was done, so it was dropped; "
+                                           "step optimizers in the training loop, not in on_commit"))
+            return False
+        return bool(under)
 
     def _copies_done(self, snap: Snapshot) -> None:
         if not snap.persist and not snap.local:
