@@ -590,14 +590,15 @@ def test_a_forked_child_is_told_the_checkpointer_is_the_parents(tmp_path, monkey
 
 def test_on_commit_may_not_wait_for_its_own_commit(tmp_path, caplog):
     """It runs on the thread committing a checkpoint: a save there would wait for that commit
-    (with a training thread growing the arena meanwhile, forever), as would a restore, close()
-    or removing that step. They are refused, and logged; removing another step works."""
+    (with a training thread growing the arena meanwhile, forever), as would a restore, close(),
+    removing that step, or wait_staged() (the next snapshot's copy may wait for the memory of the
+    one committing). They are refused, and logged; removing another step works."""
     ckpt = None
     refused = []
 
     def on_commit(record):
         for call in (lambda: ckpt.load_latest({"t": torch.zeros(2)}), lambda: ckpt.remove(record.step),
-                     ckpt.close):
+                     ckpt.close, ckpt.wait_staged):
             with pytest.raises(ss.CheckpointError, match="was called from on_commit"):
                 call()
         if record.step == 2:

@@ -283,6 +283,7 @@ class Checkpointer:
         """Block until every snapshot in flight is in host memory (for loops without an optimizer
         step, or before changing tensors in place outside the optimizer)."""
         self._check_open()
+        self._refuse_in_on_commit("wait_staged()")  # (the next copy may wait for the committing snapshot's memory)
         with self._lock:
             inflight = list(self._inflight)
         for snap in inflight:
