@@ -317,6 +317,8 @@ def _install_global_hook() -> None:
 @torch.compiler.disable  # (it waits on threads: nothing a graph holds)
 def _before_any_step(optim: torch.optim.Optimizer, args, kwargs):
     """Every torch optimizer's step, before it: each open Checkpointer holds it back as it must."""
+    if not _guards:  # (every Checkpointer closed: each step of the process passes here)
+        return None
     changed = False
     with _guards_lock:  # (a Checkpointer opened or closed on another thread changes the set)
         guards = list(_guards)
@@ -432,7 +434,10 @@ class StepGuard:
         key = (len(optim.param_groups), sum(len(g["params"]) for g in optim.param_groups), len(optim.state))
         known = self._others.get(id(optim))
         if known is None or known[0]() is not optim or known[1] != key:
-            known = self._others[id(optim)] = (weakref.ref(optim), key, optimizer_storages(optim))
+            # (dropped with the optimizer: a process making optimizer after optimizer kept them all)
+            forget = functools.partial(self._others.pop, id(optim), None)
+            known = self._others[id(optim)] = (weakref.ref(optim, lambda _: forget()), key,
+                                               optimizer_storages(optim))
         return known[2]
 
     def _hook(self, optim, args, kwargs):

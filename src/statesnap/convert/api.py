@@ -183,19 +183,6 @@ def _refuse_overlap(src: str, dst: str, verb: str) -> None:
                               "destination apart from the source")
 
 
-# Plain values an export format cannot give back, by format: DCP's flattening drops empty dicts
-# ({} is lost, [{}, t] comes back as [None, t], or fails). torch.save pickles b"" as a call of
-# ``bytes``, which torch.load(weights_only=True) refuses: one such value anywhere in the file and
-# the whole file no longer loads as the export promises.
-# DCP's flattening also walks every dict and list of dicts and names their items by ``str(key)``:
-# ``[{1: "a"}]`` came back ``[{"1": "a"}]`` (it keeps a tuple whole, and what is in it).
-_LOST = {"dcp": ((lambda v: _holds(v, lambda x: isinstance(x, dict) and not x), "DCP drops empty dicts"),
-                 (lambda v: _keys_made_strings(v), "DCP turns its dict keys that are not strings into strings; "
-                                                   "export to torch to keep them")),
-         "torch": ((lambda v: _holds(v, lambda x: isinstance(x, bytes) and not x),
-                    "holds b'', which torch.load(weights_only=True) refuses"),)}
-
-
 def _utf8(name: str) -> bool:
     """Whether ``name`` is text UTF-8 can write (a name from ``os.fsdecode`` may hold a lone
     surrogate, which statesnap's manifest keeps and a safetensors header cannot)."""
@@ -221,6 +208,19 @@ def _keys_made_strings(value: Any) -> bool:
     if isinstance(value, dict):
         return any(type(key) is not str for key in value) or any(map(_keys_made_strings, value.values()))
     return isinstance(value, list) and any(map(_keys_made_strings, value))
+
+
+# Plain values an export format cannot give back, by format: DCP's flattening drops empty dicts
+# ({} is lost, [{}, t] comes back as [None, t], or fails), and names the items of every dict it
+# walks (through dicts and lists) by ``str(key)`` (``[{1: "a"}]`` came back ``[{"1": "a"}]``; it keeps
+# a tuple whole, and what is in it). torch.save pickles b"" as a call of ``bytes``, which
+# torch.load(weights_only=True) refuses: one such value anywhere in the file and the whole file no
+# longer loads as the export promises.
+_LOST = {"dcp": ((lambda v: _holds(v, lambda x: isinstance(x, dict) and not x), "DCP drops empty dicts"),
+                 (_keys_made_strings, "DCP turns its dict keys that are not strings into strings; "
+                                      "export to torch to keep them")),
+         "torch": ((lambda v: _holds(v, lambda x: isinstance(x, bytes) and not x),
+                    "holds b'', which torch.load(weights_only=True) refuses"),)}
 
 
 def checkpoint_values(reader: Reader) -> tuple[dict[str, Any], list[str]]:
